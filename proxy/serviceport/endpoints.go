@@ -1,0 +1,93 @@
+package serviceport
+
+import (
+	"errors"
+	"fmt"
+	"net/netip"
+	"sort"
+
+	discovery "k8s.io/api/discovery/v1"
+	"k8s.io/apimachinery/pkg/types"
+)
+
+// SliceServiceName returns the service an EndpointSlice belongs to, from its
+// kubernetes.io/service-name label; ok is false when the label is missing.
+func SliceServiceName(s *discovery.EndpointSlice) (types.NamespacedName, bool) {
+	name := s.Labels[discovery.LabelServiceName]
+	if name == "" {
+		return types.NamespacedName{}, false
+	}
+	return types.NamespacedName{Namespace: s.Namespace, Name: name}, true
+}
+
+// EndpointsFromSlices merges the EndpointSlices of one service into Endpoints per port name.
+// Slices of address type FQDN are ignored. An endpoint listed in several slices appears once
+// (the first ready copy wins). Invalid fields are left out and reported together in the error.
+// Each port's list is sorted by address so equal inputs give equal outputs.
+func EndpointsFromSlices(svc types.NamespacedName, slices []*discovery.EndpointSlice) (map[string][]Endpoint, error) {
+	var errs []error
+	out := map[string][]Endpoint{}
+	index := map[string]map[netip.AddrPort]int{}
+	for _, s := range slices {
+		if s == nil || s.AddressType == discovery.AddressTypeFQDN {
+			continue
+		}
+		obj := "EndpointSlice " + s.Namespace + "/" + s.Name
+		bad := func(field, format string, args ...any) {
+			errs = append(errs, &FieldError{Object: obj, Field: field, Detail: fmt.Sprintf(format, args...)})
+		}
+		for pi, p := range s.Ports {
+			if p.Port == nil {
+				bad(fmt.Sprintf("ports[%d].port", pi), "missing")
+				continue
+			}
+			if *p.Port < 1 || *p.Port > 65535 {
+				bad(fmt.Sprintf("ports[%d].port", pi), "%d out of range 1..65535", *p.Port)
+				continue
+			}
+			portName := ""
+			if p.Name != nil {
+				portName = *p.Name
+			}
+			if index[portName] == nil {
+				index[portName] = map[netip.AddrPort]int{}
+			}
+			for ei, e := range s.Endpoints {
+				ready := e.Conditions.Ready == nil || *e.Conditions.Ready
+				serving := ready
+				if e.Conditions.Serving != nil {
+					serving = *e.Conditions.Serving
+				}
+				terminating := e.Conditions.Terminating != nil && *e.Conditions.Terminating
+				node := ""
+				if e.NodeName != nil {
+					node = *e.NodeName
+				}
+				for ai, a := range e.Addresses {
+					ip, err := netip.ParseAddr(a)
+					if err != nil {
+						if pi == 0 {
+							bad(fmt.Sprintf("endpoints[%d].addresses[%d]", ei, ai), "invalid IP %q", a)
+						}
+						continue
+					}
+					ap := netip.AddrPortFrom(ip.Unmap(), uint16(*p.Port))
+					ep := Endpoint{Addr: ap, Ready: ready, Serving: serving, Terminating: terminating, NodeName: node}
+					if i, dup := index[portName][ap]; dup {
+						if !out[portName][i].Ready && ready {
+							out[portName][i] = ep
+						}
+						continue
+					}
+					index[portName][ap] = len(out[portName])
+					out[portName] = append(out[portName], ep)
+				}
+			}
+		}
+	}
+	for _, eps := range out {
+		sort.Slice(eps, func(i, j int) bool { return eps[i].Addr.Compare(eps[j].Addr) < 0 })
+	}
+	_ = svc
+	return out, errors.Join(errs...)
+}

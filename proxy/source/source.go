@@ -1,0 +1,22 @@
+// Package source defines what a source of Services and EndpointSlices delivers to the proxy.
+//
+// Two sources implement it: package kubeapi (client-go informers on a real API server) and
+// package manifests (a directory of YAML/JSON manifests). Both call a Handler with every change
+// they see, in order, from one goroutine at a time.
+package source
+
+import (
+	v1 "k8s.io/api/core/v1"
+	discovery "k8s.io/api/discovery/v1"
+)
+
+// Handler receives the changes a source sees. prev is nil for an add, cur is nil for a delete.
+// Calls are made from one goroutine at a time; a Handler must not block for long (it records the
+// change and returns; the proxy applies changes in its own sync loop). Objects passed in are
+// owned by the source and must not be modified.
+type Handler interface {
+	OnServiceUpdate(prev, cur *v1.Service)
+	OnEndpointSliceUpdate(prev, cur *discovery.EndpointSlice)
+	// OnSynced is called once, after the source has delivered its complete initial state.
+	OnSynced()
+}
