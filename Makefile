@@ -1,0 +1,48 @@
+# kube-userspace-proxy — see README.md.
+#   make example   run the bundled example (no cluster, no root)
+#   make test      install what the tests need, then run every test (root; network namespaces)
+
+GO        ?= go
+BIN       ?= bin
+VERSION   ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo dev)
+COMMIT    ?= $(shell git rev-parse --short HEAD 2>/dev/null || echo unknown)
+LDFLAGS   := -X github.com/kube-userspace-proxy/kube-userspace-proxy/cmd/kube-userspace-proxy/app.Version=$(VERSION) \
+             -X github.com/kube-userspace-proxy/kube-userspace-proxy/cmd/kube-userspace-proxy/app.Commit=$(COMMIT)
+TEST_TIMEOUT ?= 45m
+
+.PHONY: all build example deps test unit vet fmt-check bench-go clean
+
+all: build
+
+build:
+	$(GO) build -ldflags "$(LDFLAGS)" -o $(BIN)/kube-userspace-proxy ./cmd/kube-userspace-proxy
+	$(GO) build -o $(BIN)/kup-echo ./cmd/kup-echo
+
+example: build
+	BIN=$(BIN) ./examples/run.sh
+
+deps:
+	./hack/install-deps.sh
+
+vet:
+	$(GO) vet ./...
+
+fmt-check:
+	@out=$$(gofmt -l $$(git ls-files '*.go')); if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
+
+# The whole suite: unit tests, loopback integration tests, and the end-to-end tests in network
+# namespaces against a real kube-apiserver + etcd (built once by test-bins, then cached).
+test: deps test-bins fmt-check vet
+	$(GO) test -race -count=1 -timeout $(TEST_TIMEOUT) ./...
+
+# Unit and loopback tests only (no control plane).
+unit:
+	$(GO) test -race -count=1 $$(go list ./... | grep -v /test/)
+
+bench-go:
+	$(GO) test -run '^$$' -bench . -benchmem ./loadbalancer/ ./proxy/...
+
+clean:
+	rm -rf $(BIN)
+
+-include test/cluster.mk
