@@ -1,0 +1,109 @@
+package iptables
+
+import (
+	"errors"
+	"slices"
+	"strings"
+	"testing"
+)
+
+func TestSplitRule(t *testing.T) {
+	tests := []struct {
+		name    string
+		line    string
+		want    []string
+		wantErr bool
+	}{
+		{name: "plain", line: "-A INPUT -p tcp -j ACCEPT", want: []string{"-A", "INPUT", "-p", "tcp", "-j", "ACCEPT"}},
+		{name: "quoted comment with spaces", line: `-A PREROUTING -m comment --comment "handle ClusterIPs; NOTE: first" -j KUBE-X`,
+			want: []string{"-A", "PREROUTING", "-m", "comment", "--comment", "handle ClusterIPs; NOTE: first", "-j", "KUBE-X"}},
+		{name: "escaped quote and backslash", line: `-A X --comment "a \"b\" \\c"`, want: []string{"-A", "X", "--comment", `a "b" \c`}},
+		{name: "empty quoted", line: `-A X --comment ""`, want: []string{"-A", "X", "--comment", ""}},
+		{name: "extra spaces", line: "  -A   X  ", want: []string{"-A", "X"}},
+		{name: "unterminated quote", line: `-A X --comment "abc`, wantErr: true},
+		{name: "trailing backslash", line: `-A X --comment "abc\`, wantErr: true},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			got, err := SplitRule(tc.line)
+			if (err != nil) != tc.wantErr {
+				t.Fatalf("SplitRule(%q) error = %v, want error %v", tc.line, err, tc.wantErr)
+			}
+			if !tc.wantErr && !slices.Equal(got, tc.want) {
+				t.Errorf("SplitRule(%q) = %q, want %q", tc.line, got, tc.want)
+			}
+		})
+	}
+}
+
+func TestQuoteRoundTrip(t *testing.T) {
+	tests := []struct{ name, in, quoted string }{
+		{name: "service name", in: "default/my-nginx:http", quoted: `"default/my-nginx:http"`},
+		{name: "spaces", in: "a b", quoted: `"a b"`},
+		{name: "quote", in: `a"b`, quoted: `"a\"b"`},
+		{name: "backslash", in: `a\b`, quoted: `"a\\b"`},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			q := Quote(tc.in)
+			if q != tc.quoted {
+				t.Errorf("Quote(%q) = %s, want %s", tc.in, q, tc.quoted)
+			}
+			args, err := SplitRule("--comment " + q)
+			if err != nil || len(args) != 2 || args[1] != tc.in {
+				t.Errorf("SplitRule(Quote(%q)) = %q, %v", tc.in, args, err)
+			}
+		})
+	}
+	if got := Quote("a\nb"); got != `"a b"` {
+		t.Errorf("Quote with newline = %s, want %q", got, `"a b"`)
+	}
+}
+
+func TestFailedLine(t *testing.T) {
+	tests := []struct {
+		name   string
+		stderr string
+		want   int
+	}{
+		{name: "nft parse error", stderr: "iptables-nft-restore v1.8.9 (nf_tables): unknown option \"--foo\"\nError occurred at line: 3\nTry `iptables-nft-restore -h'", want: 3},
+		{name: "commit error", stderr: "iptables-nft-restore: line 12 failed: No chain/target/match by that name.", want: 12},
+		{name: "legacy commit error", stderr: "iptables-restore: line 7 failed", want: 7},
+		{name: "no line", stderr: "Another app is currently holding the xtables lock.", want: 0},
+		{name: "word line without number", stderr: "bad line here; line 4 failed", want: 4},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			if got := failedLine(tc.stderr); got != tc.want {
+				t.Errorf("failedLine(%q) = %d, want %d", tc.stderr, got, tc.want)
+			}
+		})
+	}
+}
+
+func TestLineOf(t *testing.T) {
+	payload := []byte(":A - [0:0]\n-A A -j RETURN\n")
+	tests := []struct {
+		n    int
+		want string
+	}{{1, "*nat"}, {2, ":A - [0:0]"}, {3, "-A A -j RETURN"}, {4, "COMMIT"}}
+	for _, tc := range tests {
+		if got := lineOf(tc.n, "*nat\n", payload, "COMMIT\n"); got != tc.want {
+			t.Errorf("lineOf(%d) = %q, want %q", tc.n, got, tc.want)
+		}
+	}
+}
+
+func TestCommandErrorMessage(t *testing.T) {
+	inner := errors.New("exit status 2")
+	e := &CommandError{Command: "iptables-nft-restore", Table: "nat", Stderr: "unknown option", Line: 3, LineText: "-A X --foo", Err: inner}
+	msg := e.Error()
+	for _, want := range []string{"iptables-nft-restore", "table nat", "unknown option", "line 3", "-A X --foo", "exit status 2"} {
+		if !strings.Contains(msg, want) {
+			t.Errorf("error %q lacks %q", msg, want)
+		}
+	}
+	if !errors.Is(e, inner) {
+		t.Errorf("errors.Is(CommandError, inner) = false")
+	}
+}
