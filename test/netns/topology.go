@@ -1,0 +1,291 @@
+package netns
+
+import (
+	"context"
+	"fmt"
+	"net/netip"
+	"strconv"
+	"sync"
+	"testing"
+)
+
+// The addressing plan. It exists only inside the test's namespaces.
+var (
+	bridgeSubnet  = netip.MustParsePrefix("10.0.0.0/24") // nodes and hosts, on the bridge
+	bridgeGateway = netip.MustParseAddr("10.0.0.1")      // the network namespace's bridge address
+	clusterCIDR   = netip.MustParsePrefix("10.244.0.0/16")
+)
+
+const (
+	bridgeName = "br0"
+	// maxNodes and maxPods follow from the plan: one /24 of 10.244.0.0/16 per node, .1 is the
+	// node's side of every pod veth.
+	maxNodes = 254
+	maxPods  = 253
+)
+
+// Network is a small cluster network made of namespaces:
+//
+//   - a "network" namespace holding bridge br0 with address 10.0.0.1/24, forwarding between its
+//     ports and routing every node's pod subnet to that node;
+//   - hosts (see [Network.AddHost]) and nodes (see [Network.AddNode]): namespaces with an eth0 on
+//     the bridge, addresses 10.0.0.2, 10.0.0.3, … in creation order, default route via 10.0.0.1;
+//   - nodes additionally forward (ip_forward=1) and get pod subnet 10.244.<k>.0/24, k = 1, 2, …;
+//     every other node has a route to it via the node's address;
+//   - pods (see [Network.AddPod]): namespaces with an eth0 whose peer sits in their node, pod
+//     address 10.244.<k>.2, .3, … /32, default route via 10.244.<k>.1 (the address of the node's
+//     side of every pod veth), and a /32 route on the node.
+//
+// So every pod reaches every pod and node directly, and hosts reach pods through the network
+// namespace. Methods may be called from several goroutines; topology changes are serialised.
+type Network struct {
+	// NS is the network namespace holding the bridge.
+	NS *NS
+
+	mu       sync.Mutex // guards following fields
+	lastHost int        // last octet given out on the bridge
+	nodes    []*Node
+}
+
+// Host is a namespace attached to the network's bridge: an outside client, a control plane, or
+// the base of a [Node].
+type Host struct {
+	*NS
+	// IP is the host's address on the bridge (interface eth0).
+	IP netip.Addr
+}
+
+// Node is a host that carries pods.
+type Node struct {
+	Host
+	// PodCIDR is the node's pod subnet.
+	PodCIDR netip.Prefix
+
+	mu      sync.Mutex // guards lastPod
+	lastPod int        // last octet given out in PodCIDR
+}
+
+// Pod is a namespace attached to a node by a veth pair (eth0 in the pod).
+type Pod struct {
+	*NS
+	// IP is the pod's address, from its node's PodCIDR.
+	IP netip.Addr
+	// Node is the node the pod is attached to.
+	Node *Node
+}
+
+// NewNetwork creates the network namespace kup-<name>-<random> with its bridge. Everything is
+// deleted in t.Cleanup. It fails the test on error.
+func NewNetwork(t testing.TB, name string) *Network {
+	t.Helper()
+	n := &Network{NS: New(t, name), lastHost: 1}
+	ctx, cancel := context.WithTimeout(context.Background(), cleanupTimeout)
+	defer cancel()
+	steps := [][]string{
+		{"link", "add", bridgeName, "type", "bridge"},
+		{"addr", "add", prefixOf(bridgeGateway, bridgeSubnet), "dev", bridgeName},
+		{"link", "set", bridgeName, "up"},
+	}
+	if err := n.NS.ipSteps(ctx, steps); err != nil {
+		t.Fatalf("netns: create network %s: %v", n.NS.name, err)
+	}
+	for _, kv := range [][2]string{
+		{"net.ipv4.ip_forward", "1"},
+		// Hosts reach pods through us and the replies go straight back over the bridge: do
+		// not tell them about the shorter path.
+		{"net.ipv4.conf.all.send_redirects", "0"},
+		{"net.ipv4.conf." + bridgeName + ".send_redirects", "0"},
+	} {
+		if err := n.NS.SetSysctl(kv[0], kv[1]); err != nil {
+			t.Fatalf("netns: create network %s: %v", n.NS.name, err)
+		}
+	}
+	return n
+}
+
+// Gateway returns the network namespace's address on the bridge, the default gateway of hosts
+// and nodes.
+func (n *Network) Gateway() netip.Addr { return bridgeGateway }
+
+// Subnet returns the bridge subnet, which holds the addresses of hosts and nodes.
+func (n *Network) Subnet() netip.Prefix { return bridgeSubnet }
+
+// ClusterCIDR returns the prefix all pod subnets are taken from (kube-proxy's --cluster-cidr).
+func (n *Network) ClusterCIDR() netip.Prefix { return clusterCIDR }
+
+// Nodes returns the nodes added so far, in order.
+func (n *Network) Nodes() []*Node {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	return append([]*Node(nil), n.nodes...)
+}
+
+// AddHost creates a namespace attached to the bridge, with the next address of the bridge
+// subnet on its eth0 and a default route via the network namespace. It fails the test on error.
+func (n *Network) AddHost(t testing.TB, name string) *Host {
+	t.Helper()
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	h, err := n.addHostLocked(t, name)
+	if err != nil {
+		t.Fatalf("netns: add host %s: %v", name, err)
+	}
+	return h
+}
+
+// AddClient is [Network.AddHost] for a client outside the cluster; it exists so that call sites
+// say what the namespace is for.
+func (n *Network) AddClient(t testing.TB, name string) *Host {
+	t.Helper()
+	return n.AddHost(t, name)
+}
+
+func (n *Network) addHostLocked(t testing.TB, name string) (*Host, error) {
+	t.Helper()
+	if n.lastHost+1 >= 255 {
+		return nil, fmt.Errorf("bridge subnet %s is full", bridgeSubnet)
+	}
+	n.lastHost++
+	octet := n.lastHost
+	ip := nthAddr(bridgeSubnet, octet)
+	h := &Host{NS: New(t, name), IP: ip}
+	port := "p" + strconv.Itoa(octet) // the bridge port in the network namespace
+	ctx, cancel := context.WithTimeout(context.Background(), cleanupTimeout)
+	defer cancel()
+	if err := ipCmd(ctx, "link", "add", "eth0", "netns", h.name, "type", "veth", "peer", "name", port, "netns", n.NS.name); err != nil {
+		return nil, err
+	}
+	if err := n.NS.ipSteps(ctx, [][]string{
+		{"link", "set", port, "master", bridgeName},
+		{"link", "set", port, "up"},
+	}); err != nil {
+		return nil, err
+	}
+	if err := h.ipSteps(ctx, [][]string{
+		{"addr", "add", prefixOf(ip, bridgeSubnet), "dev", "eth0"},
+		{"link", "set", "eth0", "up"},
+		{"route", "add", "default", "via", bridgeGateway.String()},
+	}); err != nil {
+		return nil, err
+	}
+	return h, nil
+}
+
+// AddNode creates a node: a host (see [Network.AddHost]) that forwards, owns the next pod subnet,
+// and is routed to by every other node and by the network namespace. It fails the test on
+// error.
+func (n *Network) AddNode(t testing.TB, name string) *Node {
+	t.Helper()
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	node, err := n.addNodeLocked(t, name)
+	if err != nil {
+		t.Fatalf("netns: add node %s: %v", name, err)
+	}
+	return node
+}
+
+func (n *Network) addNodeLocked(t testing.TB, name string) (*Node, error) {
+	t.Helper()
+	if len(n.nodes) >= maxNodes {
+		return nil, fmt.Errorf("cluster CIDR %s is full", clusterCIDR)
+	}
+	h, err := n.addHostLocked(t, name)
+	if err != nil {
+		return nil, err
+	}
+	k := len(n.nodes) + 1
+	base := clusterCIDR.Addr().As4()
+	base[2] = byte(k)
+	node := &Node{Host: *h, PodCIDR: netip.PrefixFrom(netip.AddrFrom4(base), 24), lastPod: 1}
+	if err := node.SetSysctl("net.ipv4.ip_forward", "1"); err != nil {
+		return nil, err
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), cleanupTimeout)
+	defer cancel()
+	// Addresses of the subnet that are no pod's fail fast instead of looping via the gateway.
+	steps := [][]string{{"route", "add", "unreachable", node.PodCIDR.String()}}
+	for _, other := range n.nodes {
+		steps = append(steps, []string{"route", "add", other.PodCIDR.String(), "via", other.IP.String()})
+		if err := other.ipSteps(ctx, [][]string{{"route", "add", node.PodCIDR.String(), "via", node.IP.String()}}); err != nil {
+			return nil, err
+		}
+	}
+	if err := node.ipSteps(ctx, steps); err != nil {
+		return nil, err
+	}
+	if err := n.NS.ipSteps(ctx, [][]string{{"route", "add", node.PodCIDR.String(), "via", node.IP.String()}}); err != nil {
+		return nil, err
+	}
+	n.nodes = append(n.nodes, node)
+	return node, nil
+}
+
+// AddPod creates a pod on node: a namespace whose eth0 is a veth to the node, with the node's
+// next pod address. It fails the test on error.
+func (n *Network) AddPod(t testing.TB, node *Node, name string) *Pod {
+	t.Helper()
+	pod, err := node.addPod(t, name)
+	if err != nil {
+		t.Fatalf("netns: add pod %s on node %s: %v", name, node.name, err)
+	}
+	return pod
+}
+
+func (node *Node) addPod(t testing.TB, name string) (*Pod, error) {
+	t.Helper()
+	node.mu.Lock()
+	defer node.mu.Unlock()
+	if node.lastPod-1 >= maxPods {
+		return nil, fmt.Errorf("pod subnet %s is full", node.PodCIDR)
+	}
+	node.lastPod++
+	octet := node.lastPod
+	pod := &Pod{NS: New(t, name), IP: nthAddr(node.PodCIDR, octet), Node: node}
+	gw := nthAddr(node.PodCIDR, 1)
+	veth := "v" + strconv.Itoa(octet) // the node's side
+	ctx, cancel := context.WithTimeout(context.Background(), cleanupTimeout)
+	defer cancel()
+	if err := ipCmd(ctx, "link", "add", "eth0", "netns", pod.name, "type", "veth", "peer", "name", veth, "netns", node.name); err != nil {
+		return nil, err
+	}
+	if err := node.ipSteps(ctx, [][]string{
+		{"addr", "add", gw.String() + "/32", "dev", veth},
+		{"link", "set", veth, "up"},
+		{"route", "add", pod.IP.String() + "/32", "dev", veth},
+	}); err != nil {
+		return nil, err
+	}
+	if err := pod.ipSteps(ctx, [][]string{
+		{"addr", "add", pod.IP.String() + "/32", "dev", "eth0"},
+		{"link", "set", "eth0", "up"},
+		{"route", "add", gw.String(), "dev", "eth0", "scope", "link"},
+		{"route", "add", "default", "via", gw.String(), "dev", "eth0"},
+	}); err != nil {
+		return nil, err
+	}
+	return pod, nil
+}
+
+// ipSteps runs `ip -n <ns> <step>` for each step, stopping at the first error.
+func (ns *NS) ipSteps(ctx context.Context, steps [][]string) error {
+	for _, s := range steps {
+		if err := ipCmd(ctx, append([]string{"-n", ns.name}, s...)...); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// nthAddr returns the address at offset n from the start of an IPv4 prefix.
+func nthAddr(p netip.Prefix, n int) netip.Addr {
+	a := p.Masked().Addr().As4()
+	v := uint32(a[0])<<24 | uint32(a[1])<<16 | uint32(a[2])<<8 | uint32(a[3])
+	v += uint32(n)
+	return netip.AddrFrom4([4]byte{byte(v >> 24), byte(v >> 16), byte(v >> 8), byte(v)})
+}
+
+// prefixOf formats addr with the length of p ("10.0.0.2/24").
+func prefixOf(addr netip.Addr, p netip.Prefix) string {
+	return netip.PrefixFrom(addr, p.Bits()).String()
+}
