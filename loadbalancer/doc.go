@@ -1,0 +1,50 @@
+// Package loadbalancer decides which endpoint a new TCP connection or UDP flow of a service port
+// goes to.
+//
+// It is pure logic over the proxy's model (package proxy/serviceport): endpoint lists with their
+// EndpointSlice conditions and node names, the service's traffic policies and its ClientIP
+// session affinity. It opens no sockets and writes no rules; time and randomness are injected
+// (Options.Now, Options.Rand), so its behaviour is deterministic in tests.
+//
+// # Selection rule
+//
+// Usable is the one place the rule is written down; the balancer, the portal code and the
+// healthCheckNodePort server all use it:
+//
+//   - Usable endpoints are the ready ones. When none is ready, the endpoints that are serving and
+//     terminating are used instead, so a service whose pods are all shutting down keeps working
+//     until they are gone.
+//   - Traffic subject to a Local policy (external traffic of a service with
+//     externalTrafficPolicy: Local, ClusterIP traffic of a service with internalTrafficPolicy:
+//     Local) only goes to endpoints whose NodeName is this node, with the same ready →
+//     serving-and-terminating fallback among those. External traffic of a service whose only
+//     Local policy is the internal one, and ClusterIP traffic of a service whose only Local
+//     policy is the external one, are not restricted.
+//   - A Local class with no usable local endpoint fails with ErrNoLocalEndpoints when the service
+//     has usable endpoints elsewhere (the proxy drops the traffic), and with ErrNoEndpoints when it
+//     has none at all (the proxy rejects it).
+//
+// # Round robin and affinity
+//
+// RoundRobin keeps, per service port, the endpoints in a random order: the first set is
+// shuffled, later updates keep the surviving endpoints in their order and interleave new ones at
+// random positions, so a rotation stays fair across updates and its position is carried over.
+// Each class of traffic (internal, external) rotates over its own usable list, precomputed when
+// the service port is set; classes with the same rule share one list and one rotation.
+//
+// With ClientIP affinity a client (keyed by its IP address) keeps getting the endpoint it got
+// last, until it has not been used for the service's affinity timeout (measured from the last
+// use, and always against the port's current timeout, so a changed timeout applies at once to
+// existing entries), until that endpoint leaves the service, or until the proxy reports that
+// dialling it failed (Next with resetAffinity). An entry whose endpoint is present but not usable
+// for the traffic's class (for example terminating while ready endpoints exist) is not used.
+// Affinity is kept per service port, and per selection rule within it (a client's choice under a
+// Local rule is kept apart from its choice under the cluster-wide rule).
+//
+// # Concurrency
+//
+// All methods of RoundRobin are safe for concurrent use. Next is the hot path: it takes a read
+// lock to find the port, then works on an immutable snapshot published by SetServicePort; without
+// affinity it does not allocate and takes no exclusive lock. With affinity it takes the port's
+// own mutex. SetServicePort, DeleteServicePort and Sweep are serialised with each other.
+package loadbalancer

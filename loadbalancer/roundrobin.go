@@ -1,0 +1,405 @@
+package loadbalancer
+
+import (
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"net/netip"
+	"slices"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/serviceport"
+)
+
+// Errors returned by Next, wrapped with the operation and the service port; test them with
+// errors.Is.
+var (
+	// ErrUnknownServicePort: the service port was never set, or has been deleted.
+	ErrUnknownServicePort = errors.New("unknown service port")
+	// ErrNoEndpoints: the service port has no usable endpoint at all. The proxy rejects the
+	// traffic (TCP RST, ICMP port unreachable).
+	ErrNoEndpoints = errors.New("no usable endpoints")
+	// ErrNoLocalEndpoints: the traffic is subject to a Local policy and this node has no usable
+	// endpoint, but other nodes do. The proxy drops the traffic.
+	ErrNoLocalEndpoints = errors.New("no usable local endpoints")
+)
+
+// Options configures a RoundRobin. The zero value is usable.
+type Options struct {
+	// NodeName is this node's name, compared with Endpoint.NodeName for Local traffic policies.
+	// Empty means no endpoint is local: Local classes then never have usable endpoints.
+	NodeName string
+	// Now returns the current time, for session affinity. Nil means time.Now.
+	Now func() time.Time
+	// Rand shuffles the endpoints of each service port. Nil means a source seeded at random.
+	// It is used only inside SetServicePort (never concurrently) and must not be used by the
+	// caller after New.
+	Rand *rand.Rand
+}
+
+// RoundRobin picks endpoints for the service ports it has been given, round robin from a random
+// start, with optional ClientIP session affinity. Create it with New. All methods are safe for
+// concurrent use.
+type RoundRobin struct {
+	nodeName string
+	now      func() time.Time
+
+	// writeMu serialises SetServicePort and DeleteServicePort. It guards the following fields,
+	// and every port's order field.
+	writeMu sync.Mutex
+	rand    *rand.Rand
+
+	// mu guards ports (the map, not the ports). Held only for lookups and single inserts or
+	// deletes, never across other work, so that a waiting writer never stalls Next for long.
+	mu    sync.RWMutex
+	ports map[serviceport.Name]*port
+}
+
+// New returns a RoundRobin with no service ports.
+func New(opts Options) *RoundRobin {
+	lb := &RoundRobin{
+		nodeName: opts.NodeName,
+		now:      opts.Now,
+		rand:     opts.Rand,
+		ports:    map[serviceport.Name]*port{},
+	}
+	if lb.now == nil {
+		lb.now = time.Now
+	}
+	if lb.rand == nil {
+		lb.rand = rand.New(rand.NewPCG(rand.Uint64(), rand.Uint64()))
+	}
+	return lb
+}
+
+// Pools: the two selection rules. A traffic class uses one of them.
+const (
+	poolCluster = iota // every node's endpoints
+	poolLocal          // this node's endpoints only
+	numPools
+)
+
+// Traffic classes.
+const (
+	classInternal = iota // ClusterIP traffic: internalTrafficPolicy
+	classExternal        // NodePort, external IP, load-balancer IP traffic: externalTrafficPolicy
+	numClasses
+)
+
+// port is the balancer's state for one service port.
+type port struct {
+	// snap is what Next reads; replaced (never modified) by SetServicePort, under mu.
+	snap atomic.Pointer[snapshot]
+
+	// order is every endpoint, in rotation order. Guarded by RoundRobin.writeMu.
+	order []serviceport.Endpoint
+
+	// errNoEndpoints and errNoLocal are Next's errors for this port, built once so that failing
+	// picks do not allocate.
+	errNoEndpoints, errNoLocal error
+
+	// mu guards the following fields. Snapshots are stored under it too, so that a holder of
+	// mu sees a snapshot consistent with the affinity tables.
+	mu sync.Mutex
+	// affinity holds, per pool, the last endpoint chosen for each client IP. Nil tables are empty.
+	affinity [numPools]map[netip.Addr]affinityEntry
+}
+
+// snapshot is an immutable view of a port's configuration and usable endpoints.
+type snapshot struct {
+	affinity bool
+	timeout  time.Duration
+	pools    [numPools]*pool
+	class    [numClasses]*pool // the pool each traffic class uses
+}
+
+// pool is the usable endpoint list of one selection rule, with its rotation. Everything but next
+// is immutable once published.
+type pool struct {
+	id    int
+	eps   []serviceport.Endpoint // usable endpoints, in rotation order
+	index map[netip.AddrPort]int // position of each endpoint in eps
+	err   error                  // Next's error when eps is empty
+	next  atomic.Uint64          // rotation counter: the next pick is eps[next % len(eps)]
+}
+
+type affinityEntry struct {
+	ep       netip.AddrPort
+	lastUsed time.Time
+}
+
+// pick returns the next endpoint in rotation. eps must not be empty.
+func (pl *pool) pick() serviceport.Endpoint {
+	i := pl.next.Add(1) - 1
+	return pl.eps[i%uint64(len(pl.eps))]
+}
+
+// SetServicePort adds sp or replaces it and its endpoints; eps are the endpoints for sp (their
+// order does not matter, duplicates of an address are ignored). A nil sp is ignored.
+//
+// The rotation position is kept when the usable endpoints did not change, and carried over to the
+// surviving endpoints when they did. Affinity entries are dropped when their endpoint is no longer
+// in eps, and all of them when sp turns affinity off; a changed affinity timeout applies at once,
+// to existing entries too. sp must not be modified afterwards (ServicePorts are immutable).
+func (lb *RoundRobin) SetServicePort(sp *serviceport.ServicePort, eps []serviceport.Endpoint) {
+	if sp == nil {
+		return
+	}
+	lb.writeMu.Lock()
+	defer lb.writeMu.Unlock()
+
+	lb.mu.RLock()
+	p := lb.ports[sp.Name]
+	lb.mu.RUnlock()
+	isNew := p == nil
+	if isNew {
+		op := "pick endpoint for " + sp.Name.String()
+		p = &port{
+			errNoEndpoints: fmt.Errorf("%s: %w", op, ErrNoEndpoints),
+			errNoLocal:     fmt.Errorf("%s: %w", op, ErrNoLocalEndpoints),
+		}
+	}
+
+	old := p.snap.Load()
+	order, present, changed := lb.mergeOrder(p.order, eps)
+	s := &snapshot{affinity: sp.SessionAffinity, timeout: sp.AffinityTimeout}
+	if s.timeout <= 0 {
+		s.timeout = serviceport.DefaultAffinityTimeout
+	}
+	if old != nil && !changed {
+		s.pools = old.pools
+	} else {
+		s.pools = p.buildPools(order, lb.nodeName, old)
+	}
+	s.class[classInternal] = s.pools[poolFor(sp.InternalPolicyLocal)]
+	s.class[classExternal] = s.pools[poolFor(sp.ExternalPolicyLocal)]
+
+	p.mu.Lock()
+	for id, table := range p.affinity {
+		switch {
+		case !s.affinity:
+			p.affinity[id] = nil
+		case changed:
+			for client, e := range table {
+				if _, ok := present[e.ep]; !ok {
+					delete(table, client)
+				}
+			}
+		}
+	}
+	p.snap.Store(s)
+	p.mu.Unlock()
+	p.order = order
+
+	if isNew {
+		lb.mu.Lock()
+		lb.ports[sp.Name] = p
+		lb.mu.Unlock()
+	}
+}
+
+// DeleteServicePort forgets a service port, its endpoints and its affinity entries. Next then
+// fails with ErrUnknownServicePort. Deleting an unknown port does nothing.
+func (lb *RoundRobin) DeleteServicePort(name serviceport.Name) {
+	lb.writeMu.Lock()
+	defer lb.writeMu.Unlock()
+	lb.mu.Lock()
+	delete(lb.ports, name)
+	lb.mu.Unlock()
+}
+
+// Next picks the endpoint for a new connection or flow of the service port name from client.
+// external is true for traffic that arrived via a NodePort, an external IP or a load-balancer IP
+// (externalTrafficPolicy applies), false for ClusterIP traffic (internalTrafficPolicy applies).
+// resetAffinity is true when dialling the endpoint previously returned for this client failed:
+// the client's affinity is forgotten and a different endpoint is returned if there is one.
+//
+// Errors wrap ErrUnknownServicePort, ErrNoEndpoints or ErrNoLocalEndpoints. An invalid client
+// address gets no affinity.
+func (lb *RoundRobin) Next(name serviceport.Name, client netip.Addr, external, resetAffinity bool) (serviceport.Endpoint, error) {
+	lb.mu.RLock()
+	p := lb.ports[name]
+	lb.mu.RUnlock()
+	if p == nil {
+		return serviceport.Endpoint{}, fmt.Errorf("pick endpoint for %s: %w", name, ErrUnknownServicePort)
+	}
+	class := classInternal
+	if external {
+		class = classExternal
+	}
+	s := p.snap.Load()
+	pl := s.class[class]
+	if len(pl.eps) == 0 {
+		return serviceport.Endpoint{}, pl.err
+	}
+	if !s.affinity || !client.IsValid() {
+		return pl.pick(), nil
+	}
+	return lb.nextAffine(p, class, client.Unmap(), resetAffinity)
+}
+
+// nextAffine is Next for a port with session affinity.
+func (lb *RoundRobin) nextAffine(p *port, class int, client netip.Addr, reset bool) (serviceport.Endpoint, error) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	// Reload: SetServicePort may have replaced the snapshot since Next read it.
+	s := p.snap.Load()
+	pl := s.class[class]
+	if len(pl.eps) == 0 {
+		return serviceport.Endpoint{}, pl.err
+	}
+	if !s.affinity {
+		return pl.pick(), nil
+	}
+	now := lb.now()
+	table := p.affinity[pl.id]
+	var failed netip.AddrPort
+	if e, ok := table[client]; ok {
+		if reset {
+			failed = e.ep
+		} else if now.Sub(e.lastUsed) < s.timeout {
+			if i, usable := pl.index[e.ep]; usable {
+				e.lastUsed = now
+				table[client] = e
+				return pl.eps[i], nil
+			}
+		}
+	}
+	ep := pl.pick()
+	if ep.Addr == failed && len(pl.eps) > 1 {
+		ep = pl.pick()
+	}
+	if table == nil {
+		table = map[netip.Addr]affinityEntry{}
+		p.affinity[pl.id] = table
+	}
+	table[client] = affinityEntry{ep: ep.Addr, lastUsed: now}
+	return ep, nil
+}
+
+// Sweep drops the affinity entries that have not been used for their port's affinity timeout.
+// Expired entries are never used even before they are swept; sweeping only frees their memory.
+func (lb *RoundRobin) Sweep() {
+	now := lb.now()
+	lb.mu.RLock()
+	ports := make([]*port, 0, len(lb.ports))
+	for _, p := range lb.ports {
+		if p.snap.Load().affinity {
+			ports = append(ports, p)
+		}
+	}
+	lb.mu.RUnlock()
+	for _, p := range ports {
+		p.sweep(now)
+	}
+}
+
+func (p *port) sweep(now time.Time) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	timeout := p.snap.Load().timeout
+	for id, table := range p.affinity {
+		for client, e := range table {
+			if now.Sub(e.lastUsed) >= timeout {
+				delete(table, client)
+			}
+		}
+		if len(table) == 0 {
+			p.affinity[id] = nil // let the map's memory go
+		}
+	}
+}
+
+func poolFor(local bool) int {
+	if local {
+		return poolLocal
+	}
+	return poolCluster
+}
+
+// buildPools computes the usable lists of both selection rules from order, carrying each rule's
+// rotation position over from old (nil for a new port).
+func (p *port) buildPools(order []serviceport.Endpoint, nodeName string, old *snapshot) [numPools]*pool {
+	var pools [numPools]*pool
+	for id := range numPools {
+		eps := filter(nil, order, nodeName, id == poolLocal)
+		pl := &pool{id: id, eps: eps, index: make(map[netip.AddrPort]int, len(eps))}
+		for i, e := range eps {
+			pl.index[e.Addr] = i
+		}
+		if old != nil {
+			pl.next.Store(carryPosition(old.pools[id], pl))
+		}
+		pools[id] = pl
+	}
+	pools[poolCluster].err = p.errNoEndpoints
+	pools[poolLocal].err = p.errNoLocal
+	if len(pools[poolCluster].eps) == 0 {
+		pools[poolLocal].err = p.errNoEndpoints
+	}
+	return pools
+}
+
+// carryPosition returns the rotation counter for pl that continues old's rotation: the next pick
+// is the endpoint old would have picked next, or if that one is gone, the first one after it in
+// old's order that is still usable; 0 when none is.
+func carryPosition(old, pl *pool) uint64 {
+	n := uint64(len(old.eps))
+	if n == 0 || len(pl.eps) == 0 {
+		return 0
+	}
+	at := old.next.Load() % n
+	for k := range n {
+		if i, ok := pl.index[old.eps[(at+k)%n].Addr]; ok {
+			return uint64(i)
+		}
+	}
+	return 0
+}
+
+// mergeOrder returns the rotation order for eps given the previous one: endpoints still present
+// keep their relative order (with their current conditions) and new endpoints are interleaved at
+// uniformly random positions, so the first order is a uniform shuffle. present holds the
+// addresses in eps; changed reports whether order differs from prev (addresses, order or
+// conditions).
+func (lb *RoundRobin) mergeOrder(prev, eps []serviceport.Endpoint) (order []serviceport.Endpoint, present map[netip.AddrPort]int, changed bool) {
+	present = make(map[netip.AddrPort]int, len(eps))
+	for i, e := range eps {
+		if _, dup := present[e.Addr]; !dup {
+			present[e.Addr] = i
+		}
+	}
+	kept := make([]serviceport.Endpoint, 0, len(present))
+	taken := make([]bool, len(eps))
+	for _, e := range prev {
+		if i, ok := present[e.Addr]; ok {
+			kept = append(kept, eps[i])
+			taken[i] = true
+		}
+	}
+	var added []serviceport.Endpoint
+	for i, e := range eps {
+		if !taken[i] && present[e.Addr] == i {
+			added = append(added, e)
+		}
+	}
+	if len(added) == 0 {
+		return kept, present, !slices.Equal(kept, prev)
+	}
+	lb.rand.Shuffle(len(added), func(i, j int) { added[i], added[j] = added[j], added[i] })
+	// A uniformly random interleaving: take from kept with probability (kept left)/(total left).
+	order = make([]serviceport.Endpoint, 0, len(kept)+len(added))
+	k, a := 0, 0
+	for k < len(kept) || a < len(added) {
+		if lb.rand.IntN(len(kept)-k+len(added)-a) < len(kept)-k {
+			order = append(order, kept[k])
+			k++
+		} else {
+			order = append(order, added[a])
+			a++
+		}
+	}
+	return order, present, true
+}

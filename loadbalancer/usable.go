@@ -1,0 +1,81 @@
+package loadbalancer
+
+import "github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/serviceport"
+
+// Usable returns the endpoints that new traffic of one class may use, in the order of eps: for
+// external traffic (arriving via a NodePort, an external IP or a load-balancer IP) when external
+// is true, for ClusterIP traffic otherwise.
+//
+// The ready endpoints are usable; when none is, the serving and terminating ones are. When the
+// class is subject to a Local policy (sp.ExternalPolicyLocal for external traffic,
+// sp.InternalPolicyLocal for ClusterIP traffic), only endpoints whose NodeName is nodeName are
+// considered, with the same fallback among them; an empty nodeName matches no endpoint. A nil sp
+// is treated as a service with no Local policy. The result is nil when nothing is usable; it never
+// aliases eps.
+func Usable(sp *serviceport.ServicePort, eps []serviceport.Endpoint, nodeName string, external bool) []serviceport.Endpoint {
+	return filter(nil, eps, nodeName, localClass(sp, external))
+}
+
+// LocalEndpoints counts the endpoints on nodeName that external traffic under
+// externalTrafficPolicy: Local may use (ready local endpoints, or when there are none the serving
+// and terminating local ones). The healthCheckNodePort server answers 200 when it is at least 1.
+// The count does not depend on whether sp actually has the Local policy; sp may be nil.
+func LocalEndpoints(sp *serviceport.ServicePort, eps []serviceport.Endpoint, nodeName string) int {
+	_ = sp
+	ready, fallback := 0, 0
+	for i := range eps {
+		e := &eps[i]
+		if !isLocal(e, nodeName) {
+			continue
+		}
+		switch {
+		case e.Ready:
+			ready++
+		case e.Serving && e.Terminating:
+			fallback++
+		}
+	}
+	if ready > 0 {
+		return ready
+	}
+	return fallback
+}
+
+// localClass reports whether the traffic class (external or ClusterIP) of sp is subject to a
+// Local traffic policy.
+func localClass(sp *serviceport.ServicePort, external bool) bool {
+	if sp == nil {
+		return false
+	}
+	if external {
+		return sp.ExternalPolicyLocal
+	}
+	return sp.InternalPolicyLocal
+}
+
+// isLocal reports whether e runs on nodeName; an unknown node ("") is never local.
+func isLocal(e *serviceport.Endpoint, nodeName string) bool {
+	return nodeName != "" && e.NodeName == nodeName
+}
+
+// filter appends to dst the endpoints of eps usable under the selection rule (local restricts
+// them to nodeName) and returns it.
+func filter(dst, eps []serviceport.Endpoint, nodeName string, local bool) []serviceport.Endpoint {
+	start := len(dst)
+	for i := range eps {
+		e := &eps[i]
+		if e.Ready && (!local || isLocal(e, nodeName)) {
+			dst = append(dst, *e)
+		}
+	}
+	if len(dst) > start {
+		return dst
+	}
+	for i := range eps {
+		e := &eps[i]
+		if e.Serving && e.Terminating && (!local || isLocal(e, nodeName)) {
+			dst = append(dst, *e)
+		}
+	}
+	return dst
+}
