@@ -29,6 +29,7 @@ import (
 	"fmt"
 	"io"
 	"os/exec"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -222,10 +223,10 @@ func (r *Runner) DeleteRule(table, chain string, rulespec ...string) error {
 	}
 }
 
-// DeleteJumps deletes every rule in table/chain whose target (-j) is target, whatever its matches,
-// and returns how many it deleted. It finds rules left behind by older versions of a program as
-// well as current ones.
-func (r *Runner) DeleteJumps(table, chain, target string) (int, error) {
+// DeleteJumps deletes every rule in table/chain whose target (-j) is one of targets, whatever its
+// matches, and returns how many it deleted. It finds rules left behind by older versions of a
+// program as well as current ones.
+func (r *Runner) DeleteJumps(table, chain string, targets ...string) (int, error) {
 	lines, err := r.ipt.List(table, chain)
 	if err != nil {
 		return 0, fmt.Errorf("%s: list %s/%s: %w", r, table, chain, err)
@@ -236,7 +237,7 @@ func (r *Runner) DeleteJumps(table, chain, target string) (int, error) {
 		if err != nil {
 			return n, fmt.Errorf("%s: parse rule in %s/%s: %w", r, table, chain, err)
 		}
-		if len(args) < 2 || args[0] != "-A" || args[1] != chain || ruleTarget(args) != target {
+		if len(args) < 2 || args[0] != "-A" || args[1] != chain || !slices.Contains(targets, ruleTarget(args)) {
 			continue
 		}
 		if err := r.ipt.Delete(table, chain, args[2:]...); err != nil {

@@ -1,0 +1,254 @@
+package portal
+
+import (
+	"errors"
+	"fmt"
+	"net/netip"
+	"sync"
+	"time"
+
+	"github.com/rs/zerolog"
+
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/iptables"
+)
+
+// Runner is what a Manager needs from an iptables runner (*iptables.Runner).
+type Runner interface {
+	Family() iptables.Family
+	// EnsureRule adds the rule (first or last) unless it exists; added says whether it did.
+	EnsureRule(pos iptables.Position, table, chain string, rulespec ...string) (added bool, err error)
+	// DeleteJumps deletes every rule in table/chain that jumps to one of targets.
+	DeleteJumps(table, chain string, targets ...string) (int, error)
+	// DeleteChain flushes and deletes a chain; a missing chain is no error.
+	DeleteChain(table, chain string) error
+	// Restore applies one table's iptables-restore --noflush input in one exec.
+	Restore(table string, payload []byte) error
+}
+
+var _ Runner = (*iptables.Runner)(nil)
+
+// Options configures a Manager.
+type Options struct {
+	// Config describes the proxy and the node; see Config.
+	Config Config
+	// Runner runs iptables for Config.Family. Required.
+	Runner Runner
+	// Logger receives the manager's logs. The zero value logs nothing.
+	Logger zerolog.Logger
+	// InterfaceAddrs lists the node's addresses for Config.NodePortAddresses, on every sync.
+	// Nil means InterfaceAddrs (net.InterfaceAddrs).
+	InterfaceAddrs func() ([]netip.Addr, error)
+}
+
+// Manager programs the portal rules of one IP family. Its methods may be called from several
+// goroutines; calls are serialised.
+type Manager struct {
+	cfg    Config
+	run    Runner
+	log    zerolog.Logger
+	ifaddr func() ([]netip.Addr, error)
+
+	mu sync.Mutex // guards the following fields
+	// physdevChecked and noPhysdev cache whether the kernel has the physdev match.
+	physdevChecked bool
+	noPhysdev      bool
+	// synced is true after the first successful Sync; jumps found missing afterwards were removed
+	// by someone else and are logged when put back.
+	synced bool
+}
+
+// NewManager checks opts and returns a Manager. It changes nothing on the host.
+func NewManager(opts Options) (*Manager, error) {
+	cfg := opts.Config
+	if opts.Runner == nil {
+		return nil, errors.New("portal manager: no Runner")
+	}
+	if f := opts.Runner.Family(); f != cfg.Family {
+		return nil, fmt.Errorf("portal manager: runner is %v, config is %v", f, cfg.Family)
+	}
+	if cfg.BindIP.IsValid() && !cfg.BindIP.IsUnspecified() && !inFamily(cfg.Family, cfg.BindIP) {
+		return nil, fmt.Errorf("portal manager: bind IP %v is not %v", cfg.BindIP, cfg.Family)
+	}
+	if !cfg.BindIP.IsValid() || cfg.BindIP.IsUnspecified() {
+		if !inFamily(cfg.Family, cfg.HostIP) || cfg.HostIP.IsUnspecified() {
+			return nil, fmt.Errorf("portal manager: host IP %v: need an %v address of the node when the bind IP is unspecified", cfg.HostIP, cfg.Family)
+		}
+	}
+	for _, p := range cfg.NodePortAddresses {
+		if !p.IsValid() {
+			return nil, fmt.Errorf("portal manager: nodePortAddresses: invalid prefix %v", p)
+		}
+	}
+	m := &Manager{
+		cfg:    cfg,
+		run:    opts.Runner,
+		log:    opts.Logger.With().Str("component", "portal").Str("family", cfg.Family.String()).Logger(),
+		ifaddr: opts.InterfaceAddrs,
+	}
+	if m.ifaddr == nil {
+		m.ifaddr = InterfaceAddrs
+	}
+	return m, nil
+}
+
+// jump is a rule that sends packets from a built-in chain into one of ours.
+type jump struct {
+	table, from, to string
+	pos             iptables.Position
+	spec            []string
+}
+
+// jumps returns our jump rules in the order they must be ensured: of two rules both inserted
+// first into one chain, the later one ends up on top.
+func jumps() []jump {
+	portals := []string{"-m", "comment", "--comment", "handle ClusterIPs; NOTE: this must be before the NodePort rules"}
+	nodePorts := []string{"-m", "addrtype", "--dst-type", "LOCAL", "-m", "comment", "--comment", "handle service NodePorts; NOTE: this must be the last rule in the chain"}
+	nonLocal := []string{"-m", "comment", "--comment", "Ensure that non-local NodePort traffic can flow"}
+	filter := []string{"-m", "conntrack", "--ctstate", "NEW", "-m", "comment", "--comment", "reject or drop new traffic to service ports without usable endpoints"}
+	j := func(table, from, to string, pos iptables.Position, matches []string) jump {
+		return jump{table: table, from: from, to: to, pos: pos, spec: append(append([]string(nil), matches...), "-j", to)}
+	}
+	return []jump{
+		j(tableNAT, "PREROUTING", ChainPortalsContainer, iptables.Prepend, portals),
+		j(tableNAT, "OUTPUT", ChainPortalsHost, iptables.Prepend, portals),
+		j(tableNAT, "PREROUTING", ChainNodePortContainer, iptables.Append, nodePorts),
+		j(tableNAT, "OUTPUT", ChainNodePortHost, iptables.Append, nodePorts),
+		j(tableFilter, "INPUT", ChainNodePortNonLocal, iptables.Prepend, nonLocal),
+		j(tableFilter, "INPUT", ChainPortalsFilter, iptables.Prepend, filter),
+		j(tableFilter, "FORWARD", ChainPortalsFilter, iptables.Prepend, filter),
+		j(tableFilter, "OUTPUT", ChainPortalsFilter, iptables.Prepend, filter),
+	}
+}
+
+// Sync makes our chains hold exactly the rules portals need and makes sure the jumps into them
+// exist. Each table is written with one iptables-restore (filter first, so a NodePort's ACCEPT
+// exists before nat sends traffic to it); rules and chains that are not ours are left alone.
+// The restore creates missing chains, so jumps are checked after it, on every call: jumps someone
+// else deleted come back on the next sync. Invalid portals are left out and reported in the
+// returned error together with any iptables failure; everything valid is still programmed.
+func (m *Manager) Sync(portals []Portal) error {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	start := time.Now()
+
+	var invalid, errs []error
+	for i := range portals {
+		if err := portals[i].Validate(); err != nil {
+			invalid = append(invalid, err)
+		}
+	}
+	host, err := m.hostLocked(portals)
+	if err != nil {
+		return errors.Join(append(invalid, err)...)
+	}
+	nat, filter := Render(m.cfg, host, portals)
+	rendered := time.Now()
+
+	restored := map[string]bool{}
+	for _, t := range []struct {
+		table   string
+		payload []byte
+	}{{tableFilter, filter}, {tableNAT, nat}} {
+		if err := m.run.Restore(t.table, t.payload); err != nil {
+			errs = append(errs, fmt.Errorf("portal sync: restore %s table: %w", t.table, err))
+			continue
+		}
+		restored[t.table] = true
+	}
+	for _, j := range jumps() {
+		if !restored[j.table] {
+			continue // our chain may not exist yet; the jump would fail
+		}
+		added, err := m.run.EnsureRule(j.pos, j.table, j.from, j.spec...)
+		if err != nil {
+			errs = append(errs, fmt.Errorf("portal sync: jump %s/%s -> %s: %w", j.table, j.from, j.to, err))
+			continue
+		}
+		if added && m.synced {
+			m.log.Warn().Str("table", j.table).Str("chain", j.from).Str("target", j.to).Msg("jump rule was missing; restored")
+		}
+	}
+	if len(errs) == 0 {
+		m.synced = true
+	}
+	errs = append(invalid, errs...)
+	m.log.Debug().Int("portals", len(portals)).Int("natBytes", len(nat)).Int("filterBytes", len(filter)).
+		Dur("render", rendered.Sub(start)).Dur("total", time.Since(start)).Msg("synced portal rules")
+	return errors.Join(errs...)
+}
+
+// hostLocked gathers the Host facts rendering needs.
+func (m *Manager) hostLocked(portals []Portal) (Host, error) {
+	var h Host
+	if _, all := NodePortIPs(m.cfg.Family, m.cfg.NodePortAddresses, nil); !all {
+		addrs, err := m.ifaddr()
+		if err != nil {
+			return h, fmt.Errorf("portal sync: node addresses for nodePortAddresses: %w", err)
+		}
+		h.NodeIPs = addrs
+	}
+	if !m.physdevChecked && hasExternalIPs(portals) {
+		m.noPhysdev = !m.probePhysdevLocked()
+		m.physdevChecked = true
+	}
+	h.NoPhysdev = m.noPhysdev
+	return h, nil
+}
+
+func hasExternalIPs(portals []Portal) bool {
+	for i := range portals {
+		if len(portals[i].ExternalIPs) > 0 {
+			return true
+		}
+	}
+	return false
+}
+
+// probePhysdevLocked reports whether the kernel accepts a rule with the physdev match, by
+// loading one into a scratch chain and deleting the chain again.
+func (m *Manager) probePhysdevLocked() bool {
+	payload := []byte(":" + chainProbe + " - [0:0]\n-A " + chainProbe + " -m physdev ! --physdev-is-in -j RETURN\n")
+	err := m.run.Restore(tableNAT, payload)
+	if derr := m.run.DeleteChain(tableNAT, chainProbe); derr != nil {
+		m.log.Warn().Err(derr).Msg("could not delete the physdev probe chain")
+	}
+	if err != nil {
+		m.log.Info().Err(err).Msg("physdev match (xt_physdev) not available: externalIP rules for traffic from containers match on destination only")
+		return false
+	}
+	return true
+}
+
+// Cleanup removes every jump to our chains (from any built-in chain, whatever its matches, so
+// rules of older versions and of kube-proxy's userspace mode go too) and then the chains. It is
+// idempotent: with nothing there it does nothing and returns nil.
+func (m *Manager) Cleanup() error {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	var errs []error
+	for _, t := range []struct {
+		table  string
+		hooks  []string
+		chains []string
+	}{
+		{tableNAT, []string{"PREROUTING", "INPUT", "OUTPUT", "POSTROUTING"}, append(natChains(), chainProbe)},
+		{tableFilter, []string{"INPUT", "FORWARD", "OUTPUT"}, filterChains()},
+	} {
+		for _, hook := range t.hooks {
+			n, err := m.run.DeleteJumps(t.table, hook, t.chains...)
+			if err != nil {
+				errs = append(errs, fmt.Errorf("portal cleanup: %w", err))
+			}
+			if n > 0 {
+				m.log.Info().Str("table", t.table).Str("chain", hook).Int("rules", n).Msg("deleted jump rules")
+			}
+		}
+		for _, c := range t.chains {
+			if err := m.run.DeleteChain(t.table, c); err != nil {
+				errs = append(errs, fmt.Errorf("portal cleanup: %w", err))
+			}
+		}
+	}
+	m.synced = false
+	return errors.Join(errs...)
+}

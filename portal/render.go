@@ -1,0 +1,245 @@
+package portal
+
+import (
+	"net/netip"
+	"slices"
+	"strconv"
+
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/iptables"
+)
+
+// natChains and filterChains list our chains per table.
+func natChains() []string {
+	return []string{ChainPortalsContainer, ChainPortalsHost, ChainNodePortContainer, ChainNodePortHost}
+}
+
+func filterChains() []string { return []string{ChainNodePortNonLocal, ChainPortalsFilter} }
+
+// Render returns the iptables-restore input (the lines between "*table" and "COMMIT") that sets
+// our nat and filter chains to exactly what portals need. Output is deterministic: portals are
+// ordered by Comment, Protocol and ports, and each portal's addresses by value. Portals that fail
+// Validate, and addresses not in cfg.Family, are left out. Render does no I/O.
+func Render(cfg Config, host Host, portals []Portal) (nat, filter []byte) {
+	r := newRenderer(cfg, host)
+	order := make([]*Portal, 0, len(portals))
+	for i := range portals {
+		if portals[i].Validate() == nil {
+			order = append(order, &portals[i])
+		}
+	}
+	slices.SortFunc(order, comparePortals)
+	// Rough sizes keep appends from copying: ~150 bytes a rule.
+	r.pc = make([]byte, 0, 160*len(order))
+	r.ph = make([]byte, 0, 160*len(order))
+	for _, p := range order {
+		r.portal(p)
+	}
+	nat = declare(make([]byte, 0, len(r.pc)+len(r.ph)+len(r.nc)+len(r.nh)+256), natChains())
+	nat = append(append(append(append(nat, r.pc...), r.ph...), r.nc...), r.nh...)
+	filter = declare(make([]byte, 0, len(r.nl)+len(r.pf)+128), filterChains())
+	filter = append(append(filter, r.nl...), r.pf...)
+	return nat, filter
+}
+
+// declare appends a ":CHAIN - [0:0]" line per chain: in iptables-restore --noflush input it creates
+// the chain or flushes it, so each payload replaces exactly the contents of our chains.
+func declare(b []byte, chains []string) []byte {
+	for _, c := range chains {
+		b = append(b, ':')
+		b = append(b, c...)
+		b = append(b, " - [0:0]\n"...)
+	}
+	return b
+}
+
+type renderer struct {
+	cfg         Config
+	host        Host
+	v6          bool
+	bindAll     bool       // listeners on all addresses: REDIRECT from containers
+	hostDst     netip.Addr // DNAT destination in HOST chains
+	nodeIPs     []netip.Addr
+	allNodeIPs  bool
+	reject      []byte // the REJECT target for this family
+	drop        []byte
+	accept      []byte
+	pc, ph      []byte // KUBE-PORTALS-CONTAINER, KUBE-PORTALS-HOST
+	nc, nh      []byte // KUBE-NODEPORT-CONTAINER, KUBE-NODEPORT-HOST
+	nl, pf      []byte // KUBE-NODEPORT-NON-LOCAL, KUBE-PORTALS-FILTER
+	containerTg []byte // per portal: "-j REDIRECT --to-ports N" or "-j DNAT --to-destination bind:N"
+	hostTg      []byte // per portal: "-j DNAT --to-destination host:N"
+}
+
+func newRenderer(cfg Config, host Host) *renderer {
+	r := &renderer{cfg: cfg, host: host, v6: cfg.Family == iptables.IPv6}
+	r.bindAll = !cfg.BindIP.IsValid() || cfg.BindIP.IsUnspecified()
+	r.hostDst = cfg.HostIP.Unmap()
+	if !r.bindAll {
+		r.hostDst = cfg.BindIP.Unmap()
+	}
+	r.nodeIPs, r.allNodeIPs = NodePortIPs(cfg.Family, cfg.NodePortAddresses, host.NodeIPs)
+	r.reject = []byte("-j REJECT --reject-with icmp-port-unreachable")
+	if r.v6 {
+		r.reject = []byte("-j REJECT --reject-with icmp6-port-unreachable")
+	}
+	r.drop = []byte("-j DROP")
+	r.accept = []byte("-j ACCEPT")
+	return r
+}
+
+// match appends "-A chain [-d addr/len] -p P -m comment --comment "C" -m P --dport port", the
+// order iptables-save prints these matches in.
+func (r *renderer) match(b []byte, chain string, dst netip.Addr, p *Portal, port int) []byte {
+	b = append(b, "-A "...)
+	b = append(b, chain...)
+	if dst.IsValid() {
+		b = append(b, " -d "...)
+		b = dst.AppendTo(b)
+		if r.v6 {
+			b = append(b, "/128"...)
+		} else {
+			b = append(b, "/32"...)
+		}
+	}
+	b = append(b, " -p "...)
+	b = append(b, p.Protocol...)
+	b = append(b, " -m comment --comment "...)
+	b = append(b, iptables.Quote(p.Comment)...)
+	b = append(b, " -m "...)
+	b = append(b, p.Protocol...)
+	b = append(b, " --dport "...)
+	b = strconv.AppendInt(b, int64(port), 10)
+	return b
+}
+
+// rule appends one complete rule: match, then extra matches (may be ""), then the target.
+func (r *renderer) rule(b []byte, chain string, dst netip.Addr, p *Portal, port int, extra string, target []byte) []byte {
+	b = r.match(b, chain, dst, p, port)
+	if extra != "" {
+		b = append(b, ' ')
+		b = append(b, extra...)
+	}
+	b = append(b, ' ')
+	b = append(b, target...)
+	return append(b, '\n')
+}
+
+func (r *renderer) appendAddrPort(b []byte, a netip.Addr, port int) []byte {
+	if r.v6 {
+		b = append(b, '[')
+		b = a.AppendTo(b)
+		b = append(b, ']')
+	} else {
+		b = a.AppendTo(b)
+	}
+	b = append(b, ':')
+	return strconv.AppendInt(b, int64(port), 10)
+}
+
+func (r *renderer) setTargets(p *Portal) {
+	r.containerTg = r.containerTg[:0]
+	if r.bindAll {
+		r.containerTg = append(r.containerTg, "-j REDIRECT --to-ports "...)
+		r.containerTg = strconv.AppendInt(r.containerTg, int64(p.ProxyPort), 10)
+	} else {
+		r.containerTg = append(r.containerTg, "-j DNAT --to-destination "...)
+		r.containerTg = r.appendAddrPort(r.containerTg, r.hostDst, p.ProxyPort)
+	}
+	r.hostTg = append(r.hostTg[:0], "-j DNAT --to-destination "...)
+	r.hostTg = r.appendAddrPort(r.hostTg, r.hostDst, p.ProxyPort)
+}
+
+// deny returns the filter target for a (non-redirect) action.
+func (r *renderer) deny(a Action) []byte {
+	if a == Drop {
+		return r.drop
+	}
+	return r.reject
+}
+
+func (r *renderer) portal(p *Portal) {
+	if p.Internal == Redirect || p.External == Redirect {
+		r.setTargets(p)
+	}
+
+	// ClusterIP.
+	if cip := p.ClusterIP.Unmap(); inFamily(r.cfg.Family, cip) {
+		if p.Internal == Redirect {
+			r.pc = r.rule(r.pc, ChainPortalsContainer, cip, p, p.Port, "", r.containerTg)
+			r.ph = r.rule(r.ph, ChainPortalsHost, cip, p, p.Port, "", r.hostTg)
+		} else {
+			r.pf = r.rule(r.pf, ChainPortalsFilter, cip, p, p.Port, "", r.deny(p.Internal))
+		}
+	}
+
+	// Load-balancer IPs: like the ClusterIP, but external traffic.
+	for _, ip := range r.addrs(p.LoadBalancerIPs) {
+		if p.External == Redirect {
+			r.pc = r.rule(r.pc, ChainPortalsContainer, ip, p, p.Port, "", r.containerTg)
+			r.ph = r.rule(r.ph, ChainPortalsHost, ip, p, p.Port, "", r.hostTg)
+		} else {
+			r.pf = r.rule(r.pf, ChainPortalsFilter, ip, p, p.Port, "", r.deny(p.External))
+		}
+	}
+
+	// External IPs: from containers, traffic not bridged in (physdev) and traffic to a local
+	// external IP; from the node, only to a local external IP (others reach the real address).
+	for _, ip := range r.addrs(p.ExternalIPs) {
+		if p.External != Redirect {
+			r.pf = r.rule(r.pf, ChainPortalsFilter, ip, p, p.Port, "", r.deny(p.External))
+			continue
+		}
+		if r.host.NoPhysdev {
+			r.pc = r.rule(r.pc, ChainPortalsContainer, ip, p, p.Port, "", r.containerTg)
+		} else {
+			r.pc = r.rule(r.pc, ChainPortalsContainer, ip, p, p.Port, "-m physdev ! --physdev-is-in", r.containerTg)
+			r.pc = r.rule(r.pc, ChainPortalsContainer, ip, p, p.Port, "-m addrtype --dst-type LOCAL", r.containerTg)
+		}
+		r.ph = r.rule(r.ph, ChainPortalsHost, ip, p, p.Port, "-m addrtype --dst-type LOCAL", r.hostTg)
+	}
+
+	// NodePort.
+	if p.NodePort == 0 {
+		return
+	}
+	if p.External != Redirect {
+		if r.allNodeIPs {
+			r.pf = r.rule(r.pf, ChainPortalsFilter, netip.Addr{}, p, p.NodePort, "-m addrtype --dst-type LOCAL", r.deny(p.External))
+		}
+		for _, ip := range r.nodeIPs {
+			r.pf = r.rule(r.pf, ChainPortalsFilter, ip, p, p.NodePort, "", r.deny(p.External))
+		}
+		return
+	}
+	if !r.allNodeIPs && len(r.nodeIPs) == 0 {
+		return
+	}
+	if r.allNodeIPs {
+		r.nc = r.rule(r.nc, ChainNodePortContainer, netip.Addr{}, p, p.NodePort, "", r.containerTg)
+		r.nh = r.rule(r.nh, ChainNodePortHost, netip.Addr{}, p, p.NodePort, "", r.hostTg)
+	}
+	for _, ip := range r.nodeIPs {
+		r.nc = r.rule(r.nc, ChainNodePortContainer, ip, p, p.NodePort, "", r.containerTg)
+		r.nh = r.rule(r.nh, ChainNodePortHost, ip, p, p.NodePort, "", r.hostTg)
+	}
+	r.nl = r.rule(r.nl, ChainNodePortNonLocal, netip.Addr{}, p, p.ProxyPort, "-m state --state NEW", r.accept)
+}
+
+// addrs returns the addresses of our family in ips, unmapped, sorted, without duplicates.
+func (r *renderer) addrs(ips []netip.Addr) []netip.Addr {
+	if len(ips) == 1 {
+		a := ips[0].Unmap()
+		if inFamily(r.cfg.Family, a) {
+			return []netip.Addr{a}
+		}
+		return nil
+	}
+	var out []netip.Addr
+	for _, a := range ips {
+		if a = a.Unmap(); inFamily(r.cfg.Family, a) {
+			out = append(out, a)
+		}
+	}
+	slices.SortFunc(out, netip.Addr.Compare)
+	return slices.Compact(out)
+}

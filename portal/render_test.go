@@ -1,0 +1,416 @@
+package portal
+
+import (
+	"net/netip"
+	"slices"
+	"strings"
+	"testing"
+
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/iptables"
+)
+
+const (
+	natDecl    = ":KUBE-PORTALS-CONTAINER - [0:0]\n:KUBE-PORTALS-HOST - [0:0]\n:KUBE-NODEPORT-CONTAINER - [0:0]\n:KUBE-NODEPORT-HOST - [0:0]\n"
+	filterDecl = ":KUBE-NODEPORT-NON-LOCAL - [0:0]\n:KUBE-PORTALS-FILTER - [0:0]\n"
+)
+
+var (
+	a   = netip.MustParseAddr
+	pfx = netip.MustParsePrefix
+)
+
+func v4Config() Config { return Config{Family: iptables.IPv4, HostIP: a("10.0.0.5")} }
+func v6Config() Config { return Config{Family: iptables.IPv6, HostIP: a("fd00::5")} }
+
+func TestRender(t *testing.T) {
+	web := Portal{Comment: "default/web:http", Protocol: "tcp", Port: 80, ClusterIP: a("10.96.0.10"), ProxyPort: 38023}
+	tests := []struct {
+		name    string
+		cfg     Config
+		host    Host
+		portals []Portal
+		nat     []string
+		filter  []string
+	}{
+		{
+			name: "no portals: declarations only",
+			cfg:  v4Config(),
+		},
+		{
+			name:    "ClusterIP",
+			cfg:     v4Config(),
+			portals: []Portal{web},
+			nat: []string{
+				`-A KUBE-PORTALS-CONTAINER -d 10.96.0.10/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -j REDIRECT --to-ports 38023`,
+				`-A KUBE-PORTALS-HOST -d 10.96.0.10/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -j DNAT --to-destination 10.0.0.5:38023`,
+			},
+		},
+		{
+			name: "multi-port service and several services, input unsorted",
+			cfg:  v4Config(),
+			portals: []Portal{
+				{Comment: "kube-system/dns:dns", Protocol: "udp", Port: 53, ClusterIP: a("10.96.0.2"), ProxyPort: 40001},
+				{Comment: "default/web:https", Protocol: "tcp", Port: 443, ClusterIP: a("10.96.0.10"), ProxyPort: 38024},
+				{Comment: "kube-system/dns:dns-tcp", Protocol: "tcp", Port: 53, ClusterIP: a("10.96.0.2"), ProxyPort: 40002},
+				web,
+			},
+			nat: []string{
+				`-A KUBE-PORTALS-CONTAINER -d 10.96.0.10/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -j REDIRECT --to-ports 38023`,
+				`-A KUBE-PORTALS-CONTAINER -d 10.96.0.10/32 -p tcp -m comment --comment "default/web:https" -m tcp --dport 443 -j REDIRECT --to-ports 38024`,
+				`-A KUBE-PORTALS-CONTAINER -d 10.96.0.2/32 -p udp -m comment --comment "kube-system/dns:dns" -m udp --dport 53 -j REDIRECT --to-ports 40001`,
+				`-A KUBE-PORTALS-CONTAINER -d 10.96.0.2/32 -p tcp -m comment --comment "kube-system/dns:dns-tcp" -m tcp --dport 53 -j REDIRECT --to-ports 40002`,
+				`-A KUBE-PORTALS-HOST -d 10.96.0.10/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -j DNAT --to-destination 10.0.0.5:38023`,
+				`-A KUBE-PORTALS-HOST -d 10.96.0.10/32 -p tcp -m comment --comment "default/web:https" -m tcp --dport 443 -j DNAT --to-destination 10.0.0.5:38024`,
+				`-A KUBE-PORTALS-HOST -d 10.96.0.2/32 -p udp -m comment --comment "kube-system/dns:dns" -m udp --dport 53 -j DNAT --to-destination 10.0.0.5:40001`,
+				`-A KUBE-PORTALS-HOST -d 10.96.0.2/32 -p tcp -m comment --comment "kube-system/dns:dns-tcp" -m tcp --dport 53 -j DNAT --to-destination 10.0.0.5:40002`,
+			},
+		},
+		{
+			name:    "externalIPs with physdev",
+			cfg:     v4Config(),
+			portals: []Portal{with(web, func(p *Portal) { p.ExternalIPs = []netip.Addr{a("192.0.2.9"), a("192.0.2.7")} })},
+			nat: []string{
+				`-A KUBE-PORTALS-CONTAINER -d 10.96.0.10/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -j REDIRECT --to-ports 38023`,
+				`-A KUBE-PORTALS-CONTAINER -d 192.0.2.7/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -m physdev ! --physdev-is-in -j REDIRECT --to-ports 38023`,
+				`-A KUBE-PORTALS-CONTAINER -d 192.0.2.7/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -m addrtype --dst-type LOCAL -j REDIRECT --to-ports 38023`,
+				`-A KUBE-PORTALS-CONTAINER -d 192.0.2.9/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -m physdev ! --physdev-is-in -j REDIRECT --to-ports 38023`,
+				`-A KUBE-PORTALS-CONTAINER -d 192.0.2.9/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -m addrtype --dst-type LOCAL -j REDIRECT --to-ports 38023`,
+				`-A KUBE-PORTALS-HOST -d 10.96.0.10/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -j DNAT --to-destination 10.0.0.5:38023`,
+				`-A KUBE-PORTALS-HOST -d 192.0.2.7/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -m addrtype --dst-type LOCAL -j DNAT --to-destination 10.0.0.5:38023`,
+				`-A KUBE-PORTALS-HOST -d 192.0.2.9/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -m addrtype --dst-type LOCAL -j DNAT --to-destination 10.0.0.5:38023`,
+			},
+		},
+		{
+			name:    "externalIPs without physdev",
+			cfg:     v4Config(),
+			host:    Host{NoPhysdev: true},
+			portals: []Portal{with(web, func(p *Portal) { p.ClusterIP = netip.Addr{}; p.ExternalIPs = []netip.Addr{a("192.0.2.7")} })},
+			nat: []string{
+				`-A KUBE-PORTALS-CONTAINER -d 192.0.2.7/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -j REDIRECT --to-ports 38023`,
+				`-A KUBE-PORTALS-HOST -d 192.0.2.7/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -m addrtype --dst-type LOCAL -j DNAT --to-destination 10.0.0.5:38023`,
+			},
+		},
+		{
+			name: "load-balancer IPs: sorted, deduplicated, other family ignored",
+			cfg:  v4Config(),
+			portals: []Portal{with(web, func(p *Portal) {
+				p.LoadBalancerIPs = []netip.Addr{a("203.0.113.2"), a("2001:db8::1"), a("203.0.113.1"), a("203.0.113.2")}
+			})},
+			nat: []string{
+				`-A KUBE-PORTALS-CONTAINER -d 10.96.0.10/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -j REDIRECT --to-ports 38023`,
+				`-A KUBE-PORTALS-CONTAINER -d 203.0.113.1/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -j REDIRECT --to-ports 38023`,
+				`-A KUBE-PORTALS-CONTAINER -d 203.0.113.2/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -j REDIRECT --to-ports 38023`,
+				`-A KUBE-PORTALS-HOST -d 10.96.0.10/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -j DNAT --to-destination 10.0.0.5:38023`,
+				`-A KUBE-PORTALS-HOST -d 203.0.113.1/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -j DNAT --to-destination 10.0.0.5:38023`,
+				`-A KUBE-PORTALS-HOST -d 203.0.113.2/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -j DNAT --to-destination 10.0.0.5:38023`,
+			},
+		},
+		{
+			name:    "NodePort on all local addresses",
+			cfg:     v4Config(),
+			portals: []Portal{with(web, func(p *Portal) { p.NodePort = 30080 })},
+			nat: []string{
+				`-A KUBE-PORTALS-CONTAINER -d 10.96.0.10/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -j REDIRECT --to-ports 38023`,
+				`-A KUBE-PORTALS-HOST -d 10.96.0.10/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -j DNAT --to-destination 10.0.0.5:38023`,
+				`-A KUBE-NODEPORT-CONTAINER -p tcp -m comment --comment "default/web:http" -m tcp --dport 30080 -j REDIRECT --to-ports 38023`,
+				`-A KUBE-NODEPORT-HOST -p tcp -m comment --comment "default/web:http" -m tcp --dport 30080 -j DNAT --to-destination 10.0.0.5:38023`,
+			},
+			filter: []string{
+				`-A KUBE-NODEPORT-NON-LOCAL -p tcp -m comment --comment "default/web:http" -m tcp --dport 38023 -m state --state NEW -j ACCEPT`,
+			},
+		},
+		{
+			name: "NodePort with nodePortAddresses: only node IPs inside the prefixes",
+			cfg: with(v4Config(), func(c *Config) {
+				c.NodePortAddresses = []netip.Prefix{pfx("10.0.0.0/24"), pfx("fd00::/64"), pfx("172.16.0.0/16")}
+			}),
+			host:    Host{NodeIPs: []netip.Addr{a("127.0.0.1"), a("10.0.0.7"), a("192.168.1.1"), a("10.0.0.5"), a("fd00::5"), a("172.16.3.4")}},
+			portals: []Portal{with(web, func(p *Portal) { p.ClusterIP = netip.Addr{}; p.NodePort = 30080 })},
+			nat: []string{
+				`-A KUBE-NODEPORT-CONTAINER -d 10.0.0.5/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 30080 -j REDIRECT --to-ports 38023`,
+				`-A KUBE-NODEPORT-CONTAINER -d 10.0.0.7/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 30080 -j REDIRECT --to-ports 38023`,
+				`-A KUBE-NODEPORT-CONTAINER -d 172.16.3.4/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 30080 -j REDIRECT --to-ports 38023`,
+				`-A KUBE-NODEPORT-HOST -d 10.0.0.5/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 30080 -j DNAT --to-destination 10.0.0.5:38023`,
+				`-A KUBE-NODEPORT-HOST -d 10.0.0.7/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 30080 -j DNAT --to-destination 10.0.0.5:38023`,
+				`-A KUBE-NODEPORT-HOST -d 172.16.3.4/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 30080 -j DNAT --to-destination 10.0.0.5:38023`,
+			},
+			filter: []string{
+				`-A KUBE-NODEPORT-NON-LOCAL -p tcp -m comment --comment "default/web:http" -m tcp --dport 38023 -m state --state NEW -j ACCEPT`,
+			},
+		},
+		{
+			name:    "NodePort with nodePortAddresses matching no node IP: no NodePort rules",
+			cfg:     with(v4Config(), func(c *Config) { c.NodePortAddresses = []netip.Prefix{pfx("10.9.0.0/16")} }),
+			host:    Host{NodeIPs: []netip.Addr{a("10.0.0.5")}},
+			portals: []Portal{with(web, func(p *Portal) { p.ClusterIP = netip.Addr{}; p.NodePort = 30080 })},
+		},
+		{
+			name:    "nodePortAddresses of the other family only: all local addresses",
+			cfg:     with(v4Config(), func(c *Config) { c.NodePortAddresses = []netip.Prefix{pfx("fd00::/64")} }),
+			portals: []Portal{with(web, func(p *Portal) { p.ClusterIP = netip.Addr{}; p.NodePort = 30080 })},
+			nat: []string{
+				`-A KUBE-NODEPORT-CONTAINER -p tcp -m comment --comment "default/web:http" -m tcp --dport 30080 -j REDIRECT --to-ports 38023`,
+				`-A KUBE-NODEPORT-HOST -p tcp -m comment --comment "default/web:http" -m tcp --dport 30080 -j DNAT --to-destination 10.0.0.5:38023`,
+			},
+			filter: []string{
+				`-A KUBE-NODEPORT-NON-LOCAL -p tcp -m comment --comment "default/web:http" -m tcp --dport 38023 -m state --state NEW -j ACCEPT`,
+			},
+		},
+		{
+			name:    "bind IP set: DNAT to it from containers and from the host",
+			cfg:     with(v4Config(), func(c *Config) { c.BindIP = a("10.0.0.6") }),
+			portals: []Portal{with(web, func(p *Portal) { p.NodePort = 30080 })},
+			nat: []string{
+				`-A KUBE-PORTALS-CONTAINER -d 10.96.0.10/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -j DNAT --to-destination 10.0.0.6:38023`,
+				`-A KUBE-PORTALS-HOST -d 10.96.0.10/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -j DNAT --to-destination 10.0.0.6:38023`,
+				`-A KUBE-NODEPORT-CONTAINER -p tcp -m comment --comment "default/web:http" -m tcp --dport 30080 -j DNAT --to-destination 10.0.0.6:38023`,
+				`-A KUBE-NODEPORT-HOST -p tcp -m comment --comment "default/web:http" -m tcp --dport 30080 -j DNAT --to-destination 10.0.0.6:38023`,
+			},
+			filter: []string{
+				`-A KUBE-NODEPORT-NON-LOCAL -p tcp -m comment --comment "default/web:http" -m tcp --dport 38023 -m state --state NEW -j ACCEPT`,
+			},
+		},
+		{
+			name:    "unspecified bind IP behaves like none",
+			cfg:     with(v4Config(), func(c *Config) { c.BindIP = a("0.0.0.0") }),
+			portals: []Portal{web},
+			nat: []string{
+				`-A KUBE-PORTALS-CONTAINER -d 10.96.0.10/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -j REDIRECT --to-ports 38023`,
+				`-A KUBE-PORTALS-HOST -d 10.96.0.10/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -j DNAT --to-destination 10.0.0.5:38023`,
+			},
+		},
+		{
+			name: "reject: no endpoints at all, every address and the NodePort",
+			cfg:  v4Config(),
+			portals: []Portal{with(web, func(p *Portal) {
+				p.Protocol = "udp"
+				p.NodePort = 30053
+				p.ExternalIPs = []netip.Addr{a("192.0.2.7")}
+				p.LoadBalancerIPs = []netip.Addr{a("203.0.113.1")}
+				p.Internal, p.External = Reject, Reject
+				p.ProxyPort = 0
+			})},
+			filter: []string{
+				`-A KUBE-PORTALS-FILTER -d 10.96.0.10/32 -p udp -m comment --comment "default/web:http" -m udp --dport 80 -j REJECT --reject-with icmp-port-unreachable`,
+				`-A KUBE-PORTALS-FILTER -d 203.0.113.1/32 -p udp -m comment --comment "default/web:http" -m udp --dport 80 -j REJECT --reject-with icmp-port-unreachable`,
+				`-A KUBE-PORTALS-FILTER -d 192.0.2.7/32 -p udp -m comment --comment "default/web:http" -m udp --dport 80 -j REJECT --reject-with icmp-port-unreachable`,
+				`-A KUBE-PORTALS-FILTER -p udp -m comment --comment "default/web:http" -m udp --dport 30053 -m addrtype --dst-type LOCAL -j REJECT --reject-with icmp-port-unreachable`,
+			},
+		},
+		{
+			name: "drop: external Local policy without local endpoints, internal still redirected",
+			cfg:  v4Config(),
+			portals: []Portal{with(web, func(p *Portal) {
+				p.NodePort = 30080
+				p.LoadBalancerIPs = []netip.Addr{a("203.0.113.1")}
+				p.External = Drop
+			})},
+			nat: []string{
+				`-A KUBE-PORTALS-CONTAINER -d 10.96.0.10/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -j REDIRECT --to-ports 38023`,
+				`-A KUBE-PORTALS-HOST -d 10.96.0.10/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -j DNAT --to-destination 10.0.0.5:38023`,
+			},
+			filter: []string{
+				`-A KUBE-PORTALS-FILTER -d 203.0.113.1/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -j DROP`,
+				`-A KUBE-PORTALS-FILTER -p tcp -m comment --comment "default/web:http" -m tcp --dport 30080 -m addrtype --dst-type LOCAL -j DROP`,
+			},
+		},
+		{
+			name: "drop NodePort with nodePortAddresses: per address",
+			cfg:  with(v4Config(), func(c *Config) { c.NodePortAddresses = []netip.Prefix{pfx("10.0.0.0/24")} }),
+			host: Host{NodeIPs: []netip.Addr{a("10.0.0.5"), a("192.168.1.1")}},
+			portals: []Portal{with(web, func(p *Portal) {
+				p.NodePort = 30080
+				p.Internal, p.External = Redirect, Drop
+			})},
+			nat: []string{
+				`-A KUBE-PORTALS-CONTAINER -d 10.96.0.10/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -j REDIRECT --to-ports 38023`,
+				`-A KUBE-PORTALS-HOST -d 10.96.0.10/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -j DNAT --to-destination 10.0.0.5:38023`,
+			},
+			filter: []string{
+				`-A KUBE-PORTALS-FILTER -d 10.0.0.5/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 30080 -j DROP`,
+			},
+		},
+		{
+			name: "internal reject, external redirect",
+			cfg:  v4Config(),
+			portals: []Portal{with(web, func(p *Portal) {
+				p.NodePort = 30080
+				p.Internal = Reject
+			})},
+			nat: []string{
+				`-A KUBE-NODEPORT-CONTAINER -p tcp -m comment --comment "default/web:http" -m tcp --dport 30080 -j REDIRECT --to-ports 38023`,
+				`-A KUBE-NODEPORT-HOST -p tcp -m comment --comment "default/web:http" -m tcp --dport 30080 -j DNAT --to-destination 10.0.0.5:38023`,
+			},
+			filter: []string{
+				`-A KUBE-NODEPORT-NON-LOCAL -p tcp -m comment --comment "default/web:http" -m tcp --dport 38023 -m state --state NEW -j ACCEPT`,
+				`-A KUBE-PORTALS-FILTER -d 10.96.0.10/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -j REJECT --reject-with icmp-port-unreachable`,
+			},
+		},
+		{
+			name: "IPv6: brackets in DNAT, /128, icmp6 reject, IPv4 addresses ignored",
+			cfg:  v6Config(),
+			portals: []Portal{
+				{Comment: "default/web:http", Protocol: "tcp", Port: 80, ClusterIP: a("fd00:96::10"), ProxyPort: 38023, NodePort: 30080,
+					ExternalIPs: []netip.Addr{a("2001:db8::7"), a("192.0.2.7")}},
+				{Comment: "default/dns:dns", Protocol: "udp", Port: 53, ClusterIP: a("fd00:96::2"), Internal: Reject, External: Reject},
+				{Comment: "default/v4only:x", Protocol: "tcp", Port: 1, ClusterIP: a("10.96.0.1"), ProxyPort: 1000},
+			},
+			nat: []string{
+				`-A KUBE-PORTALS-CONTAINER -d fd00:96::10/128 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -j REDIRECT --to-ports 38023`,
+				`-A KUBE-PORTALS-CONTAINER -d 2001:db8::7/128 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -m physdev ! --physdev-is-in -j REDIRECT --to-ports 38023`,
+				`-A KUBE-PORTALS-CONTAINER -d 2001:db8::7/128 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -m addrtype --dst-type LOCAL -j REDIRECT --to-ports 38023`,
+				`-A KUBE-PORTALS-HOST -d fd00:96::10/128 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -j DNAT --to-destination [fd00::5]:38023`,
+				`-A KUBE-PORTALS-HOST -d 2001:db8::7/128 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -m addrtype --dst-type LOCAL -j DNAT --to-destination [fd00::5]:38023`,
+				`-A KUBE-NODEPORT-CONTAINER -p tcp -m comment --comment "default/web:http" -m tcp --dport 30080 -j REDIRECT --to-ports 38023`,
+				`-A KUBE-NODEPORT-HOST -p tcp -m comment --comment "default/web:http" -m tcp --dport 30080 -j DNAT --to-destination [fd00::5]:38023`,
+			},
+			filter: []string{
+				`-A KUBE-NODEPORT-NON-LOCAL -p tcp -m comment --comment "default/web:http" -m tcp --dport 38023 -m state --state NEW -j ACCEPT`,
+				`-A KUBE-PORTALS-FILTER -d fd00:96::2/128 -p udp -m comment --comment "default/dns:dns" -m udp --dport 53 -j REJECT --reject-with icmp6-port-unreachable`,
+			},
+		},
+		{
+			name: "IPv6 with bind IP",
+			cfg:  with(v6Config(), func(c *Config) { c.BindIP = a("fd00::6") }),
+			portals: []Portal{
+				{Comment: "default/web:http", Protocol: "tcp", Port: 80, ClusterIP: a("fd00:96::10"), ProxyPort: 38023},
+			},
+			nat: []string{
+				`-A KUBE-PORTALS-CONTAINER -d fd00:96::10/128 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -j DNAT --to-destination [fd00::6]:38023`,
+				`-A KUBE-PORTALS-HOST -d fd00:96::10/128 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -j DNAT --to-destination [fd00::6]:38023`,
+			},
+		},
+		{
+			name: "invalid portals are left out",
+			cfg:  v4Config(),
+			portals: []Portal{
+				with(web, func(p *Portal) { p.Protocol = "sctp" }),
+				with(web, func(p *Portal) { p.ProxyPort = 0 }),
+				with(web, func(p *Portal) { p.Port = 70000 }),
+				with(web, func(p *Portal) { p.Comment = "ok/svc:p" }),
+			},
+			nat: []string{
+				`-A KUBE-PORTALS-CONTAINER -d 10.96.0.10/32 -p tcp -m comment --comment "ok/svc:p" -m tcp --dport 80 -j REDIRECT --to-ports 38023`,
+				`-A KUBE-PORTALS-HOST -d 10.96.0.10/32 -p tcp -m comment --comment "ok/svc:p" -m tcp --dport 80 -j DNAT --to-destination 10.0.0.5:38023`,
+			},
+		},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			input := slices.Clone(tc.portals)
+			nat, filter := Render(tc.cfg, tc.host, tc.portals)
+			diff(t, "nat", string(nat), natDecl+lines(tc.nat))
+			diff(t, "filter", string(filter), filterDecl+lines(tc.filter))
+			// Deterministic whatever the input order, and the input is not modified.
+			if !slices.EqualFunc(input, tc.portals, portalEqual) {
+				t.Errorf("Render modified its input")
+			}
+			rev := slices.Clone(tc.portals)
+			slices.Reverse(rev)
+			nat2, filter2 := Render(tc.cfg, tc.host, rev)
+			if string(nat2) != string(nat) || string(filter2) != string(filter) {
+				t.Errorf("output depends on input order")
+			}
+		})
+	}
+}
+
+func with[T any](v T, f func(*T)) T {
+	f(&v)
+	return v
+}
+
+func portalEqual(x, y Portal) bool {
+	return x.Comment == y.Comment && x.Protocol == y.Protocol && x.Port == y.Port && x.ClusterIP == y.ClusterIP &&
+		slices.Equal(x.ExternalIPs, y.ExternalIPs) && slices.Equal(x.LoadBalancerIPs, y.LoadBalancerIPs) &&
+		x.NodePort == y.NodePort && x.ProxyPort == y.ProxyPort && x.Internal == y.Internal && x.External == y.External
+}
+
+func lines(ls []string) string {
+	if len(ls) == 0 {
+		return ""
+	}
+	return strings.Join(ls, "\n") + "\n"
+}
+
+func diff(t *testing.T, what, got, want string) {
+	t.Helper()
+	if got == want {
+		return
+	}
+	g, w := strings.Split(got, "\n"), strings.Split(want, "\n")
+	for i := 0; i < max(len(g), len(w)); i++ {
+		var gl, wl string
+		if i < len(g) {
+			gl = g[i]
+		}
+		if i < len(w) {
+			wl = w[i]
+		}
+		if gl != wl {
+			t.Errorf("%s differs at line %d:\n got: %s\nwant: %s\nfull output:\n%s", what, i+1, gl, wl, got)
+			return
+		}
+	}
+}
+
+func TestNodePortIPs(t *testing.T) {
+	addrs := []netip.Addr{a("10.0.0.5"), a("10.0.0.5"), a("127.0.0.1"), a("192.168.1.1"), a("fd00::5"), a("::ffff:10.0.0.9")}
+	tests := []struct {
+		name     string
+		family   iptables.Family
+		prefixes []netip.Prefix
+		want     []netip.Addr
+		wantAll  bool
+	}{
+		{name: "none: all", family: iptables.IPv4, wantAll: true},
+		{name: "zero prefix: all", family: iptables.IPv4, prefixes: []netip.Prefix{pfx("10.0.0.0/8"), pfx("0.0.0.0/0")}, wantAll: true},
+		{name: "only other family: all", family: iptables.IPv4, prefixes: []netip.Prefix{pfx("fd00::/8")}, wantAll: true},
+		{name: "v4 prefix, mapped and duplicate addresses", family: iptables.IPv4, prefixes: []netip.Prefix{pfx("10.0.0.0/24")}, want: []netip.Addr{a("10.0.0.5"), a("10.0.0.9")}},
+		{name: "loopback allowed when asked", family: iptables.IPv4, prefixes: []netip.Prefix{pfx("127.0.0.0/8")}, want: []netip.Addr{a("127.0.0.1")}},
+		{name: "unmasked prefix", family: iptables.IPv4, prefixes: []netip.Prefix{pfx("192.168.1.77/24")}, want: []netip.Addr{a("192.168.1.1")}},
+		{name: "matches nothing", family: iptables.IPv4, prefixes: []netip.Prefix{pfx("172.16.0.0/12")}},
+		{name: "v6", family: iptables.IPv6, prefixes: []netip.Prefix{pfx("10.0.0.0/8"), pfx("fd00::/64")}, want: []netip.Addr{a("fd00::5")}},
+		{name: "v6 zero prefix", family: iptables.IPv6, prefixes: []netip.Prefix{pfx("::/0")}, wantAll: true},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			got, all := NodePortIPs(tc.family, tc.prefixes, addrs)
+			if all != tc.wantAll || !slices.Equal(got, tc.want) {
+				t.Errorf("NodePortIPs = %v, all=%v; want %v, all=%v", got, all, tc.want, tc.wantAll)
+			}
+		})
+	}
+}
+
+func TestPortalValidate(t *testing.T) {
+	ok := Portal{Comment: "a/b:c", Protocol: "tcp", Port: 80, ProxyPort: 1000}
+	tests := []struct {
+		name  string
+		p     Portal
+		field string // "" = valid
+	}{
+		{name: "valid", p: ok},
+		{name: "reject needs no proxy port", p: with(ok, func(p *Portal) { p.ProxyPort = 0; p.Internal, p.External = Reject, Drop })},
+		{name: "sctp", p: with(ok, func(p *Portal) { p.Protocol = "sctp" }), field: "protocol"},
+		{name: "upper-case protocol", p: with(ok, func(p *Portal) { p.Protocol = "TCP" }), field: "protocol"},
+		{name: "port 0", p: with(ok, func(p *Portal) { p.Port = 0 }), field: "port"},
+		{name: "nodePort too big", p: with(ok, func(p *Portal) { p.NodePort = 65536 }), field: "nodePort"},
+		{name: "redirect needs proxy port", p: with(ok, func(p *Portal) { p.ProxyPort = 0; p.Internal = Reject }), field: "proxyPort"},
+		{name: "unknown action", p: with(ok, func(p *Portal) { p.External = Action(7) }), field: "external"},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			err := tc.p.Validate()
+			if tc.field == "" {
+				if err != nil {
+					t.Errorf("Validate = %v, want nil", err)
+				}
+				return
+			}
+			if err == nil || !strings.Contains(err.Error(), tc.field+":") || !strings.Contains(err.Error(), `"a/b:c"`) {
+				t.Errorf("Validate = %v, want an error naming the portal and field %s", err, tc.field)
+			}
+		})
+	}
+}
