@@ -1,0 +1,23 @@
+// Package forward is the proxy's data path: given the listening socket of one service port, it
+// forwards every TCP connection (TCPProxy) or UDP flow (UDPProxy) to an endpoint picked by a
+// Chooser. It knows nothing about Kubernetes objects or iptables; the proxier creates the
+// listening sockets, hands each one to a TCPProxy or UDPProxy and runs its Serve method in a
+// goroutine it owns.
+//
+// TCP: the accept loop never waits on a dial. Each accepted connection gets its own goroutine,
+// which dials the chosen endpoint (retrying other endpoints with growing timeouts), then copies
+// both directions with splice(2) (both sockets are *net.TCPConn handed straight to ReadFrom, so
+// the bytes never enter user space), propagates half-closes, and resets the client when no
+// endpoint can be reached. Running out of file descriptors on accept pauses accepting with a
+// growing sleep instead of failing.
+//
+// UDP: one session per client address, each with its own connected socket to the endpoint and
+// one goroutine reading the endpoint's replies, which are written back from the service's own
+// listening socket so that conntrack un-NATs them. Sessions end after an idle timeout, when
+// their endpoint leaves the service (DropSessions), or when the proxy closes.
+//
+// Both report the original destination of the traffic (before the portal's REDIRECT/DNAT) to the
+// Chooser, read from conntrack with SO_ORIGINAL_DST (TCP) or IP_RECVORIGDSTADDR (UDP).
+//
+// The package is Linux-only (splice, SO_ORIGINAL_DST, IP_ORIGDSTADDR).
+package forward

@@ -1,0 +1,131 @@
+package forward
+
+import (
+	"errors"
+	"net"
+	"net/netip"
+	"syscall"
+	"time"
+)
+
+// Chooser picks endpoints for new connections and flows.
+type Chooser interface {
+	// Choose returns the endpoint for a new connection or UDP session from client.
+	//
+	// client is the peer's address (IPv4-mapped IPv6 addresses are unmapped). dst is the
+	// original destination of the connection before the portal's REDIRECT/DNAT, from
+	// SO_ORIGINAL_DST for TCP and IP_ORIGDSTADDR / IPV6_ORIGDSTADDR for UDP; it is the zero
+	// AddrPort when unknown, e.g. when the client connected to the proxy port directly.
+	// reset=true means the previous choice for this client could not be reached: forget its
+	// affinity. An error means there is no usable endpoint: TCP clients are reset, UDP
+	// datagrams dropped.
+	//
+	// Choose is called from many goroutines at once.
+	Choose(client, dst netip.AddrPort, reset bool) (netip.AddrPort, error)
+}
+
+// Metrics receives the traffic events of one service port. Calls come from many goroutines at
+// once and are made off the copy loops: at most a few per connection or session, never per
+// read. Every accepted connection ends in exactly one ConnClosed (it reached an endpoint) or
+// ConnFailed (it never did).
+type Metrics interface {
+	// ConnAccepted: a TCP connection was accepted.
+	ConnAccepted()
+	// ConnClosed: a TCP connection that reached an endpoint has ended.
+	ConnClosed()
+	// ConnFailed: a TCP connection ended without reaching an endpoint (no endpoint, every
+	// dial failed, or the proxy was shut down while dialling).
+	ConnFailed()
+	// DialFailed: connecting to endpoint failed (TCP dial, or a UDP endpoint that answered
+	// with ICMP port unreachable).
+	DialFailed(endpoint netip.AddrPort)
+	// BytesCopied adds the payload bytes forwarded to and from an endpoint. Reported once when
+	// a TCP connection or UDP session ends.
+	BytesCopied(toEndpoint, fromEndpoint int64)
+	// UDPSessionOpened and UDPSessionClosed bracket each UDP session.
+	UDPSessionOpened()
+	UDPSessionClosed()
+	// DatagramDropped: a UDP datagram from a client could not be forwarded (no endpoint, or
+	// the session's socket could not be created or written).
+	DatagramDropped()
+}
+
+// noMetrics is the Metrics used when none is configured.
+type noMetrics struct{}
+
+func (noMetrics) ConnAccepted()              {}
+func (noMetrics) ConnClosed()                {}
+func (noMetrics) ConnFailed()                {}
+func (noMetrics) DialFailed(netip.AddrPort)  {}
+func (noMetrics) BytesCopied(to, from int64) {}
+func (noMetrics) UDPSessionOpened()          {}
+func (noMetrics) UDPSessionClosed()          {}
+func (noMetrics) DatagramDropped()           {}
+
+// metricsOrNone returns m, or a Metrics that discards everything when m is nil.
+func metricsOrNone(m Metrics) Metrics {
+	if m == nil {
+		return noMetrics{}
+	}
+	return m
+}
+
+// isResourceExhausted reports whether err means the process or the kernel ran out of file
+// descriptors or memory: a condition that goes away when load drops, to be met with
+// back-pressure rather than failure.
+func isResourceExhausted(err error) bool {
+	return errors.Is(err, syscall.EMFILE) || errors.Is(err, syscall.ENFILE) ||
+		errors.Is(err, syscall.ENOBUFS) || errors.Is(err, syscall.ENOMEM)
+}
+
+// unmapAddrPort returns ap with an IPv4-mapped IPv6 address turned into IPv4.
+func unmapAddrPort(ap netip.AddrPort) netip.AddrPort {
+	return netip.AddrPortFrom(ap.Addr().Unmap(), ap.Port())
+}
+
+// tcpAddrPort returns the address of a TCP socket end, or the zero AddrPort.
+func tcpAddrPort(a net.Addr) netip.AddrPort {
+	if ta, ok := a.(*net.TCPAddr); ok {
+		return unmapAddrPort(ta.AddrPort())
+	}
+	return netip.AddrPort{}
+}
+
+// Back-pressure on resource exhaustion (EMFILE on accept, ENOBUFS on receive): the loop sleeps
+// pauseMin, doubling up to pauseMax, until the call succeeds again.
+const (
+	pauseMin = 5 * time.Millisecond
+	pauseMax = time.Second
+)
+
+// resourcePause is one episode of back-pressure: consecutive failures of a loop's call for lack
+// of file descriptors or memory. The zero value is no episode.
+type resourcePause struct {
+	start    time.Time
+	attempts int
+	delay    time.Duration
+}
+
+// next records another failure and returns how long to sleep before retrying.
+func (r *resourcePause) next() time.Duration {
+	if r.attempts == 0 {
+		r.start = time.Now()
+		r.delay = pauseMin
+	} else {
+		r.delay = min(2*r.delay, pauseMax)
+	}
+	r.attempts++
+	return r.delay
+}
+
+// sleepUnlessStopped sleeps for d and returns true, or returns false as soon as stop is closed.
+func sleepUnlessStopped(d time.Duration, stop <-chan struct{}) bool {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-t.C:
+		return true
+	case <-stop:
+		return false
+	}
+}

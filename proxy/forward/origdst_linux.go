@@ -1,0 +1,155 @@
+package forward
+
+import (
+	"encoding/binary"
+	"fmt"
+	"net"
+	"net/netip"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
+)
+
+// Socket options that read the pre-NAT destination from conntrack: SO_ORIGINAL_DST
+// (linux/netfilter_ipv4.h) at SOL_IP and IP6T_SO_ORIGINAL_DST (linux/netfilter_ipv6/ip6_tables.h)
+// at SOL_IPV6. golang.org/x/sys/unix does not name them.
+const (
+	soOriginalDst     = 80
+	ip6tSoOriginalDst = 80
+)
+
+// tcpOriginalDst returns the destination conn had before the portal's REDIRECT/DNAT, or the
+// zero AddrPort when it is unknown: conntrack is not loaded (ENOPROTOOPT), the connection has no
+// conntrack entry (ENOENT), or it was not NATed (conntrack then returns the local address).
+func tcpOriginalDst(conn *net.TCPConn) netip.AddrPort {
+	local := tcpAddrPort(conn.LocalAddr())
+	if !local.IsValid() {
+		return netip.AddrPort{}
+	}
+	rc, err := conn.SyscallConn()
+	if err != nil {
+		return netip.AddrPort{}
+	}
+	// An IPv4 client of a dual-stack ([::]) listener has an IPv4 conntrack entry: ask the IPv4
+	// table, which the kernel allows on an AF_INET6 socket (ipv6_getsockopt passes SOL_IP on).
+	level, opt := unix.SOL_IP, soOriginalDst
+	if local.Addr().Is6() {
+		level, opt = unix.SOL_IPV6, ip6tSoOriginalDst
+	}
+	var dst netip.AddrPort
+	var gerr error
+	if err := rc.Control(func(fd uintptr) { dst, gerr = getsockoptSockaddr(int(fd), level, opt) }); err != nil || gerr != nil {
+		return netip.AddrPort{}
+	}
+	dst = unmapAddrPort(dst)
+	if dst == local {
+		return netip.AddrPort{}
+	}
+	return dst
+}
+
+// getsockoptSockaddr reads a socket option whose value is a struct sockaddr_in or sockaddr_in6.
+func getsockoptSockaddr(fd, level, opt int) (netip.AddrPort, error) {
+	var buf [unix.SizeofSockaddrAny]byte
+	size := uint32(len(buf))
+	_, _, errno := unix.Syscall6(unix.SYS_GETSOCKOPT, uintptr(fd), uintptr(level), uintptr(opt),
+		uintptr(unsafe.Pointer(&buf[0])), uintptr(unsafe.Pointer(&size)), 0)
+	if errno != 0 {
+		return netip.AddrPort{}, errno
+	}
+	if int(size) > len(buf) {
+		return netip.AddrPort{}, fmt.Errorf("getsockopt(%d, %d): %d-byte value", level, opt, size)
+	}
+	ap, ok := parseSockaddr(buf[:size])
+	if !ok {
+		return netip.AddrPort{}, fmt.Errorf("getsockopt(%d, %d): not a sockaddr_in/sockaddr_in6", level, opt)
+	}
+	return ap, nil
+}
+
+// parseSockaddr decodes a struct sockaddr_in or sockaddr_in6 (family in host byte order, port in
+// network byte order).
+func parseSockaddr(b []byte) (netip.AddrPort, bool) {
+	if len(b) < 2 {
+		return netip.AddrPort{}, false
+	}
+	switch binary.NativeEndian.Uint16(b) {
+	case unix.AF_INET:
+		if len(b) < 8 { // family, port, address; sin_zero may be cut
+			return netip.AddrPort{}, false
+		}
+		return netip.AddrPortFrom(netip.AddrFrom4([4]byte(b[4:8])), binary.BigEndian.Uint16(b[2:4])), true
+	case unix.AF_INET6:
+		if len(b) < 24 { // family, port, flowinfo, address; scope id may be cut
+			return netip.AddrPort{}, false
+		}
+		return netip.AddrPortFrom(netip.AddrFrom16([16]byte(b[8:24])), binary.BigEndian.Uint16(b[2:4])), true
+	}
+	return netip.AddrPort{}, false
+}
+
+// origDstOOBSize is enough out-of-band space for one IP_ORIGDSTADDR or IPV6_ORIGDSTADDR message,
+// with room to spare.
+var origDstOOBSize = 2 * unix.CmsgSpace(unix.SizeofSockaddrInet6)
+
+// enableOrigDst asks the kernel to attach the pre-NAT destination to every datagram received on
+// conn: IP_RECVORIGDSTADDR for IPv4 traffic (also on an AF_INET6 dual-stack socket, where IPv4
+// clients arrive as mapped addresses) and IPV6_RECVORIGDSTADDR on AF_INET6 sockets.
+func enableOrigDst(conn *net.UDPConn) error {
+	rc, err := conn.SyscallConn()
+	if err != nil {
+		return fmt.Errorf("enable IP_RECVORIGDSTADDR: %w", err)
+	}
+	var serr error
+	cerr := rc.Control(func(fd uintptr) {
+		domain, err := unix.GetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_DOMAIN)
+		if err != nil {
+			serr = fmt.Errorf("getsockopt SO_DOMAIN: %w", err)
+			return
+		}
+		if domain == unix.AF_INET6 {
+			if err := unix.SetsockoptInt(int(fd), unix.SOL_IPV6, unix.IPV6_RECVORIGDSTADDR, 1); err != nil {
+				serr = fmt.Errorf("setsockopt IPV6_RECVORIGDSTADDR: %w", err)
+				return
+			}
+		}
+		if err := unix.SetsockoptInt(int(fd), unix.SOL_IP, unix.IP_RECVORIGDSTADDR, 1); err != nil && domain == unix.AF_INET {
+			// On an IPv6-only socket the IPv4 option is useless; only IPv4 sockets need it.
+			serr = fmt.Errorf("setsockopt IP_RECVORIGDSTADDR: %w", err)
+		}
+	})
+	if cerr != nil {
+		return fmt.Errorf("enable IP_RECVORIGDSTADDR: %w", cerr)
+	}
+	return serr
+}
+
+// origDstFromOOB returns the address of the first IP_ORIGDSTADDR or IPV6_ORIGDSTADDR control
+// message in oob (as filled by recvmsg), or the zero AddrPort. It does not allocate.
+func origDstFromOOB(oob []byte) netip.AddrPort {
+	hdrSpace := unix.CmsgLen(0) // the header, aligned: where the data starts
+	for len(oob) >= hdrSpace {
+		var msgLen uint64
+		if unix.SizeofPtr == 8 {
+			msgLen = binary.NativeEndian.Uint64(oob)
+		} else {
+			msgLen = uint64(binary.NativeEndian.Uint32(oob))
+		}
+		if msgLen < uint64(hdrSpace) || msgLen > uint64(len(oob)) {
+			return netip.AddrPort{}
+		}
+		level := int32(binary.NativeEndian.Uint32(oob[unix.SizeofPtr:]))
+		typ := int32(binary.NativeEndian.Uint32(oob[unix.SizeofPtr+4:]))
+		if (level == unix.SOL_IP && typ == unix.IP_ORIGDSTADDR) || (level == unix.SOL_IPV6 && typ == unix.IPV6_ORIGDSTADDR) {
+			if ap, ok := parseSockaddr(oob[hdrSpace:msgLen]); ok {
+				return unmapAddrPort(ap)
+			}
+		}
+		next := unix.CmsgSpace(int(msgLen) - hdrSpace) // msgLen rounded up to the alignment
+		if next >= len(oob) {
+			return netip.AddrPort{}
+		}
+		oob = oob[next:]
+	}
+	return netip.AddrPort{}
+}

@@ -1,0 +1,173 @@
+package forward
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"fmt"
+	"io"
+	"math/rand/v2"
+	"net"
+	"net/netip"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+)
+
+// backendEnv passes the backend address to helper processes.
+const backendEnv = "KUP_FORWARD_BACKEND"
+
+// spliceChild is the helper process of TestTCPSplice: it runs only a TCPProxy (no client, no
+// backend), so every splice(2) it makes is the proxy's. It prints "ADDR <proxy address>" and
+// serves until its stdin closes.
+func spliceChild() int {
+	backend, err := netip.ParseAddrPort(os.Getenv(backendEnv))
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "backend address:", err)
+		return 2
+	}
+	ln, err := net.ListenTCP("tcp", &net.TCPAddr{IP: net.IPv4(127, 0, 0, 1)})
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "listen:", err)
+		return 2
+	}
+	p := &TCPProxy{Listener: ln, Chooser: &fakeChooser{endpoints: []netip.AddrPort{backend}}}
+	served := make(chan error, 1)
+	go func() { served <- p.Serve() }()
+	fmt.Printf("ADDR %s\n", ln.Addr())
+	io.Copy(io.Discard, os.Stdin)
+	if err := p.Shutdown(context.Background()); err != nil {
+		fmt.Fprintln(os.Stderr, "shutdown:", err)
+		return 1
+	}
+	if err := <-served; err != nil {
+		fmt.Fprintln(os.Stderr, "serve:", err)
+		return 1
+	}
+	return 0
+}
+
+// traceLine matches a completed system call in strace -f -o output: "PID name(...) = R" or
+// "PID <... name resumed>...) = R" ("[pid PID]" when strace writes to a terminal).
+var traceLine = regexp.MustCompile(`^(?:\[pid\s+\d+\]\s+|\d+\s+)?(?:<\.\.\. (\w+) resumed>|(\w+)\().*\)\s+=\s+(-?\d+)`)
+
+// TestTCPSplice proves that the proxy moves payload with splice(2) and never through user
+// space: it runs the proxy in a child process under strace, sends data through it, and checks
+// that the bytes the child's splice calls moved are exactly four times the payload (client→pipe,
+// pipe→endpoint, endpoint→pipe, pipe→client) while its read/write-family calls moved almost
+// nothing.
+func TestTCPSplice(t *testing.T) {
+	checkNoLeaks(t)
+	strace, err := exec.LookPath("strace")
+	if err != nil {
+		t.Fatalf("strace is required to prove splice (apt-get install strace): %v", err)
+	}
+	const payload = 8 << 20
+	backend := startTCPEcho(t, loopback("4"))
+
+	trace := filepath.Join(t.TempDir(), "strace.out")
+	cmd := exec.Command(strace, "-f", "-qq", "-C", "-o", trace,
+		"-e", "trace=splice,read,write,readv,writev,recvfrom,sendto,recvmsg,sendmsg",
+		"-e", "signal=none", os.Args[0])
+	cmd.Env = append(os.Environ(), childEnv+"=splice", backendEnv+"="+backend.String())
+	stdin, err := cmd.StdinPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	stdout, err := cmd.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var stderr bytes.Buffer
+	cmd.Stderr = &stderr
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	waited := false
+	t.Cleanup(func() {
+		if !waited {
+			cmd.Process.Kill()
+			cmd.Wait()
+		}
+	})
+	line, err := bufio.NewReader(stdout).ReadString('\n')
+	if err != nil {
+		t.Fatalf("reading the child's address: %v (stderr: %s)", err, stderr.String())
+	}
+	proxyAddr, err := netip.ParseAddrPort(strings.TrimSpace(strings.TrimPrefix(line, "ADDR ")))
+	if err != nil {
+		t.Fatalf("child said %q: %v", line, err)
+	}
+
+	c := dialTCPTest(t, proxyAddr)
+	c.SetDeadline(time.Now().Add(5 * time.Minute))
+	msg := make([]byte, payload)
+	rand.NewChaCha8([32]byte{3}).Read(msg)
+	werr := make(chan error, 1)
+	go func() {
+		_, err := c.Write(msg)
+		if err == nil {
+			err = c.CloseWrite()
+		}
+		werr <- err
+	}()
+	got, err := io.ReadAll(c)
+	if err != nil || <-werr != nil {
+		t.Fatalf("transfer through the proxy: read %v", err)
+	}
+	if !bytes.Equal(got, msg) {
+		t.Fatalf("echo differs: %d bytes, want %d", len(got), len(msg))
+	}
+	c.Close()
+	stdin.Close()
+	err = cmd.Wait()
+	waited = true
+	if err != nil {
+		t.Fatalf("child: %v (stderr: %s)", err, stderr.String())
+	}
+
+	out, err := os.ReadFile(trace)
+	if err != nil {
+		t.Fatal(err)
+	}
+	calls, moved := map[string]int{}, map[string]int64{}
+	var summary []string
+	inSummary := false
+	for _, l := range strings.Split(string(out), "\n") {
+		if strings.HasPrefix(l, "% time") {
+			inSummary = true
+		}
+		if inSummary {
+			summary = append(summary, l)
+			continue
+		}
+		m := traceLine.FindStringSubmatch(l)
+		if m == nil {
+			continue
+		}
+		name := m[1] + m[2]
+		calls[name]++
+		if r, _ := strconv.ParseInt(m[3], 10, 64); r > 0 {
+			moved[name] += r
+		}
+	}
+	t.Logf("strace -f -C summary of the proxy process (%d-byte payload echoed):\n%s", payload, strings.Join(summary, "\n"))
+	var other int64
+	for name, n := range moved {
+		t.Logf("%-8s %6d completed calls, %10d bytes", name, calls[name], n)
+		if name != "splice" {
+			other += n
+		}
+	}
+	if want := int64(4 * payload); moved["splice"] != want {
+		t.Errorf("splice moved %d bytes, want %d (4 × payload): payload bypassed splice", moved["splice"], want)
+	}
+	if other >= 64<<10 {
+		t.Errorf("read/write-family calls moved %d bytes: payload went through user space", other)
+	}
+}
