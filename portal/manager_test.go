@@ -1,0 +1,382 @@
+package portal
+
+import (
+	"errors"
+	"net/netip"
+	"os/exec"
+	"slices"
+	"strings"
+	"testing"
+
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/iptables"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/iptables/netnstest"
+)
+
+// backend is one iptables flavour the kernel tests run against.
+type backend struct {
+	family iptables.Family
+	mode   iptables.Mode
+}
+
+func (b backend) cmd(suffix string) string {
+	base := "iptables"
+	if b.family == iptables.IPv6 {
+		base = "ip6tables"
+	}
+	return base + "-" + string(b.mode) + suffix
+}
+
+func (b backend) String() string { return b.cmd("") }
+
+var allBackends = []backend{
+	{iptables.IPv4, iptables.ModeNFT}, {iptables.IPv4, iptables.ModeLegacy},
+	{iptables.IPv6, iptables.ModeNFT}, {iptables.IPv6, iptables.ModeLegacy},
+}
+
+func requireBackends(t *testing.T) {
+	t.Helper()
+	var names []string
+	for _, b := range allBackends {
+		names = append(names, b.cmd(""), b.cmd("-save"), b.cmd("-restore"))
+	}
+	netnstest.RequireTools(t, "Debian package iptables ships both the -nft and the -legacy tools (iptables-legacy)", names...)
+}
+
+// ipt runs the backend's iptables in the calling thread's namespace.
+func (b backend) ipt(t *testing.T, args ...string) string {
+	t.Helper()
+	out, err := exec.Command(b.cmd(""), args...).CombinedOutput()
+	if err != nil {
+		t.Fatalf("%s %s: %v: %s", b, strings.Join(args, " "), err, out)
+	}
+	return string(out)
+}
+
+// save returns iptables-save for table, one line per element, without comments and counters.
+func (b backend) save(t *testing.T, table string) []string {
+	t.Helper()
+	out, err := exec.Command(b.cmd("-save"), "-t", table).CombinedOutput()
+	if err != nil {
+		t.Fatalf("%s-save -t %s: %v: %s", b, table, err, out)
+	}
+	var lines []string
+	for _, l := range strings.Split(string(out), "\n") {
+		if l != "" && !strings.HasPrefix(l, "#") {
+			lines = append(lines, l)
+		}
+	}
+	return lines
+}
+
+// family-specific test addresses.
+type addrs struct {
+	host, node2, clusterIP, clusterIP2, extIP, lbIP netip.Addr
+	nodeNet                                         netip.Prefix
+}
+
+func testAddrs(f iptables.Family) addrs {
+	if f == iptables.IPv6 {
+		return addrs{
+			host: a("fd00:200::1"), node2: a("fd00:200::7"), clusterIP: a("fd00:96::10"), clusterIP2: a("fd00:96::20"),
+			extIP: a("2001:db8::50"), lbIP: a("2001:db8:1::10"), nodeNet: pfx("fd00:200::/64"),
+		}
+	}
+	return addrs{
+		host: a("10.200.0.1"), node2: a("10.200.0.7"), clusterIP: a("10.96.0.10"), clusterIP2: a("10.96.0.20"),
+		extIP: a("192.0.2.50"), lbIP: a("203.0.113.10"), nodeNet: pfx("10.200.0.0/24"),
+	}
+}
+
+func newTestManager(t *testing.T, b backend, cfg Config) (*Manager, *iptables.Runner) {
+	t.Helper()
+	r, err := iptables.New(iptables.Options{Family: b.family, Mode: b.mode})
+	if err != nil {
+		t.Fatalf("iptables.New: %v", err)
+	}
+	m, err := NewManager(Options{Config: cfg, Runner: r})
+	if err != nil {
+		t.Fatalf("NewManager: %v", err)
+	}
+	return m, r
+}
+
+// TestManagerInNamespace programs a real kernel, in a namespace of its own per backend.
+func TestManagerInNamespace(t *testing.T) {
+	requireBackends(t)
+	for _, b := range allBackends {
+		t.Run(b.String(), func(t *testing.T) {
+			ns := netnstest.New(t)
+			ad := testAddrs(b.family)
+			// Node addresses live on lo (this kernel has no dummy links).
+			ns.IP(t, "addr", "add", netip.PrefixFrom(ad.host, ad.host.BitLen()).String(), "dev", "lo")
+			ns.IP(t, "addr", "add", netip.PrefixFrom(ad.node2, ad.node2.BitLen()).String(), "dev", "lo")
+			ns.Do(t, func() { testManager(t, b, ad) })
+		})
+	}
+}
+
+func testManager(t *testing.T, b backend, ad addrs) {
+	cfg := Config{Family: b.family, HostIP: ad.host}
+	m, _ := newTestManager(t, b, cfg)
+
+	// Cleanup with nothing there is fine.
+	if err := m.Cleanup(); err != nil {
+		t.Fatalf("Cleanup on a clean namespace: %v", err)
+	}
+
+	// Foreign rules and chains must survive everything we do.
+	b.ipt(t, "-t", "nat", "-A", "PREROUTING", "-p", "udp", "--dport", "9", "-j", "ACCEPT")
+	b.ipt(t, "-t", "nat", "-N", "FOREIGN")
+	b.ipt(t, "-t", "nat", "-A", "FOREIGN", "-p", "tcp", "-j", "RETURN")
+	b.ipt(t, "-t", "filter", "-A", "INPUT", "-p", "udp", "--dport", "9", "-j", "ACCEPT")
+	foreign := []string{"-A PREROUTING -p udp -m udp --dport 9 -j ACCEPT", ":FOREIGN - [0:0]", "-A FOREIGN -p tcp -j RETURN"}
+
+	portals := []Portal{
+		{Comment: "default/web:http", Protocol: "tcp", Port: 80, ClusterIP: ad.clusterIP, ProxyPort: 38023, NodePort: 30080,
+			ExternalIPs: []netip.Addr{ad.extIP}, LoadBalancerIPs: []netip.Addr{ad.lbIP}},
+		{Comment: "default/dns:dns", Protocol: "udp", Port: 53, ClusterIP: ad.clusterIP2, Internal: Reject, External: Reject, NodePort: 30053},
+	}
+	sync := func(ps []Portal) {
+		t.Helper()
+		if err := m.Sync(ps); err != nil {
+			t.Fatalf("Sync: %v", err)
+		}
+		nat, filter := Render(cfg, Host{}, ps)
+		checkProgrammed(t, b, "nat", nat)
+		checkProgrammed(t, b, "filter", filter)
+		checkJumps(t, b)
+		checkContains(t, b, "nat", foreign)
+	}
+	sync(portals)
+
+	// A change replaces the old rules.
+	changed := slices.Clone(portals)
+	changed[0].ProxyPort = 38099
+	changed[0].ExternalIPs = nil
+	sync(changed)
+	for _, table := range []string{"nat", "filter"} {
+		for _, l := range b.save(t, table) {
+			if strings.Contains(l, "38023") || strings.Contains(l, ad.extIP.String()) {
+				t.Errorf("after the change, %s still has %q", table, l)
+			}
+		}
+	}
+
+	// Someone deletes a jump, a rule and a whole chain of ours: the next sync puts them back.
+	b.ipt(t, "-t", "nat", "-D", "PREROUTING", "-m", "comment", "--comment", "handle ClusterIPs; NOTE: this must be before the NodePort rules", "-j", ChainPortalsContainer)
+	b.ipt(t, "-t", "filter", "-D", "FORWARD", "-m", "conntrack", "--ctstate", "NEW", "-m", "comment", "--comment", "reject or drop new traffic to service ports without usable endpoints", "-j", ChainPortalsFilter)
+	b.ipt(t, "-t", "nat", "-D", ChainPortalsHost, "1")
+	b.ipt(t, "-t", "nat", "-D", "OUTPUT", "-m", "addrtype", "--dst-type", "LOCAL", "-m", "comment", "--comment", "handle service NodePorts; NOTE: this must be the last rule in the chain", "-j", ChainNodePortHost)
+	b.ipt(t, "-t", "nat", "-F", ChainNodePortHost)
+	b.ipt(t, "-t", "nat", "-X", ChainNodePortHost)
+	sync(changed)
+
+	// NodePortAddresses: per-address rules for node addresses in the prefix only, read from the
+	// namespace's interfaces.
+	npCfg := Config{Family: b.family, HostIP: ad.host, NodePortAddresses: []netip.Prefix{netip.PrefixFrom(ad.node2, ad.node2.BitLen())}}
+	m2, _ := newTestManager(t, b, npCfg)
+	if err := m2.Sync(changed); err != nil {
+		t.Fatalf("Sync with nodePortAddresses: %v", err)
+	}
+	nat := strings.Join(b.save(t, "nat"), "\n")
+	wantNP := "-A KUBE-NODEPORT-CONTAINER -d " + netip.PrefixFrom(ad.node2, ad.node2.BitLen()).String() + " -p tcp"
+	if !strings.Contains(nat, wantNP) || strings.Contains(nat, "-d "+netip.PrefixFrom(ad.host, ad.host.BitLen()).String()+" -p tcp -m comment --comment \"default/web:http\" -m tcp --dport 30080") {
+		t.Errorf("nodePortAddresses %v: want NodePort rules for %v only:\n%s", npCfg.NodePortAddresses, ad.node2, nat)
+	}
+
+	// The physdev probe chain never stays behind.
+	checkAbsent(t, b, "nat", chainProbe)
+
+	// Cleanup removes everything of ours, leaves the rest, and can run again.
+	for i := 0; i < 2; i++ {
+		if err := m.Cleanup(); err != nil {
+			t.Fatalf("Cleanup #%d: %v", i, err)
+		}
+		checkAbsent(t, b, "nat", "KUBE-")
+		checkAbsent(t, b, "filter", "KUBE-")
+		checkContains(t, b, "nat", foreign)
+		checkContains(t, b, "filter", []string{"-A INPUT -p udp -m udp --dport 9 -j ACCEPT"})
+	}
+}
+
+// checkProgrammed checks that every line Render produced is in iptables-save, verbatim, and that
+// our chains hold nothing else.
+func checkProgrammed(t *testing.T, b backend, table string, payload []byte) {
+	t.Helper()
+	want := strings.Split(strings.TrimSpace(string(payload)), "\n")
+	checkContains(t, b, table, want)
+	ours := map[string]bool{}
+	for _, c := range append(natChains(), filterChains()...) {
+		ours[c] = true
+	}
+	wantSet := map[string]bool{}
+	for _, l := range want {
+		wantSet[l] = true
+	}
+	for _, l := range b.save(t, table) {
+		if f := strings.Fields(l); len(f) > 1 && f[0] == "-A" && ours[f[1]] && !wantSet[l] {
+			t.Errorf("%s: unexpected rule in our chain: %s", table, l)
+		}
+	}
+}
+
+func checkContains(t *testing.T, b backend, table string, want []string) {
+	t.Helper()
+	got := b.save(t, table)
+	for _, w := range want {
+		if !slices.Contains(got, w) {
+			t.Errorf("%s-save -t %s lacks %q; has:\n%s", b, table, w, strings.Join(got, "\n"))
+		}
+	}
+}
+
+func checkAbsent(t *testing.T, b backend, table, substr string) {
+	t.Helper()
+	for _, l := range b.save(t, table) {
+		if strings.Contains(l, substr) {
+			t.Errorf("%s-save -t %s still has %q", b, table, l)
+		}
+	}
+}
+
+// checkJumps checks our jumps exist, portal jumps before NodePort jumps, NodePort jumps last.
+func checkJumps(t *testing.T, b backend) {
+	t.Helper()
+	rulesOf := func(table, chain string) []string {
+		var out []string
+		for _, l := range b.save(t, table) {
+			if strings.HasPrefix(l, "-A "+chain+" ") {
+				out = append(out, l)
+			}
+		}
+		return out
+	}
+	for _, c := range []struct{ chain, first, last string }{
+		{"PREROUTING", ChainPortalsContainer, ChainNodePortContainer},
+		{"OUTPUT", ChainPortalsHost, ChainNodePortHost},
+	} {
+		rules := rulesOf("nat", c.chain)
+		if len(rules) < 2 || !strings.HasSuffix(rules[0], "-j "+c.first) || !strings.HasSuffix(rules[len(rules)-1], "-j "+c.last) ||
+			!strings.Contains(rules[len(rules)-1], "-m addrtype --dst-type LOCAL") {
+			t.Errorf("nat %s = %q: want the %s jump first and the %s jump (dst-type LOCAL) last", c.chain, rules, c.first, c.last)
+		}
+	}
+	for _, c := range []struct {
+		chain string
+		want  []string
+	}{
+		{"INPUT", []string{ChainPortalsFilter, ChainNodePortNonLocal}},
+		{"FORWARD", []string{ChainPortalsFilter}},
+		{"OUTPUT", []string{ChainPortalsFilter}},
+	} {
+		rules := rulesOf("filter", c.chain)
+		if len(rules) < len(c.want) {
+			t.Errorf("filter %s = %q, want jumps to %v first", c.chain, rules, c.want)
+			continue
+		}
+		for i, w := range c.want {
+			if !strings.HasSuffix(rules[i], "-j "+w) {
+				t.Errorf("filter %s rule %d = %q, want jump to %s", c.chain, i+1, rules[i], w)
+			}
+		}
+		if !strings.Contains(rules[0], "--ctstate NEW") {
+			t.Errorf("filter %s: reject/drop jump %q lacks --ctstate NEW", c.chain, rules[0])
+		}
+	}
+}
+
+// fakeRunner records calls and fails Restore for chosen tables; for Sync's error handling only.
+type fakeRunner struct {
+	failRestore map[string]bool
+	restored    []string
+	ensured     []string
+}
+
+func (f *fakeRunner) Family() iptables.Family { return iptables.IPv4 }
+func (f *fakeRunner) EnsureRule(_ iptables.Position, table, chain string, spec ...string) (bool, error) {
+	f.ensured = append(f.ensured, table+"/"+chain+"->"+spec[len(spec)-1])
+	return false, nil
+}
+func (f *fakeRunner) DeleteJumps(string, string, ...string) (int, error) { return 0, nil }
+func (f *fakeRunner) DeleteChain(string, string) error                  { return nil }
+func (f *fakeRunner) Restore(table string, payload []byte) error {
+	if f.failRestore[table] {
+		return errors.New("restore " + table + " failed")
+	}
+	f.restored = append(f.restored, table)
+	return nil
+}
+
+func TestSyncErrors(t *testing.T) {
+	good := Portal{Comment: "a/good:p", Protocol: "tcp", Port: 80, ClusterIP: a("10.96.0.1"), ProxyPort: 1000}
+	bad := Portal{Comment: "a/bad:p", Protocol: "sctp", Port: 80, ClusterIP: a("10.96.0.2"), ProxyPort: 1001}
+	tests := []struct {
+		name        string
+		fail        map[string]bool
+		portals     []Portal
+		wantErr     []string
+		wantRestore []string
+		wantJumpsIn []string // tables whose jumps were ensured
+	}{
+		{name: "all fine", portals: []Portal{good}, wantRestore: []string{"filter", "nat"}, wantJumpsIn: []string{"filter", "nat"}},
+		{name: "invalid portal reported, rest programmed", portals: []Portal{good, bad}, wantErr: []string{`"a/bad:p"`, "protocol"},
+			wantRestore: []string{"filter", "nat"}, wantJumpsIn: []string{"filter", "nat"}},
+		{name: "nat restore fails: no nat jumps", fail: map[string]bool{"nat": true}, portals: []Portal{good},
+			wantErr: []string{"restore nat", "nat table"}, wantRestore: []string{"filter"}, wantJumpsIn: []string{"filter"}},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			f := &fakeRunner{failRestore: tc.fail}
+			m, err := NewManager(Options{Config: v4Config(), Runner: f})
+			if err != nil {
+				t.Fatal(err)
+			}
+			err = m.Sync(tc.portals)
+			if len(tc.wantErr) == 0 && err != nil {
+				t.Fatalf("Sync = %v", err)
+			}
+			for _, w := range tc.wantErr {
+				if err == nil || !strings.Contains(err.Error(), w) {
+					t.Errorf("Sync error = %v, want it to mention %q", err, w)
+				}
+			}
+			if !slices.Equal(f.restored, tc.wantRestore) {
+				t.Errorf("restored %v, want %v", f.restored, tc.wantRestore)
+			}
+			var tables []string
+			for _, e := range f.ensured {
+				tbl := strings.SplitN(e, "/", 2)[0]
+				if !slices.Contains(tables, tbl) {
+					tables = append(tables, tbl)
+				}
+			}
+			slices.Sort(tables)
+			if !slices.Equal(tables, tc.wantJumpsIn) {
+				t.Errorf("jumps ensured in %v, want %v", tables, tc.wantJumpsIn)
+			}
+		})
+	}
+}
+
+func TestNewManagerChecks(t *testing.T) {
+	tests := []struct {
+		name string
+		opts Options
+	}{
+		{name: "no runner", opts: Options{Config: v4Config()}},
+		{name: "family mismatch", opts: Options{Config: v6Config(), Runner: &fakeRunner{}}},
+		{name: "no host IP with unspecified bind", opts: Options{Config: Config{Family: iptables.IPv4}, Runner: &fakeRunner{}}},
+		{name: "host IP of other family", opts: Options{Config: Config{Family: iptables.IPv4, HostIP: a("fd00::1")}, Runner: &fakeRunner{}}},
+		{name: "bind IP of other family", opts: Options{Config: Config{Family: iptables.IPv4, BindIP: a("fd00::1")}, Runner: &fakeRunner{}}},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			if _, err := NewManager(tc.opts); err == nil {
+				t.Errorf("NewManager succeeded, want an error")
+			}
+		})
+	}
+	if _, err := NewManager(Options{Config: Config{Family: iptables.IPv4, BindIP: a("10.0.0.6")}, Runner: &fakeRunner{}}); err != nil {
+		t.Errorf("bind IP without host IP: %v", err)
+	}
+}
