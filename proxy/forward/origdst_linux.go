@@ -92,9 +92,12 @@ func parseSockaddr(b []byte) (netip.AddrPort, bool) {
 // with room to spare.
 var origDstOOBSize = 2 * unix.CmsgSpace(unix.SizeofSockaddrInet6)
 
-// enableOrigDst asks the kernel to attach the pre-NAT destination to every datagram received on
-// conn: IP_RECVORIGDSTADDR for IPv4 traffic (also on an AF_INET6 dual-stack socket, where IPv4
-// clients arrive as mapped addresses) and IPV6_RECVORIGDSTADDR on AF_INET6 sockets.
+// enableOrigDst asks the kernel to attach to every datagram received on conn the destination
+// address and port in its headers (IP_RECVORIGDSTADDR; IPV6_RECVORIGDSTADDR on AF_INET6
+// sockets, whose IPv4 clients arrive as mapped addresses and need the IPv4 option too). Despite
+// the name, after REDIRECT/DNAT this is the NATed destination, the proxy's own address: the
+// original one comes from conntrack (conntrackConn). The proxy needs it for that lookup, and to
+// send replies from exactly the address the client's datagram reached.
 func enableOrigDst(conn *net.UDPConn) error {
 	rc, err := conn.SyscallConn()
 	if err != nil {
@@ -124,8 +127,44 @@ func enableOrigDst(conn *net.UDPConn) error {
 	return serr
 }
 
+// sourceAddrOOB returns the control message that makes sendmsg(2) use src as the source address
+// (IP_PKTINFO / IPV6_PKTINFO with no interface), or nil for an invalid src. IP_PKTINFO also
+// serves IPv4-mapped destinations on an AF_INET6 socket (ip_cmsg_send handles SOL_IP there).
+func sourceAddrOOB(src netip.Addr) []byte {
+	src = src.Unmap()
+	switch {
+	case src.Is4():
+		var info [unix.SizeofInet4Pktinfo]byte // ifindex, spec_dst, addr
+		a := src.As4()
+		copy(info[4:8], a[:])
+		return appendCmsg(nil, unix.SOL_IP, unix.IP_PKTINFO, info[:])
+	case src.Is6():
+		var info [unix.SizeofInet6Pktinfo]byte // addr, ifindex
+		a := src.As16()
+		copy(info[:16], a[:])
+		return appendCmsg(nil, unix.SOL_IPV6, unix.IPV6_PKTINFO, info[:])
+	}
+	return nil
+}
+
+// appendCmsg appends one control message, padded to the control message alignment.
+func appendCmsg(b []byte, level, typ int, data []byte) []byte {
+	start := len(b)
+	b = append(b, make([]byte, unix.CmsgSpace(len(data)))...)
+	m := b[start:]
+	if unix.SizeofPtr == 8 {
+		binary.NativeEndian.PutUint64(m, uint64(unix.CmsgLen(len(data))))
+	} else {
+		binary.NativeEndian.PutUint32(m, uint32(unix.CmsgLen(len(data))))
+	}
+	binary.NativeEndian.PutUint32(m[unix.SizeofPtr:], uint32(level))
+	binary.NativeEndian.PutUint32(m[unix.SizeofPtr+4:], uint32(typ))
+	copy(m[unix.CmsgLen(0):], data)
+	return b
+}
+
 // origDstFromOOB returns the address of the first IP_ORIGDSTADDR or IPV6_ORIGDSTADDR control
-// message in oob (as filled by recvmsg), or the zero AddrPort. It does not allocate.
+// message in oob (as filled by recvmsg), unmapped, or the zero AddrPort. It does not allocate.
 func origDstFromOOB(oob []byte) netip.AddrPort {
 	hdrSpace := unix.CmsgLen(0) // the header, aligned: where the data starts
 	for len(oob) >= hdrSpace {

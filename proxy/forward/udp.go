@@ -32,6 +32,13 @@ const udpBufSize = 64 << 10
 // UDPProxy forwards the datagrams received on Conn to endpoints picked by Chooser, one session
 // per client address.
 //
+// The original destination passed to Choose comes from conntrack over ctnetlink (one lookup per
+// new session), which needs CAP_NET_ADMIN in the socket's network namespace; without it the
+// destination is reported unknown. Replies leave from exactly the address the client's
+// datagrams arrived at (IP_PKTINFO), so that conntrack matches and un-NATs them even on a
+// wildcard listener of a host with several addresses, or when a REDIRECT of locally generated
+// traffic moved them to 127.0.0.1.
+//
 // Set the fields, then run Serve in a goroutine; the fields must not change after that.
 //
 // The first datagram from a client address opens a session: Choose picks the endpoint and the
@@ -79,6 +86,7 @@ type udpSession struct {
 	client   netip.AddrPort // as received on Conn (an IPv4 client of an AF_INET6 socket is mapped)
 	endpoint netip.AddrPort
 	backend  *net.UDPConn // connected to endpoint
+	replyOOB []byte       // IP_PKTINFO setting the replies' source; nil when unknown
 
 	lastActive   atomic.Int64 // p.now() of the last datagram either way
 	refused      atomic.Bool  // the endpoint answered with an ICMP error
@@ -119,10 +127,15 @@ func (p *UDPProxy) Serve() error {
 	p.mu.Unlock()
 	defer close(done)
 
+	var ct *conntrackConn
 	if err := enableOrigDst(p.Conn); err != nil {
-		p.Log.Warn().Err(err).Msg("original destinations of datagrams unavailable")
+		p.Log.Warn().Err(err).Msg("destinations of datagrams unavailable: original destinations unknown, replies leave from the routing's choice of source")
+	} else if ct, err = openConntrack(); err != nil {
+		p.Log.Warn().Err(err).Msg("conntrack unavailable: original destinations of UDP flows unknown")
+	} else {
+		defer ct.Close()
 	}
-	return p.readLoop()
+	return p.readLoop(ct)
 }
 
 func (p *UDPProxy) initLocked() {
@@ -179,9 +192,10 @@ func (p *UDPProxy) DropSessions(keep func(endpoint netip.AddrPort) bool) int {
 // now is the monotonic time since Serve started, for session activity stamps.
 func (p *UDPProxy) now() int64 { return int64(time.Since(p.epoch)) }
 
-// readLoop is Serve's loop: one buffer, reused for every datagram.
-func (p *UDPProxy) readLoop() error {
-	local := unmapAddrPort(p.Conn.LocalAddr().(*net.UDPAddr).AddrPort())
+// readLoop is Serve's loop: one buffer, reused for every datagram. ct is nil when conntrack
+// cannot be asked.
+func (p *UDPProxy) readLoop(ct *conntrackConn) error {
+	local := p.Conn.LocalAddr()
 	buf := make([]byte, udpBufSize)
 	oob := make([]byte, origDstOOBSize)
 	var pause resourcePause
@@ -205,26 +219,35 @@ func (p *UDPProxy) readLoop() error {
 			return fmt.Errorf("read from UDP proxy socket %s: %w", local, err)
 		}
 		pause = resourcePause{}
-		p.forward(buf[:n], src, originalDst(origDstFromOOB(oob[:oobn]), local))
+		p.forward(ct, buf[:n], src, origDstFromOOB(oob[:oobn]))
 	}
 }
 
-// originalDst returns dst, or the zero AddrPort when dst is the proxy socket's own address
-// (local): the datagram was not NATed. With a wildcard local address any destination with the
-// proxy's port counts as not NATed; a service port equal to its own proxy port is thus reported
-// unknown, a harmless mistake since the datagram then reached the proxy port as addressed.
-func originalDst(dst, local netip.AddrPort) netip.AddrPort {
-	if dst.Port() == local.Port() && (local.Addr().IsUnspecified() || dst.Addr() == local.Addr()) {
+// originalDst asks conntrack where the flow from client that reached the proxy at to was
+// addressed before NAT. It returns the zero AddrPort when that is unknown or when the flow was
+// not NATed.
+func (p *UDPProxy) originalDst(ct *conntrackConn, client, to netip.AddrPort) netip.AddrPort {
+	if ct == nil || !to.IsValid() {
+		return netip.AddrPort{}
+	}
+	dst, err := ct.originalDst(unix.IPPROTO_UDP, client, to)
+	if err != nil {
+		if !errors.Is(err, unix.ENOENT) { // ENOENT: conntrack does not track the flow
+			p.Log.Debug().Err(err).Stringer("client", client).Msg("conntrack lookup failed")
+		}
+		return netip.AddrPort{}
+	}
+	if dst = unmapAddrPort(dst); dst == to {
 		return netip.AddrPort{}
 	}
 	return dst
 }
 
-// forward sends one client datagram to the client's session, opening one if needed. A session
-// found closed or refused is replaced once.
-func (p *UDPProxy) forward(payload []byte, client, dst netip.AddrPort) {
+// forward sends one client datagram, which reached the proxy at to, to the client's session,
+// opening one if needed. A session found closed or refused is replaced once.
+func (p *UDPProxy) forward(ct *conntrackConn, payload []byte, client, to netip.AddrPort) {
 	for range 2 {
-		s := p.session(client, dst)
+		s := p.session(ct, client, to)
 		if s == nil {
 			p.metrics.DatagramDropped()
 			return
@@ -252,7 +275,7 @@ func (p *UDPProxy) forward(payload []byte, client, dst netip.AddrPort) {
 // session returns client's live session, opening one if there is none or the current one was
 // refused by its endpoint. It returns nil when no session could be opened. Only the read loop
 // calls it, so sessions of one client are never opened concurrently.
-func (p *UDPProxy) session(client, dst netip.AddrPort) *udpSession {
+func (p *UDPProxy) session(ct *conntrackConn, client, to netip.AddrPort) *udpSession {
 	p.mu.Lock()
 	s := p.sessions[client]
 	if s != nil && !s.refused.Load() {
@@ -268,6 +291,7 @@ func (p *UDPProxy) session(client, dst netip.AddrPort) *udpSession {
 	p.mu.Unlock()
 
 	clientAddr := unmapAddrPort(client)
+	dst := p.originalDst(ct, client, to)
 	ep, err := p.Chooser.Choose(clientAddr, dst, reset)
 	if err != nil {
 		p.Log.Debug().Err(err).Stringer("client", clientAddr).Stringer("dst", dst).
@@ -281,7 +305,7 @@ func (p *UDPProxy) session(client, dst netip.AddrPort) *udpSession {
 			Msg("cannot open a socket to the endpoint; datagram dropped")
 		return nil
 	}
-	s = &udpSession{p: p, client: client, endpoint: ep, backend: backend}
+	s = &udpSession{p: p, client: client, endpoint: ep, backend: backend, replyOOB: sourceAddrOOB(to.Addr())}
 	s.lastActive.Store(p.now())
 	p.mu.Lock()
 	if p.closed {
@@ -378,7 +402,7 @@ func (s *udpSession) relayReplies() {
 		}
 		s.lastActive.Store(p.now())
 		s.fromEndpoint.Add(int64(n))
-		_, werr := p.Conn.WriteToUDPAddrPort((*b)[:n], s.client)
+		_, _, werr := p.Conn.WriteMsgUDPAddrPort((*b)[:n], s.replyOOB, s.client)
 		p.bufs.Put(b)
 		if werr != nil {
 			if errors.Is(werr, net.ErrClosed) {
