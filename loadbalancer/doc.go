@@ -43,8 +43,10 @@
 //
 // # Concurrency
 //
-// All methods of RoundRobin are safe for concurrent use. Next is the hot path: it takes a read
-// lock to find the port, then works on an immutable snapshot published by SetServicePort; without
-// affinity it does not allocate and takes no exclusive lock. With affinity it takes the port's
-// own mutex. SetServicePort, DeleteServicePort and Sweep are serialised with each other.
+// All methods of RoundRobin are safe for concurrent use. Next is the hot path: it finds the port
+// under a read lock held only for the map lookup, then works on an immutable snapshot that
+// SetServicePort publishes; without affinity it takes no other lock and does not allocate, its
+// only shared write being the port's rotation counter (an atomic add). With affinity it takes the
+// port's own mutex, so ports never contend with each other. SetServicePort and
+// DeleteServicePort are serialised with each other; Sweep locks one port at a time.
 package loadbalancer

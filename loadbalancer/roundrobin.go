@@ -53,6 +53,7 @@ type RoundRobin struct {
 
 	// mu guards ports (the map, not the ports). Held only for lookups and single inserts or
 	// deletes, never across other work, so that a waiting writer never stalls Next for long.
+	// (A sync.Map avoids the shared reader count but measured ~25 ns slower per Next here.)
 	mu    sync.RWMutex
 	ports map[serviceport.Name]*port
 }

@@ -1,0 +1,99 @@
+package loadbalancer
+
+import (
+	"fmt"
+	"math/rand/v2"
+	"net/netip"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/serviceport"
+)
+
+// benchClients is how many distinct client IPs the affinity benchmarks rotate through; after the
+// first lap every pick is an affinity hit.
+const benchClients = 1024
+
+// BenchmarkNext measures Next: without and with ClientIP affinity, over 1, 10 and 100 endpoints,
+// from one goroutine and from GOMAXPROCS goroutines on the same service port. Other service
+// ports are set too, so the port lookup works on a realistically sized map.
+func BenchmarkNext(b *testing.B) {
+	clients := make([]netip.Addr, benchClients)
+	for i := range clients {
+		clients[i] = netip.AddrFrom4([4]byte{192, 168, byte(i >> 8), byte(i)})
+	}
+	for _, affinity := range []bool{false, true} {
+		for _, n := range []int{1, 10, 100} {
+			lb := New(Options{NodeName: thisNode, Rand: rand.New(rand.NewPCG(1, 2))})
+			svc := name("bench", "http")
+			var eps []serviceport.Endpoint
+			for i := range n {
+				eps = append(eps, ready(netip.AddrFrom4([4]byte{10, 1, byte(i >> 8), byte(i)}).String(), "n1"))
+			}
+			opts := []func(*serviceport.ServicePort){}
+			if affinity {
+				opts = append(opts, withAffinity(time.Hour))
+			}
+			lb.SetServicePort(svcPort(svc, opts...), eps)
+			for i := range 1000 {
+				lb.SetServicePort(svcPort(name(fmt.Sprintf("other-%d", i), "http")), eps[:1])
+			}
+			for _, c := range clients { // warm the affinity table
+				if _, err := lb.Next(svc, c, false, false); err != nil {
+					b.Fatal(err)
+				}
+			}
+
+			prefix := fmt.Sprintf("affinity=%v/endpoints=%d", affinity, n)
+			b.Run(prefix+"/serial", func(b *testing.B) {
+				b.ReportAllocs()
+				i := 0
+				for b.Loop() {
+					if _, err := lb.Next(svc, clients[i%benchClients], false, false); err != nil {
+						b.Fatal(err)
+					}
+					i++
+				}
+			})
+			b.Run(prefix+"/parallel", func(b *testing.B) {
+				b.ReportAllocs()
+				var seq atomic.Int64
+				b.RunParallel(func(pb *testing.PB) {
+					i := int(seq.Add(1)) * 97
+					for pb.Next() {
+						if _, err := lb.Next(svc, clients[i%benchClients], false, false); err != nil {
+							b.Error(err)
+							return
+						}
+						i++
+					}
+				})
+			})
+		}
+	}
+}
+
+// BenchmarkSetServicePort measures an endpoint update of a 100-endpoint port (one endpoint
+// replaced), with affinity entries to prune.
+func BenchmarkSetServicePort(b *testing.B) {
+	lb := New(Options{NodeName: thisNode, Rand: rand.New(rand.NewPCG(1, 2))})
+	svc := name("bench", "http")
+	sp := svcPort(svc, withAffinity(time.Hour))
+	var eps []serviceport.Endpoint
+	for i := range 101 {
+		eps = append(eps, ready(netip.AddrFrom4([4]byte{10, 1, 0, byte(i)}).String(), "n1"))
+	}
+	lb.SetServicePort(sp, eps[:100])
+	for i := range benchClients {
+		if _, err := lb.Next(svc, netip.AddrFrom4([4]byte{192, 168, byte(i >> 8), byte(i)}), false, false); err != nil {
+			b.Fatal(err)
+		}
+	}
+	b.ReportAllocs()
+	i := 0
+	for b.Loop() {
+		lb.SetServicePort(sp, eps[i%2:100+i%2])
+		i++
+	}
+}
