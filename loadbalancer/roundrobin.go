@@ -164,7 +164,7 @@ func (lb *RoundRobin) SetServicePort(sp *serviceport.ServicePort, eps []servicep
 	}
 
 	old := p.snap.Load()
-	order, present, changed := lb.mergeOrder(p.order, eps)
+	order, present, added, changed := lb.mergeOrder(p.order, eps)
 	s := &snapshot{affinity: sp.SessionAffinity, timeout: sp.AffinityTimeout}
 	if s.timeout <= 0 {
 		s.timeout = serviceport.DefaultAffinityTimeout
@@ -182,7 +182,7 @@ func (lb *RoundRobin) SetServicePort(sp *serviceport.ServicePort, eps []servicep
 		switch {
 		case !s.affinity:
 			p.affinity[id] = nil
-		case changed:
+		case len(order) < len(p.order)+added: // some endpoint left
 			for client, e := range table {
 				if _, ok := present[e.ep]; !ok {
 					delete(table, client)
@@ -363,9 +363,9 @@ func carryPosition(old, pl *pool) uint64 {
 // mergeOrder returns the rotation order for eps given the previous one: endpoints still present
 // keep their relative order (with their current conditions) and new endpoints are interleaved at
 // uniformly random positions, so the first order is a uniform shuffle. present holds the
-// addresses in eps; changed reports whether order differs from prev (addresses, order or
-// conditions).
-func (lb *RoundRobin) mergeOrder(prev, eps []serviceport.Endpoint) (order []serviceport.Endpoint, present map[netip.AddrPort]int, changed bool) {
+// addresses in eps, nAdded how many of them are new; changed reports whether order differs from
+// prev (addresses, order or conditions).
+func (lb *RoundRobin) mergeOrder(prev, eps []serviceport.Endpoint) (order []serviceport.Endpoint, present map[netip.AddrPort]int, nAdded int, changed bool) {
 	present = make(map[netip.AddrPort]int, len(eps))
 	for i, e := range eps {
 		if _, dup := present[e.Addr]; !dup {
@@ -387,7 +387,7 @@ func (lb *RoundRobin) mergeOrder(prev, eps []serviceport.Endpoint) (order []serv
 		}
 	}
 	if len(added) == 0 {
-		return kept, present, !slices.Equal(kept, prev)
+		return kept, present, 0, !slices.Equal(kept, prev)
 	}
 	lb.rand.Shuffle(len(added), func(i, j int) { added[i], added[j] = added[j], added[i] })
 	// A uniformly random interleaving: take from kept with probability (kept left)/(total left).
@@ -402,5 +402,5 @@ func (lb *RoundRobin) mergeOrder(prev, eps []serviceport.Endpoint) (order []serv
 			a++
 		}
 	}
-	return order, present, true
+	return order, present, len(added), true
 }
