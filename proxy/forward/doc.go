@@ -13,11 +13,14 @@
 //
 // UDP: one session per client address, each with its own connected socket to the endpoint and
 // one goroutine reading the endpoint's replies, which are written back from the service's own
-// listening socket so that conntrack un-NATs them. Sessions end after an idle timeout, when
-// their endpoint leaves the service (DropSessions), or when the proxy closes.
+// listening socket, with the source address the client's datagrams arrived at, so that
+// conntrack un-NATs them. Sessions end after an idle timeout, when their endpoint leaves the
+// service (DropSessions), or when the proxy closes.
 //
 // Both report the original destination of the traffic (before the portal's REDIRECT/DNAT) to the
-// Chooser, read from conntrack with SO_ORIGINAL_DST (TCP) or IP_RECVORIGDSTADDR (UDP).
+// Chooser, read from conntrack: with getsockopt SO_ORIGINAL_DST for TCP, and with a ctnetlink
+// lookup once per new UDP session (UDP has no SO_ORIGINAL_DST, and IP_RECVORIGDSTADDR reports
+// the NATed destination, not the original one, except under TPROXY).
 //
 // The package is Linux-only (splice, SO_ORIGINAL_DST, IP_ORIGDSTADDR).
 package forward

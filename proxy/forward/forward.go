@@ -13,9 +13,10 @@ type Chooser interface {
 	// Choose returns the endpoint for a new connection or UDP session from client.
 	//
 	// client is the peer's address (IPv4-mapped IPv6 addresses are unmapped). dst is the
-	// original destination of the connection before the portal's REDIRECT/DNAT, from
-	// SO_ORIGINAL_DST for TCP and IP_ORIGDSTADDR / IPV6_ORIGDSTADDR for UDP; it is the zero
-	// AddrPort when unknown, e.g. when the client connected to the proxy port directly.
+	// original destination of the connection before the portal's REDIRECT/DNAT, from conntrack
+	// (SO_ORIGINAL_DST for TCP, a ctnetlink lookup for UDP); it is the zero AddrPort when
+	// unknown: the client connected to the proxy port directly, or conntrack could not be asked
+	// (UDP needs CAP_NET_ADMIN for it).
 	// reset=true means the previous choice for this client could not be reached: forget its
 	// affinity. An error means there is no usable endpoint: TCP clients are reset, UDP
 	// datagrams dropped.

@@ -300,7 +300,7 @@ type proxyRun struct {
 
 // startTCPProxy serves a TCPProxy on a loopback listener; configure adjusts its fields. The
 // test's cleanup shuts it down, cutting what is left, and checks that Serve returned nil.
-func startTCPProxy(t *testing.T, family string, chooser Chooser, configure func(*TCPProxy)) *proxyRun {
+func startTCPProxy(t testing.TB, family string, chooser Chooser, configure func(*TCPProxy)) *proxyRun {
 	t.Helper()
 	p := &TCPProxy{Listener: listenTCP(t, loopback(family)), Chooser: chooser, Log: testLogger(t)}
 	if configure != nil {
@@ -377,7 +377,7 @@ type udpRun struct {
 	served chan error
 }
 
-func startUDPProxy(t *testing.T, family string, chooser Chooser, configure func(*UDPProxy)) *udpRun {
+func startUDPProxy(t testing.TB, family string, chooser Chooser, configure func(*UDPProxy)) *udpRun {
 	t.Helper()
 	conn, err := net.ListenUDP("udp", net.UDPAddrFromAddrPort(netip.AddrPortFrom(loopback(family), 0)))
 	if err != nil {
@@ -431,4 +431,18 @@ func udpExchange(c *net.UDPConn, msg []byte, tries int, perTry time.Duration) ([
 		}
 	}
 	return nil, err
+}
+
+// TestLeakCheckSeesProxies makes sure checkNoLeaks can fail: a serving proxy's goroutines are
+// found, and none once it is closed.
+func TestLeakCheckSeesProxies(t *testing.T) {
+	p := &TCPProxy{Listener: listenTCP(t, loopback("4")), Chooser: &fakeChooser{}}
+	served := make(chan error, 1)
+	go func() { served <- p.Serve() }()
+	eventually(t, "the accept loop to show in goroutine stacks", func() bool { return proxyGoroutines() != "" })
+	p.Close()
+	<-served
+	if g := proxyGoroutines(); g != "" {
+		t.Errorf("goroutines after Close:\n%s", g)
+	}
 }

@@ -1,0 +1,230 @@
+package forward
+
+import (
+	"errors"
+	"io"
+	"net"
+	"net/netip"
+	"os"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/rs/zerolog"
+)
+
+// The benchmarks run each workload against a loopback backend twice in the same run: Direct
+// (client to backend) and Proxy (client to a TCPProxy or UDPProxy in front of the same backend),
+// so the ratio of the two is the proxy's cost on this machine.
+
+// tcpTarget returns the address a benchmark's clients dial: the backend, or a proxy in front
+// of it.
+func tcpTarget(b *testing.B, proxied bool, backend netip.AddrPort) netip.AddrPort {
+	if !proxied {
+		return backend
+	}
+	return startTCPProxy(b, "4", &fakeChooser{endpoints: []netip.AddrPort{backend}}, func(p *TCPProxy) {
+		p.Log = zerolog.Nop()
+	}).addr
+}
+
+func udpTarget(b *testing.B, proxied bool, backend netip.AddrPort) netip.AddrPort {
+	if !proxied {
+		return backend
+	}
+	return startUDPProxy(b, "4", &fakeChooser{endpoints: []netip.AddrPort{backend}}, func(p *UDPProxy) {
+		p.Log = zerolog.Nop()
+	}).addr
+}
+
+var benchModes = []struct {
+	name    string
+	proxied bool
+}{{"Direct", false}, {"Proxy", true}}
+
+// BenchmarkTCPBulk streams data through one connection to an echo backend and back; MB/s counts
+// one direction.
+func BenchmarkTCPBulk(b *testing.B) {
+	const chunk = 128 << 10
+	for _, mode := range benchModes {
+		b.Run(mode.name, func(b *testing.B) {
+			target := tcpTarget(b, mode.proxied, startTCPEcho(b, loopback("4")))
+			c := dialTCPTest(b, target)
+			c.SetDeadline(time.Time{})
+			buf := make([]byte, chunk)
+			b.SetBytes(chunk)
+			b.ResetTimer()
+			werr := make(chan error, 1)
+			go func() {
+				var err error
+				for i := 0; i < b.N && err == nil; i++ {
+					_, err = c.Write(buf)
+				}
+				if err == nil {
+					err = c.CloseWrite()
+				}
+				werr <- err
+			}()
+			n, err := io.CopyBuffer(io.Discard, c, make([]byte, chunk))
+			if err != nil || <-werr != nil {
+				b.Fatalf("transfer: %v", err)
+			}
+			if n != int64(b.N)*chunk {
+				b.Fatalf("received %d bytes, want %d", n, int64(b.N)*chunk)
+			}
+		})
+	}
+}
+
+// requestServer reads one 64-byte request, answers it and closes (server closes first, so
+// TIME_WAIT stays on the server side and the client's ports do not run out).
+func requestServer(c *net.TCPConn) {
+	req := make([]byte, 64)
+	if _, err := io.ReadFull(c, req); err == nil {
+		c.Write(req)
+	}
+}
+
+// BenchmarkTCPShortConnections: connect, send one 64-byte request, read the answer to EOF,
+// close.
+func BenchmarkTCPShortConnections(b *testing.B) {
+	for _, mode := range benchModes {
+		b.Run(mode.name, func(b *testing.B) {
+			target := net.TCPAddrFromAddrPort(tcpTarget(b, mode.proxied, startTCPServer(b, loopback("4"), requestServer)))
+			req := make([]byte, 64)
+			reply := make([]byte, 128)
+			b.ResetTimer()
+			for range b.N {
+				c, err := net.DialTCP("tcp", nil, target)
+				if err != nil {
+					b.Fatal(err)
+				}
+				if _, err := c.Write(req); err != nil {
+					b.Fatal(err)
+				}
+				n, err := io.ReadFull(c, reply)
+				if n != 64 || !errors.Is(err, io.ErrUnexpectedEOF) {
+					b.Fatalf("reply: %d bytes, %v", n, err)
+				}
+				c.Close()
+			}
+		})
+	}
+}
+
+// BenchmarkUDPRequestResponse: one client sends a 64-byte datagram and waits for the echo.
+func BenchmarkUDPRequestResponse(b *testing.B) {
+	for _, mode := range benchModes {
+		b.Run(mode.name, func(b *testing.B) {
+			c := dialUDPTest(b, udpTarget(b, mode.proxied, startUDPEcho(b, loopback("4"), "")))
+			msg := make([]byte, 64)
+			buf := make([]byte, 2048)
+			if _, err := udpExchange(c, msg, 1, waitTimeout); err != nil { // open the session
+				b.Fatal(err)
+			}
+			c.SetReadDeadline(time.Now().Add(time.Hour))
+			b.ResetTimer()
+			for range b.N {
+				if _, err := c.Write(msg); err != nil {
+					b.Fatal(err)
+				}
+				if _, err := c.Read(buf); err != nil {
+					b.Fatal(err)
+				}
+			}
+		})
+	}
+}
+
+// BenchmarkUDPBulk: windows of 16 datagrams of 1,400 bytes in flight to an echo backend; MB/s
+// counts one direction; lost/op is the share of datagrams whose echo never came.
+func BenchmarkUDPBulk(b *testing.B) {
+	const size, window = 1400, 16
+	for _, mode := range benchModes {
+		b.Run(mode.name, func(b *testing.B) {
+			c := dialUDPTest(b, udpTarget(b, mode.proxied, startUDPEcho(b, loopback("4"), "")))
+			msg := make([]byte, size)
+			buf := make([]byte, 2048)
+			if _, err := udpExchange(c, msg, 1, waitTimeout); err != nil {
+				b.Fatal(err)
+			}
+			b.SetBytes(size)
+			lost := 0
+			b.ResetTimer()
+			for sent := 0; sent < b.N; {
+				w := min(window, b.N-sent)
+				for range w {
+					if _, err := c.Write(msg); err != nil {
+						b.Fatal(err)
+					}
+				}
+				sent += w
+				c.SetReadDeadline(time.Now().Add(100 * time.Millisecond))
+				for got := 0; got < w; got++ {
+					if _, err := c.Read(buf); err != nil {
+						if errors.Is(err, os.ErrDeadlineExceeded) {
+							lost += w - got
+							break
+						}
+						b.Fatal(err)
+					}
+				}
+			}
+			b.ReportMetric(float64(lost)/float64(b.N), "lost/op")
+		})
+	}
+}
+
+// BenchmarkUDPRecvOrigDst measures what IP_RECVORIGDSTADDR adds to receiving a datagram: the
+// control message the kernel builds and origDstFromOOB parsing it.
+func BenchmarkUDPRecvOrigDst(b *testing.B) {
+	for _, tc := range []struct {
+		name   string
+		enable bool
+	}{{"Off", false}, {"On", true}} {
+		b.Run(tc.name, func(b *testing.B) {
+			recv, err := net.ListenUDP("udp", &net.UDPAddr{IP: net.IPv4(127, 0, 0, 1)})
+			if err != nil {
+				b.Fatal(err)
+			}
+			defer recv.Close()
+			if tc.enable {
+				if err := enableOrigDst(recv); err != nil {
+					b.Fatal(err)
+				}
+			}
+			send := dialUDPTest(b, recv.LocalAddr().(*net.UDPAddr).AddrPort())
+			msg, buf, oob := make([]byte, 64), make([]byte, udpBufSize), make([]byte, origDstOOBSize)
+			b.ResetTimer()
+			for range b.N {
+				if _, err := send.Write(msg); err != nil {
+					b.Fatal(err)
+				}
+				_, oobn, _, _, err := recv.ReadMsgUDPAddrPort(buf, oob)
+				if err != nil {
+					b.Fatal(err)
+				}
+				if got := origDstFromOOB(oob[:oobn]); got.IsValid() != tc.enable {
+					b.Fatalf("destination %v with the option %v", got, tc.enable)
+				}
+			}
+		})
+	}
+}
+
+// BenchmarkConntrackLookup measures the ctnetlink round trip made once per new UDP session (here
+// for a flow conntrack does not know, which costs the same lookup).
+func BenchmarkConntrackLookup(b *testing.B) {
+	ct, err := openConntrack()
+	if err != nil {
+		b.Fatalf("conntrack: %v", err)
+	}
+	defer ct.Close()
+	client, local := netip.MustParseAddrPort("127.0.0.1:1"), netip.MustParseAddrPort("127.0.0.1:2")
+	b.ResetTimer()
+	for range b.N {
+		if _, err := ct.originalDst(17, client, local); err != nil && !errors.Is(err, syscall.ENOENT) {
+			b.Fatal(err)
+		}
+	}
+}
