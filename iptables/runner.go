@@ -189,7 +189,19 @@ func (r *Runner) EnsureChain(table, chain string) error {
 // (Prepend) or appended (Append) and added is true. A rule that exists anywhere in the chain is
 // left where it is (as kube-proxy does), so two programs that both want to be first do not take
 // turns moving their rules on every sync.
+//
+// It first looks for the rule in `iptables -S chain` (one cheap exec: iptables-nft then reads only
+// that chain, where `-C` reads the whole table, 10 times slower with thousands of rules); only
+// when that finds nothing does it ask `iptables -C`, which also recognises a rule printed in a
+// different but equivalent form.
 func (r *Runner) EnsureRule(pos Position, table, chain string, rulespec ...string) (added bool, err error) {
+	if lines, err := r.ipt.List(table, chain); err == nil {
+		for _, line := range lines {
+			if args, err := SplitRule(line); err == nil && len(args) >= 2 && args[0] == "-A" && slices.Equal(args[2:], rulespec) {
+				return false, nil
+			}
+		}
+	}
 	ok, err := r.ipt.Exists(table, chain, rulespec...)
 	if err != nil {
 		return false, fmt.Errorf("%s: check rule in %s/%s %q: %w", r, table, chain, rulespec, err)

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"net/netip"
+	"strings"
 	"sync"
 	"time"
 
@@ -15,6 +16,10 @@ import (
 // Runner is what a Manager needs from an iptables runner (*iptables.Runner).
 type Runner interface {
 	Family() iptables.Family
+	// EnsureChain creates a chain unless it exists.
+	EnsureChain(table, chain string) error
+	// List returns a chain's rules as `iptables -S` prints them.
+	List(table, chain string) ([]string, error)
 	// EnsureRule adds the rule (first or last) unless it exists; added says whether it did.
 	EnsureRule(pos iptables.Position, table, chain string, rulespec ...string) (added bool, err error)
 	// DeleteJumps deletes every rule in table/chain that jumps to one of targets.
@@ -52,8 +57,8 @@ type Manager struct {
 	// physdevChecked and noPhysdev cache whether the kernel has the physdev match.
 	physdevChecked bool
 	noPhysdev      bool
-	// synced is true after the first successful Sync; jumps found missing afterwards were removed
-	// by someone else and are logged when put back.
+	// synced is true after a successful Sync: our chains existed then, and jumps found missing
+	// later were removed by someone else and are logged when put back.
 	synced bool
 }
 
@@ -120,12 +125,14 @@ func jumps() []jump {
 	}
 }
 
-// Sync makes our chains hold exactly the rules portals need and makes sure the jumps into them
-// exist. Each table is written with one iptables-restore (filter first, so a NodePort's ACCEPT
-// exists before nat sends traffic to it); rules and chains that are not ours are left alone.
-// The restore creates missing chains, so jumps are checked after it, on every call: jumps someone
-// else deleted come back on the next sync. Invalid portals are left out and reported in the
-// returned error together with any iptables failure; everything valid is still programmed.
+// Sync makes our chains hold exactly the rules portals need, and makes sure our chains and the
+// jumps into them exist, on every call: jumps or chains someone else deleted come back on the
+// next sync. Jumps are checked first (while the chains may still be empty, inserting is cheap;
+// afterwards checking costs one `iptables -S <built-in chain>` per built-in chain). Then each table is
+// written with one iptables-restore, filter first so a NodePort's ACCEPT exists before nat sends
+// traffic to it; rules and chains that are not ours are left alone. Invalid portals are left out
+// and reported in the returned error together with any iptables failure; everything valid is
+// still programmed.
 func (m *Manager) Sync(portals []Portal) error {
 	m.mu.Lock()
 	defer m.mu.Unlock()
@@ -141,25 +148,75 @@ func (m *Manager) Sync(portals []Portal) error {
 	if err != nil {
 		return errors.Join(append(invalid, err)...)
 	}
+
+	errs = append(errs, m.ensureJumpsLocked()...)
+	jumped := time.Now()
+
 	nat, filter := Render(m.cfg, host, portals)
 	rendered := time.Now()
-
-	restored := map[string]bool{}
 	for _, t := range []struct {
 		table   string
 		payload []byte
 	}{{tableFilter, filter}, {tableNAT, nat}} {
 		if err := m.run.Restore(t.table, t.payload); err != nil {
 			errs = append(errs, fmt.Errorf("portal sync: restore %s table: %w", t.table, err))
+		}
+	}
+	// Until a sync succeeds, the next one checks every chain again.
+	m.synced = len(errs) == 0
+	m.log.Debug().Int("portals", len(portals)).Int("natBytes", len(nat)).Int("filterBytes", len(filter)).
+		Dur("jumps", jumped.Sub(start)).Dur("render", rendered.Sub(jumped)).Dur("restore", time.Since(rendered)).
+		Dur("total", time.Since(start)).Msg("synced portal rules")
+	return errors.Join(append(invalid, errs...)...)
+}
+
+// ensureJumpsLocked makes sure our chains and the jumps into them exist. Before the first
+// successful sync it checks every chain; later a chain is only created when the jump to it
+// cannot be checked (someone deleted the chain, and with it the jumps).
+func (m *Manager) ensureJumpsLocked() []error {
+	var errs []error
+	if !m.synced {
+		for _, t := range []struct {
+			table  string
+			chains []string
+		}{{tableFilter, filterChains()}, {tableNAT, natChains()}} {
+			for _, c := range t.chains {
+				if err := m.run.EnsureChain(t.table, c); err != nil {
+					errs = append(errs, fmt.Errorf("portal sync: %w", err))
+				}
+			}
+		}
+	}
+	// One listing per built-in chain tells which jumps are there (cheap: with iptables-nft it
+	// reads that chain only); only missing ones take the slower EnsureRule path.
+	present := map[string]bool{}
+	listed := map[string]bool{}
+	for _, j := range jumps() {
+		key := j.table + "/" + j.from
+		if listed[key] {
 			continue
 		}
-		restored[t.table] = true
+		listed[key] = true
+		lines, err := m.run.List(j.table, j.from)
+		if err != nil {
+			continue // EnsureRule below reports what is wrong
+		}
+		for _, line := range lines {
+			if args, err := iptables.SplitRule(line); err == nil && len(args) > 2 && args[0] == "-A" {
+				present[key+" "+strings.Join(args[2:], "\x00")] = true
+			}
+		}
 	}
 	for _, j := range jumps() {
-		if !restored[j.table] {
-			continue // our chain may not exist yet; the jump would fail
+		if present[j.table+"/"+j.from+" "+strings.Join(j.spec, "\x00")] {
+			continue
 		}
 		added, err := m.run.EnsureRule(j.pos, j.table, j.from, j.spec...)
+		if err != nil {
+			if cerr := m.run.EnsureChain(j.table, j.to); cerr == nil {
+				added, err = m.run.EnsureRule(j.pos, j.table, j.from, j.spec...)
+			}
+		}
 		if err != nil {
 			errs = append(errs, fmt.Errorf("portal sync: jump %s/%s -> %s: %w", j.table, j.from, j.to, err))
 			continue
@@ -168,13 +225,7 @@ func (m *Manager) Sync(portals []Portal) error {
 			m.log.Warn().Str("table", j.table).Str("chain", j.from).Str("target", j.to).Msg("jump rule was missing; restored")
 		}
 	}
-	if len(errs) == 0 {
-		m.synced = true
-	}
-	errs = append(invalid, errs...)
-	m.log.Debug().Int("portals", len(portals)).Int("natBytes", len(nat)).Int("filterBytes", len(filter)).
-		Dur("render", rendered.Sub(start)).Dur("total", time.Since(start)).Msg("synced portal rules")
-	return errors.Join(errs...)
+	return errs
 }
 
 // hostLocked gathers the Host facts rendering needs.

@@ -28,9 +28,21 @@ func Render(cfg Config, host Host, portals []Portal) (nat, filter []byte) {
 		}
 	}
 	slices.SortFunc(order, comparePortals)
-	// Rough sizes keep appends from copying: ~150 bytes a rule.
-	r.pc = make([]byte, 0, 160*len(order))
-	r.ph = make([]byte, 0, 160*len(order))
+	// Sizes from a count keep appends from copying (~170 bytes a rule).
+	var addrs, nodePorts int
+	for _, p := range order {
+		addrs += 1 + len(p.LoadBalancerIPs) + 2*len(p.ExternalIPs)
+		if p.NodePort != 0 {
+			nodePorts++
+		}
+	}
+	perNodePort := 1 + len(r.nodeIPs)
+	r.pc = make([]byte, 0, 170*addrs)
+	r.ph = make([]byte, 0, 170*addrs)
+	r.nc = make([]byte, 0, 170*nodePorts*perNodePort)
+	r.nh = make([]byte, 0, 170*nodePorts*perNodePort)
+	r.nl = make([]byte, 0, 170*nodePorts)
+	r.pf = make([]byte, 0, 1024)
 	for _, p := range order {
 		r.portal(p)
 	}
@@ -66,6 +78,7 @@ type renderer struct {
 	pc, ph      []byte // KUBE-PORTALS-CONTAINER, KUBE-PORTALS-HOST
 	nc, nh      []byte // KUBE-NODEPORT-CONTAINER, KUBE-NODEPORT-HOST
 	nl, pf      []byte // KUBE-NODEPORT-NON-LOCAL, KUBE-PORTALS-FILTER
+	comment     string // per portal: the quoted comment
 	containerTg []byte // per portal: "-j REDIRECT --to-ports N" or "-j DNAT --to-destination bind:N"
 	hostTg      []byte // per portal: "-j DNAT --to-destination host:N"
 }
@@ -104,7 +117,7 @@ func (r *renderer) match(b []byte, chain string, dst netip.Addr, p *Portal, port
 	b = append(b, " -p "...)
 	b = append(b, p.Protocol...)
 	b = append(b, " -m comment --comment "...)
-	b = append(b, iptables.Quote(p.Comment)...)
+	b = append(b, r.comment...)
 	b = append(b, " -m "...)
 	b = append(b, p.Protocol...)
 	b = append(b, " --dport "...)
@@ -158,6 +171,7 @@ func (r *renderer) deny(a Action) []byte {
 }
 
 func (r *renderer) portal(p *Portal) {
+	r.comment = iptables.Quote(p.Comment)
 	if p.Internal == Redirect || p.External == Redirect {
 		r.setTargets(p)
 	}
