@@ -1,0 +1,35 @@
+# Real Kubernetes components for the end-to-end tests (included by the top-level Makefile).
+#
+#   make test-bins          build kube-apiserver, kube-proxy and etcd of the pinned versions into
+#                           $(KUP_K8S_BIN); skips those already built (minutes cold, ~1 s cached)
+#   make test-cluster       run the harness's own tests (test/...), which need test-bins
+#   make test-bins-clean    delete $(KUP_K8S_BIN)
+#   make test-netns-list    list leftover kup-* network namespaces (deletes nothing: other
+#                           engineers' tests may be running)
+#
+# The pins: change them with test/k8sbin/pin.sh, then here and in test/cluster/bins.go
+# (TestPinsAgree in test/cluster checks that all three agree).
+KUP_K8S_VERSION  := v1.36.3
+KUP_ETCD_VERSION := v3.6.8
+
+GO ?= go
+# Where the binaries go; test/cluster looks in the same place (it reads KUP_K8S_BIN, else the
+# same default).
+KUP_K8S_BIN ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/kube-userspace-proxy/bin/k8s-$(KUP_K8S_VERSION)-etcd-$(KUP_ETCD_VERSION)
+export KUP_K8S_BIN
+
+KUP_TEST_MK_DIR := $(patsubst %/,%,$(dir $(lastword $(MAKEFILE_LIST))))
+
+.PHONY: test-bins test-cluster test-bins-clean test-netns-list
+
+test-bins:
+	GO="$(GO)" $(KUP_TEST_MK_DIR)/k8sbin/build.sh "$(KUP_K8S_BIN)" $(KUP_K8S_VERSION) $(KUP_ETCD_VERSION)
+
+test-cluster: test-bins
+	$(GO) test -race -count=1 -timeout 10m ./$(KUP_TEST_MK_DIR)/...
+
+test-bins-clean:
+	rm -rf "$(KUP_K8S_BIN)"
+
+test-netns-list:
+	@ip netns list | grep '^kup-' || echo "no kup-* network namespaces"

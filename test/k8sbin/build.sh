@@ -1,0 +1,70 @@
+#!/bin/sh
+# build.sh DIR KUBERNETES_VERSION ETCD_VERSION
+#
+# Builds kube-apiserver, kube-proxy and etcd from this module (see go.mod, written by pin.sh)
+# into DIR, skipping every binary already there whose --version reports the pinned version.
+# Binaries are built into a temporary directory and moved into place, so an interrupted build
+# never leaves a broken binary behind. Called by `make test-bins` (test/cluster.mk).
+set -eu
+dir=${1:?usage: build.sh DIR KUBERNETES_VERSION ETCD_VERSION}
+k8s=${2:?usage: build.sh DIR KUBERNETES_VERSION ETCD_VERSION}
+etcd=${3:?usage: build.sh DIR KUBERNETES_VERSION ETCD_VERSION}
+GO=${GO:-go}
+here=$(cd "$(dirname "$0")" && pwd)
+export GOWORK=off
+
+# The pins in go.mod must be the ones asked for.
+cd "$here"
+have=$($GO list -m -f '{{.Path}} {{.Version}}' k8s.io/kubernetes go.etcd.io/etcd/server/v3)
+want="k8s.io/kubernetes $k8s
+go.etcd.io/etcd/server/v3 $etcd"
+if [ "$have" != "$want" ]; then
+	echo "build.sh: test/k8sbin/go.mod pins" >&2
+	echo "$have" >&2
+	echo "but the build asks for Kubernetes $k8s and etcd $etcd: run test/k8sbin/pin.sh $k8s $etcd" >&2
+	exit 1
+fi
+
+# built NAME VERSION: whether DIR/NAME exists and reports VERSION.
+built() {
+	[ -x "$dir/$1" ] || return 1
+	"$dir/$1" --version 2>/dev/null | grep -qF "$2"
+}
+
+k8sv=$k8s            # kube-apiserver/kube-proxy print "Kubernetes v1.36.3"
+etcdv="Version: ${etcd#v}" # etcd prints "etcd Version: 3.6.8"
+pkgs=
+built kube-apiserver "$k8sv" || pkgs="$pkgs k8s.io/kubernetes/cmd/kube-apiserver"
+built kube-proxy "$k8sv" || pkgs="$pkgs k8s.io/kubernetes/cmd/kube-proxy"
+built etcd "$etcdv" || pkgs="$pkgs go.etcd.io/etcd/server/v3"
+if [ -z "$pkgs" ]; then
+	echo "test-bins: kube-apiserver, kube-proxy $k8s and etcd $etcd already built in $dir"
+	exit 0
+fi
+
+mkdir -p "$dir"
+tmp=$(mktemp -d "$dir/.build.XXXXXX")
+trap 'rm -rf "$tmp"' EXIT
+minor=${k8s#v1.}
+minor=${minor%%.*}
+ldflags="-s -w -X k8s.io/component-base/version.gitVersion=$k8s -X k8s.io/component-base/version.gitMajor=1 -X k8s.io/component-base/version.gitMinor=$minor -X k8s.io/component-base/version.gitTreeState=clean"
+echo "test-bins: building$pkgs into $dir (kube-apiserver takes minutes the first time)"
+start=$(date +%s)
+$GO build -trimpath -buildvcs=false -ldflags="$ldflags" -o "$tmp/" $pkgs
+# The etcd server module's main package is at its root: go names the binary after the
+# module's last element without the major version ("server").
+[ ! -e "$tmp/server" ] || mv "$tmp/server" "$tmp/etcd"
+for b in kube-apiserver kube-proxy etcd; do
+	[ ! -e "$tmp/$b" ] || mv -f "$tmp/$b" "$dir/$b"
+done
+echo "test-bins: built in $(($(date +%s) - start))s"
+
+for b in kube-apiserver:"$k8sv" kube-proxy:"$k8sv" etcd:"$etcdv"; do
+	name=${b%%:*}
+	if ! built "$name" "${b#*:}"; then
+		echo "build.sh: $dir/$name does not run or does not report ${b#*:}:" >&2
+		"$dir/$name" --version >&2 || true
+		exit 1
+	fi
+	echo "test-bins: $("$dir/$name" --version 2>&1 | head -1) ($(du -h "$dir/$name" | cut -f1))"
+done
