@@ -1,0 +1,324 @@
+// Package kubeapi is the source of Services and EndpointSlices that watches a Kubernetes API
+// server through client-go shared informers and delivers every change to a source.Handler.
+//
+// It filters at list/watch time exactly what kube-proxy filters there, so the API server does the
+// work and the proxy never caches those objects:
+//   - Services labelled service.kubernetes.io/service-proxy-name (they belong to another proxy),
+//     and headless Services (field selector spec.clusterIP!=None);
+//   - EndpointSlices labelled service.kubernetes.io/headless (their service is headless).
+//
+// Everything else is passed through unchanged; in particular ExternalName Services reach the
+// Handler and are skipped by the model (serviceport.FromService), as are headless Services on a
+// server or fake that ignores the field selector.
+//
+// Use:
+//
+//	cfg, err := kubeapi.BuildConfig(kubeconfig, master)
+//	client, err := kubernetes.NewForConfig(cfg)
+//	err = kubeapi.New(client, kubeapi.Options{Log: log}).Run(ctx, handler)
+package kubeapi
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net/url"
+	"sync"
+	"time"
+
+	"github.com/rs/zerolog"
+	v1 "k8s.io/api/core/v1"
+	discovery "k8s.io/api/discovery/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/fields"
+	"k8s.io/apimachinery/pkg/labels"
+	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/selection"
+	"k8s.io/apimachinery/pkg/watch"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/tools/cache"
+
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/serviceport"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/source"
+)
+
+// Options configures a Source. The zero value is valid.
+type Options struct {
+	// ResyncPeriod is the informers' resync period: every period each cached object is delivered
+	// again as an update whose prev and cur are the same object (the proxy drops such no-op
+	// updates). 0 disables resyncs.
+	ResyncPeriod time.Duration
+	// WaitLogInterval is how often Run logs, at info level, that it is still waiting for the
+	// initial sync (for example while the API server is unreachable). 0 means 10s.
+	WaitLogInterval time.Duration
+	// Log receives the source's logs. The zero value discards them.
+	Log zerolog.Logger
+}
+
+func (o *Options) waitLogInterval() time.Duration {
+	if o.WaitLogInterval <= 0 {
+		return 10 * time.Second
+	}
+	return o.WaitLogInterval
+}
+
+// Source watches Services and EndpointSlices on an API server. Create it with New; Run it once.
+type Source struct {
+	client kubernetes.Interface
+	opts   Options
+	log    zerolog.Logger
+
+	mu      sync.Mutex // guards following fields
+	started bool
+}
+
+// New returns a Source that watches through client. Nothing happens until Run.
+func New(client kubernetes.Interface, opts Options) *Source {
+	return &Source{client: client, opts: opts, log: opts.Log.With().Str("source", "kubeapi").Logger()}
+}
+
+// ServiceSelectors returns the label and field selectors the Service informer lists and watches
+// with: no service.kubernetes.io/service-proxy-name label, and spec.clusterIP!=None.
+func ServiceSelectors() (labelSelector, fieldSelector string) {
+	return mustNotExist(serviceport.ServiceProxyNameLabel).String(),
+		fields.OneTermNotEqualSelector("spec.clusterIP", v1.ClusterIPNone).String()
+}
+
+// EndpointSliceSelector returns the label selector the EndpointSlice informer lists and watches
+// with: no service.kubernetes.io/headless label.
+func EndpointSliceSelector() string {
+	return mustNotExist(v1.IsHeadlessService).String()
+}
+
+// mustNotExist builds the selector "!key". key is one of our constants, which are valid label
+// keys, so NewRequirement cannot fail; should it ever, the selector degrades to "everything"
+// (the model filters the same objects again).
+func mustNotExist(key string) labels.Selector {
+	req, err := labels.NewRequirement(key, selection.DoesNotExist, nil)
+	if err != nil {
+		return labels.Everything()
+	}
+	return labels.NewSelector().Add(*req)
+}
+
+// Run starts the informers, delivers every change to h and calls h.OnSynced once both the
+// Services and the EndpointSlices have been listed and delivered. It blocks until ctx is done,
+// then stops the informers, waits for them and returns nil. Handler calls are serialised (one at
+// a time) and all happen before Run returns.
+//
+// An unreachable or failing API server is not an error: client-go retries with back-off; Run
+// logs each list/watch failure and, every WaitLogInterval until the initial sync, what it is
+// still waiting for. Run returns an error only when it was already called.
+func (s *Source) Run(ctx context.Context, h source.Handler) error {
+	s.mu.Lock()
+	if s.started {
+		s.mu.Unlock()
+		return errors.New("kubeapi: Run called more than once")
+	}
+	s.started = true
+	s.mu.Unlock()
+
+	svcLabels, svcFields := ServiceSelectors()
+	sliceLabels := EndpointSliceSelector()
+	svcW := &watchState{resource: "services", log: s.log}
+	sliceW := &watchState{resource: "endpointslices", log: s.log}
+	services := s.client.CoreV1().Services(metav1.NamespaceAll)
+	slices := s.client.DiscoveryV1().EndpointSlices(metav1.NamespaceAll)
+	svcInf := newInformer(s.client, &v1.Service{}, svcW, s.opts.ResyncPeriod,
+		func(o *metav1.ListOptions) {
+			o.LabelSelector = svcLabels
+			o.FieldSelector = svcFields
+		},
+		func(ctx context.Context, o metav1.ListOptions) (runtime.Object, error) { return services.List(ctx, o) },
+		services.Watch)
+	sliceInf := newInformer(s.client, &discovery.EndpointSlice{}, sliceW, s.opts.ResyncPeriod,
+		func(o *metav1.ListOptions) { o.LabelSelector = sliceLabels },
+		func(ctx context.Context, o metav1.ListOptions) (runtime.Object, error) { return slices.List(ctx, o) },
+		slices.Watch)
+
+	d := &dispatcher{h: h}
+	svcReg, err := setup(svcInf, svcW, &eventHandler[v1.Service]{kind: "Service", log: s.log, d: d, deliver: h.OnServiceUpdate}, s.opts.ResyncPeriod)
+	if err != nil {
+		return err
+	}
+	sliceReg, err := setup(sliceInf, sliceW, &eventHandler[discovery.EndpointSlice]{kind: "EndpointSlice", log: s.log, d: d, deliver: h.OnEndpointSliceUpdate}, s.opts.ResyncPeriod)
+	if err != nil {
+		return err
+	}
+
+	var wg sync.WaitGroup
+	defer wg.Wait()
+	wg.Go(func() { svcInf.RunWithContext(ctx) })
+	wg.Go(func() { sliceInf.RunWithContext(ctx) })
+
+	s.log.Info().Str("serviceLabelSelector", svcLabels).Str("serviceFieldSelector", svcFields).
+		Str("endpointSliceLabelSelector", sliceLabels).Msg("starting Service and EndpointSlice informers")
+	if s.waitForSync(ctx, waitItem{svcW, svcReg.HasSyncedChecker().Done()}, waitItem{sliceW, sliceReg.HasSyncedChecker().Done()}) {
+		d.synced()
+		s.log.Info().Int("services", len(svcInf.GetStore().ListKeys())).
+			Int("endpointSlices", len(sliceInf.GetStore().ListKeys())).Msg("initial sync complete")
+	}
+	<-ctx.Done()
+	return nil
+}
+
+// setup configures one informer: strip managed fields, log watch errors, add the handler.
+func setup(inf cache.SharedIndexInformer, w *watchState, eh cache.ResourceEventHandler, resync time.Duration) (cache.ResourceEventHandlerRegistration, error) {
+	if err := inf.SetTransform(stripManagedFields); err != nil {
+		return nil, fmt.Errorf("kubeapi: set %s transform: %w", w.resource, err)
+	}
+	if err := inf.SetWatchErrorHandlerWithContext(w.onError); err != nil {
+		return nil, fmt.Errorf("kubeapi: set %s watch error handler: %w", w.resource, err)
+	}
+	reg, err := inf.AddEventHandlerWithResyncPeriod(eh, resync)
+	if err != nil {
+		return nil, fmt.Errorf("kubeapi: add %s event handler: %w", w.resource, err)
+	}
+	return reg, nil
+}
+
+// stripManagedFields drops metadata.managedFields, which the proxy never reads and which is
+// often the largest part of a cached object. Transforms may modify the freshly decoded object.
+func stripManagedFields(obj any) (any, error) {
+	if m, ok := obj.(metav1.Object); ok {
+		m.SetManagedFields(nil)
+	}
+	return obj, nil
+}
+
+// waitForSync waits until both registrations have delivered their initial list (true) or ctx
+// is done (false), logging what it still waits for every WaitLogInterval.
+func (s *Source) waitForSync(ctx context.Context, svc, slices waitItem) bool {
+	start := time.Now()
+	t := time.NewTicker(s.opts.waitLogInterval())
+	defer t.Stop()
+	for svc.done != nil || slices.done != nil {
+		// A nil channel blocks forever, which disables a case once it has fired.
+		select {
+		case <-ctx.Done():
+			return false
+		case <-svc.done:
+			svc.done = nil
+			s.log.Debug().Str("resource", svc.w.resource).Msg("initial list delivered")
+		case <-slices.done:
+			slices.done = nil
+			s.log.Debug().Str("resource", slices.w.resource).Msg("initial list delivered")
+		case <-t.C:
+			for _, it := range []waitItem{svc, slices} {
+				if it.done == nil {
+					continue
+				}
+				ev := s.log.Info().Str("resource", it.w.resource).Dur("waited", time.Since(start).Round(time.Millisecond))
+				if err := it.w.lastError(); err != nil {
+					ev = ev.Str("lastError", cause(err))
+				}
+				ev.Msg("waiting for initial sync of " + it.w.resource + " from the API server")
+			}
+		}
+	}
+	return true
+}
+
+// waitItem is one informer registration Run waits for.
+type waitItem struct {
+	w    *watchState
+	done <-chan struct{}
+}
+
+// newInformer builds a shared informer the way client-go's generated informers do (including
+// the watch-list semantics detection, so fake clients fall back to list+watch), but with every
+// list and watch call reporting its outcome to w. client-go retries some failures (connection
+// refused, 429) inside the reflector without telling the watch error handler; this is how Run
+// still knows and logs why the initial sync is not happening.
+func newInformer(client kubernetes.Interface, example runtime.Object, w *watchState, resync time.Duration,
+	tweak func(*metav1.ListOptions),
+	list func(context.Context, metav1.ListOptions) (runtime.Object, error),
+	watchFn func(context.Context, metav1.ListOptions) (watch.Interface, error),
+) cache.SharedIndexInformer {
+	listCtx := func(ctx context.Context, o metav1.ListOptions) (runtime.Object, error) {
+		tweak(&o)
+		obj, err := list(ctx, o)
+		w.record(ctx, "list", err)
+		return obj, err
+	}
+	watchCtx := func(ctx context.Context, o metav1.ListOptions) (watch.Interface, error) {
+		tweak(&o)
+		wi, err := watchFn(ctx, o)
+		w.record(ctx, "watch", err)
+		return wi, err
+	}
+	lw := &cache.ListWatch{
+		ListWithContextFunc:  listCtx,
+		WatchFuncWithContext: watchCtx,
+		// The context-free variants are kept for callers that still use them.
+		ListFunc: func(o metav1.ListOptions) (runtime.Object, error) { return listCtx(context.Background(), o) },
+		WatchFunc: func(o metav1.ListOptions) (watch.Interface, error) {
+			return watchCtx(context.Background(), o)
+		},
+	}
+	return cache.NewSharedIndexInformerWithOptions(cache.ToListWatcherWithWatchListSemantics(lw, client), example,
+		cache.SharedIndexInformerOptions{ResyncPeriod: resync, Indexers: cache.Indexers{}})
+}
+
+// watchState logs an informer's list/watch failures and remembers the last one. A failure is
+// logged when it differs from the previous one (client-go retries with back-off, so a dead API
+// server would otherwise log the same line forever); success after failures is logged once.
+type watchState struct {
+	resource string
+	log      zerolog.Logger
+
+	mu      sync.Mutex // guards following fields
+	lastErr error
+}
+
+// onError is the informer's watch error handler: errors that end a running list/watch.
+func (w *watchState) onError(ctx context.Context, _ *cache.Reflector, err error) {
+	w.record(ctx, "list/watch", err)
+}
+
+func (w *watchState) record(ctx context.Context, op string, err error) {
+	if ctx.Err() != nil {
+		return // shutting down: failures are expected and not interesting
+	}
+	switch {
+	case err == nil:
+		w.mu.Lock()
+		had := w.lastErr
+		w.lastErr = nil
+		w.mu.Unlock()
+		if had != nil {
+			w.log.Info().Str("resource", w.resource).Str("op", op).Msg("API server " + op + " succeeded again")
+		}
+		return
+	case errors.Is(err, io.EOF):
+		return // the watch closed normally; the reflector re-establishes it
+	case apierrors.IsResourceExpired(err) || apierrors.IsGone(err):
+		w.log.Debug().Str("resource", w.resource).Err(err).Msg("watch expired, relisting")
+		return
+	}
+	w.mu.Lock()
+	repeated := w.lastErr != nil && cause(w.lastErr) == cause(err)
+	w.lastErr = err
+	w.mu.Unlock()
+	if !repeated {
+		w.log.Warn().Str("resource", w.resource).Str("op", op).Err(err).Msg("API server " + op + " failed, client-go retries with back-off")
+	}
+}
+
+// cause returns what identifies a failure for de-duplication: for a failed HTTP request the
+// transport error without the URL (whose query carries a random timeout), else the message.
+func cause(err error) string {
+	var ue *url.Error
+	if errors.As(err, &ue) {
+		return ue.Op + ": " + ue.Err.Error()
+	}
+	return err.Error()
+}
+
+func (w *watchState) lastError() error {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.lastErr
+}
