@@ -189,17 +189,33 @@ func exchange(c net.Conn, network, msg string) (banner, got string, err error) {
 	if err != nil {
 		return "", "", fmt.Errorf("read banner: %w", err)
 	}
+	// Send while reading: a message larger than the socket buffers would otherwise deadlock.
+	sent := make(chan error, 1)
+	go func() { sent <- send(c, msg) }()
+	back := make([]byte, len(msg))
+	_, readErr := io.ReadFull(r, back)
+	if readErr != nil {
+		_ = c.Close() // unblocks the sender
+	}
+	sendErr := <-sent
+	if readErr != nil {
+		return "", "", fmt.Errorf("read echo: %w", readErr)
+	}
+	if sendErr != nil {
+		return "", "", sendErr
+	}
+	return strings.TrimSuffix(line, "\n"), string(back), nil
+}
+
+// send writes msg to c and closes c's sending side.
+func send(c net.Conn, msg string) error {
 	if _, err := io.WriteString(c, msg); err != nil {
-		return "", "", fmt.Errorf("send: %w", err)
+		return fmt.Errorf("send: %w", err)
 	}
 	if cw, ok := c.(interface{ CloseWrite() error }); ok {
 		if err := cw.CloseWrite(); err != nil {
-			return "", "", fmt.Errorf("close write: %w", err)
+			return fmt.Errorf("close write: %w", err)
 		}
 	}
-	back := make([]byte, len(msg))
-	if _, err := io.ReadFull(r, back); err != nil {
-		return "", "", fmt.Errorf("read echo: %w", err)
-	}
-	return strings.TrimSuffix(line, "\n"), string(back), nil
+	return nil
 }
