@@ -1,0 +1,166 @@
+// Package app wires kube-userspace-proxy together: it parses and validates the options, builds
+// the source, the proxier, the portals and the servers, and runs them until a signal.
+package app
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"os/signal"
+	"syscall"
+	"time"
+
+	"github.com/rs/zerolog"
+	"github.com/spf13/pflag"
+	"golang.org/x/sync/errgroup"
+	"k8s.io/client-go/kubernetes"
+
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/source"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/source/kubeapi"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/source/manifests"
+)
+
+// Version and Commit are set at build time (-ldflags "-X ...").
+var (
+	Version = "dev"
+	Commit  = "unknown"
+)
+
+// Main parses args and runs the proxy; it returns the process exit code.
+func Main(args []string, stdout, stderr io.Writer) int {
+	opts := NewOptions()
+	fs := pflag.NewFlagSet("kube-userspace-proxy", pflag.ContinueOnError)
+	fs.SetOutput(stderr)
+	opts.AddFlags(fs)
+	if err := fs.Parse(args); err != nil {
+		if errors.Is(err, pflag.ErrHelp) {
+			return 0
+		}
+		return 2
+	}
+	if opts.Version {
+		fmt.Fprintf(stdout, "kube-userspace-proxy %s (commit %s)\n", Version, Commit)
+		return 0
+	}
+	v, err := opts.Validate()
+	if err != nil {
+		fmt.Fprintf(stderr, "invalid options:\n%v\n", err)
+		return 2
+	}
+	level, _ := parseLevel(opts.LogLevel)
+	log := zerolog.New(zerolog.ConsoleWriter{Out: stderr, TimeFormat: time.RFC3339}).Level(level).With().Timestamp().Logger()
+
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
+	defer stop()
+	if err := Run(ctx, opts, v, log); err != nil {
+		log.Error().Err(err).Msg("exiting")
+		return 1
+	}
+	return 0
+}
+
+// Run runs the proxy until ctx is done.
+func Run(ctx context.Context, opts *Options, v *Validated, log zerolog.Logger) error {
+	if opts.Cleanup {
+		if err := cleanupPortals(ctx, log); err != nil {
+			return fmt.Errorf("cleanup: %w", err)
+		}
+		log.Info().Msg("removed every rule and chain of ours")
+		return nil
+	}
+	if n, err := forward.RaiseFileLimit(); err != nil {
+		log.Warn().Err(err).Msg("cannot raise RLIMIT_NOFILE")
+	} else {
+		log.Debug().Uint64("limit", n).Msg("RLIMIT_NOFILE")
+	}
+
+	src, err := newSource(opts, v, log)
+	if err != nil {
+		return err
+	}
+
+	pOpts := proxy.Options{
+		Log:           log.With().Str("component", "proxier").Logger(),
+		NodeName:      v.NodeName,
+		BindAddress:   v.BindAddress,
+		PortRange:     v.PortRange,
+		UDPTimeout:    opts.UDPTimeout,
+		MinSyncPeriod: opts.MinSyncPeriod,
+		SyncPeriod:    opts.SyncPeriod,
+	}
+	var portals *portalSet
+	if opts.PortalMode == PortalModeIPTables {
+		portals, err = newPortals(ctx, v, log.With().Str("component", "portal").Logger())
+		if err != nil {
+			return err
+		}
+		pOpts.Portals = portals
+		pOpts.HoldPorts = true
+	}
+	px := proxy.New(pOpts)
+	log.Info().Str("node", v.NodeName).Str("portalMode", opts.PortalMode).Str("proxyPortRange", v.PortRange.String()).
+		Str("version", Version).Msg("starting kube-userspace-proxy")
+
+	proxyCtx, stopProxy := context.WithCancel(context.Background())
+	defer stopProxy()
+	g, gctx := errgroup.WithContext(ctx)
+	g.Go(func() error { return src.Run(gctx, px.Tracker()) })
+	proxyDone := make(chan struct{})
+	go func() { px.Run(proxyCtx); close(proxyDone) }()
+
+	err = g.Wait()
+	// Shutdown: stop accepting, remove portals, let connections finish, exit.
+	stopProxy()
+	<-proxyDone
+	log.Info().Msg("stopped accepting; removing portals")
+	if portals != nil {
+		if cerr := portals.Cleanup(context.Background()); cerr != nil {
+			log.Error().Err(cerr).Msg("removing portals")
+		}
+	}
+	sctx, cancel := context.WithTimeout(context.Background(), opts.ShutdownGracePeriod)
+	defer cancel()
+	if serr := px.Shutdown(sctx); serr != nil {
+		log.Warn().Err(serr).Msg("connections cut at the end of the grace period")
+	}
+	if err != nil && !errors.Is(err, context.Canceled) {
+		return err
+	}
+	return nil
+}
+
+// runner is what Run needs of a source.
+type runner interface {
+	Run(ctx context.Context, h source.Handler) error
+}
+
+func newSource(opts *Options, v *Validated, log zerolog.Logger) (runner, error) {
+	if opts.Manifests != "" {
+		return manifests.New(opts.Manifests, manifests.Options{
+			ServiceCIDRs: v.ServiceCIDRs,
+			Log:          log.With().Str("component", "manifests").Logger(),
+		}), nil
+	}
+	cfg, err := kubeapi.BuildConfig(opts.Kubeconfig, opts.Master)
+	if err != nil {
+		return nil, fmt.Errorf("API server configuration: %w", err)
+	}
+	client, err := kubernetes.NewForConfig(cfg)
+	if err != nil {
+		return nil, fmt.Errorf("API client for %s: %w", cfg.Host, err)
+	}
+	return kubeapi.New(client, kubeapi.Options{Log: log.With().Str("component", "kubeapi").Logger()}), nil
+}
+
+func parseLevel(s string) (zerolog.Level, error) {
+	switch s {
+	case "debug", "info", "warn", "error":
+		return zerolog.ParseLevel(s)
+	}
+	return zerolog.NoLevel, fmt.Errorf("unknown level %q (want debug, info, warn or error)", s)
+}
+
+

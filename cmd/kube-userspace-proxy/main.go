@@ -1,0 +1,14 @@
+// Command kube-userspace-proxy is a Kubernetes service proxy in the manner of kube-proxy's
+// userspace mode: a listener per service port, iptables portals that redirect service traffic to
+// it, and a splice to an endpoint per connection or flow. Run it with --help for its flags.
+package main
+
+import (
+	"os"
+
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/cmd/kube-userspace-proxy/app"
+)
+
+func main() {
+	os.Exit(app.Main(os.Args[1:], os.Stdout, os.Stderr))
+}

@@ -1,0 +1,395 @@
+package proxy
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net/netip"
+	"sort"
+	"sync"
+	"time"
+
+	"github.com/rs/zerolog"
+	"k8s.io/apimachinery/pkg/types"
+
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/loadbalancer"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/portalloc"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/serviceport"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/syncrunner"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/tracker"
+)
+
+// Action says what the portals do with new traffic of one class (ClusterIP traffic, or traffic to
+// NodePorts, externalIPs and load-balancer IPs) for a service port.
+type Action int
+
+// Actions.
+const (
+	// Redirect sends the traffic to the proxy port.
+	Redirect Action = iota
+	// Reject refuses it at once (TCP reset, ICMP port unreachable): no usable endpoint at all.
+	Reject
+	// Drop drops it silently: a Local traffic policy and no usable endpoint on this node.
+	Drop
+)
+
+func (a Action) String() string {
+	switch a {
+	case Redirect:
+		return "redirect"
+	case Reject:
+		return "reject"
+	case Drop:
+		return "drop"
+	}
+	return fmt.Sprintf("Action(%d)", int(a))
+}
+
+// PortState is one service port as the portals need it.
+type PortState struct {
+	ServicePort *serviceport.ServicePort
+	// ProxyPort is the port of the proxy's listener; 0 while it could not be opened (the portals
+	// then reject the port's traffic rather than redirect it nowhere).
+	ProxyPort int
+	// Internal applies to ClusterIP traffic, External to NodePort, externalIP and LB IP traffic.
+	Internal, External Action
+	// LocalEndpoints counts the endpoints on this node that external Local traffic may use.
+	LocalEndpoints int
+}
+
+// Portals programs the rules that send service traffic to the proxy's listeners.
+type Portals interface {
+	// Sync makes the rules match ports exactly (the complete desired state).
+	Sync(ctx context.Context, ports []PortState) error
+}
+
+// SyncObserver is told about every sync; the metrics and health servers implement it.
+type SyncObserver interface {
+	// SyncDone reports a finished sync: when it started, how long it took, the time of the oldest
+	// change it applied (zero if none), and its error.
+	SyncDone(start time.Time, took time.Duration, oldestChange time.Time, err error)
+	// ChangeQueued reports that a change is waiting for the next sync.
+	ChangeQueued(at time.Time)
+	// PortsSynced hands the new state of all service ports after a sync.
+	PortsSynced(ports []PortState)
+}
+
+// Options configures a Proxier. The zero value of each field is documented.
+type Options struct {
+	// Log is the component's logger; the zero value logs nothing.
+	Log zerolog.Logger
+	// NodeName is this node's name, for Local traffic policies.
+	NodeName string
+	// BindAddress is the address the proxy listeners bind to; the zero value (or an unspecified
+	// address) binds all addresses of both families.
+	BindAddress netip.Addr
+	// PortRange is --proxy-port-range; the zero value lets the kernel pick ports.
+	PortRange portalloc.Range
+	// UDPTimeout is the idle timeout of UDP sessions; zero means forward's default.
+	UDPTimeout time.Duration
+	// MinSyncPeriod and SyncPeriod bound the sync frequency (defaults 1s and 30s).
+	MinSyncPeriod, SyncPeriod time.Duration
+	// Portals programs rules; nil means none (--portal-mode none: only the listeners).
+	Portals Portals
+	// HoldPorts, when set, holds NodePorts and local portal IP:ports with real sockets.
+	HoldPorts bool
+	// Observer, if set, is told about syncs.
+	Observer SyncObserver
+	// Metrics, if set, receives per-service-port traffic events.
+	Metrics TrafficMetrics
+	// LocalAddrs lists the node's own addresses (for holding local portal IPs); nil means the
+	// addresses of all interfaces.
+	LocalAddrs func() ([]netip.Addr, error)
+}
+
+// Proxier runs the sync loop and owns every listener. Create it with New, feed its Tracker from a
+// source, and call Run.
+type Proxier struct {
+	opts    Options
+	log     zerolog.Logger
+	tracker *tracker.Tracker
+	lb      *loadbalancer.RoundRobin
+	alloc   *portalloc.Allocator
+	runner  *syncrunner.Runner
+
+	syncedOnce sync.Once
+	synced     chan struct{} // closed when the source's initial state is in
+
+	// The following fields are owned by the sync goroutine (Run); mu guards them against readers
+	// such as Ports and Close.
+	mu        sync.Mutex
+	ports     map[serviceport.Name]*listener
+	endpoints map[types.NamespacedName]tracker.Endpoints
+	holder    *holder
+	closed    bool
+	// syncs counts finished syncs (for tests).
+	syncs int
+}
+
+// New returns a Proxier. Nothing runs until Run.
+func New(opts Options) *Proxier {
+	if opts.MinSyncPeriod <= 0 {
+		opts.MinSyncPeriod = time.Second
+	}
+	if opts.SyncPeriod <= 0 {
+		opts.SyncPeriod = 30 * time.Second
+	}
+	if !opts.BindAddress.IsValid() {
+		opts.BindAddress = netip.IPv6Unspecified()
+	}
+	p := &Proxier{
+		opts:      opts,
+		log:       opts.Log,
+		lb:        loadbalancer.New(loadbalancer.Options{NodeName: opts.NodeName}),
+		alloc:     portalloc.NewAllocator(opts.PortRange, nil),
+		synced:    make(chan struct{}),
+		ports:     map[serviceport.Name]*listener{},
+		endpoints: map[types.NamespacedName]tracker.Endpoints{},
+	}
+	p.holder = newHolder(opts.Log, opts.LocalAddrs)
+	p.runner = syncrunner.New(p.sync, opts.MinSyncPeriod, opts.SyncPeriod)
+	p.tracker = tracker.New(tracker.Options{
+		Log: opts.Log,
+		OnChange: func() {
+			if opts.Observer != nil {
+				opts.Observer.ChangeQueued(time.Now())
+			}
+			p.runner.Trigger()
+		},
+		OnSynced: func() {
+			p.syncedOnce.Do(func() { close(p.synced) })
+			p.runner.Trigger()
+		},
+	})
+	return p
+}
+
+// Tracker returns the source.Handler to feed with Services and EndpointSlices.
+func (p *Proxier) Tracker() *tracker.Tracker { return p.tracker }
+
+// Synced is closed once the source has delivered its initial state.
+func (p *Proxier) Synced() <-chan struct{} { return p.synced }
+
+// Run runs the sync loop until ctx is done, then closes every listener (established connections
+// are left to Shutdown) and returns.
+func (p *Proxier) Run(ctx context.Context) {
+	p.runner.Run(ctx)
+	p.closeListeners()
+}
+
+// Sync runs one sync now, on the caller's goroutine. It is for tests and must not be called
+// while Run is running.
+func (p *Proxier) Sync() { p.sync() }
+
+// sync applies pending changes; it runs on the runner's goroutine only.
+func (p *Proxier) sync() {
+	select {
+	case <-p.synced:
+	default:
+		p.log.Debug().Msg("sync skipped: the source has not delivered its initial state yet")
+		return
+	}
+	start := time.Now()
+	ch := p.tracker.Drain()
+
+	p.mu.Lock()
+	if p.closed {
+		p.mu.Unlock()
+		return
+	}
+	dirty := p.applyLocked(&ch)
+	// Ports whose listener failed to open are retried on every sync.
+	for name, l := range p.ports {
+		if l.proxyPort == 0 {
+			dirty[name.Service()] = true
+		}
+	}
+	for svc := range dirty {
+		p.refreshServiceLocked(svc)
+	}
+	p.lb.Sweep()
+	states := p.portStatesLocked()
+	if p.opts.HoldPorts {
+		p.holder.reconcile(states)
+	}
+	p.syncs++
+	p.mu.Unlock()
+
+	var err error
+	if p.opts.Portals != nil {
+		if err = p.opts.Portals.Sync(context.Background(), states); err != nil {
+			p.log.Error().Err(err).Msg("programming portals failed; retrying at the next sync")
+		}
+	}
+	took := time.Since(start)
+	if p.opts.Observer != nil {
+		p.opts.Observer.PortsSynced(states)
+		p.opts.Observer.SyncDone(start, took, ch.Oldest, err)
+	}
+	p.log.Debug().Dur("took", took).Int("services", len(ch.Services)).Int("endpoints", len(ch.Endpoints)).
+		Int("ports", len(states)).Msg("synced")
+}
+
+// applyLocked applies drained changes to the port and endpoint maps and returns the services
+// whose ports or endpoints changed.
+func (p *Proxier) applyLocked(ch *tracker.Changes) map[types.NamespacedName]bool {
+	dirty := map[types.NamespacedName]bool{}
+	for svc, c := range ch.Services {
+		dirty[svc] = true
+		for portName, sp := range c.Previous {
+			if c.Current[portName] == nil {
+				p.removePortLocked(sp.Name)
+			}
+		}
+		for _, sp := range c.Current {
+			p.upsertPortLocked(sp)
+		}
+	}
+	for svc, c := range ch.Endpoints {
+		dirty[svc] = true
+		if c.Current == nil {
+			delete(p.endpoints, svc)
+		} else {
+			p.endpoints[svc] = c.Current
+		}
+	}
+	return dirty
+}
+
+// upsertPortLocked creates the port's listener, or updates an existing one in place. A
+// listener survives every change but one of protocol.
+func (p *Proxier) upsertPortLocked(sp *serviceport.ServicePort) {
+	if l, ok := p.ports[sp.Name]; ok {
+		if l.protocol() == sp.Protocol {
+			l.sp.Store(sp)
+			return
+		}
+		p.removePortLocked(sp.Name)
+	}
+	l := &listener{proxier: p, log: p.log.With().Str("servicePort", sp.String()).Logger()}
+	l.sp.Store(sp)
+	p.ports[sp.Name] = l
+	p.openLocked(l)
+}
+
+func (p *Proxier) openLocked(l *listener) {
+	if err := l.open(p.alloc, p.opts.BindAddress, p.opts.UDPTimeout, p.opts.Metrics); err != nil {
+		l.log.Error().Err(err).Msg("cannot open the proxy listener; retrying at the next sync")
+		return
+	}
+	l.log.Info().Int("proxyPort", l.proxyPort).Msg("opened proxy listener")
+}
+
+func (p *Proxier) removePortLocked(name serviceport.Name) {
+	l, ok := p.ports[name]
+	if !ok {
+		return
+	}
+	delete(p.ports, name)
+	p.lb.DeleteServicePort(name)
+	l.close(p.alloc)
+	l.log.Info().Msg("closed proxy listener")
+}
+
+// refreshServiceLocked hands the current ports and endpoints of svc to the load balancer and the
+// UDP sessions, and retries listeners that failed to open.
+func (p *Proxier) refreshServiceLocked(svc types.NamespacedName) {
+	eps := p.endpoints[svc]
+	for name, l := range p.ports {
+		if name.Service() != svc {
+			continue
+		}
+		if l.proxyPort == 0 {
+			p.openLocked(l)
+		}
+		list := eps[name.Port]
+		p.lb.SetServicePort(l.sp.Load(), list)
+		l.endpointsChanged(list)
+	}
+}
+
+// portStatesLocked returns the desired portal state of every service port, sorted by name.
+func (p *Proxier) portStatesLocked() []PortState {
+	out := make([]PortState, 0, len(p.ports))
+	for name, l := range p.ports {
+		sp := l.sp.Load()
+		eps := p.endpoints[name.Service()][name.Port]
+		st := PortState{ServicePort: sp, ProxyPort: l.proxyPort}
+		st.Internal, st.External = actions(sp, eps, p.opts.NodeName)
+		st.LocalEndpoints = loadbalancer.LocalEndpoints(sp, eps, p.opts.NodeName)
+		if l.proxyPort == 0 {
+			st.Internal, st.External = Reject, Reject
+		}
+		out = append(out, st)
+	}
+	sortPortStates(out)
+	return out
+}
+
+// actions decides what the portals do with new traffic of each class.
+func actions(sp *serviceport.ServicePort, eps []serviceport.Endpoint, node string) (internal, external Action) {
+	cluster := *sp
+	cluster.InternalPolicyLocal, cluster.ExternalPolicyLocal = false, false
+	if len(loadbalancer.Usable(&cluster, eps, node, false)) == 0 {
+		return Reject, Reject
+	}
+	internal, external = Redirect, Redirect
+	if len(loadbalancer.Usable(sp, eps, node, false)) == 0 {
+		internal = Drop
+	}
+	if len(loadbalancer.Usable(sp, eps, node, true)) == 0 {
+		external = Drop
+	}
+	return internal, external
+}
+
+// Ports returns the current state of every service port, sorted by name.
+func (p *Proxier) Ports() []PortState {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.portStatesLocked()
+}
+
+// closeListeners stops accepting on every listener and releases held ports.
+func (p *Proxier) closeListeners() {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.closed {
+		return
+	}
+	p.closed = true
+	for _, l := range p.ports {
+		l.stopAccepting()
+	}
+	p.holder.closeAll()
+}
+
+// Shutdown waits for established connections to finish until ctx is done, then cuts the rest.
+// Call it after Run has returned.
+func (p *Proxier) Shutdown(ctx context.Context) error {
+	p.closeListeners()
+	p.mu.Lock()
+	ls := make([]*listener, 0, len(p.ports))
+	for _, l := range p.ports {
+		ls = append(ls, l)
+	}
+	p.mu.Unlock()
+	var errs []error
+	for _, l := range ls {
+		if err := l.shutdown(ctx); err != nil {
+			errs = append(errs, fmt.Errorf("%s: %w", l.sp.Load(), err))
+		}
+		l.release(p.alloc)
+	}
+	return errors.Join(errs...)
+}
+
+func sortPortStates(s []PortState) {
+	sort.Slice(s, func(i, j int) bool {
+		a, b := s[i].ServicePort, s[j].ServicePort
+		if a.Name != b.Name {
+			return a.Name.String() < b.Name.String()
+		}
+		return a.Protocol < b.Protocol
+	})
+}
