@@ -215,4 +215,3 @@ func udpNetwork(bind netip.Addr) string {
 	}
 	return "udp6"
 }
-

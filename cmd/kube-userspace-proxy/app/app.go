@@ -162,5 +162,3 @@ func parseLevel(s string) (zerolog.Level, error) {
 	}
 	return zerolog.NoLevel, fmt.Errorf("unknown level %q (want debug, info, warn or error)", s)
 }
-
-
