@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"os"
 	"os/signal"
 	"syscall"
 	"time"
@@ -51,7 +52,7 @@ func Main(args []string, stdout, stderr io.Writer) int {
 		return 2
 	}
 	level, _ := parseLevel(opts.LogLevel)
-	log := zerolog.New(zerolog.ConsoleWriter{Out: stderr, TimeFormat: time.RFC3339}).Level(level).With().Timestamp().Logger()
+	log := zerolog.New(zerolog.ConsoleWriter{Out: stderr, TimeFormat: time.RFC3339, NoColor: !isTerminal(stderr)}).Level(level).With().Timestamp().Logger()
 
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
 	defer stop()
@@ -161,4 +162,14 @@ func parseLevel(s string) (zerolog.Level, error) {
 		return zerolog.ParseLevel(s)
 	}
 	return zerolog.NoLevel, fmt.Errorf("unknown level %q (want debug, info, warn or error)", s)
+}
+
+// isTerminal reports whether w is a character device (a terminal): logs are coloured only there.
+func isTerminal(w io.Writer) bool {
+	f, ok := w.(*os.File)
+	if !ok {
+		return false
+	}
+	st, err := f.Stat()
+	return err == nil && st.Mode()&os.ModeCharDevice != 0
 }
