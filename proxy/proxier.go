@@ -13,37 +13,12 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/loadbalancer"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/portal"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/portalloc"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/serviceport"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/syncrunner"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/tracker"
 )
-
-// Action says what the portals do with new traffic of one class (ClusterIP traffic, or traffic to
-// NodePorts, externalIPs and load-balancer IPs) for a service port.
-type Action int
-
-// Actions.
-const (
-	// Redirect sends the traffic to the proxy port.
-	Redirect Action = iota
-	// Reject refuses it at once (TCP reset, ICMP port unreachable): no usable endpoint at all.
-	Reject
-	// Drop drops it silently: a Local traffic policy and no usable endpoint on this node.
-	Drop
-)
-
-func (a Action) String() string {
-	switch a {
-	case Redirect:
-		return "redirect"
-	case Reject:
-		return "reject"
-	case Drop:
-		return "drop"
-	}
-	return fmt.Sprintf("Action(%d)", int(a))
-}
 
 // PortState is one service port as the portals need it.
 type PortState struct {
@@ -52,7 +27,7 @@ type PortState struct {
 	// then reject the port's traffic rather than redirect it nowhere).
 	ProxyPort int
 	// Internal applies to ClusterIP traffic, External to NodePort, externalIP and LB IP traffic.
-	Internal, External Action
+	Internal, External portal.Action
 	// LocalEndpoints counts the endpoints on this node that external Local traffic may use.
 	LocalEndpoints int
 }
@@ -318,7 +293,7 @@ func (p *Proxier) portStatesLocked() []PortState {
 		st.Internal, st.External = actions(sp, eps, p.opts.NodeName)
 		st.LocalEndpoints = loadbalancer.LocalEndpoints(sp, eps, p.opts.NodeName)
 		if l.proxyPort == 0 {
-			st.Internal, st.External = Reject, Reject
+			st.Internal, st.External = portal.Reject, portal.Reject
 		}
 		out = append(out, st)
 	}
@@ -327,18 +302,18 @@ func (p *Proxier) portStatesLocked() []PortState {
 }
 
 // actions decides what the portals do with new traffic of each class.
-func actions(sp *serviceport.ServicePort, eps []serviceport.Endpoint, node string) (internal, external Action) {
+func actions(sp *serviceport.ServicePort, eps []serviceport.Endpoint, node string) (internal, external portal.Action) {
 	cluster := *sp
 	cluster.InternalPolicyLocal, cluster.ExternalPolicyLocal = false, false
 	if len(loadbalancer.Usable(&cluster, eps, node, false)) == 0 {
-		return Reject, Reject
+		return portal.Reject, portal.Reject
 	}
-	internal, external = Redirect, Redirect
+	internal, external = portal.Redirect, portal.Redirect
 	if len(loadbalancer.Usable(sp, eps, node, false)) == 0 {
-		internal = Drop
+		internal = portal.Drop
 	}
 	if len(loadbalancer.Usable(sp, eps, node, true)) == 0 {
-		external = Drop
+		external = portal.Drop
 	}
 	return internal, external
 }

@@ -19,6 +19,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/utils/ptr"
 
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/portal"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/portalloc"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/serviceport"
 )
@@ -246,7 +247,7 @@ func TestNoEndpointsRefusedAtOnce(t *testing.T) {
 		t.Fatalf("want connection reset, got %v", err)
 	}
 	t.Logf("refused after %v", time.Since(start))
-	if st := p.Ports()[0]; st.Internal != Reject || st.External != Reject {
+	if st := p.Ports()[0]; st.Internal != portal.Reject || st.External != portal.Reject {
 		t.Errorf("portal actions = %v/%v, want reject/reject", st.Internal, st.External)
 	}
 }
@@ -428,7 +429,7 @@ func TestPortRangeExhaustionRetried(t *testing.T) {
 	tr.OnEndpointSliceUpdate(nil, slice("echo", "echo-a", "tcp", v1.ProtocolTCP, a))
 	p.Sync()
 	st := p.Ports()[0]
-	if st.ProxyPort != 0 || st.Internal != Reject {
+	if st.ProxyPort != 0 || st.Internal != portal.Reject {
 		t.Fatalf("with the only port taken: got proxy port %d, action %v; want 0, reject", st.ProxyPort, st.Internal)
 	}
 	if p.alloc.InUse() != 0 {
@@ -444,7 +445,7 @@ func TestPortRangeExhaustionRetried(t *testing.T) {
 	}
 	portals.mu.Lock()
 	defer portals.mu.Unlock()
-	if len(portals.last) != 1 || portals.last[0].ProxyPort != port || portals.last[0].Internal != Redirect {
+	if len(portals.last) != 1 || portals.last[0].ProxyPort != port || portals.last[0].Internal != portal.Redirect {
 		t.Fatalf("portals told %+v", portals.last)
 	}
 }
@@ -525,15 +526,15 @@ func TestActions(t *testing.T) {
 		name             string
 		extLocal, intLoc bool
 		eps              []serviceport.Endpoint
-		wantInt, wantExt Action
+		wantInt, wantExt portal.Action
 	}{
-		{"no endpoints", false, false, nil, Reject, Reject},
-		{"remote endpoint, cluster", false, false, []serviceport.Endpoint{ep("n2", true, true, false)}, Redirect, Redirect},
-		{"remote endpoint, external local", true, false, []serviceport.Endpoint{ep("n2", true, true, false)}, Redirect, Drop},
-		{"remote endpoint, internal local", false, true, []serviceport.Endpoint{ep("n2", true, true, false)}, Drop, Redirect},
-		{"local endpoint, both local", true, true, []serviceport.Endpoint{ep("n1", true, true, false)}, Redirect, Redirect},
-		{"only terminating serving", false, false, []serviceport.Endpoint{ep("n2", false, true, true)}, Redirect, Redirect},
-		{"only terminating not serving", false, false, []serviceport.Endpoint{ep("n2", false, false, true)}, Reject, Reject},
+		{"no endpoints", false, false, nil, portal.Reject, portal.Reject},
+		{"remote endpoint, cluster", false, false, []serviceport.Endpoint{ep("n2", true, true, false)}, portal.Redirect, portal.Redirect},
+		{"remote endpoint, external local", true, false, []serviceport.Endpoint{ep("n2", true, true, false)}, portal.Redirect, portal.Drop},
+		{"remote endpoint, internal local", false, true, []serviceport.Endpoint{ep("n2", true, true, false)}, portal.Drop, portal.Redirect},
+		{"local endpoint, both local", true, true, []serviceport.Endpoint{ep("n1", true, true, false)}, portal.Redirect, portal.Redirect},
+		{"only terminating serving", false, false, []serviceport.Endpoint{ep("n2", false, true, true)}, portal.Redirect, portal.Redirect},
+		{"only terminating not serving", false, false, []serviceport.Endpoint{ep("n2", false, false, true)}, portal.Reject, portal.Reject},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {

@@ -123,21 +123,11 @@ func toPortals(fam iptables.Family, ports []proxy.PortState) []portal.Portal {
 			LoadBalancerIPs: sp.LoadBalancerIPs,
 			NodePort:        sp.NodePort,
 			ProxyPort:       st.ProxyPort,
-			Internal:        toAction(st.Internal),
-			External:        toAction(st.External),
+			Internal:        st.Internal,
+			External:        st.External,
 		})
 	}
 	return out
-}
-
-func toAction(a proxy.Action) portal.Action {
-	switch a {
-	case proxy.Reject:
-		return portal.Reject
-	case proxy.Drop:
-		return portal.Drop
-	}
-	return portal.Redirect
 }
 
 // cleanupPortals removes every chain and jump of ours in both families (--cleanup).
