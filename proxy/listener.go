@@ -54,6 +54,13 @@ func (l *listener) protocol() v1.Protocol { return l.sp.Load().Protocol }
 func (l *listener) Choose(client, dst netip.AddrPort, reset bool) (netip.AddrPort, error) {
 	sp := l.sp.Load()
 	external := dst.IsValid() && sp.UsesExternalPolicy(dst.Addr().Unmap())
+	if external && sp.ExternalPolicyLocal && l.proxier.isLocalAddr(client.Addr()) {
+		// Traffic the node itself sends to a NodePort, externalIP or LB IP has no client IP
+		// to preserve: like kube-proxy's "route LOCAL traffic ... to service chain" rule
+		// (addrtype --src-type LOCAL), it is treated as ClusterIP traffic and may use
+		// endpoints on every node (subject to internalTrafficPolicy).
+		external = false
+	}
 	ep, err := l.proxier.lb.Next(sp.Name, client.Addr().Unmap(), external, reset)
 	if err != nil {
 		return netip.AddrPort{}, err

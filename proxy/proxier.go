@@ -5,8 +5,10 @@ import (
 	"errors"
 	"fmt"
 	"net/netip"
+	"slices"
 	"sort"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/rs/zerolog"
@@ -30,6 +32,11 @@ type PortState struct {
 	Internal, External portal.Action
 	// LocalEndpoints counts the endpoints on this node that external Local traffic may use.
 	LocalEndpoints int
+	// LocalReady lists the distinct IPs of this port's ready endpoints on this node. The
+	// healthCheckNodePort server counts these per service, as kube-proxy does: an endpoint that
+	// is only serving and terminating still receives traffic but no longer makes the node
+	// healthy, so load balancers drain the node while its connections finish.
+	LocalReady []netip.Addr
 }
 
 // Portals programs the rules that send service traffic to the proxy's listeners.
@@ -47,6 +54,14 @@ type SyncObserver interface {
 	ChangeQueued(at time.Time)
 	// PortsSynced hands the new state of all service ports after a sync.
 	PortsSynced(ports []PortState)
+}
+
+// ChangeCounter is optionally implemented by a SyncObserver that counts the changes each sync
+// applied (kube-proxy's sync_proxy_rules_{service,endpoint}_changes_total metrics). It is called
+// before SyncDone with the number of services whose definition changed and the number of
+// services whose endpoints changed since the previous sync.
+type ChangeCounter interface {
+	ChangesApplied(services, endpoints int)
 }
 
 // Options configures a Proxier. The zero value of each field is documented.
@@ -97,6 +112,10 @@ type Proxier struct {
 	endpoints map[types.NamespacedName]tracker.Endpoints
 	holder    *holder
 	closed    bool
+	// localAddrs is the set of the node's own addresses, refreshed at every sync and read per
+	// connection by listener.Choose (traffic the node itself sends ignores a Local external
+	// policy, as in kube-proxy).
+	localAddrs atomic.Pointer[map[netip.Addr]bool]
 	// syncs counts finished syncs (for tests).
 	syncs int
 }
@@ -183,6 +202,7 @@ func (p *Proxier) sync() {
 		p.refreshServiceLocked(svc)
 	}
 	p.lb.Sweep()
+	p.refreshLocalAddrs()
 	states := p.portStatesLocked()
 	if p.opts.HoldPorts {
 		p.holder.reconcile(states)
@@ -198,6 +218,9 @@ func (p *Proxier) sync() {
 	}
 	took := time.Since(start)
 	if p.opts.Observer != nil {
+		if cc, ok := p.opts.Observer.(ChangeCounter); ok {
+			cc.ChangesApplied(len(ch.Services), len(ch.Endpoints))
+		}
 		p.opts.Observer.PortsSynced(states)
 		p.opts.Observer.SyncDone(start, took, ch.Oldest, err)
 	}
@@ -292,6 +315,7 @@ func (p *Proxier) portStatesLocked() []PortState {
 		st := PortState{ServicePort: sp, ProxyPort: l.proxyPort}
 		st.Internal, st.External = actions(sp, eps, p.opts.NodeName)
 		st.LocalEndpoints = loadbalancer.LocalEndpoints(sp, eps, p.opts.NodeName)
+		st.LocalReady = localReady(eps, p.opts.NodeName)
 		if l.proxyPort == 0 {
 			st.Internal, st.External = portal.Reject, portal.Reject
 		}
@@ -316,6 +340,47 @@ func actions(sp *serviceport.ServicePort, eps []serviceport.Endpoint, node strin
 		external = portal.Drop
 	}
 	return internal, external
+}
+
+// localReady returns the distinct IPs of the ready endpoints on node, in the order of eps.
+func localReady(eps []serviceport.Endpoint, node string) []netip.Addr {
+	var out []netip.Addr
+	for _, e := range eps {
+		if node != "" && e.NodeName == node && e.Ready && !slices.Contains(out, e.Addr.Addr()) {
+			out = append(out, e.Addr.Addr())
+		}
+	}
+	return out
+}
+
+// refreshLocalAddrs re-reads the node's addresses for isLocalAddr. On error the previous set is
+// kept.
+func (p *Proxier) refreshLocalAddrs() {
+	list := p.opts.LocalAddrs
+	if list == nil {
+		list = interfaceAddrs
+	}
+	addrs, err := list()
+	if err != nil {
+		p.log.Warn().Err(err).Msg("listing node addresses; keeping the previous list")
+		return
+	}
+	set := make(map[netip.Addr]bool, len(addrs))
+	for _, a := range addrs {
+		set[a.Unmap()] = true
+	}
+	p.localAddrs.Store(&set)
+}
+
+// isLocalAddr reports whether a is a loopback address or one of the node's own addresses (as of
+// the last sync).
+func (p *Proxier) isLocalAddr(a netip.Addr) bool {
+	a = a.Unmap()
+	if a.IsLoopback() {
+		return true
+	}
+	set := p.localAddrs.Load()
+	return set != nil && (*set)[a]
 }
 
 // Ports returns the current state of every service port, sorted by name.
