@@ -1,0 +1,449 @@
+package manifests
+
+import (
+	"encoding/binary"
+	"fmt"
+	"hash/fnv"
+	"net/netip"
+	"sort"
+
+	v1 "k8s.io/api/core/v1"
+)
+
+// Node ports are allocated from kube-apiserver's default --service-node-port-range.
+const (
+	NodePortMin = 30000
+	NodePortMax = 32767
+)
+
+// Cluster IP and node port allocation.
+//
+// A service that needs a cluster IP (or a node port) and has none gets one derived from a hash
+// (FNV-1a, 64 bit) of its key ("namespace/name" for cluster IPs, "namespace/name:portName" for
+// node ports, "namespace/name#healthCheck" for health check node ports): offset = hash mod size,
+// and the first free address (or port) from there on, wrapping around (linear probing).
+//
+// Order makes the result deterministic: addresses and ports given in manifests are reserved
+// first; then services keep what they were given in the previous scan, if still free; then the
+// rest are allocated in order of their key. So a running source never moves a service's address
+// unless a manifest claims it explicitly, and a restart gives every service the same address
+// unless two services' hashes collide (then the one sorting first gets the hashed slot).
+//
+// From a cluster IP range the network address and the first address (which the API server
+// reserves for the "kubernetes" service) are never allocated, nor the IPv4 broadcast address.
+
+// allocation is what was allocated, per service; it carries over from one scan to the next.
+type allocation struct {
+	ips   map[string]map[v1.IPFamily]netip.Addr // "ns/name" → family → address
+	ports map[string]int32                      // node port key → port
+}
+
+// allocProblem is a problem allocating for one service. fatal problems leave the service out
+// (its last delivered version keeps serving); others are warnings.
+type allocProblem struct {
+	key   objKey
+	fatal bool
+	msg   string
+}
+
+// ipRange is the allocatable part of a service CIDR: size addresses from base+first on.
+type ipRange struct {
+	prefix netip.Prefix
+	first  uint64
+	size   uint64
+}
+
+func newIPRange(p netip.Prefix) (ipRange, error) {
+	p = p.Masked()
+	hostBits := p.Addr().BitLen() - p.Bits()
+	var total uint64
+	if hostBits >= 63 {
+		total = 1 << 62 // more than any set of services can use
+	} else {
+		total = 1 << hostBits
+	}
+	r := ipRange{prefix: p, first: 2}
+	reserved := uint64(2) // network address and the first address
+	if p.Addr().Is4() {
+		reserved++ // broadcast
+	}
+	if total <= reserved {
+		return ipRange{}, fmt.Errorf("service CIDR %s is too small: no allocatable address", p)
+	}
+	r.size = total - reserved
+	return r, nil
+}
+
+// addr returns the address at offset off (0 ≤ off < size).
+func (r ipRange) addr(off uint64) netip.Addr {
+	return addOffset(r.prefix.Addr(), r.first+off)
+}
+
+// addOffset returns a + off.
+func addOffset(a netip.Addr, off uint64) netip.Addr {
+	if a.Is4() {
+		b := a.As4()
+		v := binary.BigEndian.Uint32(b[:]) + uint32(off)
+		binary.BigEndian.PutUint32(b[:], v)
+		return netip.AddrFrom4(b)
+	}
+	b := a.As16()
+	lo := binary.BigEndian.Uint64(b[8:])
+	hi := binary.BigEndian.Uint64(b[:8])
+	nlo := lo + off
+	if nlo < lo {
+		hi++
+	}
+	binary.BigEndian.PutUint64(b[8:], nlo)
+	binary.BigEndian.PutUint64(b[:8], hi)
+	return netip.AddrFrom16(b)
+}
+
+// allocatable reports whether a is an address allocate may hand out from r.
+func (r ipRange) allocatable(a netip.Addr) bool {
+	if !r.prefix.Contains(a) {
+		return false
+	}
+	for off := uint64(0); off < r.first; off++ {
+		if a == addOffset(r.prefix.Addr(), off) {
+			return false
+		}
+	}
+	return a != addOffset(r.prefix.Addr(), r.first+r.size) // IPv4 broadcast (or beyond a capped range)
+}
+
+func hash64(key string) uint64 {
+	h := fnv.New64a()
+	h.Write([]byte(key))
+	return h.Sum64()
+}
+
+// probe returns the first offset from hash(key) mod size on for which free is true, trying at
+// most limit+1 offsets; ok is false when none was free.
+func probe(key string, size, limit uint64, free func(off uint64) bool) (uint64, bool) {
+	start := hash64(key) % size
+	tries := limit + 1
+	if tries > size {
+		tries = size
+	}
+	for i := uint64(0); i < tries; i++ {
+		off := (start + i) % size
+		if free(off) {
+			return off, true
+		}
+	}
+	return 0, false
+}
+
+func familyOf(a netip.Addr) v1.IPFamily {
+	if a.Unmap().Is4() {
+		return v1.IPv4Protocol
+	}
+	return v1.IPv6Protocol
+}
+
+// allocator allocates cluster IPs and node ports for one scan.
+type allocator struct {
+	ranges  map[v1.IPFamily]ipRange
+	primary v1.IPFamily
+}
+
+func newAllocator(cidrs []netip.Prefix) (*allocator, error) {
+	a := &allocator{ranges: map[v1.IPFamily]ipRange{}}
+	for i, p := range cidrs {
+		r, err := newIPRange(p)
+		if err != nil {
+			return nil, err
+		}
+		f := familyOf(p.Addr())
+		if _, dup := a.ranges[f]; dup {
+			return nil, fmt.Errorf("service CIDRs %v: more than one %s range", cidrs, f)
+		}
+		a.ranges[f] = r
+		if i == 0 {
+			a.primary = f
+		}
+	}
+	if len(a.ranges) == 0 {
+		return nil, fmt.Errorf("no service CIDR")
+	}
+	return a, nil
+}
+
+// svcPlan is what one service needs.
+type svcPlan struct {
+	key      objKey
+	name     string // "ns/name"
+	svc      *v1.Service
+	families []v1.IPFamily // in order; the first len(explicit) have explicit addresses
+	explicit []netip.Addr
+	policy   v1.IPFamilyPolicy
+	fatal    string
+}
+
+// allocate fills in cluster IPs, IP families and node ports of services (sorted by key, already
+// defaulted and validated) and returns the completed copies (nil for services with a fatal
+// problem), the allocation to carry over, and the problems found.
+func (a *allocator) allocate(svcs []*v1.Service, prev allocation) ([]*v1.Service, allocation, []allocProblem) {
+	var problems []allocProblem
+	next := allocation{ips: map[string]map[v1.IPFamily]netip.Addr{}, ports: map[string]int32{}}
+	plans := make([]*svcPlan, len(svcs))
+	used := map[netip.Addr]string{}
+	for i, svc := range svcs {
+		p := a.plan(svc)
+		plans[i] = p
+		if p.fatal != "" {
+			continue
+		}
+		for _, ip := range p.explicit {
+			if other, dup := used[ip]; dup {
+				problems = append(problems, allocProblem{key: p.key, msg: fmt.Sprintf("cluster IP %s is also used by Service %s", ip, other)})
+			} else {
+				used[ip] = p.name
+			}
+			if r, ok := a.ranges[familyOf(ip)]; !ok || !r.prefix.Contains(ip) {
+				problems = append(problems, allocProblem{key: p.key, msg: fmt.Sprintf("cluster IP %s is outside the service CIDRs %s; serving it anyway (the API server would refuse it)", ip, a.cidrList())})
+			}
+		}
+	}
+	want := func(p *svcPlan) []v1.IPFamily { return p.families[len(p.explicit):] }
+	got := map[*svcPlan]map[v1.IPFamily]netip.Addr{}
+	// Keep last scan's addresses.
+	for _, p := range plans {
+		if p.fatal != "" {
+			continue
+		}
+		got[p] = map[v1.IPFamily]netip.Addr{}
+		for _, f := range want(p) {
+			ip, ok := prev.ips[p.name][f]
+			if !ok || !a.ranges[f].allocatable(ip) {
+				continue
+			}
+			if _, taken := used[ip]; taken {
+				continue
+			}
+			used[ip] = p.name
+			got[p][f] = ip
+		}
+	}
+	// Allocate the rest, in key order.
+	for _, p := range plans {
+		if p.fatal != "" {
+			continue
+		}
+		for _, f := range want(p) {
+			if _, ok := got[p][f]; ok {
+				continue
+			}
+			r := a.ranges[f]
+			off, ok := probe(p.name, r.size, uint64(len(used)), func(off uint64) bool {
+				_, taken := used[r.addr(off)]
+				return !taken
+			})
+			if !ok {
+				p.fatal = fmt.Sprintf("service CIDR %s is exhausted: no cluster IP left", r.prefix)
+				break
+			}
+			ip := r.addr(off)
+			used[ip] = p.name
+			got[p][f] = ip
+		}
+	}
+
+	// Complete the copies.
+	out := make([]*v1.Service, len(svcs))
+	for i, p := range plans {
+		if p.fatal != "" {
+			problems = append(problems, allocProblem{key: p.key, fatal: true, msg: p.fatal})
+			continue
+		}
+		svc := p.svc.DeepCopy()
+		if len(p.families) > 0 {
+			ips := make([]string, 0, len(p.families))
+			for j, f := range p.families {
+				var ip netip.Addr
+				if j < len(p.explicit) {
+					ip = p.explicit[j]
+				} else {
+					ip = got[p][f]
+					if next.ips[p.name] == nil {
+						next.ips[p.name] = map[v1.IPFamily]netip.Addr{}
+					}
+					next.ips[p.name][f] = ip
+				}
+				ips = append(ips, ip.String())
+			}
+			svc.Spec.ClusterIP = ips[0]
+			svc.Spec.ClusterIPs = ips
+			svc.Spec.IPFamilies = append([]v1.IPFamily(nil), p.families...)
+			policy := p.policy
+			svc.Spec.IPFamilyPolicy = &policy
+		}
+		out[i] = svc
+	}
+	problems = append(problems, a.allocateNodePorts(out, plans, prev, next)...)
+	return out, next, problems
+}
+
+func (a *allocator) cidrList() string {
+	var s []string
+	for _, f := range []v1.IPFamily{a.primary, other(a.primary)} {
+		if r, ok := a.ranges[f]; ok {
+			s = append(s, r.prefix.String())
+		}
+	}
+	return fmt.Sprint(s)
+}
+
+func other(f v1.IPFamily) v1.IPFamily {
+	if f == v1.IPv4Protocol {
+		return v1.IPv6Protocol
+	}
+	return v1.IPv4Protocol
+}
+
+// plan works out the IP families a service gets, as the API server does: spec.ipFamilies, else
+// the families of the given cluster IPs, else the primary family; dual-stack policies add the
+// other family when the cluster has it.
+func (a *allocator) plan(svc *v1.Service) *svcPlan {
+	p := &svcPlan{key: objKey{Kind: kindService, Namespace: svc.Namespace, Name: svc.Name}, name: svc.Namespace + "/" + svc.Name, svc: svc}
+	if svc.Spec.Type == v1.ServiceTypeExternalName || svc.Spec.ClusterIP == v1.ClusterIPNone {
+		return p // no cluster IP
+	}
+	p.policy = v1.IPFamilyPolicySingleStack
+	if svc.Spec.IPFamilyPolicy != nil {
+		p.policy = *svc.Spec.IPFamilyPolicy
+	}
+	for _, s := range svc.Spec.ClusterIPs {
+		ip, err := netip.ParseAddr(s)
+		if err != nil {
+			p.fatal = fmt.Sprintf("invalid cluster IP %q", s) // validation catches this first
+			return p
+		}
+		p.explicit = append(p.explicit, ip.Unmap())
+	}
+	fams := append([]v1.IPFamily(nil), svc.Spec.IPFamilies...)
+	for i, ip := range p.explicit {
+		f := familyOf(ip)
+		if i < len(fams) && fams[i] != f {
+			p.fatal = fmt.Sprintf("spec.clusterIPs[%d] %s is not of family spec.ipFamilies[%d] %s", i, ip, i, fams[i])
+			return p
+		}
+		if i >= len(fams) {
+			fams = append(fams, f)
+		}
+	}
+	if len(fams) == 0 {
+		fams = []v1.IPFamily{a.primary}
+	}
+	dual := len(a.ranges) == 2
+	switch p.policy {
+	case v1.IPFamilyPolicySingleStack:
+		if len(fams) > 1 {
+			p.fatal = "two IP families (spec.ipFamilies or spec.clusterIPs) but spec.ipFamilyPolicy is SingleStack"
+			return p
+		}
+	case v1.IPFamilyPolicyRequireDualStack:
+		if !dual {
+			p.fatal = "spec.ipFamilyPolicy is RequireDualStack but the service CIDRs " + a.cidrList() + " are single-stack"
+			return p
+		}
+		fallthrough
+	case v1.IPFamilyPolicyPreferDualStack:
+		if dual && len(fams) == 1 {
+			fams = append(fams, other(fams[0]))
+		}
+	}
+	for i, f := range fams {
+		if _, ok := a.ranges[f]; ok || i < len(p.explicit) {
+			p.families = append(p.families, f)
+			continue
+		}
+		if i > 0 && p.policy == v1.IPFamilyPolicyPreferDualStack {
+			continue // preferred, not required
+		}
+		p.fatal = fmt.Sprintf("needs an %s cluster IP but there is no %s service CIDR (have %s)", f, f, a.cidrList())
+		return p
+	}
+	return p
+}
+
+// nodePortNeed is one node port a service needs.
+type nodePortNeed struct {
+	key  string // allocation key
+	set  func(int32)
+	plan *svcPlan
+}
+
+// allocateNodePorts fills in node ports and health check node ports on out (the completed
+// copies; nil entries are skipped) in place.
+func (a *allocator) allocateNodePorts(out []*v1.Service, plans []*svcPlan, prev, next allocation) []allocProblem {
+	var problems []allocProblem
+	used := map[int32]string{}
+	reserve := func(p *svcPlan, port int32, what string) {
+		if other, dup := used[port]; dup && other != p.name {
+			problems = append(problems, allocProblem{key: p.key, msg: fmt.Sprintf("%s %d is also used by Service %s", what, port, other)})
+		}
+		used[port] = p.name
+		if port < NodePortMin || port > NodePortMax {
+			problems = append(problems, allocProblem{key: p.key, msg: fmt.Sprintf("%s %d is outside %d-%d; serving it anyway", what, port, NodePortMin, NodePortMax)})
+		}
+	}
+	var needs []nodePortNeed
+	for i, svc := range out {
+		if svc == nil {
+			continue
+		}
+		p := plans[i]
+		spec := &svc.Spec
+		nodePorts := spec.Type == v1.ServiceTypeNodePort ||
+			(spec.Type == v1.ServiceTypeLoadBalancer && (spec.AllocateLoadBalancerNodePorts == nil || *spec.AllocateLoadBalancerNodePorts))
+		for j := range spec.Ports {
+			port := &spec.Ports[j]
+			switch {
+			case port.NodePort != 0 && (spec.Type == v1.ServiceTypeNodePort || spec.Type == v1.ServiceTypeLoadBalancer):
+				reserve(p, port.NodePort, fmt.Sprintf("spec.ports[%d].nodePort", j))
+			case port.NodePort == 0 && nodePorts:
+				needs = append(needs, nodePortNeed{key: p.name + ":" + port.Name, plan: p, set: func(v int32) { port.NodePort = v }})
+			}
+		}
+		if spec.Type == v1.ServiceTypeLoadBalancer && spec.ExternalTrafficPolicy == v1.ServiceExternalTrafficPolicyLocal {
+			if spec.HealthCheckNodePort != 0 {
+				reserve(p, spec.HealthCheckNodePort, "spec.healthCheckNodePort")
+			} else {
+				needs = append(needs, nodePortNeed{key: p.name + "#healthCheck", plan: p, set: func(v int32) { spec.HealthCheckNodePort = v }})
+			}
+		}
+	}
+	sort.SliceStable(needs, func(i, j int) bool { return needs[i].key < needs[j].key })
+	done := make([]bool, len(needs))
+	for i, n := range needs {
+		if v, ok := prev.ports[n.key]; ok && v >= NodePortMin && v <= NodePortMax {
+			if _, taken := used[v]; !taken {
+				used[v] = n.plan.name
+				n.set(v)
+				next.ports[n.key] = v
+				done[i] = true
+			}
+		}
+	}
+	const size = NodePortMax - NodePortMin + 1
+	for i, n := range needs {
+		if done[i] {
+			continue
+		}
+		off, ok := probe(n.key, size, uint64(len(used)), func(off uint64) bool {
+			_, taken := used[int32(NodePortMin+off)]
+			return !taken
+		})
+		if !ok {
+			problems = append(problems, allocProblem{key: n.plan.key, msg: fmt.Sprintf("node port range %d-%d is exhausted; %s gets none", NodePortMin, NodePortMax, n.key)})
+			continue
+		}
+		v := int32(NodePortMin + off)
+		used[v] = n.plan.name
+		n.set(v)
+		next.ports[n.key] = v
+	}
+	return problems
+}
