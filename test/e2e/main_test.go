@@ -1,0 +1,14 @@
+// Package e2e holds the end-to-end tests of kube-userspace-proxy: the real binary, a real
+// kube-apiserver and etcd (package test/cluster), real iptables in network namespaces (package
+// test/netns), and kup-echo backends in pod namespaces. They need root, iproute2, iptables and
+// the binaries of `make test-bins`; they fail, never skip, without them.
+package e2e
+
+import (
+	"os"
+	"testing"
+
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/test/e2e/harness"
+)
+
+func TestMain(m *testing.M) { os.Exit(harness.Main(m)) }
