@@ -51,7 +51,11 @@ func (l *listener) protocol() v1.Protocol { return l.sp.Load().Protocol }
 // Choose picks the endpoint for a new connection or flow (forward.Chooser). Traffic whose
 // original destination is not one of the ClusterIPs arrived on a NodePort, externalIP or LB IP
 // and follows the external traffic policy.
-func (l *listener) Choose(client, dst netip.AddrPort, reset bool) (netip.AddrPort, error) {
+//
+// The target is transparent (dialled from the client's address) for external traffic of an
+// externalTrafficPolicy: Local service to an endpoint on this node when Options.TransparentLocal
+// is set, and carries the service's PROXY protocol setting whatever its policy.
+func (l *listener) Choose(client, dst netip.AddrPort, reset bool) (forward.Target, error) {
 	sp := l.sp.Load()
 	external := dst.IsValid() && sp.UsesExternalPolicy(dst.Addr().Unmap())
 	if external && sp.ExternalPolicyLocal && l.proxier.isLocalAddr(client.Addr()) {
@@ -63,9 +67,25 @@ func (l *listener) Choose(client, dst netip.AddrPort, reset bool) (netip.AddrPor
 	}
 	ep, err := l.proxier.lb.Next(sp.Name, client.Addr().Unmap(), external, reset)
 	if err != nil {
-		return netip.AddrPort{}, err
+		return forward.Target{}, err
 	}
-	return ep.Addr, nil
+	// Dial from the client's address only where the endpoint's replies come back through this
+	// node: external traffic of a Local service to an endpoint here (never Cluster policy or
+	// remote endpoints, whose replies would bypass the proxy).
+	transparent := l.proxier.opts.TransparentLocal && external && sp.ExternalPolicyLocal &&
+		ep.NodeName != "" && ep.NodeName == l.proxier.opts.NodeName
+	return forward.Target{Endpoint: ep.Addr, Transparent: transparent, ProxyProtocol: proxyProtocol(sp.ProxyProtocol)}, nil
+}
+
+// proxyProtocol maps the service's PROXY protocol annotation to forward's setting.
+func proxyProtocol(v serviceport.ProxyProtocol) forward.ProxyProtocol {
+	switch v {
+	case serviceport.ProxyProtocolV1:
+		return forward.ProxyProtocolV1
+	case serviceport.ProxyProtocolV2:
+		return forward.ProxyProtocolV2
+	}
+	return forward.ProxyProtocolNone
 }
 
 // open allocates a proxy port, opens the listener and starts serving it.

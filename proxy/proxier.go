@@ -90,6 +90,11 @@ type Options struct {
 	// LocalAddrs lists the node's own addresses (for holding local portal IPs); nil means the
 	// addresses of all interfaces.
 	LocalAddrs func() ([]netip.Addr, error)
+	// TransparentLocal dials endpoints from the client's own address (forward.Target.Transparent)
+	// for external traffic of externalTrafficPolicy: Local services to endpoints on this node
+	// (NodeName), so they see the real client. It needs the reply routing of package
+	// portal/transparent. False dials from the node's address, as the userspace proxy always did.
+	TransparentLocal bool
 }
 
 // Proxier runs the sync loop and owns every listener. Create it with New, feed its Tracker from a

@@ -22,7 +22,27 @@ type Chooser interface {
 	// datagrams dropped.
 	//
 	// Choose is called from many goroutines at once.
-	Choose(client, dst netip.AddrPort, reset bool) (netip.AddrPort, error)
+	Choose(client, dst netip.AddrPort, reset bool) (Target, error)
+}
+
+// Target is a Chooser's answer: the endpoint, and how to reach it. The zero values of Transparent
+// and ProxyProtocol are a plain connection from one of the node's own addresses.
+type Target struct {
+	// Endpoint is the address to connect to.
+	Endpoint netip.AddrPort
+	// Transparent asks for a connection from the client's own address: the proxy's socket to
+	// the endpoint gets IP_TRANSPARENT (IPV6_TRANSPARENT) and is bound to the client's IP (any
+	// port), so the endpoint sees the client's address. Only set it when the endpoint's replies
+	// are routed back through this node and delivered to such sockets (package
+	// portal/transparent); otherwise the connection fails. It needs CAP_NET_ADMIN (or
+	// CAP_NET_RAW): when the socket option or the bind is refused, the proxy logs it and
+	// connects from the node's address instead. It is ignored when the client and the
+	// endpoint are of different IP families.
+	Transparent bool
+	// ProxyProtocol, when set, makes the proxy send a PROXY protocol header of that version
+	// (with the client's address and the original destination) before any payload. TCP only:
+	// UDP sessions ignore it.
+	ProxyProtocol ProxyProtocol
 }
 
 // Metrics receives the traffic events of one service port. Calls come from many goroutines at

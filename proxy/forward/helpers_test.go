@@ -119,23 +119,26 @@ type fakeChooser struct {
 	err       error
 	next      int
 	calls     []chooseCall
+	// Returned in every Target.
+	transparent   bool
+	proxyProtocol ProxyProtocol
 }
 
 var _ Chooser = (*fakeChooser)(nil)
 
-func (c *fakeChooser) Choose(client, dst netip.AddrPort, reset bool) (netip.AddrPort, error) {
+func (c *fakeChooser) Choose(client, dst netip.AddrPort, reset bool) (Target, error) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	c.calls = append(c.calls, chooseCall{client: client, dst: dst, reset: reset})
 	if c.err != nil {
-		return netip.AddrPort{}, c.err
+		return Target{}, c.err
 	}
 	if len(c.endpoints) == 0 {
-		return netip.AddrPort{}, errors.New("no endpoints")
+		return Target{}, errors.New("no endpoints")
 	}
 	ep := c.endpoints[c.next%len(c.endpoints)]
 	c.next++
-	return ep, nil
+	return Target{Endpoint: ep, Transparent: c.transparent, ProxyProtocol: c.proxyProtocol}, nil
 }
 
 func (c *fakeChooser) set(endpoints ...netip.AddrPort) {

@@ -19,8 +19,12 @@ import (
 	"time"
 )
 
-// backendEnv passes the backend address to helper processes.
-const backendEnv = "KUP_FORWARD_BACKEND"
+// backendEnv passes the backend address to helper processes; spliceModeEnv, when "transparent-v2",
+// makes the splice child dial transparently and send a PROXY protocol v2 header first.
+const (
+	backendEnv    = "KUP_FORWARD_BACKEND"
+	spliceModeEnv = "KUP_FORWARD_SPLICE_MODE"
+)
 
 // spliceChild is the helper process of TestTCPSplice: it runs only a TCPProxy (no client, no
 // backend), so every splice(2) it makes is the proxy's. It prints "ADDR <proxy address>" and
@@ -36,7 +40,11 @@ func spliceChild() int {
 		fmt.Fprintln(os.Stderr, "listen:", err)
 		return 2
 	}
-	p := &TCPProxy{Listener: ln, Chooser: &fakeChooser{endpoints: []netip.AddrPort{backend}}}
+	chooser := &fakeChooser{endpoints: []netip.AddrPort{backend}}
+	if os.Getenv(spliceModeEnv) == "transparent-v2" {
+		chooser.transparent, chooser.proxyProtocol = true, ProxyProtocolV2
+	}
+	p := &TCPProxy{Listener: ln, Chooser: chooser}
 	served := make(chan error, 1)
 	go func() { served <- p.Serve() }()
 	fmt.Printf("ADDR %s\n", ln.Addr())
@@ -60,8 +68,15 @@ var traceLine = regexp.MustCompile(`^(?:\[pid\s+\d+\]\s+|\d+\s+)?(?:<\.\.\. (\w+
 // space: it runs the proxy in a child process under strace, sends data through it, and checks
 // that the bytes the child's splice calls moved are exactly four times the payload (client→pipe,
 // pipe→endpoint, endpoint→pipe, pipe→client) while its read/write-family calls moved almost
-// nothing.
+// nothing. It does so for a plain connection and for a transparent one that starts with a PROXY
+// protocol header (written, not spliced).
 func TestTCPSplice(t *testing.T) {
+	for _, mode := range []string{"plain", "transparent-v2"} {
+		t.Run(mode, func(t *testing.T) { testTCPSplice(t, mode) })
+	}
+}
+
+func testTCPSplice(t *testing.T, mode string) {
 	checkNoLeaks(t)
 	strace, err := exec.LookPath("strace")
 	if err != nil {
@@ -69,12 +84,31 @@ func TestTCPSplice(t *testing.T) {
 	}
 	const payload = 8 << 20
 	backend := startTCPEcho(t, loopback("4"))
+	headerErr := make(chan error, 1)
+	if mode == "transparent-v2" {
+		// The endpoint checks and strips the 28-byte header (IPv4), then echoes.
+		backend = startTCPServer(t, loopback("4"), func(c *net.TCPConn) {
+			hdr := make([]byte, 28)
+			_, err := io.ReadFull(c, hdr)
+			if err == nil {
+				src := netip.MustParseAddrPort(c.RemoteAddr().String())
+				if !bytes.Equal(hdr[:12], proxyV2Signature[:]) || hdr[12] != 0x21 || hdr[13] != 0x11 ||
+					netip.AddrFrom4([4]byte(hdr[16:20])) != src.Addr() {
+					err = fmt.Errorf("bad PROXY v2 header % x from %v", hdr, src)
+				}
+			}
+			headerErr <- err
+			echoTCP(c)
+		})
+	} else {
+		headerErr <- nil
+	}
 
 	trace := filepath.Join(t.TempDir(), "strace.out")
 	cmd := exec.Command(strace, "-f", "-qq", "-C", "-o", trace,
 		"-e", "trace=splice,read,write,readv,writev,recvfrom,sendto,recvmsg,sendmsg",
 		"-e", "signal=none", os.Args[0])
-	cmd.Env = append(os.Environ(), childEnv+"=splice", backendEnv+"="+backend.String())
+	cmd.Env = append(os.Environ(), childEnv+"=splice", backendEnv+"="+backend.String(), spliceModeEnv+"="+mode)
 	stdin, err := cmd.StdinPipe()
 	if err != nil {
 		t.Fatal(err)
@@ -122,6 +156,9 @@ func TestTCPSplice(t *testing.T) {
 	}
 	if !bytes.Equal(got, msg) {
 		t.Fatalf("echo differs: %d bytes, want %d", len(got), len(msg))
+	}
+	if err := <-headerErr; err != nil {
+		t.Fatal(err)
 	}
 	c.Close()
 	stdin.Close()

@@ -7,6 +7,7 @@ import (
 	"net"
 	"net/netip"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -57,6 +58,8 @@ type TCPProxy struct {
 	timeouts []time.Duration
 
 	connWG sync.WaitGroup // one count per connection goroutine
+
+	transparentWarned atomic.Bool // a failed transparent dial was logged at warning level
 
 	mu         sync.Mutex // guards the following fields
 	started    bool
@@ -303,18 +306,23 @@ func (c *tcpConn) connect(clientAddr netip.AddrPort) *net.TCPConn {
 	dst := tcpOriginalDst(c.client)
 	reset := false
 	for attempt, timeout := range p.timeouts {
-		ep, err := p.Chooser.Choose(clientAddr, dst, reset)
+		target, err := p.Chooser.Choose(clientAddr, dst, reset)
 		if err != nil {
 			p.Log.Debug().Err(err).Stringer("client", clientAddr).Stringer("dst", dst).
 				Msg("no endpoint; resetting the client")
 			return nil
 		}
+		ep := target.Endpoint
 		if !c.setEndpoint(ep) {
 			return nil // cut
 		}
-		backend, err := dialTCP(c.ctx, ep, timeout)
+		backend, err := c.dial(target, clientAddr, timeout)
 		if err == nil {
 			if !c.setBackend(backend) {
+				resetConn(backend)
+				return nil
+			}
+			if target.ProxyProtocol != ProxyProtocolNone && !c.sendProxyHeader(backend, target.ProxyProtocol, clientAddr, dst) {
 				resetConn(backend)
 				return nil
 			}
@@ -339,14 +347,54 @@ func (c *tcpConn) connect(clientAddr netip.AddrPort) *net.TCPConn {
 	return nil
 }
 
-// dialTCP connects to ep within timeout (or until ctx ends) with Go's default socket options.
-func dialTCP(ctx context.Context, ep netip.AddrPort, timeout time.Duration) (*net.TCPConn, error) {
-	d := net.Dialer{Timeout: timeout}
-	conn, err := d.DialContext(ctx, "tcp", ep.String())
+// dial connects to target's endpoint within timeout, from the client's address when the target
+// asks for it and that is possible. A transparent dial refused for lack of privilege or by the
+// bind falls back to a plain one, with a warning.
+func (c *tcpConn) dial(target Target, client netip.AddrPort, timeout time.Duration) (*net.TCPConn, error) {
+	ep := target.Endpoint
+	if !target.Transparent || !canDialFrom(client.Addr(), ep) {
+		return dialTCP(c.ctx, net.Dialer{Timeout: timeout}, ep)
+	}
+	d := transparentDialer(client.Addr())
+	d.Timeout = timeout
+	conn, err := dialTCP(c.ctx, d, ep)
+	if err == nil || !isTransparentSetupError(err) {
+		return conn, err
+	}
+	logTransparentFallback(c.p.Log, &c.p.transparentWarned, err, client, ep)
+	return dialTCP(c.ctx, net.Dialer{Timeout: timeout}, ep)
+}
+
+// dialTCP connects to ep with d (or until ctx ends); d's other options are Go's defaults.
+func dialTCP(ctx context.Context, d net.Dialer, ep netip.AddrPort) (*net.TCPConn, error) {
+	network := "tcp4"
+	if !ep.Addr().Unmap().Is4() {
+		network = "tcp6"
+	}
+	conn, err := d.DialContext(ctx, network, ep.String())
 	if err != nil {
 		return nil, err
 	}
 	return conn.(*net.TCPConn), nil
+}
+
+// sendProxyHeader writes the PROXY protocol header of version v to the endpoint, naming the
+// client and the original destination (the address the client connected to when that is
+// unknown). It reports whether the header was sent; the connection is abandoned otherwise.
+func (c *tcpConn) sendProxyHeader(backend *net.TCPConn, v ProxyProtocol, client, dst netip.AddrPort) bool {
+	if !dst.IsValid() {
+		dst = tcpAddrPort(c.client.LocalAddr())
+	}
+	hdr, err := appendProxyHeader(make([]byte, 0, 64), v, true, client, dst)
+	if err == nil {
+		_, err = backend.Write(hdr)
+	}
+	if err != nil {
+		c.p.Log.Debug().Err(err).Stringer("client", client).Stringer("endpoint", c.endpointNow()).
+			Msg("sending the PROXY protocol header failed; resetting the client")
+		return false
+	}
+	return true
 }
 
 func (c *tcpConn) setEndpoint(ep netip.AddrPort) bool {

@@ -72,6 +72,8 @@ type UDPProxy struct {
 
 	sessionWG sync.WaitGroup // one count per session goroutine
 
+	transparentWarned atomic.Bool // a failed transparent socket was logged at warning level
+
 	mu        sync.Mutex // guards the following fields
 	started   bool
 	closed    bool
@@ -292,13 +294,14 @@ func (p *UDPProxy) session(ct *conntrackConn, client, to netip.AddrPort) *udpSes
 
 	clientAddr := unmapAddrPort(client)
 	dst := p.originalDst(ct, client, to)
-	ep, err := p.Chooser.Choose(clientAddr, dst, reset)
+	target, err := p.Chooser.Choose(clientAddr, dst, reset)
 	if err != nil {
 		p.Log.Debug().Err(err).Stringer("client", clientAddr).Stringer("dst", dst).
 			Msg("no endpoint; datagram dropped")
 		return nil
 	}
-	backend, err := net.DialUDP("udp", nil, net.UDPAddrFromAddrPort(ep))
+	ep := target.Endpoint
+	backend, err := p.dialEndpoint(target, clientAddr)
 	if err != nil {
 		p.metrics.DialFailed(ep)
 		p.Log.Debug().Err(err).Stringer("client", clientAddr).Stringer("endpoint", ep).
@@ -321,6 +324,21 @@ func (p *UDPProxy) session(ct *conntrackConn, client, to netip.AddrPort) *udpSes
 		Bool("reset", reset).Msg("UDP session opened")
 	go s.relayReplies()
 	return s
+}
+
+// dialEndpoint opens the session's socket to target's endpoint, from the client's address when
+// the target asks for it and that is possible. A transparent socket refused for lack of
+// privilege or by the bind falls back to a plain one, with a warning.
+func (p *UDPProxy) dialEndpoint(target Target, client netip.AddrPort) (*net.UDPConn, error) {
+	ep := target.Endpoint
+	if target.Transparent && canDialFrom(client.Addr(), ep) {
+		c, err := dialUDPFrom(client.Addr(), ep)
+		if err == nil || !isTransparentSetupError(err) {
+			return c, err
+		}
+		logTransparentFallback(p.Log, &p.transparentWarned, err, client, ep)
+	}
+	return net.DialUDP("udp", nil, net.UDPAddrFromAddrPort(ep))
 }
 
 // markRefused records that the endpoint answered with an ICMP error (a connected UDP socket
