@@ -1,0 +1,129 @@
+// Package healthcheck serves the proxy's HTTP health endpoints, with kube-proxy's semantics and
+// bodies:
+//
+//   - ProxyHealth: /healthz and /livez on --healthz-bind-address. Healthy while every queued
+//     change is applied, or the oldest unapplied one is younger than the timeout (kube-proxy uses
+//     2 × --iptables-sync-period).
+//   - Services: one HTTP server per healthCheckNodePort of the externalTrafficPolicy: Local
+//     load-balancer services, answering 200 when this node has at least one ready endpoint of
+//     the service and 503 otherwise, so that load balancers send traffic only to nodes that
+//     serve it.
+//
+// Both implement proxy.SyncObserver and are fed by the proxier after every sync.
+package healthcheck
+
+import (
+	"fmt"
+	"net/http"
+	"sync"
+	"time"
+
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy"
+)
+
+// ProxyHealthOptions configures a ProxyHealth.
+type ProxyHealthOptions struct {
+	// Timeout is how long a queued change may wait for a sync before the proxy is unhealthy;
+	// kube-proxy uses 2 × --iptables-sync-period. Zero means one minute.
+	Timeout time.Duration
+	// Now returns the current time; nil means time.Now.
+	Now func() time.Time
+}
+
+// ProxyHealth tracks whether the proxy keeps its rules up to date and serves /healthz and /livez.
+// Its methods are safe for concurrent use.
+type ProxyHealth struct {
+	timeout time.Duration
+	now     func() time.Time
+
+	mu sync.Mutex // guards the following fields
+	// lastUpdated is when the last successful sync ended (zero before the first).
+	lastUpdated time.Time
+	// oldestQueued is when the oldest change not yet applied by a successful sync was queued
+	// (zero when none is pending).
+	oldestQueued time.Time
+}
+
+var _ proxy.SyncObserver = (*ProxyHealth)(nil)
+
+// NewProxyHealth returns a ProxyHealth; the proxy counts as healthy until a change waits longer
+// than the timeout (a proxy that is starting is healthy, as in kube-proxy).
+func NewProxyHealth(opts ProxyHealthOptions) *ProxyHealth {
+	if opts.Timeout <= 0 {
+		opts.Timeout = time.Minute
+	}
+	if opts.Now == nil {
+		opts.Now = time.Now
+	}
+	return &ProxyHealth{timeout: opts.Timeout, now: opts.Now}
+}
+
+// SyncDone marks the rules up to date when the sync succeeded (proxy.SyncObserver). A failed
+// sync leaves pending changes pending, so a proxy that keeps failing turns unhealthy.
+func (h *ProxyHealth) SyncDone(_ time.Time, _ time.Duration, _ time.Time, err error) {
+	if err != nil {
+		return
+	}
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	h.oldestQueued = time.Time{}
+	h.lastUpdated = h.now()
+}
+
+// ChangeQueued records a change waiting for a sync (proxy.SyncObserver). Only the oldest
+// pending change counts.
+func (h *ProxyHealth) ChangeQueued(time.Time) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if h.oldestQueued.IsZero() {
+		h.oldestQueued = h.now()
+	}
+}
+
+// PortsSynced does nothing (proxy.SyncObserver).
+func (h *ProxyHealth) PortsSynced([]proxy.PortState) {}
+
+// IsHealthy reports whether no change has waited longer than the timeout.
+func (h *ProxyHealth) IsHealthy() bool {
+	ok, _, _ := h.state()
+	return ok
+}
+
+func (h *ProxyHealth) state() (healthy bool, lastUpdated, now time.Time) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	now = h.now()
+	healthy = h.oldestQueued.IsZero() || now.Sub(h.oldestQueued) < h.timeout
+	return healthy, h.lastUpdated, now
+}
+
+// Handler serves /healthz and /livez. Both answer 200 when healthy and 503 otherwise, with
+// kube-proxy's headers and body: {"lastUpdated": "...","currentTime": "..."} (Go's time.Time
+// String form, quoted), plus "nodeEligible" on /healthz. As in kube-proxy, a healthy answer
+// reports lastUpdated as the current time. nodeEligible is always true: this proxy does not
+// watch its Node object (kube-proxy reports false while the node is being deleted or is tainted
+// ToBeDeletedByClusterAutoscaler).
+func (h *ProxyHealth) Handler() http.Handler {
+	mux := http.NewServeMux()
+	mux.HandleFunc("/healthz", func(w http.ResponseWriter, _ *http.Request) { h.serve(w, true) })
+	mux.HandleFunc("/livez", func(w http.ResponseWriter, _ *http.Request) { h.serve(w, false) })
+	return mux
+}
+
+func (h *ProxyHealth) serve(w http.ResponseWriter, withNode bool) {
+	const nodeEligible = true
+	healthy, lastUpdated, now := h.state()
+	w.Header().Set("Content-Type", "application/json")
+	w.Header().Set("X-Content-Type-Options", "nosniff")
+	if healthy {
+		lastUpdated = now
+		w.WriteHeader(http.StatusOK)
+	} else {
+		w.WriteHeader(http.StatusServiceUnavailable)
+	}
+	if withNode {
+		fmt.Fprintf(w, `{"lastUpdated": %q,"currentTime": %q, "nodeEligible": %v}`, lastUpdated, now, nodeEligible)
+		return
+	}
+	fmt.Fprintf(w, `{"lastUpdated": %q,"currentTime": %q}`, lastUpdated, now)
+}
