@@ -101,6 +101,11 @@ func Run(ctx context.Context, opts *Options, v *Validated, log zerolog.Logger) e
 		pOpts.Portals = portals
 		pOpts.HoldPorts = true
 	}
+	srv, err := newServers(opts, v, log.With().Str("component", "servers").Logger())
+	if err != nil {
+		return err
+	}
+	pOpts.Observer, pOpts.Metrics = srv.observer(), srv.metrics
 	px := proxy.New(pOpts)
 	log.Info().Str("node", v.NodeName).Str("portalMode", opts.PortalMode).Str("proxyPortRange", v.PortRange.String()).
 		Str("version", Version).Msg("starting kube-userspace-proxy")
@@ -111,6 +116,11 @@ func Run(ctx context.Context, opts *Options, v *Validated, log zerolog.Logger) e
 	g.Go(func() error { return src.Run(gctx, px.Tracker()) })
 	proxyDone := make(chan struct{})
 	go func() { px.Run(proxyCtx); close(proxyDone) }()
+	// The health, metrics and health check node port servers run until the drain is over.
+	serversCtx, stopServers := context.WithCancel(context.Background())
+	serversDone := make(chan struct{})
+	go func() { srv.run(serversCtx); close(serversDone) }()
+	defer func() { stopServers(); <-serversDone }()
 
 	err = g.Wait()
 	// Shutdown: stop accepting, remove portals, let connections finish, exit.
