@@ -12,6 +12,7 @@ import (
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/iptables"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/portal"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/portal/transparent"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy"
 )
 
@@ -24,13 +25,18 @@ type portalSet struct {
 type familyPortals struct {
 	family  iptables.Family
 	manager *portal.Manager
+	// transparent delivers replies to transparent sockets; always set (to clean up), programmed
+	// only when ensureTransparent.
+	transparent       *transparent.Rules
+	ensureTransparent bool
 }
 
 var _ proxy.Portals = (*portalSet)(nil)
 
 // newPortals builds a portal manager per IP family the node has an address in, and removes
-// stale rules of ours (old proxy ports are dead).
-func newPortals(_ context.Context, v *Validated, log zerolog.Logger) (*portalSet, error) {
+// stale rules of ours (old proxy ports are dead), including what an earlier run left of the
+// reply routing of transparent connections (EnableTransparent programs it).
+func newPortals(ctx context.Context, v *Validated, log zerolog.Logger) (*portalSet, error) {
 	mode, _, err := iptables.DetectMode()
 	if err != nil {
 		return nil, fmt.Errorf("detect iptables backend: %w", err)
@@ -70,18 +76,57 @@ func newPortals(_ context.Context, v *Validated, log zerolog.Logger) (*portalSet
 		if err := m.Cleanup(); err != nil {
 			return nil, fmt.Errorf("removing stale %v portals: %w", fam, err)
 		}
+		tr, err := transparent.New(transparent.Options{Runner: run, Log: log})
+		if err != nil {
+			return nil, err
+		}
+		if err := tr.Cleanup(ctx); err != nil {
+			return nil, fmt.Errorf("removing stale %v routing of transparent connections: %w", fam, err)
+		}
 		log.Info().Str("family", fam.String()).Str("backend", string(mode)).Str("hostIP", host.String()).Msg("portals ready")
-		set.families = append(set.families, familyPortals{family: fam, manager: m})
+		set.families = append(set.families, familyPortals{family: fam, manager: m, transparent: tr})
 	}
 	return set, nil
 }
 
-// Sync programs every family's portals.
-func (s *portalSet) Sync(_ context.Context, ports []proxy.PortState) error {
+// Sync programs every family's portals, and restores the routing of transparent connections.
+func (s *portalSet) Sync(ctx context.Context, ports []proxy.PortState) error {
 	var errs []error
 	for _, f := range s.families {
 		if err := f.manager.Sync(toPortals(f.family, ports)); err != nil {
 			errs = append(errs, fmt.Errorf("%v portals: %w", f.family, err))
+		}
+		if f.ensureTransparent {
+			if err := f.transparent.Ensure(ctx); err != nil {
+				errs = append(errs, fmt.Errorf("%v: %w", f.family, err))
+			}
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// EnableTransparent programs, in every family, the reply routing of transparent connections
+// (package portal/transparent), and has Sync restore it from then on. Call it before the
+// proxier starts.
+func (s *portalSet) EnableTransparent(ctx context.Context) error {
+	for i := range s.families {
+		f := &s.families[i]
+		if err := f.transparent.Ensure(ctx); err != nil {
+			return fmt.Errorf("%v routing of transparent connections (--transparent-local=false turns them off): %w", f.family, err)
+		}
+		f.ensureTransparent = true
+	}
+	s.log.Info().Msg("transparent connections for Local services enabled")
+	return nil
+}
+
+// CleanupTransparent removes every family's routing of transparent connections. Call it after
+// the connections have drained (Cleanup leaves it in place for them).
+func (s *portalSet) CleanupTransparent(ctx context.Context) error {
+	var errs []error
+	for _, f := range s.families {
+		if err := f.transparent.Cleanup(ctx); err != nil {
+			errs = append(errs, fmt.Errorf("%v: %w", f.family, err))
 		}
 	}
 	return errors.Join(errs...)
@@ -130,8 +175,9 @@ func toPortals(fam iptables.Family, ports []proxy.PortState) []portal.Portal {
 	return out
 }
 
-// cleanupPortals removes every chain and jump of ours in both families (--cleanup).
-func cleanupPortals(_ context.Context, log zerolog.Logger) error {
+// cleanupPortals removes every chain and jump of ours in both families, and the routing of
+// transparent connections (--cleanup).
+func cleanupPortals(ctx context.Context, log zerolog.Logger) error {
 	mode, _, err := iptables.DetectMode()
 	if err != nil {
 		return fmt.Errorf("detect iptables backend: %w", err)
@@ -156,6 +202,13 @@ func cleanupPortals(_ context.Context, log zerolog.Logger) error {
 			return err
 		}
 		if err := m.Cleanup(); err != nil {
+			errs = append(errs, fmt.Errorf("%v: %w", fam, err))
+		}
+		tr, err := transparent.New(transparent.Options{Runner: run, Log: log})
+		if err != nil {
+			return err
+		}
+		if err := tr.Cleanup(ctx); err != nil {
 			errs = append(errs, fmt.Errorf("%v: %w", fam, err))
 		}
 	}
