@@ -8,8 +8,6 @@ import (
 	"fmt"
 	"io"
 	"os"
-	"os/signal"
-	"syscall"
 	"time"
 
 	"github.com/rs/zerolog"
@@ -46,15 +44,30 @@ func Main(args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintf(stdout, "kube-userspace-proxy %s (commit %s)\n", Version, Commit)
 		return 0
 	}
+	if err := opts.Complete(fs); err != nil {
+		fmt.Fprintf(stderr, "invalid configuration: %v\n", err)
+		return 2
+	}
 	v, err := opts.Validate()
 	if err != nil {
 		fmt.Fprintf(stderr, "invalid options:\n%v\n", err)
 		return 2
 	}
+	if opts.WriteConfigTo != "" {
+		if err := opts.WriteConfigFile(opts.WriteConfigTo, stdout); err != nil {
+			fmt.Fprintf(stderr, "%v\n", err)
+			return 1
+		}
+		return 0
+	}
 	level, _ := parseLevel(opts.LogLevel)
 	log := zerolog.New(zerolog.ConsoleWriter{Out: stderr, TimeFormat: time.RFC3339, NoColor: !isTerminal(stderr)}).Level(level).With().Timestamp().Logger()
 
-	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
+	for _, w := range opts.ConfigWarnings {
+		log.Warn().Str("config", opts.ConfigFile).Msg(w)
+	}
+
+	ctx, stop := signalContext(context.Background(), log, os.Exit)
 	defer stop()
 	if err := Run(ctx, opts, v, log); err != nil {
 		log.Error().Err(err).Msg("exiting")
@@ -76,6 +89,9 @@ func Run(ctx context.Context, opts *Options, v *Validated, log zerolog.Logger) e
 		log.Warn().Err(err).Msg("cannot raise RLIMIT_NOFILE")
 	} else {
 		log.Debug().Uint64("limit", n).Msg("RLIMIT_NOFILE")
+	}
+	if err := setOOMScoreAdj(oomScoreAdjPath, opts.OOMScoreAdj); err != nil {
+		log.Warn().Err(err).Msg("cannot set the OOM score adjustment")
 	}
 
 	src, err := newSource(opts, v, log)
@@ -100,6 +116,12 @@ func Run(ctx context.Context, opts *Options, v *Validated, log zerolog.Logger) e
 		}
 		pOpts.Portals = portals
 		pOpts.HoldPorts = true
+		if opts.TransparentLocal {
+			if err := portals.EnableTransparent(ctx); err != nil {
+				return err
+			}
+			pOpts.TransparentLocal = true
+		}
 	}
 	srv, err := newServers(opts, v, log.With().Str("component", "servers").Logger())
 	if err != nil {
@@ -136,6 +158,11 @@ func Run(ctx context.Context, opts *Options, v *Validated, log zerolog.Logger) e
 	defer cancel()
 	if serr := px.Shutdown(sctx); serr != nil {
 		log.Warn().Err(serr).Msg("connections cut at the end of the grace period")
+	}
+	if portals != nil { // after the drain: transparent connections need their reply routing
+		if cerr := portals.CleanupTransparent(context.Background()); cerr != nil {
+			log.Error().Err(cerr).Msg("removing the routing of transparent connections")
+		}
 	}
 	if err != nil && !errors.Is(err, context.Canceled) {
 		return err

@@ -3,6 +3,7 @@ package app
 import (
 	"errors"
 	"fmt"
+	"io"
 	"net/netip"
 	"os"
 	"strings"
@@ -40,16 +41,32 @@ type Options struct {
 	MinSyncPeriod         time.Duration
 	ServiceClusterIPRange string
 	ShutdownGracePeriod   time.Duration
+	// TransparentLocal: external traffic of externalTrafficPolicy: Local services reaches
+	// endpoints on this node from the client's own address (needs --portal-mode iptables).
+	TransparentLocal bool
 
 	// Servers.
 	HealthzBindAddress string
 	MetricsBindAddress string
 
 	// Operation.
-	Cleanup  bool
-	LogLevel string
-	Version  bool
+	ConfigFile    string
+	WriteConfigTo string
+	OOMScoreAdj   int32
+	Cleanup       bool
+	LogLevel      string
+	Version       bool
+
+	// ConfigWarnings are set by Complete: fields of the configuration file that have no
+	// effect here. Run logs them.
+	ConfigWarnings []string
+	// fromConfig maps the flags whose value came from the configuration file to the file's
+	// field, so that Validate names the field the operator wrote.
+	fromConfig map[string]string
 }
+
+// DefaultOOMScoreAdj is kube-proxy's: the proxy is among the last processes the OOM killer picks.
+const DefaultOOMScoreAdj = -999
 
 // DefaultUDPTimeout is the idle timeout of UDP sessions. kube-proxy's 250ms broke DNS forwarders,
 // which routinely wait longer than that for an upstream answer (the session vanished and the late
@@ -70,33 +87,81 @@ func NewOptions() *Options {
 		HealthzBindAddress:    "0.0.0.0:10256",
 		MetricsBindAddress:    "127.0.0.1:10249",
 		LogLevel:              "info",
+		OOMScoreAdj:           DefaultOOMScoreAdj,
+		TransparentLocal:      true,
 	}
 }
 
-// AddFlags registers the options' flags on fs.
+// FlagGroup is a named group of flags, printed as one section of --help.
+type FlagGroup struct {
+	Name  string
+	Flags *pflag.FlagSet
+}
+
+// FlagGroups returns the options' flags in the groups --help prints them in.
+func (o *Options) FlagGroups() []FlagGroup {
+	group := func(name string, add func(fs *pflag.FlagSet)) FlagGroup {
+		fs := pflag.NewFlagSet(name, pflag.ContinueOnError)
+		add(fs)
+		return FlagGroup{Name: name, Flags: fs}
+	}
+	return []FlagGroup{
+		group("Configuration", func(fs *pflag.FlagSet) {
+			fs.StringVar(&o.ConfigFile, "config", o.ConfigFile, "Path to a KubeProxyConfiguration file (kubeproxy.config.k8s.io/v1alpha1, YAML or JSON; mode must be empty or 'userspace'). Flags given on the command line override it.")
+			fs.StringVar(&o.WriteConfigTo, "write-config-to", o.WriteConfigTo, "Write the effective configuration as a KubeProxyConfiguration to this file ('-': standard output) and exit.")
+		}),
+		group("Source of Services and EndpointSlices", func(fs *pflag.FlagSet) {
+			fs.StringVar(&o.Kubeconfig, "kubeconfig", o.Kubeconfig, "Path to a kubeconfig file. With neither --kubeconfig, --master nor --manifests, the in-cluster configuration is used. [config: clientConnection.kubeconfig]")
+			fs.StringVar(&o.Master, "master", o.Master, "The address of the Kubernetes API server (overrides any value in kubeconfig).")
+			fs.StringVar(&o.Manifests, "manifests", o.Manifests, "Serve the Services and EndpointSlices in this directory of *.yaml/*.yml/*.json manifests instead of an API server; changes are picked up while running.")
+			fs.StringVar(&o.ServiceClusterIPRange, "service-cluster-ip-range", o.ServiceClusterIPRange, "With --manifests: CIDR(s) (comma-separated, one per family) to allocate ClusterIPs from for services that set none.")
+		}),
+		group("Node", func(fs *pflag.FlagSet) {
+			fs.StringVar(&o.HostnameOverride, "hostname-override", o.HostnameOverride, "The name of this node (for endpoints' nodeName and Local traffic policies); default: the hostname. [config: hostnameOverride]")
+			fs.StringVar(&o.BindAddress, "bind-address", o.BindAddress, "The IP address the proxy listeners bind to (0.0.0.0 or :: for all addresses of both families). [config: bindAddress]")
+			fs.StringSliceVar(&o.NodePortAddresses, "nodeport-addresses", o.NodePortAddresses, "CIDRs of the node addresses that serve NodePorts (comma-separated); empty means all local addresses. [config: nodePortAddresses]")
+		}),
+		group("Proxy", func(fs *pflag.FlagSet) {
+			fs.StringVar(&o.PortalMode, "portal-mode", o.PortalMode, "How service traffic reaches the proxy: 'iptables' (portal rules, needs root/NET_ADMIN) or 'none' (only the listeners; no rules, no root).")
+			fs.StringVar(&o.ProxyPortRange, "proxy-port-range", o.ProxyPortRange, "Range of host ports for the proxy listeners: 'begin-end', 'begin+offset' or a single port; empty means random ports. [config: portRange]")
+			fs.DurationVar(&o.UDPTimeout, "udp-timeout", o.UDPTimeout, "How long an idle UDP session is kept (kube-proxy's 250ms broke DNS forwarders; default: conntrack's 30s).")
+			fs.DurationVar(&o.SyncPeriod, "iptables-sync-period", o.SyncPeriod, "The longest time between two syncs (rules repaired, state re-applied). [config: iptables.syncPeriod]")
+			fs.DurationVar(&o.MinSyncPeriod, "iptables-min-sync-period", o.MinSyncPeriod, "The shortest time between two syncs; changes within it are applied together. [config: iptables.minSyncPeriod]")
+			fs.BoolVar(&o.TransparentLocal, "transparent-local", o.TransparentLocal, "Keep the client's address for externalTrafficPolicy: Local services: connect to endpoints on this node from the client's own IP (IP_TRANSPARENT, with a mangle rule, ip rule and route that deliver the replies; needs --portal-mode iptables). false: endpoints see the node's address.")
+		}),
+		group("Health and metrics", func(fs *pflag.FlagSet) {
+			fs.StringVar(&o.HealthzBindAddress, "healthz-bind-address", o.HealthzBindAddress, "IP:port of the /healthz and /livez server; empty disables it. [config: healthzBindAddress]")
+			fs.StringVar(&o.MetricsBindAddress, "metrics-bind-address", o.MetricsBindAddress, "IP:port of the Prometheus /metrics server; empty disables it. [config: metricsBindAddress]")
+		}),
+		group("Process", func(fs *pflag.FlagSet) {
+			fs.DurationVar(&o.ShutdownGracePeriod, "shutdown-grace-period", o.ShutdownGracePeriod, "On SIGTERM/SIGINT, how long established connections may continue before they are cut (a second signal exits at once).")
+			fs.Int32Var(&o.OOMScoreAdj, "oom-score-adj", o.OOMScoreAdj, "The oom_score_adj of the process, in [-1000, 1000]; failing to set it is only a warning. [config: oomScoreAdj]")
+			fs.StringVar(&o.LogLevel, "log-level", o.LogLevel, "Log level: debug, info, warn or error.")
+			fs.BoolVar(&o.Cleanup, "cleanup", o.Cleanup, "Remove every rule and chain this proxy owns, then exit.")
+			fs.BoolVar(&o.Version, "version", o.Version, "Print the version and commit, and exit.")
+		}),
+	}
+}
+
+// AddFlags registers the options' flags on fs and makes fs's usage print them by group.
 func (o *Options) AddFlags(fs *pflag.FlagSet) {
-	fs.StringVar(&o.Kubeconfig, "kubeconfig", o.Kubeconfig, "Path to a kubeconfig file. With neither --kubeconfig, --master nor --manifests, the in-cluster configuration is used.")
-	fs.StringVar(&o.Master, "master", o.Master, "The address of the Kubernetes API server (overrides any value in kubeconfig).")
-	fs.StringVar(&o.Manifests, "manifests", o.Manifests, "Serve the Services and EndpointSlices in this directory of *.yaml/*.yml/*.json manifests instead of an API server; changes are picked up while running.")
+	groups := o.FlagGroups()
+	for _, g := range groups {
+		fs.AddFlagSet(g.Flags)
+	}
+	fs.SortFlags = false
+	fs.Usage = func() { PrintUsage(fs.Output(), fs.Name(), groups) }
+}
 
-	fs.StringVar(&o.HostnameOverride, "hostname-override", o.HostnameOverride, "The name of this node (for endpoints' nodeName and Local traffic policies); default: the hostname.")
-	fs.StringVar(&o.BindAddress, "bind-address", o.BindAddress, "The IP address the proxy listeners bind to (0.0.0.0 or :: for all addresses of both families).")
-	fs.StringSliceVar(&o.NodePortAddresses, "nodeport-addresses", o.NodePortAddresses, "CIDRs of the node addresses that serve NodePorts (comma-separated); empty means all local addresses.")
-
-	fs.StringVar(&o.PortalMode, "portal-mode", o.PortalMode, "How service traffic reaches the proxy: 'iptables' (portal rules, needs root/NET_ADMIN) or 'none' (only the listeners; no rules, no root).")
-	fs.StringVar(&o.ProxyPortRange, "proxy-port-range", o.ProxyPortRange, "Range of host ports for the proxy listeners: 'begin-end', 'begin+offset' or a single port; empty means random ports.")
-	fs.DurationVar(&o.UDPTimeout, "udp-timeout", o.UDPTimeout, "How long an idle UDP session is kept (kube-proxy's 250ms broke DNS forwarders; default: conntrack's 30s).")
-	fs.DurationVar(&o.SyncPeriod, "iptables-sync-period", o.SyncPeriod, "The longest time between two syncs (rules repaired, state re-applied).")
-	fs.DurationVar(&o.MinSyncPeriod, "iptables-min-sync-period", o.MinSyncPeriod, "The shortest time between two syncs; changes within it are applied together.")
-	fs.StringVar(&o.ServiceClusterIPRange, "service-cluster-ip-range", o.ServiceClusterIPRange, "With --manifests: CIDR(s) (comma-separated, one per family) to allocate ClusterIPs from for services that set none.")
-	fs.DurationVar(&o.ShutdownGracePeriod, "shutdown-grace-period", o.ShutdownGracePeriod, "On SIGTERM/SIGINT, how long established connections may continue before they are cut.")
-
-	fs.StringVar(&o.HealthzBindAddress, "healthz-bind-address", o.HealthzBindAddress, "IP:port of the /healthz and /livez server; empty disables it.")
-	fs.StringVar(&o.MetricsBindAddress, "metrics-bind-address", o.MetricsBindAddress, "IP:port of the Prometheus /metrics server; empty disables it.")
-
-	fs.BoolVar(&o.Cleanup, "cleanup", o.Cleanup, "Remove every rule and chain this proxy owns, then exit.")
-	fs.StringVar(&o.LogLevel, "log-level", o.LogLevel, "Log level: debug, info, warn or error.")
-	fs.BoolVar(&o.Version, "version", o.Version, "Print the version and exit.")
+// PrintUsage prints the command's usage with one section per flag group.
+func PrintUsage(w io.Writer, name string, groups []FlagGroup) {
+	fmt.Fprintf(w, "Usage: %s [flags]\n\n", name)
+	fmt.Fprintf(w, "A Kubernetes service proxy in the manner of kube-proxy's userspace mode. Flags are named as\n")
+	fmt.Fprintf(w, "kube-proxy names them; [config: F] marks those that a KubeProxyConfiguration (--config) also sets.\n")
+	for _, g := range groups {
+		g.Flags.SortFlags = false
+		fmt.Fprintf(w, "\n%s:\n%s", g.Name, g.Flags.FlagUsagesWrapped(100))
+	}
 }
 
 // Validated is the parsed form of Options.
@@ -112,7 +177,11 @@ type Validated struct {
 func (o *Options) Validate() (*Validated, error) {
 	var errs []error
 	bad := func(flag, format string, args ...any) {
-		errs = append(errs, fmt.Errorf("--%s: %s", flag, fmt.Sprintf(format, args...)))
+		name := "--" + flag
+		if field, ok := o.fromConfig[flag]; ok {
+			name = fmt.Sprintf("%s (config file %s field %s)", name, o.ConfigFile, field)
+		}
+		errs = append(errs, fmt.Errorf("%s: %s", name, fmt.Sprintf(format, args...)))
 	}
 	v := &Validated{}
 	var err error
@@ -175,6 +244,9 @@ func (o *Options) Validate() (*Validated, error) {
 		if st, err := os.Stat(o.Manifests); err != nil || !st.IsDir() {
 			bad("manifests", "%q is not a readable directory", o.Manifests)
 		}
+	}
+	if o.OOMScoreAdj < -1000 || o.OOMScoreAdj > 1000 {
+		bad("oom-score-adj", "%d: must be in [-1000, 1000]", o.OOMScoreAdj)
 	}
 	if _, err := parseLevel(o.LogLevel); err != nil {
 		bad("log-level", "%v", err)

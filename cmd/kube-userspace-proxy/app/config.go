@@ -1,0 +1,289 @@
+package app
+
+import (
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"reflect"
+	"sort"
+	"strings"
+	"time"
+
+	"github.com/spf13/pflag"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/runtime/serializer"
+	kpconfig "k8s.io/kube-proxy/config/v1alpha1"
+	"sigs.k8s.io/yaml"
+)
+
+// ProxyModeUserspace is the only KubeProxyConfiguration mode this proxy implements; an empty
+// mode means the same.
+const ProxyModeUserspace = "userspace"
+
+// configField maps a flag to the KubeProxyConfiguration field that sets the same thing.
+type configField struct {
+	flag  string
+	field string // JSON path in the configuration file
+	// set copies the field's value from cfg into o; it reports false when the field is unset
+	// (its zero value), in which case the flag keeps its value.
+	set func(o *Options, cfg *kpconfig.KubeProxyConfiguration) bool
+	// get copies the option into cfg (for --write-config-to).
+	get func(o *Options, cfg *kpconfig.KubeProxyConfiguration)
+}
+
+// configFields lists every setting that exists both as one of our flags and as a
+// KubeProxyConfiguration field.
+var configFields = []configField{
+	{"kubeconfig", "clientConnection.kubeconfig",
+		func(o *Options, c *kpconfig.KubeProxyConfiguration) bool {
+			o.Kubeconfig = c.ClientConnection.Kubeconfig
+			return c.ClientConnection.Kubeconfig != ""
+		},
+		func(o *Options, c *kpconfig.KubeProxyConfiguration) { c.ClientConnection.Kubeconfig = o.Kubeconfig }},
+	{"hostname-override", "hostnameOverride",
+		func(o *Options, c *kpconfig.KubeProxyConfiguration) bool {
+			o.HostnameOverride = c.HostnameOverride
+			return c.HostnameOverride != ""
+		},
+		func(o *Options, c *kpconfig.KubeProxyConfiguration) { c.HostnameOverride = o.HostnameOverride }},
+	{"bind-address", "bindAddress",
+		func(o *Options, c *kpconfig.KubeProxyConfiguration) bool {
+			o.BindAddress = c.BindAddress
+			return c.BindAddress != ""
+		},
+		func(o *Options, c *kpconfig.KubeProxyConfiguration) { c.BindAddress = o.BindAddress }},
+	{"healthz-bind-address", "healthzBindAddress",
+		func(o *Options, c *kpconfig.KubeProxyConfiguration) bool {
+			o.HealthzBindAddress = c.HealthzBindAddress
+			return c.HealthzBindAddress != ""
+		},
+		func(o *Options, c *kpconfig.KubeProxyConfiguration) { c.HealthzBindAddress = o.HealthzBindAddress }},
+	{"metrics-bind-address", "metricsBindAddress",
+		func(o *Options, c *kpconfig.KubeProxyConfiguration) bool {
+			o.MetricsBindAddress = c.MetricsBindAddress
+			return c.MetricsBindAddress != ""
+		},
+		func(o *Options, c *kpconfig.KubeProxyConfiguration) { c.MetricsBindAddress = o.MetricsBindAddress }},
+	{"nodeport-addresses", "nodePortAddresses",
+		func(o *Options, c *kpconfig.KubeProxyConfiguration) bool {
+			o.NodePortAddresses = append([]string(nil), c.NodePortAddresses...)
+			return len(c.NodePortAddresses) > 0
+		},
+		func(o *Options, c *kpconfig.KubeProxyConfiguration) {
+			c.NodePortAddresses = append([]string(nil), o.NodePortAddresses...)
+		}},
+	{"iptables-sync-period", "iptables.syncPeriod",
+		func(o *Options, c *kpconfig.KubeProxyConfiguration) bool {
+			o.SyncPeriod = c.IPTables.SyncPeriod.Duration
+			return c.IPTables.SyncPeriod.Duration != 0
+		},
+		func(o *Options, c *kpconfig.KubeProxyConfiguration) {
+			c.IPTables.SyncPeriod = metav1.Duration{Duration: o.SyncPeriod}
+		}},
+	{"iptables-min-sync-period", "iptables.minSyncPeriod",
+		func(o *Options, c *kpconfig.KubeProxyConfiguration) bool {
+			o.MinSyncPeriod = c.IPTables.MinSyncPeriod.Duration
+			return c.IPTables.MinSyncPeriod.Duration != 0
+		},
+		func(o *Options, c *kpconfig.KubeProxyConfiguration) {
+			c.IPTables.MinSyncPeriod = metav1.Duration{Duration: o.MinSyncPeriod}
+		}},
+	{"oom-score-adj", "oomScoreAdj",
+		func(o *Options, c *kpconfig.KubeProxyConfiguration) bool {
+			if c.OOMScoreAdj == nil {
+				return false
+			}
+			o.OOMScoreAdj = *c.OOMScoreAdj
+			return true
+		},
+		func(o *Options, c *kpconfig.KubeProxyConfiguration) {
+			v := o.OOMScoreAdj
+			c.OOMScoreAdj = &v
+		}},
+	{"proxy-port-range", "portRange",
+		func(o *Options, c *kpconfig.KubeProxyConfiguration) bool {
+			o.ProxyPortRange = c.PortRange
+			return c.PortRange != ""
+		},
+		func(o *Options, c *kpconfig.KubeProxyConfiguration) { c.PortRange = o.ProxyPortRange }},
+}
+
+// LoadConfigFile reads a KubeProxyConfiguration (kubeproxy.config.k8s.io/v1alpha1, YAML or
+// JSON) from path, strictly: an unknown or duplicate field is an error that names it.
+func LoadConfigFile(path string) (*kpconfig.KubeProxyConfiguration, error) {
+	data, err := os.ReadFile(path)
+	if err != nil {
+		return nil, fmt.Errorf("read config file: %w", err)
+	}
+	cfg, err := DecodeConfig(data)
+	if err != nil {
+		return nil, fmt.Errorf("config file %s: %w", path, err)
+	}
+	return cfg, nil
+}
+
+// DecodeConfig decodes a KubeProxyConfiguration strictly (unknown and duplicate fields are
+// errors); apiVersion and kind must be kubeproxy.config.k8s.io/v1alpha1 KubeProxyConfiguration.
+func DecodeConfig(data []byte) (*kpconfig.KubeProxyConfiguration, error) {
+	scheme := runtime.NewScheme()
+	if err := kpconfig.AddToScheme(scheme); err != nil {
+		return nil, fmt.Errorf("register KubeProxyConfiguration types: %w", err)
+	}
+	codecs := serializer.NewCodecFactory(scheme, serializer.EnableStrict)
+	// No default kind or object: the file must say what it is.
+	obj, gvk, err := codecs.UniversalDeserializer().Decode(data, nil, nil)
+	if err != nil {
+		return nil, fmt.Errorf("decode KubeProxyConfiguration: %w", err)
+	}
+	cfg, ok := obj.(*kpconfig.KubeProxyConfiguration)
+	if !ok {
+		return nil, fmt.Errorf("decode KubeProxyConfiguration: got %v, want %s KubeProxyConfiguration", gvk, kpconfig.SchemeGroupVersion)
+	}
+	return cfg, nil
+}
+
+// ApplyConfig sets the options from cfg, except those whose flag changed reports as set on the
+// command line (flags override the file). It fails when cfg asks for another proxy mode, and
+// returns a warning for each set field that has no effect here.
+func (o *Options) ApplyConfig(cfg *kpconfig.KubeProxyConfiguration, changed func(flag string) bool) (warnings []string, err error) {
+	if m := string(cfg.Mode); m != "" && m != ProxyModeUserspace {
+		return nil, fmt.Errorf("mode: %q: kube-userspace-proxy implements only %q (or leave it empty)", m, ProxyModeUserspace)
+	}
+	if o.fromConfig == nil {
+		o.fromConfig = map[string]string{}
+	}
+	for _, f := range configFields {
+		if changed(f.flag) {
+			continue
+		}
+		saved := *o
+		if f.set(o, cfg) {
+			o.fromConfig[f.flag] = f.field
+		} else {
+			*o = saved
+		}
+	}
+	return ignoredFields(cfg), nil
+}
+
+// ignoredFields names the fields of cfg that are set but mean nothing to this proxy.
+func ignoredFields(cfg *kpconfig.KubeProxyConfiguration) []string {
+	var out []string
+	note := func(set bool, field, why string) {
+		if set {
+			out = append(out, fmt.Sprintf("%s is ignored: %s", field, why))
+		}
+	}
+	notSet := func(v any) bool { return reflect.ValueOf(v).IsZero() }
+	cc := cfg.ClientConnection
+	note(cc.QPS != 0 || cc.Burst != 0 || cc.ContentType != "" || cc.AcceptContentTypes != "",
+		"clientConnection (other than kubeconfig)", "the client's rate limits and content types are built in")
+	note(len(cfg.FeatureGates) > 0, "featureGates", "there are no feature gates")
+	note(!notSet(cfg.Logging), "logging", "use --log-level")
+	note(!notSet(cfg.Conntrack), "conntrack", "conntrack sysctls are left alone")
+	note(!notSet(cfg.IPVS), "ipvs", "only the userspace mode is implemented")
+	note(!notSet(cfg.NFTables), "nftables", "only the userspace mode is implemented")
+	note(!notSet(cfg.Winkernel), "winkernel", "only the userspace mode is implemented")
+	note(cfg.IPTables.MasqueradeAll || cfg.IPTables.MasqueradeBit != nil || cfg.IPTables.LocalhostNodePorts != nil,
+		"iptables.masqueradeAll/masqueradeBit/localhostNodePorts", "the userspace proxy needs no masquerading (it originates every connection)")
+	note(cfg.DetectLocalMode != "" || !notSet(cfg.DetectLocal) || cfg.ClusterCIDR != "",
+		"detectLocalMode/detectLocal/clusterCIDR", "no local-traffic detection is needed")
+	note(cfg.ConfigSyncPeriod.Duration != 0, "configSyncPeriod", "informers do not resync")
+	note(cfg.BindAddressHardFail || cfg.EnableProfiling || cfg.ShowHiddenMetricsForVersion != "",
+		"bindAddressHardFail/enableProfiling/showHiddenMetricsForVersion", "not implemented")
+	return out
+}
+
+// Complete loads --config (when given) into o, letting flags set on fs's command line override
+// it. Call it after fs.Parse and before Validate.
+func (o *Options) Complete(fs *pflag.FlagSet) error {
+	if o.ConfigFile == "" {
+		return nil
+	}
+	cfg, err := LoadConfigFile(o.ConfigFile)
+	if err != nil {
+		return err
+	}
+	changed := func(name string) bool {
+		f := fs.Lookup(name)
+		return f != nil && f.Changed
+	}
+	warnings, err := o.ApplyConfig(cfg, changed)
+	if err != nil {
+		return fmt.Errorf("config file %s: %w", o.ConfigFile, err)
+	}
+	o.ConfigWarnings = warnings
+	return nil
+}
+
+// KubeProxyConfiguration returns the effective settings as a KubeProxyConfiguration (mode
+// userspace); settings of ours that have no field there are left out (see OwnFlags).
+func (o *Options) KubeProxyConfiguration() *kpconfig.KubeProxyConfiguration {
+	cfg := &kpconfig.KubeProxyConfiguration{
+		TypeMeta: metav1.TypeMeta{APIVersion: kpconfig.SchemeGroupVersion.String(), Kind: "KubeProxyConfiguration"},
+		Mode:     ProxyModeUserspace,
+	}
+	for _, f := range configFields {
+		f.get(o, cfg)
+	}
+	return cfg
+}
+
+// OwnFlags returns our settings that have no KubeProxyConfiguration field, as command-line
+// flags, sorted by name.
+func (o *Options) OwnFlags() []string {
+	own := map[string]string{
+		"portal-mode":           o.PortalMode,
+		"udp-timeout":           o.UDPTimeout.String(),
+		"shutdown-grace-period": o.ShutdownGracePeriod.String(),
+		"log-level":             o.LogLevel,
+	}
+	if o.Master != "" {
+		own["master"] = o.Master
+	}
+	if o.Manifests != "" {
+		own["manifests"] = o.Manifests
+		own["service-cluster-ip-range"] = o.ServiceClusterIPRange
+	}
+	var out []string
+	for k, v := range own {
+		out = append(out, fmt.Sprintf("--%s=%s", k, v))
+	}
+	sort.Strings(out)
+	return out
+}
+
+// WriteConfig writes the effective configuration as KubeProxyConfiguration YAML to w, preceded
+// by a comment listing our own settings (which the file cannot carry) as flags.
+func (o *Options) WriteConfig(w io.Writer) error {
+	data, err := yaml.Marshal(o.KubeProxyConfiguration())
+	if err != nil {
+		return fmt.Errorf("encode KubeProxyConfiguration: %w", err)
+	}
+	var b strings.Builder
+	b.WriteString("# Effective configuration of kube-userspace-proxy, written " + time.Now().UTC().Format(time.RFC3339) + ".\n")
+	b.WriteString("# Settings without a KubeProxyConfiguration field (pass them as flags):\n")
+	for _, f := range o.OwnFlags() {
+		b.WriteString("#   " + f + "\n")
+	}
+	b.Write(data)
+	if _, err := io.WriteString(w, b.String()); err != nil {
+		return fmt.Errorf("write configuration: %w", err)
+	}
+	return nil
+}
+
+// WriteConfigFile writes the effective configuration to path ("-" is standard output).
+func (o *Options) WriteConfigFile(path string, stdout io.Writer) (err error) {
+	if path == "-" {
+		return o.WriteConfig(stdout)
+	}
+	f, err := os.Create(path)
+	if err != nil {
+		return fmt.Errorf("write configuration: %w", err)
+	}
+	defer func() { err = errors.Join(err, f.Close()) }()
+	return o.WriteConfig(f)
+}

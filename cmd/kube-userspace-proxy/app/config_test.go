@@ -1,0 +1,237 @@
+package app
+
+import (
+	"bytes"
+	"os"
+	"path/filepath"
+	"regexp"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/spf13/pflag"
+)
+
+// parse registers fresh options on a flag set, parses args, and completes them (--config).
+func parse(t *testing.T, args ...string) (*Options, error) {
+	t.Helper()
+	o := NewOptions()
+	fs := pflag.NewFlagSet("test", pflag.ContinueOnError)
+	fs.SetOutput(&bytes.Buffer{})
+	o.AddFlags(fs)
+	if err := fs.Parse(args); err != nil {
+		t.Fatalf("parse %v: %v", args, err)
+	}
+	return o, o.Complete(fs)
+}
+
+func writeFile(t *testing.T, content string) string {
+	t.Helper()
+	p := filepath.Join(t.TempDir(), "config.yaml")
+	if err := os.WriteFile(p, []byte(content), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	return p
+}
+
+const header = "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\n"
+
+func TestConfigFile(t *testing.T) {
+	full := header + `
+clientConnection:
+  kubeconfig: /var/lib/kube-proxy/kubeconfig.conf
+hostnameOverride: node-a
+bindAddress: 10.0.0.1
+healthzBindAddress: 0.0.0.0:20256
+metricsBindAddress: 127.0.0.1:20249
+nodePortAddresses: [10.0.0.0/24, 192.168.0.0/16]
+iptables:
+  syncPeriod: 45s
+  minSyncPeriod: 2s
+oomScoreAdj: -500
+portRange: 30000-31000
+mode: userspace
+`
+	tests := []struct {
+		name    string
+		content string
+		args    []string
+		check   func(t *testing.T, o *Options)
+		wantErr string // substring; empty means success
+	}{
+		{
+			name: "every mapped field", content: full,
+			check: func(t *testing.T, o *Options) {
+				want := Options{Kubeconfig: "/var/lib/kube-proxy/kubeconfig.conf", HostnameOverride: "node-a", BindAddress: "10.0.0.1",
+					HealthzBindAddress: "0.0.0.0:20256", MetricsBindAddress: "127.0.0.1:20249", SyncPeriod: 45 * time.Second,
+					MinSyncPeriod: 2 * time.Second, OOMScoreAdj: -500, ProxyPortRange: "30000-31000"}
+				got := Options{Kubeconfig: o.Kubeconfig, HostnameOverride: o.HostnameOverride, BindAddress: o.BindAddress,
+					HealthzBindAddress: o.HealthzBindAddress, MetricsBindAddress: o.MetricsBindAddress, SyncPeriod: o.SyncPeriod,
+					MinSyncPeriod: o.MinSyncPeriod, OOMScoreAdj: o.OOMScoreAdj, ProxyPortRange: o.ProxyPortRange}
+				if !equalOptions(got, want) {
+					t.Errorf("got %+v\nwant %+v", got, want)
+				}
+				if strings.Join(o.NodePortAddresses, ",") != "10.0.0.0/24,192.168.0.0/16" {
+					t.Errorf("NodePortAddresses = %v", o.NodePortAddresses)
+				}
+				if len(o.ConfigWarnings) != 0 {
+					t.Errorf("warnings: %v", o.ConfigWarnings)
+				}
+			},
+		},
+		{
+			name: "flags on the command line override the file", content: full,
+			args: []string{"--hostname-override=node-b", "--iptables-sync-period=1m", "--oom-score-adj=0", "--nodeport-addresses=172.16.0.0/12"},
+			check: func(t *testing.T, o *Options) {
+				if o.HostnameOverride != "node-b" || o.SyncPeriod != time.Minute || o.OOMScoreAdj != 0 || strings.Join(o.NodePortAddresses, ",") != "172.16.0.0/12" {
+					t.Errorf("flags did not win: %q %v %d %v", o.HostnameOverride, o.SyncPeriod, o.OOMScoreAdj, o.NodePortAddresses)
+				}
+				if o.BindAddress != "10.0.0.1" || o.MinSyncPeriod != 2*time.Second {
+					t.Errorf("unflagged fields not from the file: %q %v", o.BindAddress, o.MinSyncPeriod)
+				}
+			},
+		},
+		{
+			name: "unset fields keep the defaults", content: header + "hostnameOverride: node-n\n",
+			check: func(t *testing.T, o *Options) {
+				d := NewOptions()
+				if o.SyncPeriod != d.SyncPeriod || o.OOMScoreAdj != d.OOMScoreAdj || o.HealthzBindAddress != d.HealthzBindAddress || o.BindAddress != d.BindAddress {
+					t.Errorf("defaults changed: %+v", o)
+				}
+			},
+		},
+		{
+			name: "oomScoreAdj 0 in the file is a value, not unset", content: header + "oomScoreAdj: 0\n",
+			check: func(t *testing.T, o *Options) {
+				if o.OOMScoreAdj != 0 {
+					t.Errorf("OOMScoreAdj = %d, want 0", o.OOMScoreAdj)
+				}
+			},
+		},
+		{
+			name: "ignored fields are warned about", content: header + "conntrack:\n  maxPerCore: 0\n  min: 131072\nclusterCIDR: 10.244.0.0/16\n",
+			check: func(t *testing.T, o *Options) {
+				w := strings.Join(o.ConfigWarnings, "\n")
+				if !strings.Contains(w, "conntrack") || !strings.Contains(w, "clusterCIDR") {
+					t.Errorf("warnings = %q", w)
+				}
+			},
+		},
+		{name: "unknown field", content: header + "hostnameOverride: node-n\nfrobnicate: true\n", wantErr: `unknown field "frobnicate"`},
+		{name: "unknown nested field", content: header + "iptables:\n  syncPeriodd: 1s\n", wantErr: `unknown field "iptables.syncPeriodd"`},
+		{name: "duplicate field", content: header + "bindAddress: 1.2.3.4\nbindAddress: 1.2.3.5\n", wantErr: `bindAddress`},
+		{name: "other mode", content: header + "mode: iptables\n", wantErr: `mode: "iptables"`},
+		{name: "wrong kind", content: "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeletConfiguration\n", wantErr: "KubeletConfiguration"},
+		{name: "no apiVersion", content: "kind: KubeProxyConfiguration\n", wantErr: "decode KubeProxyConfiguration"},
+		{name: "bad duration", content: header + "iptables:\n  syncPeriod: soon\n", wantErr: "soon"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			p := writeFile(t, tt.content)
+			o, err := parse(t, append([]string{"--config", p}, tt.args...)...)
+			if tt.wantErr != "" {
+				if err == nil || !strings.Contains(err.Error(), tt.wantErr) {
+					t.Fatalf("error = %v, want one containing %q", err, tt.wantErr)
+				}
+				return
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			tt.check(t, o)
+		})
+	}
+}
+
+func equalOptions(a, b Options) bool {
+	return a.Kubeconfig == b.Kubeconfig && a.HostnameOverride == b.HostnameOverride && a.BindAddress == b.BindAddress &&
+		a.HealthzBindAddress == b.HealthzBindAddress && a.MetricsBindAddress == b.MetricsBindAddress &&
+		a.SyncPeriod == b.SyncPeriod && a.MinSyncPeriod == b.MinSyncPeriod && a.OOMScoreAdj == b.OOMScoreAdj &&
+		a.ProxyPortRange == b.ProxyPortRange
+}
+
+// TestValidateNamesConfigField: a bad value from the file is reported with the flag and the
+// file's field; the same value from a flag names only the flag.
+func TestValidateNamesConfigField(t *testing.T) {
+	tests := []struct {
+		name    string
+		content string
+		args    []string
+		want    string
+	}{
+		{name: "bindAddress from file", content: header + "bindAddress: not-an-ip\n", want: "field bindAddress"},
+		{name: "portRange from file", content: header + "portRange: 10-5\n", want: "field portRange"},
+		{name: "oomScoreAdj from file", content: header + "oomScoreAdj: 2000\n", want: "field oomScoreAdj"},
+		{name: "nodePortAddresses primary", content: header + "nodePortAddresses: [primary]\n", want: "field nodePortAddresses"},
+		{name: "minSyncPeriod above syncPeriod", content: header + "iptables:\n  syncPeriod: 1s\n  minSyncPeriod: 5s\n", want: "field iptables.syncPeriod"},
+		{name: "flag overrides with a bad value", content: header + "bindAddress: 10.0.0.1\n", args: []string{"--bind-address=nope"}, want: "--bind-address: \"nope\""},
+		{name: "bad oom flag", content: header, args: []string{"--oom-score-adj=-1001"}, want: "--oom-score-adj: -1001"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			p := writeFile(t, tt.content)
+			o, err := parse(t, append([]string{"--config", p, "--hostname-override=n"}, tt.args...)...)
+			if err != nil {
+				t.Fatal(err)
+			}
+			_, err = o.Validate()
+			if err == nil || !strings.Contains(err.Error(), tt.want) {
+				t.Fatalf("Validate error = %v, want one containing %q", err, tt.want)
+			}
+		})
+	}
+}
+
+// TestWriteConfigRoundTrip: what --write-config-to writes decodes strictly and, read back with
+// --config, gives the same options.
+func TestWriteConfigRoundTrip(t *testing.T) {
+	o, err := parse(t, "--hostname-override=node-x", "--bind-address=10.1.2.3", "--iptables-sync-period=42s",
+		"--iptables-min-sync-period=3s", "--nodeport-addresses=10.0.0.0/8", "--oom-score-adj=-10", "--proxy-port-range=40000+100",
+		"--kubeconfig=/k", "--portal-mode=none", "--udp-timeout=5s")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var buf bytes.Buffer
+	if err := o.WriteConfig(&buf); err != nil {
+		t.Fatal(err)
+	}
+	out := buf.String()
+	for _, want := range []string{"mode: userspace", "kind: KubeProxyConfiguration", "--portal-mode=none", "--udp-timeout=5s"} {
+		if !strings.Contains(out, want) {
+			t.Errorf("written config lacks %q:\n%s", want, out)
+		}
+	}
+	back, err := parse(t, "--config", writeFile(t, out))
+	if err != nil {
+		t.Fatalf("reading back:\n%s\n%v", out, err)
+	}
+	if !equalOptions(*back, *o) || strings.Join(back.NodePortAddresses, ",") != "10.0.0.0/8" {
+		t.Errorf("round trip:\n got %+v\nwant %+v", back, o)
+	}
+}
+
+func TestHelpGroups(t *testing.T) {
+	o := NewOptions()
+	fs := pflag.NewFlagSet("kube-userspace-proxy", pflag.ContinueOnError)
+	var buf bytes.Buffer
+	fs.SetOutput(&buf)
+	o.AddFlags(fs)
+	if err := fs.Parse([]string{"--help"}); err != pflag.ErrHelp {
+		t.Fatalf("Parse(--help) = %v", err)
+	}
+	out := buf.String()
+	prev := -1
+	for _, g := range o.FlagGroups() {
+		i := strings.Index(out, "\n"+g.Name+":\n")
+		if i < 0 || i < prev {
+			t.Fatalf("section %q missing or out of order in:\n%s", g.Name, out)
+		}
+		prev = i
+	}
+	// Every registered flag is printed exactly once.
+	fs.VisitAll(func(f *pflag.Flag) {
+		if n := len(regexp.MustCompile(`(?m)^\s+--`+f.Name+`\s`).FindAllString(out, -1)); n != 1 {
+			t.Errorf("--%s printed %d times", f.Name, n)
+		}
+	})
+}
