@@ -3,6 +3,7 @@ package manifests
 import (
 	"bytes"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"regexp"
 	"strconv"
@@ -229,7 +230,7 @@ func (d *decoder) decodeDocument(res *fileResult, seen map[objKey]string, pos *D
 		}
 	}()
 
-	js, err := yaml.YAMLToJSON(data)
+	js, strictErr, err := toJSON(data)
 	if err != nil {
 		fail(nil, "", "%s", fileLines(err.Error(), pos.Line))
 		return
@@ -262,10 +263,21 @@ func (d *decoder) decodeDocument(res *fileResult, seen map[objKey]string, pos *D
 		keyp = &key
 	}
 
+	known := head.Kind == kindService || head.Kind == kindEndpointSlice
+	isList := head.Kind == kindList || head.Kind == kindServiceList || head.Kind == kindEndpointSliceList
+	if strictErr != nil && (known || isList) {
+		// A duplicate key: decoding would silently keep one of the values.
+		if !known {
+			keyp = nil
+		}
+		fail(keyp, errorField(strictErr.Error()), "%s", fileLines(strictErr.Error(), pos.Line))
+		return
+	}
+
 	switch {
 	case head.Kind == "":
 		fail(nil, "kind", "missing: not a Kubernetes object")
-	case head.Kind == kindList || head.Kind == kindServiceList || head.Kind == kindEndpointSliceList:
+	case isList:
 		if !top {
 			fail(nil, "kind", "a %s inside a List is not supported", head.Kind)
 			return
@@ -275,17 +287,12 @@ func (d *decoder) decodeDocument(res *fileResult, seen map[objKey]string, pos *D
 		fail(keyp, "apiVersion", "%q is not supported for a Service, want %q", head.APIVersion, coreV1)
 	case head.Kind == kindEndpointSlice && head.APIVersion != discoveryV1:
 		fail(keyp, "apiVersion", "%q is not supported for an EndpointSlice, want %q", head.APIVersion, discoveryV1)
-	case head.Kind == kindService || head.Kind == kindEndpointSlice:
+	case known:
 		if keyp == nil {
 			fail(nil, "metadata.name", "missing")
 			return
 		}
-		// YAML is handed over as written so that line numbers in errors refer to it.
-		in := data
-		if !top {
-			in = js
-		}
-		obj, _, err := d.codec.Decode(in, nil, nil)
+		obj, _, err := d.codec.Decode(js, nil, nil)
 		if err != nil {
 			field := errorField(err.Error())
 			fail(keyp, field, "%s", fileLines(err.Error(), pos.Line))
@@ -392,6 +399,38 @@ func (d *decoder) decodeList(res *fileResult, seen map[objKey]string, pos *DocEr
 		}
 		d.decodeDocument(res, seen, &ipos, item, false)
 	}
+}
+
+// toJSON converts one document to JSON. A document that looks like JSON is used as it is (the
+// strict JSON decoder reports its duplicate fields); YAML is converted strictly, and when only
+// the strict conversion fails (a duplicate key) its error is returned as strictErr along with
+// the leniently converted JSON, so that the object can still be identified.
+func toJSON(data []byte) (js []byte, strictErr, err error) {
+	trimmed := bytes.TrimSpace(data)
+	if len(trimmed) > 0 && (trimmed[0] == '{' || trimmed[0] == '[') {
+		var v any
+		if err := json.Unmarshal(trimmed, &v); err != nil {
+			var se *json.SyntaxError
+			if errors.As(err, &se) {
+				lead := len(data) - len(bytes.TrimLeft(data, " \t\r\n"))
+				line := 1 + bytes.Count(data[:min(lead+int(se.Offset), len(data))], []byte("\n"))
+				return nil, nil, fmt.Errorf("JSON syntax error near line %d: %w", line, err)
+			}
+			if !errors.As(err, new(*json.UnmarshalTypeError)) {
+				return nil, nil, fmt.Errorf("JSON: %w", err)
+			}
+		}
+		return trimmed, nil, nil
+	}
+	js, strictErr = yaml.YAMLToJSONStrict(data)
+	if strictErr == nil {
+		return js, nil, nil
+	}
+	js, err = yaml.YAMLToJSON(data)
+	if err != nil {
+		return nil, nil, err
+	}
+	return js, strictErr, nil
 }
 
 var (

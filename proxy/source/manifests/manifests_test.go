@@ -799,3 +799,24 @@ func TestParseServiceCIDRs(t *testing.T) {
 		}
 	}
 }
+
+func TestObjectMovedOutOfBrokenFile(t *testing.T) {
+	f := newFixture(t, Options{})
+	f.write(t, "a.yaml", service("x", 80, ""))
+	f.scan(t)
+	expect(t, "initial", f.rec, "add Service default/x")
+	f.logs.take(t, zerolog.DebugLevel)
+	// a.yaml breaks (x is kept from it) while x moves to b.yaml: the fresh copy wins, silently.
+	f.write(t, "a.yaml", "kind: [\n")
+	f.write(t, "b.yaml", service("x", 81, ""))
+	f.scan(t)
+	expect(t, "moved", f.rec, "update Service default/x")
+	if p := f.rec.svc(t, "default", "x").Spec.Ports[0].Port; p != 81 {
+		t.Errorf("x serves port %d, want b.yaml's 81", p)
+	}
+	for _, l := range f.logs.take(t, zerolog.ErrorLevel) {
+		if strings.Contains(fmt.Sprint(l["message"]), "more than one file") {
+			t.Errorf("a kept copy was reported as a duplicate: %v", l)
+		}
+	}
+}
