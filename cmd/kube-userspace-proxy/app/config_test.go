@@ -230,7 +230,7 @@ func TestHelpGroups(t *testing.T) {
 	}
 	// Every registered flag is printed exactly once.
 	fs.VisitAll(func(f *pflag.Flag) {
-		if n := len(regexp.MustCompile(`(?m)^\s+--`+f.Name+`\s`).FindAllString(out, -1)); n != 1 {
+		if n := len(regexp.MustCompile(`(?m)^\s+--`+f.Name+`( \w+)?\s{2,}`).FindAllString(out, -1)); n != 1 {
 			t.Errorf("--%s printed %d times", f.Name, n)
 		}
 	})
