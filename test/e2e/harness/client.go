@@ -45,6 +45,9 @@ const (
 	Closed
 	// Unreachable: no route, or ICMP host/network unreachable (EHOSTUNREACH, ENETUNREACH).
 	Unreachable
+	// Denied: a local firewall rule refused the send (EPERM, EACCES), as a REJECT in OUTPUT
+	// does for the node's own UDP sockets.
+	Denied
 )
 
 func (k Kind) String() string {
@@ -59,6 +62,8 @@ func (k Kind) String() string {
 		return "closed"
 	case Unreachable:
 		return "unreachable"
+	case Denied:
+		return "denied"
 	}
 	return "other"
 }
@@ -97,6 +102,8 @@ func classify(err error) Kind {
 		return Reset
 	case errors.Is(err, syscall.EHOSTUNREACH), errors.Is(err, syscall.ENETUNREACH):
 		return Unreachable
+	case errors.Is(err, syscall.EPERM), errors.Is(err, syscall.EACCES):
+		return Denied
 	case errors.Is(err, io.EOF), errors.Is(err, io.ErrUnexpectedEOF):
 		return Closed
 	case errors.Is(err, os.ErrDeadlineExceeded), errors.Is(err, context.DeadlineExceeded):
