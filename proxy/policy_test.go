@@ -1,0 +1,94 @@
+package proxy
+
+import (
+	"net/netip"
+	"slices"
+	"testing"
+
+	v1 "k8s.io/api/core/v1"
+
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/serviceport"
+)
+
+// TestChooseLocalTraffic checks which endpoints new traffic of a Local service may use,
+// depending on where it comes from and where it was sent: the node's own traffic to an
+// external address ignores externalTrafficPolicy: Local, as kube-proxy's src-type LOCAL rule does.
+func TestChooseLocalTraffic(t *testing.T) {
+	nodeIP := netip.MustParseAddr("10.0.0.11")
+	clusterIP := netip.MustParseAddr("10.96.0.10")
+	local := serviceport.Endpoint{Addr: netip.MustParseAddrPort("10.244.1.2:8080"), NodeName: "node1", Ready: true, Serving: true}
+	remote := serviceport.Endpoint{Addr: netip.MustParseAddrPort("10.244.2.2:8080"), NodeName: "node2", Ready: true, Serving: true}
+	tests := []struct {
+		name      string
+		itpLocal  bool
+		client    string
+		dst       netip.Addr
+		wantBoth  bool // both endpoints chosen over several calls; else only the local one
+		wantLocal bool
+	}{
+		{"outside client to NodePort: local only", false, "10.0.0.100", nodeIP, false, true},
+		{"node's own address to NodePort: cluster-wide", false, "10.0.0.11", nodeIP, true, false},
+		{"loopback to NodePort: cluster-wide", false, "127.0.0.1", nodeIP, true, false},
+		{"node's own traffic with internalTrafficPolicy Local: local only", true, "10.0.0.11", nodeIP, false, true},
+		{"outside client to ClusterIP: cluster-wide", false, "10.0.0.100", clusterIP, true, false},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			p := newTestProxier(t, Options{NodeName: "node1", LocalAddrs: func() ([]netip.Addr, error) {
+				return []netip.Addr{nodeIP}, nil
+			}})
+			p.refreshLocalAddrs()
+			sp := &serviceport.ServicePort{
+				Name:     serviceport.Name{Namespace: "default", Name: "web", Port: "http"},
+				Protocol: v1.ProtocolTCP, Port: 80, NodePort: 30000,
+				ClusterIPs:          []netip.Addr{clusterIP},
+				ExternalPolicyLocal: true, InternalPolicyLocal: tt.itpLocal,
+			}
+			p.lb.SetServicePort(sp, []serviceport.Endpoint{local, remote})
+			l := &listener{proxier: p}
+			l.sp.Store(sp)
+			seen := map[netip.AddrPort]bool{}
+			for range 8 {
+				tg, err := l.Choose(netip.AddrPortFrom(netip.MustParseAddr(tt.client), 40000), netip.AddrPortFrom(tt.dst, 30000), false)
+				if err != nil {
+					t.Fatal(err)
+				}
+				seen[tg.Endpoint] = true
+			}
+			if got := seen[local.Addr] && seen[remote.Addr]; got != tt.wantBoth {
+				t.Errorf("both endpoints used = %v, want %v (seen %v)", got, tt.wantBoth, seen)
+			}
+			if got := seen[local.Addr] && !seen[remote.Addr]; got != tt.wantLocal {
+				t.Errorf("only the local endpoint used = %v, want %v (seen %v)", got, tt.wantLocal, seen)
+			}
+		})
+	}
+}
+
+func TestLocalReady(t *testing.T) {
+	ep := func(addr, node string, ready, terminating bool) serviceport.Endpoint {
+		return serviceport.Endpoint{Addr: netip.MustParseAddrPort(addr), NodeName: node, Ready: ready, Serving: ready || terminating, Terminating: terminating}
+	}
+	tests := []struct {
+		name string
+		eps  []serviceport.Endpoint
+		want []string
+	}{
+		{"none", nil, nil},
+		{"remote only", []serviceport.Endpoint{ep("10.0.0.1:80", "n2", true, false)}, nil},
+		{"local ready", []serviceport.Endpoint{ep("10.0.0.1:80", "n1", true, false), ep("10.0.0.2:80", "n2", true, false)}, []string{"10.0.0.1"}},
+		{"terminating does not count", []serviceport.Endpoint{ep("10.0.0.1:80", "n1", false, true)}, nil},
+		{"same IP twice counts once", []serviceport.Endpoint{ep("10.0.0.1:80", "n1", true, false), ep("10.0.0.1:81", "n1", true, false)}, []string{"10.0.0.1"}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			var got []string
+			for _, a := range localReady(tt.eps, "n1") {
+				got = append(got, a.String())
+			}
+			if !slices.Equal(got, tt.want) {
+				t.Errorf("localReady = %v, want %v", got, tt.want)
+			}
+		})
+	}
+}
