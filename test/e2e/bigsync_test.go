@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"regexp"
 	"strconv"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -67,18 +68,29 @@ func measureBigSync(ctx context.Context, t *testing.T, f *fixture, n int) {
 	t.Logf("MEASURE %d services: rules restored %v after a flush (sync period %v)", n, time.Since(flushed).Round(time.Millisecond), syncPeriod)
 }
 
-// syncLine matches the proxier's debug line after a sync: "... synced ... took=12.3 ... ports=N"
-// (zerolog writes durations as milliseconds without a unit).
-var syncLine = regexp.MustCompile(`synced.*took=([0-9.]+)([a-zµ]*).*ports=(\d+)`)
+// The proxier's debug line after a sync holds "synced", "ports=N" and "took=D" (zerolog's console
+// writer sorts fields by name and writes durations as milliseconds without a unit).
+var (
+	tookField  = regexp.MustCompile(`\btook=([0-9.]+)([a-zµ]*)`)
+	portsField = regexp.MustCompile(`\bports=(\d+)`)
+)
 
 // longestSync returns the longest "took" of the sync lines in log and the ports of that sync.
 func longestSync(log string) (time.Duration, int) {
 	var longest time.Duration
 	var ports int
-	for _, m := range syncLine.FindAllStringSubmatch(log, -1) {
+	for _, line := range strings.Split(log, "\n") {
+		if !strings.Contains(line, " synced ") {
+			continue
+		}
+		m := tookField.FindStringSubmatch(line)
+		pm := portsField.FindStringSubmatch(line)
+		if m == nil || pm == nil {
+			continue
+		}
 		unit := m[2]
 		if unit == "" {
-			unit = "ms" // zerolog's default duration field unit
+			unit = "ms"
 		}
 		d, err := time.ParseDuration(m[1] + unit)
 		if err != nil {
@@ -86,7 +98,7 @@ func longestSync(log string) (time.Duration, int) {
 		}
 		if d > longest {
 			longest = d
-			ports, _ = strconv.Atoi(m[3])
+			ports, _ = strconv.Atoi(pm[1])
 		}
 	}
 	return longest, ports
