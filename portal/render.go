@@ -172,7 +172,12 @@ func (r *renderer) deny(a Action) []byte {
 
 func (r *renderer) portal(p *Portal) {
 	r.comment = iptables.Quote(p.Comment)
-	if p.Internal == Redirect || p.External == Redirect {
+	// A Drop external action (Local policy, no local endpoint) still sends the node's own traffic
+	// to the proxy, which gives it cluster-wide endpoints, as kube-proxy's "src-type LOCAL"
+	// short-circuit does: only traffic from elsewhere is dropped. The HOST chains see only
+	// locally generated packets, and their DNAT happens before the filter drop rules look.
+	hostShortCircuit := p.External == Drop && p.ProxyPort > 0
+	if p.Internal == Redirect || p.External == Redirect || hostShortCircuit {
 		r.setTargets(p)
 	}
 
@@ -193,6 +198,9 @@ func (r *renderer) portal(p *Portal) {
 			r.ph = r.rule(r.ph, ChainPortalsHost, ip, p, p.Port, "", r.hostTg)
 		} else {
 			r.pf = r.rule(r.pf, ChainPortalsFilter, ip, p, p.Port, "", r.deny(p.External))
+			if hostShortCircuit {
+				r.ph = r.rule(r.ph, ChainPortalsHost, ip, p, p.Port, "", r.hostTg)
+			}
 		}
 	}
 
@@ -201,6 +209,9 @@ func (r *renderer) portal(p *Portal) {
 	for _, ip := range r.addrs(p.ExternalIPs) {
 		if p.External != Redirect {
 			r.pf = r.rule(r.pf, ChainPortalsFilter, ip, p, p.Port, "", r.deny(p.External))
+			if hostShortCircuit {
+				r.ph = r.rule(r.ph, ChainPortalsHost, ip, p, p.Port, "-m addrtype --dst-type LOCAL", r.hostTg)
+			}
 			continue
 		}
 		if r.host.NoPhysdev {
@@ -222,6 +233,14 @@ func (r *renderer) portal(p *Portal) {
 		}
 		for _, ip := range r.nodeIPs {
 			r.pf = r.rule(r.pf, ChainPortalsFilter, ip, p, p.NodePort, "", r.deny(p.External))
+		}
+		if hostShortCircuit {
+			if r.allNodeIPs {
+				r.nh = r.rule(r.nh, ChainNodePortHost, netip.Addr{}, p, p.NodePort, "", r.hostTg)
+			}
+			for _, ip := range r.nodeIPs {
+				r.nh = r.rule(r.nh, ChainNodePortHost, ip, p, p.NodePort, "", r.hostTg)
+			}
 		}
 		return
 	}

@@ -208,6 +208,9 @@ func TestRender(t *testing.T) {
 			nat: []string{
 				`-A KUBE-PORTALS-CONTAINER -d 10.96.0.10/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -j REDIRECT --to-ports 38023`,
 				`-A KUBE-PORTALS-HOST -d 10.96.0.10/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -j DNAT --to-destination 10.0.0.5:38023`,
+				// The node's own traffic still reaches the proxy (kube-proxy's src-type LOCAL short-circuit).
+				`-A KUBE-PORTALS-HOST -d 203.0.113.1/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -j DNAT --to-destination 10.0.0.5:38023`,
+				`-A KUBE-NODEPORT-HOST -p tcp -m comment --comment "default/web:http" -m tcp --dport 30080 -j DNAT --to-destination 10.0.0.5:38023`,
 			},
 			filter: []string{
 				`-A KUBE-PORTALS-FILTER -d 203.0.113.1/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -j DROP`,
@@ -225,6 +228,7 @@ func TestRender(t *testing.T) {
 			nat: []string{
 				`-A KUBE-PORTALS-CONTAINER -d 10.96.0.10/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -j REDIRECT --to-ports 38023`,
 				`-A KUBE-PORTALS-HOST -d 10.96.0.10/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -j DNAT --to-destination 10.0.0.5:38023`,
+				`-A KUBE-NODEPORT-HOST -d 10.0.0.5/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 30080 -j DNAT --to-destination 10.0.0.5:38023`,
 			},
 			filter: []string{
 				`-A KUBE-PORTALS-FILTER -d 10.0.0.5/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 30080 -j DROP`,
