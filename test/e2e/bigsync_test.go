@@ -61,11 +61,14 @@ func measureBigSync(ctx context.Context, t *testing.T, f *fixture, n int) {
 	t.Logf("MEASURE %d services with one endpoint each: created in %v; all answering %v after the first create; longest sync logged meanwhile: %v (ports=%d)",
 		n, created.Round(time.Millisecond), all.Round(time.Millisecond), longest, ports)
 	// A forced full resync: flush our chain; the next periodic sync rewrites every rule.
+	logAfter := len(f.proxy.Log())
 	f.node.Run(t, "iptables", "-w", "-t", "nat", "-F", "KUBE-PORTALS-CONTAINER")
 	flushed := time.Now()
 	waitAnswer(t, f.clientPod.NS, "tcp", harness.Addr(svcs[0], 0))
 	waitAnswer(t, f.clientPod.NS, "tcp", harness.Addr(svcs[n-1], 0))
-	t.Logf("MEASURE %d services: rules restored %v after a flush (sync period %v)", n, time.Since(flushed).Round(time.Millisecond), syncPeriod)
+	full, fullPorts := longestSync(f.proxy.Log()[logAfter:])
+	t.Logf("MEASURE %d services: rules restored %v after a flush (sync period %v); longest sync since: %v (ports=%d)",
+		n, time.Since(flushed).Round(time.Millisecond), syncPeriod, full, fullPorts)
 }
 
 // The proxier's debug line after a sync holds "synced", "ports=N" and "took=D" (zerolog's console

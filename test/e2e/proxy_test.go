@@ -100,6 +100,15 @@ func newFixture(t *testing.T) *fixture {
 	for _, dst := range []string{cluster.ServiceCIDR, externalIP.String() + "/32", localExternalIP.String() + "/32", lbIP.String() + "/32", excludedAddr.String() + "/32"} {
 		f.client.Run(t, "ip", "route", "add", dst, "via", f.node.IP.String())
 	}
+	// The outside client routes service addresses through the node, whose own route for them
+	// leads back out of the same interface: the kernel would answer with ICMP redirects, which
+	// share the per-destination ICMP rate limit with the port-unreachable a REJECT sends, and
+	// swallow the refusal of a service without endpoints (see the report of issue 3).
+	for _, key := range []string{"net.ipv4.conf.all.send_redirects", "net.ipv4.conf.eth0.send_redirects"} {
+		if err := f.node.SetSysctl(key, "0"); err != nil {
+			t.Fatal(err)
+		}
+	}
 	// A second node address, outside --nodeport-addresses (on lo: the dummy link type needs a
 	// kernel module that may be missing).
 	f.node.Run(t, "ip", "addr", "add", excludedAddr.String()+"/32", "dev", "lo")
@@ -168,9 +177,13 @@ func TestProxy(t *testing.T) {
 	t.Run("ClusterIP TCP and UDP", func(t *testing.T) {
 		begin := time.Now()
 		web = f.serve(ctx, t, harness.ClusterIPService("web", harness.TCPPort("tcp", 80, echoPort), harness.UDPPort("udp", 53, echoPort)), 0, 1, 2)
-		took := waitAnswer(t, f.clientPod.NS, "tcp", harness.Addr(web, 0))
-		t.Logf("MEASURE service+endpointslice created → first successful connection: %v (poll interval %v)", time.Since(begin).Round(time.Millisecond), harness.PollInterval)
-		_ = took
+		// Short attempts, each on a new connection: a SYN sent before the rules exist would
+		// otherwise only be retransmitted after 1s, 3s, ...
+		harness.WaitFor(t, converge, func() error {
+			_, err := harness.AskTimeout(ctx, f.clientPod.NS, "tcp", harness.Addr(web, 0), 200*time.Millisecond)
+			return err
+		})
+		t.Logf("MEASURE service+endpointslice created → first successful connection from a pod: %v (attempts every %v, 200ms each)", time.Since(begin).Round(time.Millisecond), harness.PollInterval)
 		for _, fr := range f.everywhere() {
 			t.Run(fr.name, func(t *testing.T) {
 				waitAnswer(t, fr.ns, "tcp", harness.Addr(web, 0))
