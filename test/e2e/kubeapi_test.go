@@ -209,7 +209,12 @@ func TestKubeAPISource(t *testing.T) {
 			return err
 		})
 		t.Logf("API server back after %v", time.Since(down).Round(time.Millisecond))
-		harness.CreateService(ctx, t, c.Client, harness.ClusterIPService("after-restart", harness.TCPPort("tcp", 80, 8080)))
+		// The restarted server refuses to allocate ClusterIPs until its ServiceCIDR informer
+		// has synced ("range is full"): retry the create.
+		harness.WaitFor(t, converge, func() error {
+			_, err := svcs.Create(ctx, harness.ClusterIPService("after-restart", harness.TCPPort("tcp", 80, 8080)), metav1.CreateOptions{})
+			return err
+		})
 		rec.waitEvent(t, "svc add after-restart")
 		t.Logf("source delivered a change %v after the API server went down", time.Since(down).Round(time.Millisecond))
 		if got := rec.count("synced"); got != 1 {
