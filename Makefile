@@ -10,7 +10,7 @@ LDFLAGS   := -X github.com/kube-userspace-proxy/kube-userspace-proxy/cmd/kube-us
              -X github.com/kube-userspace-proxy/kube-userspace-proxy/cmd/kube-userspace-proxy/app.Commit=$(COMMIT)
 TEST_TIMEOUT ?= 45m
 
-.PHONY: all build example deps test unit vet fmt-check bench-go clean
+.PHONY: all build example deps test unit vet fmt-check bench-go clean demo
 
 all: build
 
@@ -45,4 +45,16 @@ bench-go:
 clean:
 	rm -rf $(BIN)
 
+# The docker-compose demo (demo/README.md): etcd, kube-apiserver, the proxy, two backends and a
+# client; exits non-zero if the client saw a failed request. Cold: a few minutes (debootstrap of
+# the base image, Go build); warm: about a minute.
+demo: test-bins
+	GO="$(GO)" ./demo/run.sh
+
 -include test/cluster.mk
+
+# The benchmark against upstream kube-proxy's iptables mode, HAProxy and direct pod access
+# (bench/README.md); results under bench/results/. BENCH_QUICK=1 runs a reduced version (< 1 min).
+.PHONY: bench
+bench: deps test-bins
+	cd bench && $(GO) test -tags bench -run '^TestBench$$' -count=1 -v -timeout 60m .

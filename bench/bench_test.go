@@ -1,0 +1,665 @@
+//go:build bench
+
+package bench
+
+import (
+	"bufio"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"runtime"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/test/cluster"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/test/e2e/harness"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/test/netns"
+)
+
+func TestMain(m *testing.M) { os.Exit(harness.Main(m)) }
+
+// Ports of the server pod (kup-echo TCP+UDP, iperf3 TCP+UDP) and of HAProxy's frontends.
+const (
+	echoPort     = 8080
+	iperfPort    = 5201
+	hapEchoPort  = 18080
+	hapIperfPort = 15201
+	metricsAddr  = "127.0.0.1:10249"
+)
+
+// settings are the sizes of one run; quick mode shrinks them.
+type settings struct {
+	reps          int
+	iperfArgs     []string // how long iperf3 runs: -t N or -n BYTES
+	loadDuration  time.Duration
+	latRate       float64
+	idleCounts    []int
+	serviceScales []int
+	probes        int // one-more-service probes per scale
+	cpuWindow     time.Duration
+}
+
+func configure(quick bool) settings {
+	if quick {
+		return settings{reps: 1, iperfArgs: []string{"-n", "64M"}, loadDuration: 300 * time.Millisecond, latRate: 2000,
+			idleCounts: []int{1000}, serviceScales: []int{100}, probes: 1, cpuWindow: 2 * time.Second}
+	}
+	return settings{reps: 3, iperfArgs: []string{"-t", "3"}, loadDuration: 2 * time.Second, latRate: 2000,
+		idleCounts: []int{10000, 50000}, serviceScales: []int{100, 1000, 5000}, probes: 3, cpuWindow: 10 * time.Second}
+}
+
+// target is one path as seen from one node: the client pod and node, and the addresses to use.
+type target struct {
+	path  string
+	node  *netns.Node
+	pod   *netns.Pod
+	echo  string // TCP and UDP kup-echo
+	iperf string // iperf3 TCP (and UDP)
+	udp   bool   // whether the path proxies UDP
+}
+
+func (tg target) from(src string) *netns.NS {
+	if src == "pod" {
+		return tg.pod.NS
+	}
+	return tg.node.NS
+}
+
+func TestBench(t *testing.T) {
+	quick := os.Getenv("BENCH_QUICK") != ""
+	cfg := configure(quick)
+	rep := &Report{Started: time.Now(), Quick: quick, Reps: cfg.reps, LoadStart: loadavg(), Machine: machine(t)}
+	outDir := os.Getenv("KUP_BENCH_OUT")
+	if outDir == "" {
+		outDir = "results"
+	}
+	if quick {
+		outDir = filepath.Join(outDir, "quick")
+	}
+	defer func() { writeReport(t, rep, outDir) }()
+
+	loadBin := filepath.Join(t.TempDir(), "kup-load")
+	if out, err := exec.Command("go", "build", "-o", loadBin, "./cmd/kup-load").CombinedOutput(); err != nil {
+		t.Fatalf("build kup-load: %v\n%s", err, out)
+	}
+	for _, tool := range []string{"iperf3", "haproxy"} {
+		if _, err := exec.LookPath(tool); err != nil {
+			t.Fatalf("%s is needed (make bench installs it): %v", tool, err)
+		}
+	}
+	ctx := context.Background()
+
+	// Topology: a control plane, a server node with the server pod, and one node per path, each
+	// with a client pod. Each proxy runs in its own node namespace.
+	n := netns.NewNetwork(t, "bench")
+	c := cluster.Start(t, cluster.Options{Network: n})
+	srvNode := n.AddNode(t, "srv")
+	srv := n.AddPod(t, srvNode, "server")
+	harness.StartEcho(t, srv.NS, "server", echoPort)
+	srv.NS.Start(t, "iperf3", "-s", "-p", strconv.Itoa(iperfPort))
+	nodes := map[string]*netns.Node{}
+	pods := map[string]*netns.Pod{}
+	nodeNames := map[string]string{PathDirect: "direct", PathIPTables: "ipt", PathKUP: "kup", PathHAProxy: "hap"}
+	for _, p := range Paths {
+		nodes[p] = n.AddNode(t, nodeNames[p])
+		pods[p] = n.AddPod(t, nodes[p], "client")
+		if _, err := c.CreateNode(ctx, nodeNames[p], nodes[p].IP); err != nil {
+			t.Fatalf("create node %s: %v", nodeNames[p], err)
+		}
+	}
+	if _, err := c.CreateNode(ctx, "srv", srvNode.IP); err != nil {
+		t.Fatalf("create node srv: %v", err)
+	}
+	svc := harness.CreateService(ctx, t, c.Client, harness.ClusterIPService("bench",
+		harness.TCPPort("echo", 80, echoPort), harness.UDPPort("echo-udp", 80, echoPort),
+		harness.TCPPort("iperf", iperfPort, iperfPort), harness.UDPPort("iperf-udp", iperfPort, iperfPort)))
+	srvEP := harness.Endpoint{IP: srv.IP, Node: "srv", Name: "server"}
+	harness.ApplySlice(ctx, t, c.Client, harness.Slice(svc, srvEP))
+
+	kp := c.KubeProxy(t, nodes[PathIPTables].NS, nodeNames[PathIPTables])
+	kupCfg := harness.ProxyConfig{NodeName: nodeNames[PathKUP], Kubeconfig: c.Kubeconfig, MetricsBindAddress: metricsAddr, LogLevel: "info",
+		Ready: func(ctx context.Context) error {
+			_, err := harness.Ask(ctx, nodes[PathKUP].NS, "tcp", harness.Addr(svc, 0))
+			return err
+		}}
+	kup := harness.StartProxy(t, nodes[PathKUP].NS, kupCfg)
+	hap := startHAProxy(t, nodes[PathHAProxy], srv.IP.String())
+	harness.WaitFor(t, 30*time.Second, func() error {
+		_, err := harness.Ask(ctx, nodes[PathIPTables].NS, "tcp", harness.Addr(svc, 0))
+		return err
+	})
+
+	hapIP := nodes[PathHAProxy].IP.String()
+	targets := map[string]target{
+		PathDirect:   {echo: fmt.Sprintf("%s:%d", srv.IP, echoPort), iperf: fmt.Sprintf("%s:%d", srv.IP, iperfPort), udp: true},
+		PathIPTables: {echo: harness.Addr(svc, 0), iperf: harness.Addr(svc, 2), udp: true},
+		PathKUP:      {echo: harness.Addr(svc, 0), iperf: harness.Addr(svc, 2), udp: true},
+		PathHAProxy:  {echo: fmt.Sprintf("%s:%d", hapIP, hapEchoPort), iperf: fmt.Sprintf("%s:%d", hapIP, hapIperfPort)},
+	}
+	for p, tg := range targets {
+		tg.path, tg.node, tg.pod = p, nodes[p], pods[p]
+		targets[p] = tg
+	}
+	// Every path answers from both sources before anything is measured.
+	for _, p := range Paths {
+		for _, src := range []string{"pod", "node"} {
+			if _, err := harness.Ask(ctx, targets[p].from(src), "tcp", targets[p].echo); err != nil {
+				t.Fatalf("path %s from %s: %v", p, src, err)
+			}
+		}
+	}
+
+	runDataPath(t, rep, cfg, targets, loadBin)
+	runIdle(t, rep, cfg, targets, loadBin, map[string]int{PathKUP: kup.Pid(), PathHAProxy: hap.Pid()})
+	runControlPlane(t, rep, cfg, c, nodes, srvEP, kp, kup, kupCfg)
+
+	rep.Notes = append(rep.Notes,
+		"Topology: real etcd + kube-apiserver (test/cluster), one network namespace per node and pod (test/netns); "+
+			"server pod (kup-echo on 8080 TCP+UDP, iperf3 -s on 5201) on its own node; each path has its own node namespace with a client pod. "+
+			"`from pod` = client in that node's pod; `from node` = client in the node namespace itself.",
+		"Paths: direct = the server pod's IP; iptables = upstream kube-proxy v1.36.3 --proxy-mode=iptables on a ClusterIP; "+
+			"kube-userspace-proxy on the same ClusterIP (its own node); haproxy = Debian HAProxy, mode tcp, option splice-auto, on its node's IP, pointing at the pod.",
+		"HAProxy has no UDP proxying: its UDP cells are n/a.",
+		fmt.Sprintf("Bulk figures are iperf3 (%s) receiver throughput; UDP bulk is iperf3 -u -b 0 -l 1400, delivered rate = sender rate × (1 − loss).", strings.Join(cfg.iperfArgs, " ")),
+		fmt.Sprintf("Short connections: kup-load conn, 4 workers, one request per new TCP connection, %v. Latency: one keep-alive connection, %.0f req/s on a fixed schedule (latency counted from the scheduled send), %v. UDP req/resp: 4 connected sockets, 64-byte requests, %v, a lost datagram waits 200 ms.",
+			cfg.loadDuration, cfg.latRate, cfg.loadDuration, cfg.loadDuration),
+	)
+	rep.LoadEnd = loadavg()
+	rep.Finished = time.Now()
+}
+
+// runDataPath runs workloads 1–4: per repetition, per workload and source, every path in turn
+// (the order rotates each repetition).
+func runDataPath(t *testing.T, rep *Report, cfg settings, targets map[string]target, loadBin string) {
+	secs := fmt.Sprint(cfg.loadDuration)
+	for r := range cfg.reps {
+		order := append(append([]string{}, Paths[r%len(Paths):]...), Paths[:r%len(Paths)]...)
+		for _, src := range []string{"pod", "node"} {
+			each := func(fn func(tg target, ns *netns.NS)) {
+				for _, p := range order {
+					fn(targets[p], targets[p].from(src))
+				}
+			}
+			for _, streams := range []int{1, 4} {
+				m := rep.Metric(fmt.Sprintf("bulk TCP, %d stream(s)", streams), src, "Gbit/s", true)
+				each(func(tg target, ns *netns.NS) {
+					v, err := iperf(ns, tg.iperf, streams, false, cfg.iperfArgs)
+					record(t, m, tg.path, v/1e9, err)
+				})
+			}
+			m := rep.Metric("short connections", src, "conn/s", true)
+			each(func(tg target, ns *netns.NS) {
+				res, err := load(ns, loadBin, "conn", tg.echo, "--duration", secs, "--concurrency", "4", "--max", "200000")
+				record(t, m, tg.path, res.Rate, err)
+			})
+			p50 := rep.Metric("keep-alive latency p50", src, "µs", false)
+			p99 := rep.Metric("keep-alive latency p99", src, "µs", false)
+			p999 := rep.Metric("keep-alive latency p99.9", src, "µs", false)
+			each(func(tg target, ns *netns.NS) {
+				res, err := load(ns, loadBin, "lat", tg.echo, "--duration", secs, "--rate", fmt.Sprint(cfg.latRate))
+				record(t, p50, tg.path, res.P50us, err)
+				record(t, p99, tg.path, res.P99us, err)
+				record(t, p999, tg.path, res.P999us, err)
+			})
+			m = rep.Metric("UDP 64-byte req/resp", src, "req/s", true)
+			each(func(tg target, ns *netns.NS) {
+				if !tg.udp {
+					m.Note(tg.path, "n/a (no UDP)")
+					return
+				}
+				res, err := load(ns, loadBin, "udprr", tg.echo, "--duration", secs, "--concurrency", "4", "--size", "64")
+				record(t, m, tg.path, res.Rate, err)
+			})
+			m = rep.Metric("UDP bulk, 1400-byte datagrams", src, "Mbit/s", true)
+			each(func(tg target, ns *netns.NS) {
+				if !tg.udp {
+					m.Note(tg.path, "n/a (no UDP)")
+					return
+				}
+				v, err := iperf(ns, tg.iperf, 1, true, cfg.iperfArgs)
+				record(t, m, tg.path, v/1e6, err)
+			})
+		}
+		t.Logf("data path repetition %d/%d done (load %s)", r+1, cfg.reps, loadavg())
+	}
+}
+
+// record adds v to m for path, or notes err (a failed measurement is reported, not fatal).
+func record(t *testing.T, m *Metric, path string, v float64, err error) {
+	if err != nil {
+		t.Logf("%s (%s) via %s: %v", m.Workload, m.Source, path, err)
+		m.Note(path, "error: "+firstLine(err.Error(), 80))
+		return
+	}
+	m.Add(path, v)
+}
+
+func firstLine(s string, n int) string {
+	s, _, _ = strings.Cut(s, "\n")
+	if len(s) > n {
+		s = s[:n] + "…"
+	}
+	return strings.ReplaceAll(s, "|", "/")
+}
+
+// iperf runs an iperf3 client in ns against addr and returns the receiver's bits per second
+// (UDP: the sender's rate times the delivered fraction).
+func iperf(ns *netns.NS, addr string, streams int, udp bool, length []string) (float64, error) {
+	host, port, _ := strings.Cut(addr, ":")
+	args := []string{"iperf3", "-c", host, "-p", port, "-J", "--connect-timeout", "3000", "-P", strconv.Itoa(streams)}
+	args = append(args, length...)
+	if udp {
+		args = append(args, "-u", "-b", "0", "-l", "1400")
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	out, err := ns.Exec(ctx, args...)
+	var res struct {
+		Error string `json:"error"`
+		End   struct {
+			SumReceived struct {
+				BPS float64 `json:"bits_per_second"`
+			} `json:"sum_received"`
+			Sum struct {
+				BPS  float64 `json:"bits_per_second"`
+				Lost float64 `json:"lost_percent"`
+			} `json:"sum"`
+		} `json:"end"`
+	}
+	if jerr := json.Unmarshal([]byte(out[strings.Index(out, "{"):]), &res); jerr != nil || res.Error != "" {
+		return 0, fmt.Errorf("iperf3 %s: %v %v %s", addr, err, jerr, res.Error)
+	}
+	if udp {
+		return res.End.Sum.BPS * (1 - res.End.Sum.Lost/100), nil
+	}
+	return res.End.SumReceived.BPS, nil
+}
+
+// loadResult is kup-load's output.
+type loadResult struct {
+	Ops, Errors          int64
+	Rate                 float64
+	P50us, P99us, P999us float64 `json:"-"`
+	FirstErr             string  `json:"first_error"`
+}
+
+func load(ns *netns.NS, bin, mode, addr string, args ...string) (loadResult, error) {
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	out, err := ns.Exec(ctx, append([]string{bin, mode, "--addr", addr}, args...)...)
+	var raw struct {
+		Ops      int64   `json:"ops"`
+		Errors   int64   `json:"errors"`
+		Rate     float64 `json:"rate"`
+		P50      float64 `json:"p50_us"`
+		P99      float64 `json:"p99_us"`
+		P999     float64 `json:"p999_us"`
+		FirstErr string  `json:"first_error"`
+	}
+	i := strings.LastIndex(out, "{")
+	if err != nil || i < 0 {
+		return loadResult{}, fmt.Errorf("kup-load %s %s: %v: %s", mode, addr, err, out)
+	}
+	if err := json.Unmarshal([]byte(out[i:]), &raw); err != nil {
+		return loadResult{}, fmt.Errorf("kup-load %s %s: %w: %s", mode, addr, err, out)
+	}
+	res := loadResult{Ops: raw.Ops, Errors: raw.Errors, Rate: raw.Rate, P50us: raw.P50, P99us: raw.P99, P999us: raw.P999, FirstErr: raw.FirstErr}
+	if raw.Ops == 0 {
+		return res, fmt.Errorf("kup-load %s %s: no successful request (%d errors, first: %s)", mode, addr, raw.Errors, raw.FirstErr)
+	}
+	if mode != "udprr" && raw.Errors > 0 {
+		return res, fmt.Errorf("kup-load %s %s: %d errors (first: %s)", mode, addr, raw.Errors, raw.FirstErr)
+	}
+	return res, nil
+}
+
+// startHAProxy runs HAProxy in node (tcp mode, splice) in front of the server pod.
+func startHAProxy(t *testing.T, node *netns.Node, podIP string) *netns.Process {
+	t.Helper()
+	conf := fmt.Sprintf(`global
+  maxconn 9900
+defaults
+  mode tcp
+  option splice-auto
+  timeout connect 5s
+  timeout client 1h
+  timeout server 1h
+listen echo
+  bind :%d
+  server pod %s:%d
+listen iperf
+  bind :%d
+  server pod %s:%d
+`, hapEchoPort, podIP, echoPort, hapIperfPort, podIP, iperfPort)
+	path := filepath.Join(t.TempDir(), "haproxy.cfg")
+	if err := os.WriteFile(path, []byte(conf), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	p := node.NS.Start(t, "haproxy", "-db", "-f", path)
+	addr := fmt.Sprintf("%s:%d", node.IP, hapEchoPort)
+	harness.WaitFor(t, 10*time.Second, func() error {
+		select {
+		case <-p.Done():
+			t.Fatalf("haproxy exited: %v\n%s", p.Err(), p.Tail(20))
+		default:
+		}
+		_, err := harness.Ask(context.Background(), node.NS, "tcp", addr)
+		return err
+	})
+	return p
+}
+
+// runIdle is workload 5: N idle connections through each proxy, proxy RSS per connection.
+func runIdle(t *testing.T, rep *Report, cfg settings, targets map[string]target, loadBin string, pids map[string]int) {
+	conntrack := conntrackObjSize()
+	for _, count := range cfg.idleCounts {
+		m := rep.Metric(fmt.Sprintf("%d idle connections: memory per connection", count), "pod", "KiB", false)
+		reached := rep.Metric(fmt.Sprintf("%d idle connections: connections reached", count), "pod", "conns", true)
+		m.Note(PathDirect, "n/a (no proxy)")
+		reached.Note(PathDirect, "n/a (no proxy)")
+		if conntrack > 0 {
+			m.Add(PathIPTables, float64(conntrack)/1024)
+			m.Note(PathIPTables, "kernel: one conntrack entry (slab object), not process memory")
+		} else {
+			m.Note(PathIPTables, "n/a (kernel conntrack)")
+		}
+		reached.Note(PathIPTables, "n/a (kernel)")
+		for _, p := range []string{PathKUP, PathHAProxy} {
+			before, err := rssKiB(pids[p])
+			if err != nil {
+				m.Note(p, "error: "+err.Error())
+				continue
+			}
+			tg := targets[p]
+			proc := tg.pod.NS.Start(t, loadBin, "idle", "--addr", tg.echo, "--count", strconv.Itoa(count), "--hold", "300s")
+			got := -1
+			deadline := time.Now().Add(180 * time.Second)
+			for got < 0 && time.Now().Before(deadline) {
+				if i := strings.Index(proc.Log(), "READY "); i >= 0 {
+					fmt.Sscanf(proc.Log()[i:], "READY %d", &got)
+				} else {
+					time.Sleep(200 * time.Millisecond)
+				}
+			}
+			time.Sleep(time.Second)
+			after, err := rssKiB(pids[p])
+			log := proc.Log()
+			proc.Stop()
+			if err != nil || got <= 0 {
+				m.Note(p, fmt.Sprintf("error: %v, reached %d: %s", err, got, firstLine(log, 80)))
+				continue
+			}
+			m.Add(p, float64(after-before)/float64(got))
+			reached.Add(p, float64(got))
+			if got < count {
+				note := fmt.Sprintf("reached %d of %d: %s", got, count, firstLine(strings.TrimSpace(log[strings.Index(log, "READY"):]), 60))
+				m.Note(p, note)
+				reached.Note(p, "fd limit")
+				t.Logf("idle %d via %s: %s; log: %s", count, p, note, firstLine(log, 300))
+			}
+			time.Sleep(2 * time.Second) // let the proxy close its side
+		}
+	}
+	rep.Notes = append(rep.Notes,
+		"Idle connections: proxy RSS (VmRSS) after holding the connections minus before, over the connections reached; each connection made one request first. "+
+			"Kernel socket and pipe memory is not in RSS. The container's open-files limit is 20000 (hard, not raisable): a proxy needs two descriptors per connection, "+
+			"so about 9,990 proxied connections is the most any userspace proxy can hold here, and 50,000 is impossible (the client alone would need 50,000 descriptors).")
+}
+
+// runControlPlane is workload 6.
+func runControlPlane(t *testing.T, rep *Report, cfg settings, c *cluster.Cluster, nodes map[string]*netns.Node, ep harness.Endpoint,
+	kp *netns.Process, kup *harness.Proxy, kupCfg harness.ProxyConfig) {
+	ctx := context.Background()
+	created := 0
+	var last *corev1.Service
+	for _, scale := range cfg.serviceScales {
+		start := time.Now()
+		last = createServices(t, c, created, scale, ep)
+		created = scale
+		// Both proxies serve the last one before anything is measured.
+		for _, p := range []string{PathIPTables, PathKUP} {
+			harness.WaitFor(t, 300*time.Second, func() error {
+				_, err := harness.AskTimeout(ctx, nodes[p].NS, "tcp", harness.Addr(last, 0), 500*time.Millisecond)
+				return err
+			})
+		}
+		t.Logf("%d services created and served in %v", scale, time.Since(start).Round(time.Millisecond))
+
+		m := rep.Metric(fmt.Sprintf("one more service → first connection, %d services", scale), "node", "ms", false)
+		m.Note(PathDirect, "n/a")
+		m.Note(PathHAProxy, "n/a (static config)")
+		for i := range cfg.probes {
+			svc := harness.CreateService(ctx, t, c.Client, harness.ClusterIPService(fmt.Sprintf("probe-%d-%d", scale, i), harness.TCPPort("tcp", 80, echoPort)))
+			t0 := time.Now()
+			harness.ApplySlice(ctx, t, c.Client, harness.Slice(svc, ep))
+			var wg sync.WaitGroup
+			for _, p := range []string{PathIPTables, PathKUP} {
+				wg.Go(func() {
+					err := harness.Eventually(ctx, 60*time.Second, func() error {
+						_, err := harness.AskTimeout(ctx, nodes[p].NS, "tcp", harness.Addr(svc, 0), 200*time.Millisecond)
+						return err
+					})
+					// t0 is taken after the Service exists (its ClusterIP is needed), before the slice.
+					record(t, m, p, float64(time.Since(t0).Microseconds())/1e3, err)
+				})
+			}
+			wg.Wait()
+		}
+
+		// A full resync: restart each proxy with every service present; its first sync is full.
+		rs := rep.Metric(fmt.Sprintf("full sync after restart, %d services", scale), "", "ms", false)
+		rs.Note(PathDirect, "n/a")
+		rs.Note(PathHAProxy, "n/a")
+		kp.Stop()
+		kp = c.KubeProxy(t, nodes[PathIPTables].NS, "ipt")
+		d, err := firstSync(nodes[PathIPTables].NS)
+		record(t, rs, PathIPTables, d, err)
+		kup.Stop()
+		kup = harness.StartProxy(t, nodes[PathKUP].NS, kupCfg)
+		harness.WaitFor(t, 60*time.Second, func() error {
+			_, err := harness.AskTimeout(ctx, nodes[PathKUP].NS, "tcp", harness.Addr(last, 0), 500*time.Millisecond)
+			return err
+		})
+		d, err = firstSync(nodes[PathKUP].NS)
+		record(t, rs, PathKUP, d, err)
+
+		// Idle CPU of both, over the same window.
+		time.Sleep(2 * time.Second)
+		cpu := rep.Metric(fmt.Sprintf("idle CPU, %d services", scale), "", "% of a core", false)
+		cpu.Note(PathDirect, "n/a")
+		cpu.Note(PathHAProxy, "n/a")
+		var wg sync.WaitGroup
+		for p, pid := range map[string]int{PathIPTables: kp.Pid(), PathKUP: kup.Pid()} {
+			wg.Go(func() {
+				v, err := cpuPercent(pid, cfg.cpuWindow)
+				record(t, cpu, p, v, err)
+			})
+		}
+		wg.Wait()
+	}
+	rep.Notes = append(rep.Notes,
+		"Control plane: both proxies watch the same API server; `one more service` is the time from the EndpointSlice's creation (the Service exists already) to the first TCP connection that gets an answer from the node, polled every few ms. Both run with their default --iptables-min-sync-period (kube-proxy: 1 s).",
+		"Full sync after restart: kubeproxy_sync_proxy_rules_duration_seconds (sum/count) scraped right after the restarted proxy served everything; for kube-proxy the first sync after a start is a full one. Idle CPU: utime+stime from /proc/PID/stat over "+cfg.cpuWindow.String()+".")
+}
+
+// createServices creates services bulk-<from>..bulk-<to-1> with one endpoint each (8 workers)
+// and returns the last one.
+func createServices(t *testing.T, c *cluster.Cluster, from, to int, ep harness.Endpoint) *corev1.Service {
+	ctx := context.Background()
+	svcs := make([]*corev1.Service, to)
+	var wg sync.WaitGroup
+	var mu sync.Mutex
+	var firstErr error
+	for w := range 8 {
+		wg.Go(func() {
+			for i := from + w; i < to; i += 8 {
+				s := harness.ClusterIPService(fmt.Sprintf("bulk-%05d", i), harness.TCPPort("tcp", 80, echoPort))
+				cs, err := c.Client.CoreV1().Services(s.Namespace).Create(ctx, s, metav1.CreateOptions{})
+				if err == nil {
+					_, err = c.Client.DiscoveryV1().EndpointSlices(s.Namespace).Create(ctx, harness.Slice(cs, ep), metav1.CreateOptions{})
+				}
+				if err != nil {
+					mu.Lock()
+					firstErr = cmpErr(firstErr, err)
+					mu.Unlock()
+					return
+				}
+				svcs[i] = cs
+			}
+		})
+	}
+	wg.Wait()
+	if firstErr != nil {
+		t.Fatalf("create services: %v", firstErr)
+	}
+	return svcs[to-1]
+}
+
+func cmpErr(a, b error) error {
+	if a != nil {
+		return a
+	}
+	return b
+}
+
+// firstSync scrapes the sync-duration histogram of the proxy in ns and returns its mean in ms.
+func firstSync(ns *netns.NS) (float64, error) {
+	hc := &http.Client{Timeout: 5 * time.Second, Transport: &http.Transport{DialContext: ns.DialContext, DisableKeepAlives: true}}
+	resp, err := hc.Get("http://" + metricsAddr + "/metrics")
+	if err != nil {
+		return 0, fmt.Errorf("scrape metrics: %w", err)
+	}
+	defer resp.Body.Close()
+	var sum, count float64
+	sc := bufio.NewScanner(resp.Body)
+	sc.Buffer(make([]byte, 1<<20), 1<<20)
+	for sc.Scan() {
+		f := strings.Fields(sc.Text())
+		if len(f) != 2 {
+			continue
+		}
+		v, _ := strconv.ParseFloat(f[1], 64)
+		switch f[0] {
+		case "kubeproxy_sync_proxy_rules_duration_seconds_sum":
+			sum = v
+		case "kubeproxy_sync_proxy_rules_duration_seconds_count":
+			count = v
+		}
+	}
+	if count == 0 {
+		return 0, errors.New("no sync duration in the metrics")
+	}
+	return sum / count * 1e3, nil
+}
+
+// cpuPercent samples utime+stime of pid over window, in percent of one core.
+func cpuPercent(pid int, window time.Duration) (float64, error) {
+	ticks := func() (float64, error) {
+		b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+		if err != nil {
+			return 0, fmt.Errorf("read stat: %w", err)
+		}
+		s := string(b)
+		f := strings.Fields(s[strings.LastIndex(s, ")")+2:])
+		u, _ := strconv.ParseFloat(f[11], 64) // field 14 utime
+		k, _ := strconv.ParseFloat(f[12], 64) // field 15 stime
+		return u + k, nil
+	}
+	a, err := ticks()
+	if err != nil {
+		return 0, err
+	}
+	time.Sleep(window)
+	b, err := ticks()
+	if err != nil {
+		return 0, err
+	}
+	return (b - a) / 100 / window.Seconds() * 100, nil // USER_HZ is 100 on Linux
+}
+
+func rssKiB(pid int) (int64, error) {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
+	if err != nil {
+		return 0, fmt.Errorf("read status: %w", err)
+	}
+	for _, l := range strings.Split(string(b), "\n") {
+		if v, ok := strings.CutPrefix(l, "VmRSS:"); ok {
+			return strconv.ParseInt(strings.TrimSuffix(strings.TrimSpace(v), " kB"), 10, 64)
+		}
+	}
+	return 0, errors.New("no VmRSS")
+}
+
+// conntrackObjSize returns the size of a conntrack entry's slab object, or 0.
+func conntrackObjSize() int {
+	b, err := os.ReadFile("/proc/slabinfo")
+	if err != nil {
+		return 0
+	}
+	for _, l := range strings.Split(string(b), "\n") {
+		f := strings.Fields(l)
+		if len(f) > 3 && f[0] == "nf_conntrack" {
+			v, _ := strconv.Atoi(f[3])
+			return v
+		}
+	}
+	return 0
+}
+
+func loadavg() string {
+	b, _ := os.ReadFile("/proc/loadavg")
+	f := strings.Fields(string(b))
+	if len(f) < 3 {
+		return "?"
+	}
+	return strings.Join(f[:3], " ")
+}
+
+func machine(t *testing.T) string {
+	out := func(args ...string) string {
+		b, _ := exec.Command(args[0], args[1:]...).CombinedOutput()
+		return firstLine(strings.TrimSpace(string(b)), 60)
+	}
+	return fmt.Sprintf("%d CPUs, kernel %s, %s, %s, %s", runtime.NumCPU(), out("uname", "-r"), runtime.Version(), out("haproxy", "-v"), out("iperf3", "--version"))
+}
+
+func writeReport(t *testing.T, rep *Report, dir string) {
+	if rep.Finished.IsZero() {
+		rep.Finished = time.Now()
+		rep.LoadEnd = loadavg()
+		rep.Notes = append(rep.Notes, "INCOMPLETE: the run failed before the end.")
+	}
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		t.Errorf("results: %v", err)
+		return
+	}
+	var md strings.Builder
+	_ = rep.WriteMarkdown(&md)
+	fmt.Println(md.String())
+	for name, write := range map[string]func(f *os.File) error{
+		"results.md":   func(f *os.File) error { _, err := f.WriteString(md.String()); return err },
+		"results.json": func(f *os.File) error { return rep.WriteJSON(f) },
+		"ratios.svg":   func(f *os.File) error { return rep.WriteSVG(f) },
+	} {
+		f, err := os.Create(filepath.Join(dir, name))
+		if err == nil {
+			err = write(f)
+			err = cmpErr(err, f.Close())
+		}
+		if err != nil {
+			t.Errorf("results %s: %v", name, err)
+		}
+	}
+	t.Logf("results written to %s", dir)
+}

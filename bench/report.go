@@ -1,0 +1,297 @@
+// Package bench is the benchmark of kube-userspace-proxy against upstream kube-proxy's iptables
+// mode, HAProxy and direct pod access (see issue 5 and bench/README.md). The measurement itself is
+// bench_test.go, behind the "bench" build tag (`make bench`); this file holds the report: the
+// samples, their medians, and the markdown, JSON and SVG outputs under bench/results/.
+package bench
+
+import (
+	"encoding/json"
+	"fmt"
+	"html"
+	"io"
+	"math"
+	"slices"
+	"strings"
+	"time"
+)
+
+// Path names, in the order of the table's columns. Baseline is the path ratios are taken to.
+const (
+	PathDirect   = "direct"
+	PathIPTables = "iptables"
+	PathKUP      = "kube-userspace-proxy"
+	PathHAProxy  = "haproxy"
+	Baseline     = PathIPTables
+)
+
+// Paths are the measured paths in table order.
+var Paths = []string{PathDirect, PathIPTables, PathKUP, PathHAProxy}
+
+// Metric is one figure measured on every path: several samples per path, or a note saying why a
+// path has none.
+type Metric struct {
+	// Workload names what was measured ("bulk TCP, 1 stream"); Source is where the client ran
+	// ("pod", "node", or empty when it does not apply).
+	Workload string `json:"workload"`
+	Source   string `json:"source,omitempty"`
+	// Unit of the samples; HigherBetter says which way is good.
+	Unit         string `json:"unit"`
+	HigherBetter bool   `json:"higher_better"`
+	// Samples per path, one per repetition.
+	Samples map[string][]float64 `json:"samples"`
+	// Notes per path: why it has no (or partial) samples.
+	Notes map[string]string `json:"notes,omitempty"`
+}
+
+// Add records one sample for path.
+func (m *Metric) Add(path string, v float64) {
+	if m.Samples == nil {
+		m.Samples = map[string][]float64{}
+	}
+	m.Samples[path] = append(m.Samples[path], v)
+}
+
+// Note records why path lacks samples (the last note wins).
+func (m *Metric) Note(path, note string) {
+	if m.Notes == nil {
+		m.Notes = map[string]string{}
+	}
+	m.Notes[path] = note
+}
+
+// Summary is the median, min and max of a path's samples; N is 0 when there are none.
+type Summary struct {
+	N                int     `json:"n"`
+	Median, Min, Max float64 `json:"-"`
+}
+
+// MarshalJSON writes the summary with null for missing values.
+func (s Summary) MarshalJSON() ([]byte, error) {
+	if s.N == 0 {
+		return []byte(`{"n":0}`), nil
+	}
+	return json.Marshal(map[string]any{"n": s.N, "median": s.Median, "min": s.Min, "max": s.Max})
+}
+
+// Summarize returns the summary of path's samples.
+func (m *Metric) Summarize(path string) Summary {
+	v := slices.Clone(m.Samples[path])
+	if len(v) == 0 {
+		return Summary{}
+	}
+	slices.Sort(v)
+	med := v[len(v)/2]
+	if len(v)%2 == 0 {
+		med = (v[len(v)/2-1] + v[len(v)/2]) / 2
+	}
+	return Summary{N: len(v), Median: med, Min: v[0], Max: v[len(v)-1]}
+}
+
+// Ratio returns path's median over the baseline's median, and false if either is missing.
+func (m *Metric) Ratio(path string) (float64, bool) {
+	s, b := m.Summarize(path), m.Summarize(Baseline)
+	if s.N == 0 || b.N == 0 || b.Median == 0 {
+		return 0, false
+	}
+	return s.Median / b.Median, true
+}
+
+// Report is one run of the benchmark.
+type Report struct {
+	Started  time.Time `json:"started"`
+	Finished time.Time `json:"finished"`
+	Quick    bool      `json:"quick"`
+	Reps     int       `json:"repetitions"`
+	// LoadStart and LoadEnd are /proc/loadavg at the start and the end.
+	LoadStart string `json:"loadavg_start"`
+	LoadEnd   string `json:"loadavg_end"`
+	// Machine describes the machine (CPUs, kernel, versions).
+	Machine string `json:"machine"`
+	// Notes are remarks printed under the table.
+	Notes   []string  `json:"notes,omitempty"`
+	Metrics []*Metric `json:"metrics"`
+}
+
+// Metric returns the metric (workload, source), creating it with unit and direction.
+func (r *Report) Metric(workload, source, unit string, higherBetter bool) *Metric {
+	for _, m := range r.Metrics {
+		if m.Workload == workload && m.Source == source {
+			return m
+		}
+	}
+	m := &Metric{Workload: workload, Source: source, Unit: unit, HigherBetter: higherBetter}
+	r.Metrics = append(r.Metrics, m)
+	return m
+}
+
+// jsonMetric is a Metric with its summaries and ratios, as written to the JSON file.
+type jsonMetric struct {
+	*Metric
+	Summary map[string]Summary  `json:"summary"`
+	Ratio   map[string]*float64 `json:"ratio_to_iptables"`
+}
+
+// WriteJSON writes the report with every metric's summaries and ratios.
+func (r *Report) WriteJSON(w io.Writer) error {
+	out := struct {
+		*Report
+		Metrics []jsonMetric `json:"metrics"`
+	}{Report: r}
+	for _, m := range r.Metrics {
+		jm := jsonMetric{Metric: m, Summary: map[string]Summary{}, Ratio: map[string]*float64{}}
+		for _, p := range Paths {
+			jm.Summary[p] = m.Summarize(p)
+			if q, ok := m.Ratio(p); ok {
+				jm.Ratio[p] = &q
+			} else {
+				jm.Ratio[p] = nil
+			}
+		}
+		out.Metrics = append(out.Metrics, jm)
+	}
+	enc := json.NewEncoder(w)
+	enc.SetIndent("", "  ")
+	if err := enc.Encode(out); err != nil {
+		return fmt.Errorf("write JSON report: %w", err)
+	}
+	return nil
+}
+
+// WriteMarkdown writes the table: one row per metric, one column per path, each cell
+// "median [min–max] ×ratio-to-iptables".
+func (r *Report) WriteMarkdown(w io.Writer) error {
+	var b strings.Builder
+	mode := "full"
+	if r.Quick {
+		mode = "quick (BENCH_QUICK=1)"
+	}
+	fmt.Fprintf(&b, "# kube-userspace-proxy benchmark (%s run)\n\n", mode)
+	fmt.Fprintf(&b, "Run %s → %s, %d repetitions per figure, paths interleaved per repetition. "+
+		"Each cell: median [min–max] and the ratio of the median to iptables mode's.\n\n",
+		r.Started.UTC().Format(time.RFC3339), r.Finished.UTC().Format(time.RFC3339), r.Reps)
+	fmt.Fprintf(&b, "Machine: %s. Load average (1/5/15 min) at start: %s; at end: %s.\n\n", r.Machine, r.LoadStart, r.LoadEnd)
+	b.WriteString("| workload | from | unit | " + strings.Join(Paths, " | ") + " |\n")
+	b.WriteString("|---|---|---|" + strings.Repeat("---|", len(Paths)) + "\n")
+	for _, m := range r.Metrics {
+		dir := "↓ better"
+		if m.HigherBetter {
+			dir = "↑ better"
+		}
+		fmt.Fprintf(&b, "| %s | %s | %s (%s) |", m.Workload, m.Source, m.Unit, dir)
+		for _, p := range Paths {
+			b.WriteString(" " + cell(m, p) + " |")
+		}
+		b.WriteString("\n")
+	}
+	if len(r.Notes) > 0 {
+		b.WriteString("\nNotes:\n\n")
+		for _, n := range r.Notes {
+			b.WriteString("- " + n + "\n")
+		}
+	}
+	_, err := io.WriteString(w, b.String())
+	if err != nil {
+		return fmt.Errorf("write markdown report: %w", err)
+	}
+	return nil
+}
+
+func cell(m *Metric, p string) string {
+	s := m.Summarize(p)
+	note := m.Notes[p]
+	if s.N == 0 {
+		if note == "" {
+			return "–"
+		}
+		return note
+	}
+	c := fmt.Sprintf("%s [%s–%s]", num(s.Median), num(s.Min), num(s.Max))
+	if q, ok := m.Ratio(p); ok {
+		c += fmt.Sprintf(" ×%.2f", q)
+	}
+	if note != "" {
+		c += " (" + note + ")"
+	}
+	return c
+}
+
+// num formats v with three significant digits (no exponent for the usual ranges).
+func num(v float64) string {
+	a := math.Abs(v)
+	switch {
+	case a == 0:
+		return "0"
+	case a >= 1000:
+		return fmt.Sprintf("%.0f", v)
+	case a >= 100:
+		return fmt.Sprintf("%.0f", v)
+	case a >= 10:
+		return fmt.Sprintf("%.1f", v)
+	case a >= 1:
+		return fmt.Sprintf("%.2f", v)
+	default:
+		return fmt.Sprintf("%.3g", v)
+	}
+}
+
+// pathColors are the bar colours of the plot, per path.
+var pathColors = map[string]string{PathDirect: "#7f7f7f", PathIPTables: "#1f77b4", PathKUP: "#2ca02c", PathHAProxy: "#d62728"}
+
+// WriteSVG writes a plot of every metric as ratios to iptables mode: one group of horizontal
+// bars per metric (one bar per path, the median; a whisker from min to max), with a line at 1.
+// Ratios are capped at 4 so one outlier does not squash the rest; a capped bar says so.
+func (r *Report) WriteSVG(w io.Writer) error {
+	const (
+		left, right, top = 330.0, 60.0, 50.0
+		barH, gap        = 7.0, 8.0
+		width            = 1000.0
+		maxRatio         = 4.0
+	)
+	plotW := width - left - right
+	x := func(q float64) float64 { return left + plotW*math.Min(q, maxRatio)/maxRatio }
+	groupH := barH*float64(len(Paths)) + gap
+	height := top + groupH*float64(len(r.Metrics)) + 40
+	var b strings.Builder
+	fmt.Fprintf(&b, `<svg xmlns="http://www.w3.org/2000/svg" width="%.0f" height="%.0f" font-family="sans-serif" font-size="10">`+"\n", width, height)
+	fmt.Fprintf(&b, `<rect width="100%%" height="100%%" fill="white"/>`+"\n")
+	fmt.Fprintf(&b, `<text x="10" y="18" font-size="13">Ratio to iptables mode (median, whisker min–max; ↑/↓ = higher/lower is better)</text>`+"\n")
+	for i, p := range Paths {
+		fmt.Fprintf(&b, `<rect x="%.0f" y="28" width="10" height="10" fill="%s"/><text x="%.0f" y="37">%s</text>`+"\n", 10+float64(i)*170, pathColors[p], 24+float64(i)*170, html.EscapeString(p))
+	}
+	for q := 0.0; q <= maxRatio; q += 0.5 {
+		fmt.Fprintf(&b, `<line x1="%.1f" x2="%.1f" y1="%.0f" y2="%.0f" stroke="%s"/>`+"\n", x(q), x(q), top, height-30, map[bool]string{true: "black", false: "#ddd"}[q == 1])
+		fmt.Fprintf(&b, `<text x="%.1f" y="%.0f" text-anchor="middle">%.1f×</text>`+"\n", x(q), height-18, q)
+	}
+	for i, m := range r.Metrics {
+		y0 := top + groupH*float64(i)
+		arrow := "↓"
+		if m.HigherBetter {
+			arrow = "↑"
+		}
+		label := m.Workload
+		if m.Source != "" {
+			label += " (" + m.Source + ")"
+		}
+		fmt.Fprintf(&b, `<text x="%.0f" y="%.1f" text-anchor="end">%s %s</text>`+"\n", left-6, y0+groupH/2, html.EscapeString(label), arrow)
+		base := m.Summarize(Baseline)
+		for j, p := range Paths {
+			s := m.Summarize(p)
+			if s.N == 0 || base.N == 0 || base.Median == 0 {
+				continue
+			}
+			y := y0 + barH*float64(j)
+			q := s.Median / base.Median
+			fmt.Fprintf(&b, `<rect x="%.0f" y="%.1f" width="%.1f" height="%.1f" fill="%s"><title>%s %s: %s %s (×%.2f)</title></rect>`+"\n",
+				left, y, x(q)-left, barH-1, pathColors[p], html.EscapeString(label), p, num(s.Median), html.EscapeString(m.Unit), q)
+			fmt.Fprintf(&b, `<line x1="%.1f" x2="%.1f" y1="%.1f" y2="%.1f" stroke="black"/>`+"\n", x(s.Min/base.Median), x(s.Max/base.Median), y+barH/2-0.5, y+barH/2-0.5)
+			if q > maxRatio {
+				fmt.Fprintf(&b, `<text x="%.1f" y="%.1f" font-size="8">%.1f×</text>`+"\n", x(maxRatio)+3, y+barH-1, q)
+			}
+		}
+	}
+	b.WriteString("</svg>\n")
+	if _, err := io.WriteString(w, b.String()); err != nil {
+		return fmt.Errorf("write SVG plot: %w", err)
+	}
+	return nil
+}
