@@ -329,6 +329,7 @@ func startHAProxy(t *testing.T, node *netns.Node, podIP string) *netns.Process {
 	t.Helper()
 	conf := fmt.Sprintf(`global
   maxconn 9900
+  maxpipes 40
 defaults
   mode tcp
   option splice-auto
@@ -490,7 +491,7 @@ func runControlPlane(t *testing.T, rep *Report, cfg settings, c *cluster.Cluster
 	}
 	rep.Notes = append(rep.Notes,
 		"Control plane: both proxies watch the same API server; `one more service` is the time from the EndpointSlice's creation (the Service exists already) to the first TCP connection that gets an answer from the node, polled every few ms. Both run with their default --iptables-min-sync-period (kube-proxy: 1 s).",
-		"Full sync after restart: kubeproxy_sync_proxy_rules_duration_seconds (sum/count) scraped right after the restarted proxy served everything; for kube-proxy the first sync after a start is a full one. Idle CPU: utime+stime from /proc/PID/stat over "+cfg.cpuWindow.String()+".")
+		"Full sync after restart: the mean of the sync-duration histogram (kube-proxy: kubeproxy_sync_full_proxy_rules_duration_seconds; kube-userspace-proxy: kubeproxy_sync_proxy_rules_duration_seconds, every sync of it is full) scraped right after the restarted proxy served everything. Idle CPU: utime+stime from /proc/PID/stat over "+cfg.cpuWindow.String()+".")
 }
 
 // createServices creates services bulk-<from>..bulk-<to-1> with one endpoint each (8 workers)
@@ -541,22 +542,24 @@ func firstSync(ns *netns.NS) (float64, error) {
 		return 0, fmt.Errorf("scrape metrics: %w", err)
 	}
 	defer resp.Body.Close()
-	var sum, count float64
+	vals := map[string]float64{} // metric name without labels → sum over label sets
 	sc := bufio.NewScanner(resp.Body)
 	sc.Buffer(make([]byte, 1<<20), 1<<20)
 	for sc.Scan() {
 		f := strings.Fields(sc.Text())
-		if len(f) != 2 {
+		if len(f) != 2 || strings.HasPrefix(f[0], "#") {
 			continue
 		}
+		name, _, _ := strings.Cut(f[0], "{")
 		v, _ := strconv.ParseFloat(f[1], 64)
-		switch f[0] {
-		case "kubeproxy_sync_proxy_rules_duration_seconds_sum":
-			sum = v
-		case "kubeproxy_sync_proxy_rules_duration_seconds_count":
-			count = v
-		}
+		vals[name] += v
 	}
+	// kube-proxy counts its full syncs separately; kube-userspace-proxy's syncs are all full.
+	metric := "kubeproxy_sync_full_proxy_rules_duration_seconds"
+	if vals[metric+"_count"] == 0 {
+		metric = "kubeproxy_sync_proxy_rules_duration_seconds"
+	}
+	sum, count := vals[metric+"_sum"], vals[metric+"_count"]
 	if count == 0 {
 		return 0, errors.New("no sync duration in the metrics")
 	}
