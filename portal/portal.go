@@ -57,8 +57,9 @@ type Action int
 const (
 	// Redirect sends new traffic to the proxy's listener (the zero value).
 	Redirect Action = iota
-	// Reject refuses new traffic: TCP connections and UDP datagrams get an ICMP port unreachable,
-	// which the client sees as "connection refused". For service ports without any endpoint.
+	// Reject refuses new traffic: TCP connections get a reset, UDP datagrams an ICMP port
+	// unreachable; the client sees "connection refused" at once. For service ports without any
+	// endpoint.
 	Reject
 	// Drop silently drops new traffic. For externalTrafficPolicy (or internalTrafficPolicy) Local
 	// with no endpoint on this node.

@@ -72,7 +72,8 @@ type renderer struct {
 	hostDst     netip.Addr // DNAT destination in HOST chains
 	nodeIPs     []netip.Addr
 	allNodeIPs  bool
-	reject      []byte // the REJECT target for this family
+	reject      []byte // the REJECT target for UDP in this family
+	rejectTCP   []byte // the REJECT target for TCP: a reset, not subject to ICMP rate limits
 	drop        []byte
 	accept      []byte
 	pc, ph      []byte // KUBE-PORTALS-CONTAINER, KUBE-PORTALS-HOST
@@ -92,6 +93,7 @@ func newRenderer(cfg Config, host Host) *renderer {
 	}
 	r.nodeIPs, r.allNodeIPs = NodePortIPs(cfg.Family, cfg.NodePortAddresses, host.NodeIPs)
 	r.reject = []byte("-j REJECT --reject-with icmp-port-unreachable")
+	r.rejectTCP = []byte("-j REJECT --reject-with tcp-reset")
 	if r.v6 {
 		r.reject = []byte("-j REJECT --reject-with icmp6-port-unreachable")
 	}
@@ -162,10 +164,15 @@ func (r *renderer) setTargets(p *Portal) {
 	r.hostTg = r.appendAddrPort(r.hostTg, r.hostDst, p.ProxyPort)
 }
 
-// deny returns the filter target for a (non-redirect) action.
-func (r *renderer) deny(a Action) []byte {
-	if a == Drop {
+// deny returns the filter target for a (non-redirect) action and protocol. TCP is refused with a
+// reset: ICMP errors are rate-limited per destination (and share their budget with ICMP
+// redirects), so under a burst of connections some would wait for a SYN timeout instead.
+func (r *renderer) deny(a Action, protocol string) []byte {
+	switch {
+	case a == Drop:
 		return r.drop
+	case protocol == "tcp":
+		return r.rejectTCP
 	}
 	return r.reject
 }
@@ -187,7 +194,7 @@ func (r *renderer) portal(p *Portal) {
 			r.pc = r.rule(r.pc, ChainPortalsContainer, cip, p, p.Port, "", r.containerTg)
 			r.ph = r.rule(r.ph, ChainPortalsHost, cip, p, p.Port, "", r.hostTg)
 		} else {
-			r.pf = r.rule(r.pf, ChainPortalsFilter, cip, p, p.Port, "", r.deny(p.Internal))
+			r.pf = r.rule(r.pf, ChainPortalsFilter, cip, p, p.Port, "", r.deny(p.Internal, p.Protocol))
 		}
 	}
 
@@ -197,7 +204,7 @@ func (r *renderer) portal(p *Portal) {
 			r.pc = r.rule(r.pc, ChainPortalsContainer, ip, p, p.Port, "", r.containerTg)
 			r.ph = r.rule(r.ph, ChainPortalsHost, ip, p, p.Port, "", r.hostTg)
 		} else {
-			r.pf = r.rule(r.pf, ChainPortalsFilter, ip, p, p.Port, "", r.deny(p.External))
+			r.pf = r.rule(r.pf, ChainPortalsFilter, ip, p, p.Port, "", r.deny(p.External, p.Protocol))
 			if hostShortCircuit {
 				r.ph = r.rule(r.ph, ChainPortalsHost, ip, p, p.Port, "", r.hostTg)
 			}
@@ -208,7 +215,7 @@ func (r *renderer) portal(p *Portal) {
 	// external IP; from the node, only to a local external IP (others reach the real address).
 	for _, ip := range r.addrs(p.ExternalIPs) {
 		if p.External != Redirect {
-			r.pf = r.rule(r.pf, ChainPortalsFilter, ip, p, p.Port, "", r.deny(p.External))
+			r.pf = r.rule(r.pf, ChainPortalsFilter, ip, p, p.Port, "", r.deny(p.External, p.Protocol))
 			if hostShortCircuit {
 				r.ph = r.rule(r.ph, ChainPortalsHost, ip, p, p.Port, "-m addrtype --dst-type LOCAL", r.hostTg)
 			}
@@ -229,10 +236,10 @@ func (r *renderer) portal(p *Portal) {
 	}
 	if p.External != Redirect {
 		if r.allNodeIPs {
-			r.pf = r.rule(r.pf, ChainPortalsFilter, netip.Addr{}, p, p.NodePort, "-m addrtype --dst-type LOCAL", r.deny(p.External))
+			r.pf = r.rule(r.pf, ChainPortalsFilter, netip.Addr{}, p, p.NodePort, "-m addrtype --dst-type LOCAL", r.deny(p.External, p.Protocol))
 		}
 		for _, ip := range r.nodeIPs {
-			r.pf = r.rule(r.pf, ChainPortalsFilter, ip, p, p.NodePort, "", r.deny(p.External))
+			r.pf = r.rule(r.pf, ChainPortalsFilter, ip, p, p.NodePort, "", r.deny(p.External, p.Protocol))
 		}
 		if hostShortCircuit {
 			if r.allNodeIPs {

@@ -247,7 +247,7 @@ func TestRender(t *testing.T) {
 			},
 			filter: []string{
 				`-A KUBE-NODEPORT-NON-LOCAL -p tcp -m comment --comment "default/web:http" -m tcp --dport 38023 -m state --state NEW -j ACCEPT`,
-				`-A KUBE-PORTALS-FILTER -d 10.96.0.10/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -j REJECT --reject-with icmp-port-unreachable`,
+				`-A KUBE-PORTALS-FILTER -d 10.96.0.10/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -j REJECT --reject-with tcp-reset`,
 			},
 		},
 		{
