@@ -13,6 +13,7 @@ import (
 	"flag"
 	"fmt"
 	"net"
+	"net/http"
 	"os"
 	"sort"
 	"strings"
@@ -115,6 +116,11 @@ func run(kubeconfig, stopFile string) error {
 		return err
 	}
 	addr := net.JoinHostPort(svc.Spec.ClusterIP, "80")
+	// Traffic to the ClusterIP before the proxy has its portal would leave through the default
+	// route: wait until the proxy's metrics count the service port.
+	if err := retry(ctx, time.Minute, proxyHasPort); err != nil {
+		return fmt.Errorf("the proxy never served the service: %w", err)
+	}
 	say("service %s/%s: ClusterIP %s, endpoints echo-a %s:%d, echo-b %s:%d", namespace, svcName, addr,
 		backends["echo-a"], echoPort, backends["echo-b"], echoPort)
 	start = time.Now()
@@ -158,8 +164,21 @@ func run(kubeconfig, stopFile string) error {
 		return fmt.Errorf("affinity: answers %v, want one backend", seen)
 	}
 
-	// 3. A backend stopped while requests flow.
-	say("\n== 3. echo-b stopped while a request goes out every 50ms")
+	// 3. A backend stopped while requests flow (affinity off again, so echo-b gets its share).
+	say("\n== 3. affinity off again; echo-b stopped while a request goes out every 50ms")
+	patch = []byte(`{"spec":{"sessionAffinity":"None"}}`)
+	if _, err := client.CoreV1().Services(namespace).Patch(ctx, svcName, types.MergePatchType, patch, metav1.PatchOptions{}); err != nil {
+		return fmt.Errorf("patch affinity off: %w", err)
+	}
+	if err := retry(ctx, 30*time.Second, func() error {
+		s, err := quiet(addr, 4)
+		if err != nil || len(s) != 2 {
+			return fmt.Errorf("not round robin yet: %v %v", s, err)
+		}
+		return nil
+	}); err != nil {
+		return fmt.Errorf("affinity off: %w", err)
+	}
 	var (
 		mu       sync.Mutex
 		counts   = map[string]int{}
@@ -209,7 +228,7 @@ func run(kubeconfig, stopFile string) error {
 	}); err != nil {
 		return err
 	}
-	say("  echo-b killed (its port refuses); it is still in the EndpointSlice: the proxy retries the dial on echo-a")
+	say("  echo-b killed (its port refuses); still in the EndpointSlice: the proxy retries each failed dial on echo-a")
 	time.Sleep(2 * time.Second)
 	say("  after the kill:                %s", snapshot())
 	if err := putSlice(ctx, client, backends, "echo-a"); err != nil {
@@ -281,7 +300,29 @@ func ask(addr string) (string, error) {
 		return "", fmt.Errorf("read answer: %w", err)
 	}
 	name, _, _ := strings.Cut(line, " ")
+	if name != "echo-a" && name != "echo-b" {
+		return "", fmt.Errorf("answer %q is not from a backend", line)
+	}
 	return name, nil
+}
+
+// metricsURL is the proxy's metrics server (the client shares its network namespace).
+const metricsURL = "http://127.0.0.1:10249/metrics"
+
+// proxyHasPort reports nil once the proxy's metrics show at least one service port.
+func proxyHasPort() error {
+	resp, err := http.Get(metricsURL)
+	if err != nil {
+		return err
+	}
+	defer resp.Body.Close()
+	sc := bufio.NewScanner(resp.Body)
+	for sc.Scan() {
+		if v, ok := strings.CutPrefix(sc.Text(), "kube_userspace_proxy_service_ports "); ok && v != "0" {
+			return nil
+		}
+	}
+	return errors.New("no service port in the proxy's metrics yet")
 }
 
 // series sends n requests, printing each answer, and returns the count per backend.
