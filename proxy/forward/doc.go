@@ -6,8 +6,9 @@
 //
 // TCP: the accept loop never waits on a dial. Each accepted connection gets its own goroutine,
 // which dials the chosen endpoint (retrying other endpoints with growing timeouts), then copies
-// both directions with splice(2) (both sockets are *net.TCPConn handed straight to ReadFrom, so
-// the bytes never enter user space), propagates half-closes, and resets the client when no
+// both directions with splice(2) through a pipe (so the bytes never enter user space; the pipe
+// comes from a small per-proxy pool and is held only while data flows, so an idle connection
+// costs just its two sockets), propagates half-closes, and resets the client when no
 // endpoint can be reached. Running out of file descriptors on accept pauses accepting with a
 // growing sleep instead of failing.
 //

@@ -59,6 +59,8 @@ type TCPProxy struct {
 
 	connWG sync.WaitGroup // one count per connection goroutine
 
+	pipes pipePool // splice pipes of the connections, idle ones only
+
 	transparentWarned atomic.Bool // a failed transparent dial was logged at warning level
 
 	mu         sync.Mutex // guards the following fields
@@ -127,6 +129,9 @@ func (p *TCPProxy) Close() error {
 	}
 	if done != nil {
 		<-done
+	}
+	if first {
+		p.pipes.closeAll() // connections still running close their pipes when done
 	}
 	return err
 }
@@ -433,11 +438,12 @@ func (c *tcpConn) copyToClient(backend *net.TCPConn, done chan<- copyResult) {
 	done <- c.pump(c.client, backend)
 }
 
-// pump copies src to dst and passes src's EOF on to dst with CloseWrite. dst and src are bare
-// *net.TCPConn so that ReadFrom splices (splice(2) through a pipe, no user-space copy). On an
-// error in either direction both sockets are reset, which also ends the other direction.
+// pump copies src to dst and passes src's EOF on to dst with CloseWrite. The bytes move with
+// splice(2) through a pipe taken from the proxy's pool only while data flows (see spliceCopy):
+// no user-space copy, and no pipe held by an idle connection. On an error in either direction
+// both sockets are reset, which also ends the other direction.
 func (c *tcpConn) pump(dst, src *net.TCPConn) copyResult {
-	n, err := dst.ReadFrom(src)
+	n, err := spliceCopy(&c.p.pipes, dst, src)
 	if err == nil {
 		err = dst.CloseWrite()
 	}
