@@ -8,17 +8,15 @@ import (
 	"testing"
 	"time"
 
-	dto "github.com/prometheus/client_model/go"
-	"github.com/prometheus/common/expfmt"
-	"github.com/prometheus/common/model"
 	v1 "k8s.io/api/core/v1"
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/metrics/metricstest"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/serviceport"
 )
 
 // scrape fetches /metrics over real HTTP and parses the text exposition.
-func scrape(t *testing.T, m *Metrics) map[string]*dto.MetricFamily {
+func scrape(t *testing.T, m *Metrics) metricstest.Families {
 	t.Helper()
 	srv := httptest.NewServer(m.Handler())
 	defer srv.Close()
@@ -35,42 +33,11 @@ func scrape(t *testing.T, m *Metrics) map[string]*dto.MetricFamily {
 	if resp.StatusCode != http.StatusOK {
 		t.Fatalf("scrape: status %d", resp.StatusCode)
 	}
-	p := expfmt.NewTextParser(model.UTF8Validation)
-	fams, err := p.TextToMetricFamilies(resp.Body)
+	fams, err := metricstest.Parse(resp.Body)
 	if err != nil {
-		t.Fatalf("parse exposition: %v", err)
+		t.Fatal(err)
 	}
 	return fams
-}
-
-// value returns the value of the series of family name whose labels include want, and whether it
-// exists.
-func value(fams map[string]*dto.MetricFamily, name string, want map[string]string) (float64, bool) {
-	f := fams[name]
-	if f == nil {
-		return 0, false
-	}
-next:
-	for _, m := range f.GetMetric() {
-		have := map[string]string{}
-		for _, l := range m.GetLabel() {
-			have[l.GetName()] = l.GetValue()
-		}
-		for k, v := range want {
-			if have[k] != v {
-				continue next
-			}
-		}
-		switch {
-		case m.Counter != nil:
-			return m.GetCounter().GetValue(), true
-		case m.Gauge != nil:
-			return m.GetGauge().GetValue(), true
-		case m.Histogram != nil:
-			return float64(m.GetHistogram().GetSampleCount()), true
-		}
-	}
-	return 0, false
 }
 
 var (
@@ -121,7 +88,7 @@ func TestTrafficMetrics(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			got, ok := value(fams, tt.metric, tt.labels)
+			got, ok := fams.Value(tt.metric, tt.labels)
 			if !ok {
 				t.Fatalf("%s%v: no such series", tt.metric, tt.labels)
 			}
@@ -135,11 +102,11 @@ func TestTrafficMetrics(t *testing.T) {
 		m.Forget(webName, v1.ProtocolTCP)
 		fams := scrape(t, m)
 		for _, name := range []string{ConnectionsAcceptedTotal, ConnectionsActive, EndpointDialFailuresTotal, BytesToEndpointsTotal} {
-			if _, ok := value(fams, name, webLbl); ok {
+			if _, ok := fams.Value(name, webLbl); ok {
 				t.Errorf("%s still has a series for the forgotten port", name)
 			}
 		}
-		if _, ok := value(fams, UDPSessionsOpenedTotal, dnsLbl); !ok {
+		if _, ok := fams.Value(UDPSessionsOpenedTotal, dnsLbl); !ok {
 			t.Errorf("forgetting web removed dns's series")
 		}
 	})
@@ -174,7 +141,7 @@ func TestSyncMetrics(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			got, ok := value(fams, tt.metric, nil)
+			got, ok := fams.Value(tt.metric, nil)
 			if !ok {
 				t.Fatalf("%s: missing", tt.metric)
 			}
@@ -195,7 +162,7 @@ func TestSyncMetrics(t *testing.T) {
 		}
 	})
 	t.Run("local endpoints per port", func(t *testing.T) {
-		if got, _ := value(fams, ServicePortsLocalEndpoints, webLbl); got != 2 {
+		if got, _ := fams.Value(ServicePortsLocalEndpoints, webLbl); got != 2 {
 			t.Errorf("local endpoints = %v, want 2", got)
 		}
 	})
@@ -205,10 +172,10 @@ func TestSyncMetrics(t *testing.T) {
 func TestRegistryIsPrivate(t *testing.T) {
 	a, b := New(Options{NoRuntimeCollectors: true}), New(Options{NoRuntimeCollectors: true})
 	a.ForPort(webName, v1.ProtocolTCP).ConnAccepted()
-	if _, ok := value(scrape(t, b), ConnectionsAcceptedTotal, webLbl); ok {
+	if _, ok := scrape(t, b).Value(ConnectionsAcceptedTotal, webLbl); ok {
 		t.Fatal("a's series shows up in b's registry")
 	}
-	if _, ok := value(scrape(t, a), ConnectionsAcceptedTotal, webLbl); !ok {
+	if _, ok := scrape(t, a).Value(ConnectionsAcceptedTotal, webLbl); !ok {
 		t.Fatal("a's series missing from a's registry")
 	}
 }

@@ -17,12 +17,10 @@ import (
 	"testing"
 	"time"
 
-	dto "github.com/prometheus/client_model/go"
-	"github.com/prometheus/common/expfmt"
-	"github.com/prometheus/common/model"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/metrics/metricstest"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/test/cluster"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/test/e2e/harness"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/test/netns"
@@ -400,14 +398,13 @@ func TestPolicies(t *testing.T) {
 		if err != nil || code != 200 {
 			t.Fatalf("/metrics: %d %v", code, err)
 		}
-		p := expfmt.NewTextParser(model.UTF8Validation)
-		fams, err := p.TextToMetricFamilies(strings.NewReader(body))
+		fams, err := metricstest.Parse(strings.NewReader(body))
 		if err != nil {
-			t.Fatalf("parse /metrics: %v", err)
+			t.Fatalf("/metrics: %v", err)
 		}
 		one := func(name string, labels map[string]string) float64 {
 			t.Helper()
-			v, ok := find(fams, name, labels)
+			v, ok := fams.Value(name, labels)
 			if !ok {
 				t.Errorf("%s%v missing", name, labels)
 			}
@@ -439,34 +436,4 @@ func TestPolicies(t *testing.T) {
 		one("kube_userspace_proxy_bytes_from_endpoints_total", local)
 		one("kube_userspace_proxy_connections_active", local)
 	})
-}
-
-// find returns the value of the series of name whose labels include want (counter, gauge, or a
-// histogram's sample count).
-func find(fams map[string]*dto.MetricFamily, name string, want map[string]string) (float64, bool) {
-	fam := fams[name]
-	if fam == nil {
-		return 0, false
-	}
-next:
-	for _, m := range fam.GetMetric() {
-		have := map[string]string{}
-		for _, l := range m.GetLabel() {
-			have[l.GetName()] = l.GetValue()
-		}
-		for k, v := range want {
-			if have[k] != v {
-				continue next
-			}
-		}
-		switch {
-		case m.Counter != nil:
-			return m.GetCounter().GetValue(), true
-		case m.Gauge != nil:
-			return m.GetGauge().GetValue(), true
-		case m.Histogram != nil:
-			return float64(m.GetHistogram().GetSampleCount()), true
-		}
-	}
-	return 0, false
 }
