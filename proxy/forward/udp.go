@@ -395,7 +395,10 @@ func (s *udpSession) relayReplies() {
 			}
 			continue
 		}
-		if !expiry.Equal(deadline) {
+		// The deadline is set lazily: activity only moves the expiry later, so a deadline at an
+		// older expiry is never too late; when it fires, the loop finds the new expiry and sets
+		// that. Resetting the timer on every datagram would cost more than the datagram.
+		if deadline.IsZero() {
 			if err := s.backend.SetReadDeadline(expiry); err != nil {
 				return // closed
 			}
@@ -403,6 +406,7 @@ func (s *udpSession) relayReplies() {
 		}
 		if err := rc.Read(read); err != nil {
 			if errors.Is(err, os.ErrDeadlineExceeded) {
+				deadline = time.Time{}
 				continue // check activity: the client may have kept the session alive
 			}
 			return // closed: dropped, replaced, or the proxy is closing
