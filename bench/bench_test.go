@@ -87,7 +87,7 @@ func TestBench(t *testing.T) {
 	if quick {
 		outDir = filepath.Join(outDir, "quick")
 	}
-	defer func() { writeReport(t, rep, outDir) }()
+	defer func() { writeReport(t, rep, outDir, cfg.serviceScales[len(cfg.serviceScales)-1]) }()
 
 	loadBin := filepath.Join(t.TempDir(), "kup-load")
 	if out, err := exec.Command("go", "build", "-o", loadBin, "./cmd/kup-load").CombinedOutput(); err != nil {
@@ -161,6 +161,9 @@ func TestBench(t *testing.T) {
 	}
 
 	runDataPath(t, rep, cfg, targets, loadBin)
+	for _, src := range []string{"pod", "node"} {
+		rep.AddDifference(rep.Metric("keep-alive latency p99", src, "µs", false), "keep-alive latency p99 added (vs direct)", PathDirect)
+	}
 	runIdle(t, rep, cfg, targets, loadBin, map[string]int{PathKUP: kup.Pid(), PathHAProxy: hap.Pid()})
 	runControlPlane(t, rep, cfg, c, nodes, srvEP, kp, kup, kupCfg)
 
@@ -637,7 +640,7 @@ func machine(t *testing.T) string {
 	return fmt.Sprintf("%d CPUs, kernel %s, %s, %s, %s", runtime.NumCPU(), out("uname", "-r"), runtime.Version(), out("haproxy", "-v"), out("iperf3", "--version"))
 }
 
-func writeReport(t *testing.T, rep *Report, dir string) {
+func writeReport(t *testing.T, rep *Report, dir string, maxScale int) {
 	if rep.Finished.IsZero() {
 		rep.Finished = time.Now()
 		rep.LoadEnd = loadavg()
@@ -649,6 +652,7 @@ func writeReport(t *testing.T, rep *Report, dir string) {
 	}
 	var md strings.Builder
 	_ = rep.WriteMarkdown(&md)
+	_ = rep.WriteTargets(&md, Targets(maxScale))
 	fmt.Println(md.String())
 	for name, write := range map[string]func(f *os.File) error{
 		"results.md":   func(f *os.File) error { _, err := f.WriteString(md.String()); return err },

@@ -295,3 +295,114 @@ func (r *Report) WriteSVG(w io.Writer) error {
 	}
 	return nil
 }
+
+// AddDifference adds the metric "<name>" holding, per path and repetition, the samples of
+// metric m minus those of path base in the same repetition (e.g. the latency a proxy adds to
+// the direct path). Paths whose sample count differs from base's (a failed run) get a note.
+func (r *Report) AddDifference(m *Metric, name, base string) *Metric {
+	d := r.Metric(name, m.Source, m.Unit, m.HigherBetter)
+	b := m.Samples[base]
+	for _, p := range Paths {
+		if p == base {
+			d.Note(p, "n/a (reference)")
+			continue
+		}
+		s := m.Samples[p]
+		if len(s) == 0 {
+			if n := m.Notes[p]; n != "" {
+				d.Note(p, n)
+			}
+			continue
+		}
+		if len(s) != len(b) {
+			d.Note(p, "n/a (failed repetitions)")
+			continue
+		}
+		for i := range s {
+			d.Add(p, s[i]-b[i])
+		}
+	}
+	return d
+}
+
+// Target is one of issue 5's goals for kube-userspace-proxy, checked against a run.
+type Target struct {
+	// Goal describes the target; Metric names the workload it applies to (every source).
+	Goal, Metric string
+	// Check decides from the metric whether the target is met and says what was measured.
+	Check func(m *Metric) (met bool, got string)
+}
+
+// ratioAtLeast is a target on the ratio of kube-userspace-proxy's median to iptables mode's.
+func ratioAtLeast(min float64) func(m *Metric) (bool, string) {
+	return func(m *Metric) (bool, string) {
+		q, ok := m.Ratio(PathKUP)
+		if !ok {
+			return false, "no figure"
+		}
+		return q >= min, fmt.Sprintf("×%.2f", q)
+	}
+}
+
+// medianAtMost is a target on kube-userspace-proxy's median.
+func medianAtMost(max float64) func(m *Metric) (bool, string) {
+	return func(m *Metric) (bool, string) {
+		s := m.Summarize(PathKUP)
+		if s.N == 0 {
+			return false, "no figure"
+		}
+		return s.Median <= max, num(s.Median) + " " + m.Unit
+	}
+}
+
+// aheadOfHAProxy: kube-userspace-proxy's median is better than HAProxy's.
+func aheadOfHAProxy(m *Metric) (bool, string) {
+	k, h := m.Summarize(PathKUP), m.Summarize(PathHAProxy)
+	if k.N == 0 || h.N == 0 {
+		return true, "n/a"
+	}
+	met := k.Median < h.Median
+	if m.HigherBetter {
+		met = k.Median > h.Median
+	}
+	return met, fmt.Sprintf("%s vs %s %s", num(k.Median), num(h.Median), m.Unit)
+}
+
+// Targets are issue 5's targets. Metric is matched as a prefix of the workload name.
+func Targets(maxScale int) []Target {
+	return []Target{
+		{Goal: "bulk TCP ≥ 0.9× iptables", Metric: "bulk TCP", Check: ratioAtLeast(0.9)},
+		{Goal: "short connections ≥ 0.6× iptables", Metric: "short connections", Check: ratioAtLeast(0.6)},
+		{Goal: "added p99 latency ≤ 100 µs (vs direct)", Metric: "keep-alive latency p99 added", Check: medianAtMost(100)},
+		{Goal: "UDP request/response ≥ 0.5× iptables", Metric: "UDP 64-byte req/resp", Check: ratioAtLeast(0.5)},
+		{Goal: "≤ 10 KiB proxy memory per idle connection", Metric: "10000 idle connections: memory", Check: medianAtMost(10)},
+		{Goal: fmt.Sprintf("one more service programmed ≤ 1 s at %d services", maxScale), Metric: fmt.Sprintf("one more service → first connection, %d services", maxScale), Check: medianAtMost(1000)},
+		{Goal: "ahead of HAProxy", Metric: "", Check: aheadOfHAProxy},
+	}
+}
+
+// WriteTargets writes one line per target and metric it applies to: met or not, and the figure.
+func (r *Report) WriteTargets(w io.Writer, targets []Target) error {
+	var b strings.Builder
+	b.WriteString("\n## Targets of issue 5 (kube-userspace-proxy, medians of this run)\n\n| target | workload | from | measured | met |\n|---|---|---|---|---|\n")
+	for _, tg := range targets {
+		for _, m := range r.Metrics {
+			if !strings.HasPrefix(m.Workload, tg.Metric) || m.Summarize(PathKUP).N == 0 {
+				continue
+			}
+			if tg.Metric == "" && (m.Summarize(PathHAProxy).N == 0 || strings.Contains(m.Workload, "connections reached")) {
+				continue
+			}
+			met, got := tg.Check(m)
+			mark := "no"
+			if met {
+				mark = "yes"
+			}
+			fmt.Fprintf(&b, "| %s | %s | %s | %s | %s |\n", tg.Goal, m.Workload, m.Source, got, mark)
+		}
+	}
+	if _, err := io.WriteString(w, b.String()); err != nil {
+		return fmt.Errorf("write targets: %w", err)
+	}
+	return nil
+}
