@@ -56,7 +56,7 @@ func configure(quick bool) settings {
 			idleCounts: []int{1000}, serviceScales: []int{100}, probes: 1, cpuWindow: 2 * time.Second}
 	}
 	return settings{reps: 3, iperfArgs: []string{"-t", "3"}, loadDuration: 2 * time.Second, latRate: 2000,
-		idleCounts: []int{10000, 50000}, serviceScales: []int{100, 1000, 5000}, probes: 3, cpuWindow: 10 * time.Second}
+		idleCounts: []int{10000, 50000}, serviceScales: []int{100, 1000, 5000}, probes: 3, cpuWindow: 30 * time.Second}
 }
 
 // target is one path as seen from one node: the client pod and node, and the addresses to use.
@@ -173,7 +173,8 @@ func TestBench(t *testing.T) {
 			"`from pod` = client in that node's pod; `from node` = client in the node namespace itself.",
 		"Paths: direct = the server pod's IP; iptables = upstream kube-proxy v1.36.3 --proxy-mode=iptables on a ClusterIP; "+
 			"kube-userspace-proxy on the same ClusterIP (its own node); haproxy = Debian HAProxy, mode tcp, option splice-auto, on its node's IP, pointing at the pod.",
-		"HAProxy has no UDP proxying: its UDP cells are n/a.",
+		"HAProxy has no UDP proxying: its UDP cells are n/a. HAProxy runs with maxconn 9900 and maxpipes 40 so that its descriptors fit the 20000 limit.",
+		"The machine is shared (2 cores, other test suites running: see the load averages), so tail latencies (p99, p99.9) are dominated by scheduling delays and vary widely between repetitions; the medians of throughput figures are steadier. Compare paths within a row, not against other machines.",
 		fmt.Sprintf("Bulk figures are iperf3 (%s) receiver throughput; UDP bulk is iperf3 -u -b 0 -l 1400, delivered rate = sender rate × (1 − loss).", strings.Join(cfg.iperfArgs, " ")),
 		fmt.Sprintf("Short connections: kup-load conn, 4 workers, one request per new TCP connection, %v. Latency: one keep-alive connection, %.0f req/s on a fixed schedule (latency counted from the scheduled send), %v. UDP req/resp: 4 connected sockets, 64-byte requests, %v, a lost datagram waits 200 ms.",
 			cfg.loadDuration, cfg.latRate, cfg.loadDuration, cfg.loadDuration),
@@ -367,6 +368,16 @@ listen iperf
 // runIdle is workload 5: N idle connections through each proxy, proxy RSS per connection.
 func runIdle(t *testing.T, rep *Report, cfg settings, targets map[string]target, loadBin string, pids map[string]int) {
 	conntrack := conntrackObjSize()
+	// RSS before the first test: memory a proxy took for the first count is not returned to the
+	// system, so later counts are measured against the same starting point.
+	base := map[string]int64{}
+	for _, p := range []string{PathKUP, PathHAProxy} {
+		v, err := rssKiB(pids[p])
+		if err != nil {
+			t.Errorf("RSS of %s: %v", p, err)
+		}
+		base[p] = v
+	}
 	for _, count := range cfg.idleCounts {
 		m := rep.Metric(fmt.Sprintf("%d idle connections: memory per connection", count), "pod", "KiB", false)
 		reached := rep.Metric(fmt.Sprintf("%d idle connections: connections reached", count), "pod", "conns", true)
@@ -380,11 +391,7 @@ func runIdle(t *testing.T, rep *Report, cfg settings, targets map[string]target,
 		}
 		reached.Note(PathIPTables, "n/a (kernel)")
 		for _, p := range []string{PathKUP, PathHAProxy} {
-			before, err := rssKiB(pids[p])
-			if err != nil {
-				m.Note(p, "error: "+err.Error())
-				continue
-			}
+			before := base[p]
 			tg := targets[p]
 			proc := tg.pod.NS.Start(t, loadBin, "idle", "--addr", tg.echo, "--count", strconv.Itoa(count), "--hold", "300s")
 			got := -1
@@ -416,7 +423,7 @@ func runIdle(t *testing.T, rep *Report, cfg settings, targets map[string]target,
 		}
 	}
 	rep.Notes = append(rep.Notes,
-		"Idle connections: proxy RSS (VmRSS) after holding the connections minus before, over the connections reached; each connection made one request first. "+
+		"Idle connections: proxy RSS (VmRSS) while holding the connections minus its RSS before the first idle test, over the connections reached; each connection made one request first. "+
 			"Kernel socket and pipe memory is not in RSS. The container's open-files limit is 20000 (hard, not raisable): a proxy needs two descriptors per connection, "+
 			"so about 9,990 proxied connections is the most any userspace proxy can hold here, and 50,000 is impossible (the client alone would need 50,000 descriptors).")
 }
