@@ -2,10 +2,12 @@ package forward
 
 import (
 	"bytes"
+	"io"
 	"net"
 	"net/netip"
 	"os"
 	"strings"
+	"syscall"
 	"testing"
 )
 
@@ -71,6 +73,38 @@ func TestIdleConnectionsHoldNoPipe(t *testing.T) {
 				t.Errorf("%d idle connections hold %d pipe descriptors; want at most the pool's %d", tc.conns, held, 2*pipePoolMax)
 			}
 			t.Logf("%d idle connections: %d pipe descriptors open", tc.conns, held)
+		})
+	}
+}
+
+// TestCopyWithoutPipes checks that a connection still carries its bytes, both ways and with the
+// half-close, when no pipe can be created (out of descriptors): it copies through user space.
+func TestCopyWithoutPipes(t *testing.T) {
+	cases := []struct {
+		name string
+		msg  []byte
+	}{
+		{name: "small", msg: []byte("hello\n")},
+		{name: "larger than a chunk", msg: bytes.Repeat([]byte("y"), 5*copyChunkSize+7)},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			checkNoLeaks(t)
+			backend := startTCPEcho(t, loopback("4"))
+			r := startTCPProxy(t, "4", &fakeChooser{endpoints: []netip.AddrPort{backend}}, func(p *TCPProxy) {
+				p.pipes.testHookNewPipe = func() (*pipe, error) { return nil, syscall.EMFILE }
+			})
+			c := dialTCPTest(t, r.addr)
+			if _, err := c.Write(tc.msg); err != nil {
+				t.Fatalf("write: %v", err)
+			}
+			if err := c.CloseWrite(); err != nil {
+				t.Fatalf("close write: %v", err)
+			}
+			got, err := io.ReadAll(c) // the echo closes after our EOF: the half-close went through
+			if err != nil || !bytes.Equal(got, tc.msg) {
+				t.Fatalf("got %d bytes back (want %d), err %v", len(got), len(tc.msg), err)
+			}
 		})
 	}
 }

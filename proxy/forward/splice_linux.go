@@ -1,7 +1,9 @@
 package forward
 
 import (
+	"errors"
 	"fmt"
+	"io"
 	"net"
 	"os"
 	"sync"
@@ -49,6 +51,9 @@ func (p *pipe) close() {
 // pipePool keeps up to pipePoolMax empty pipes for reuse. Its zero value is ready; after
 // closeAll it still hands out new pipes but keeps none.
 type pipePool struct {
+	// testHookNewPipe, if set, replaces newPipe.
+	testHookNewPipe func() (*pipe, error)
+
 	mu     sync.Mutex
 	free   []*pipe
 	closed bool
@@ -63,6 +68,9 @@ func (pp *pipePool) get() (*pipe, error) {
 		return p, nil
 	}
 	pp.mu.Unlock()
+	if h := pp.testHookNewPipe; h != nil {
+		return h()
+	}
 	return newPipe()
 }
 
@@ -116,9 +124,12 @@ func spliceCopy(pool *pipePool, dst, src *net.TCPConn) (int64, error) {
 		// that comes after its EAGAIN wakes the wait; while waiting, no pipe is held.
 		var n int64
 		var rerr error
+		noPipe := false
 		err := srcRC.Read(func(fd uintptr) bool {
 			if p == nil {
-				if p, rerr = pool.get(); rerr != nil {
+				var perr error
+				if p, perr = pool.get(); perr != nil {
+					noPipe = true // out of descriptors: copy this chunk through user space
 					return true
 				}
 			}
@@ -140,6 +151,14 @@ func spliceCopy(pool *pipePool, dst, src *net.TCPConn) (int64, error) {
 		}
 		if err != nil {
 			return total, err
+		}
+		if noPipe {
+			m, eof, err := copyChunk(dst, src)
+			total += m
+			if err != nil || eof {
+				return total, err
+			}
+			continue
 		}
 		if n == 0 {
 			return total, nil // EOF
@@ -173,4 +192,25 @@ func spliceCopy(pool *pipePool, dst, src *net.TCPConn) (int64, error) {
 			return total, err
 		}
 	}
+}
+
+// copyChunkSize is the buffer of copyChunk, used only when no pipe can be had.
+const copyChunkSize = 32 << 10
+
+// copyChunk copies what src has ready to dst through a buffer (src is readable), and reports
+// src's EOF.
+func copyChunk(dst, src *net.TCPConn) (n int64, eof bool, err error) {
+	buf := make([]byte, copyChunkSize)
+	r, err := src.Read(buf)
+	if r > 0 {
+		w, werr := dst.Write(buf[:r])
+		n = int64(w)
+		if werr != nil {
+			return n, false, werr
+		}
+	}
+	if errors.Is(err, io.EOF) {
+		return n, true, nil
+	}
+	return n, false, err
 }
