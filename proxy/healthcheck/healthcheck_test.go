@@ -1,6 +1,7 @@
 package healthcheck
 
 import (
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -255,5 +256,37 @@ func TestWanted(t *testing.T) {
 				t.Errorf("Wanted = %v, want %v", got, tt.want)
 			}
 		})
+	}
+}
+
+// TestProxyHealthReportsSourceError: while the API server is unreachable the proxy keeps serving
+// (200) and says why in the body; once it is back the field is gone.
+func TestProxyHealthReportsSourceError(t *testing.T) {
+	var mu sync.Mutex
+	var srcErr error
+	h := NewProxyHealth(ProxyHealthOptions{SourceErr: func() error { mu.Lock(); defer mu.Unlock(); return srcErr }})
+	srv := httptest.NewServer(h.Handler())
+	defer srv.Close()
+
+	for _, path := range []string{"/healthz", "/livez"} {
+		if _, _, body := get(t, srv.URL+path); regexp.MustCompile(`sourceError`).MatchString(body) {
+			t.Errorf("%s while connected: %s", path, body)
+		}
+	}
+	mu.Lock()
+	srcErr = errors.New(`services: API server unreachable since 2026-11-22T04:00:00Z: dial tcp 10.0.0.1:6443: connect: "refused"`)
+	mu.Unlock()
+	for _, path := range []string{"/healthz", "/livez"} {
+		code, _, body := get(t, srv.URL+path)
+		if code != http.StatusOK {
+			t.Errorf("%s during an API server outage: status %d, want 200 (serving the last state)", path, code)
+		}
+		var doc map[string]any
+		if err := json.Unmarshal([]byte(body), &doc); err != nil {
+			t.Fatalf("%s body is not JSON: %v: %s", path, err, body)
+		}
+		if doc["sourceError"] != srcErr.Error() {
+			t.Errorf("%s sourceError = %v, want %q", path, doc["sourceError"], srcErr)
+		}
 	}
 }

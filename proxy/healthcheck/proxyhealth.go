@@ -13,6 +13,7 @@
 package healthcheck
 
 import (
+	"encoding/json"
 	"fmt"
 	"net/http"
 	"sync"
@@ -28,13 +29,19 @@ type ProxyHealthOptions struct {
 	Timeout time.Duration
 	// Now returns the current time; nil means time.Now.
 	Now func() time.Time
+	// SourceErr, if set, returns the API server failure the source is retrying after (nil when
+	// connected). It is reported in the body as "sourceError" and does not change the status:
+	// the proxy keeps serving its last state, and probes must not restart it for an outage of
+	// the API server.
+	SourceErr func() error
 }
 
 // ProxyHealth tracks whether the proxy keeps its rules up to date and serves /healthz and /livez.
 // Its methods are safe for concurrent use.
 type ProxyHealth struct {
-	timeout time.Duration
-	now     func() time.Time
+	timeout   time.Duration
+	now       func() time.Time
+	sourceErr func() error
 
 	mu sync.Mutex // guards the following fields
 	// lastUpdated is when the last successful sync ended (zero before the first).
@@ -55,7 +62,7 @@ func NewProxyHealth(opts ProxyHealthOptions) *ProxyHealth {
 	if opts.Now == nil {
 		opts.Now = time.Now
 	}
-	return &ProxyHealth{timeout: opts.Timeout, now: opts.Now}
+	return &ProxyHealth{timeout: opts.Timeout, now: opts.Now, sourceErr: opts.SourceErr}
 }
 
 // SyncDone marks the rules up to date when the sync succeeded (proxy.SyncObserver). A failed
@@ -121,9 +128,16 @@ func (h *ProxyHealth) serve(w http.ResponseWriter, withNode bool) {
 	} else {
 		w.WriteHeader(http.StatusServiceUnavailable)
 	}
+	extra := ""
+	if h.sourceErr != nil {
+		if err := h.sourceErr(); err != nil {
+			msg, _ := json.Marshal(err.Error())
+			extra = `, "sourceError": ` + string(msg)
+		}
+	}
 	if withNode {
-		fmt.Fprintf(w, `{"lastUpdated": %q,"currentTime": %q, "nodeEligible": %v}`, lastUpdated, now, nodeEligible)
+		fmt.Fprintf(w, `{"lastUpdated": %q,"currentTime": %q, "nodeEligible": %v%s}`, lastUpdated, now, nodeEligible, extra)
 		return
 	}
-	fmt.Fprintf(w, `{"lastUpdated": %q,"currentTime": %q}`, lastUpdated, now)
+	fmt.Fprintf(w, `{"lastUpdated": %q,"currentTime": %q%s}`, lastUpdated, now, extra)
 }

@@ -123,7 +123,11 @@ func Run(ctx context.Context, opts *Options, v *Validated, log zerolog.Logger) e
 			pOpts.TransparentLocal = true
 		}
 	}
-	srv, err := newServers(opts, v, log.With().Str("component", "servers").Logger())
+	var sourceErr func() error
+	if e, ok := src.(interface{ Err() error }); ok {
+		sourceErr = e.Err // the API server source: /healthz reports an outage
+	}
+	srv, err := newServers(opts, v, sourceErr, log.With().Str("component", "servers").Logger())
 	if err != nil {
 		return err
 	}

@@ -70,13 +70,32 @@ type Source struct {
 	opts   Options
 	log    zerolog.Logger
 
+	// svcW and sliceW remember each informer's current list/watch failure.
+	svcW, sliceW *watchState
+
 	mu      sync.Mutex // guards following fields
 	started bool
 }
 
 // New returns a Source that watches through client. Nothing happens until Run.
 func New(client kubernetes.Interface, opts Options) *Source {
-	return &Source{client: client, opts: opts, log: opts.Log.With().Str("source", "kubeapi").Logger()}
+	log := opts.Log.With().Str("source", "kubeapi").Logger()
+	return &Source{client: client, opts: opts, log: log,
+		svcW:   &watchState{resource: "services", log: log},
+		sliceW: &watchState{resource: "endpointslices", log: log},
+	}
+}
+
+// Err returns the API server failure the source is currently retrying after (nil when its
+// informers are connected): the proxy keeps serving the last state meanwhile, and /healthz says so.
+func (s *Source) Err() error {
+	var errs []error
+	for _, w := range []*watchState{s.svcW, s.sliceW} {
+		if since, err := w.failure(); err != nil {
+			errs = append(errs, fmt.Errorf("%s: API server unreachable since %s: %s", w.resource, since.UTC().Format(time.RFC3339), cause(err)))
+		}
+	}
+	return errors.Join(errs...)
 }
 
 // ServiceSelectors returns the label and field selectors the Service informer lists and watches
@@ -122,8 +141,7 @@ func (s *Source) Run(ctx context.Context, h source.Handler) error {
 
 	svcLabels, svcFields := ServiceSelectors()
 	sliceLabels := EndpointSliceSelector()
-	svcW := &watchState{resource: "services", log: s.log}
-	sliceW := &watchState{resource: "endpointslices", log: s.log}
+	svcW, sliceW := s.svcW, s.sliceW
 	services := s.client.CoreV1().Services(metav1.NamespaceAll)
 	slices := s.client.DiscoveryV1().EndpointSlices(metav1.NamespaceAll)
 	svcInf := newInformer(s.client, &v1.Service{}, svcW, s.opts.ResyncPeriod,
@@ -271,6 +289,7 @@ type watchState struct {
 
 	mu      sync.Mutex // guards following fields
 	lastErr error
+	since   time.Time // when the current run of failures began
 }
 
 // onError is the informer's watch error handler: errors that end a running list/watch.
@@ -300,6 +319,9 @@ func (w *watchState) record(ctx context.Context, op string, err error) {
 	}
 	w.mu.Lock()
 	repeated := w.lastErr != nil && cause(w.lastErr) == cause(err)
+	if w.lastErr == nil {
+		w.since = time.Now()
+	}
 	w.lastErr = err
 	w.mu.Unlock()
 	if !repeated {
@@ -321,4 +343,11 @@ func (w *watchState) lastError() error {
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	return w.lastErr
+}
+
+// failure returns the current failure and when it began (nil when connected).
+func (w *watchState) failure() (since time.Time, err error) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.since, w.lastErr
 }

@@ -489,8 +489,12 @@ func TestUnreachableAPIServer(t *testing.T) {
 	rec := newRecorder(t)
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
+	src := New(client, Options{WaitLogInterval: 10 * time.Millisecond, Log: zerolog.New(&buf)})
+	if err := src.Err(); err != nil {
+		t.Fatalf("Err before Run = %v, want nil", err)
+	}
 	go func() {
-		done <- New(client, Options{WaitLogInterval: 10 * time.Millisecond, Log: zerolog.New(&buf)}).Run(ctx, rec)
+		done <- src.Run(ctx, rec)
 	}()
 
 	wantLogs := []string{
@@ -522,6 +526,11 @@ func TestUnreachableAPIServer(t *testing.T) {
 	case err := <-done:
 		t.Fatalf("Run returned %v while the API server is unreachable", err)
 	default:
+	}
+	// The failure is reported for /healthz, naming both resources and the cause.
+	if err := src.Err(); err == nil || !strings.Contains(err.Error(), "services: API server unreachable since") ||
+		!strings.Contains(err.Error(), "endpointslices: API server unreachable since") || !strings.Contains(err.Error(), "connection refused") {
+		t.Errorf("Err while unreachable = %v", err)
 	}
 	cancel()
 	if err := <-done; err != nil {
