@@ -160,7 +160,14 @@ func TestBench(t *testing.T) {
 		}
 	}
 
+	// The outside-client paths of issue 6 (their proxies stop before the idle and control-plane
+	// workloads, which they would otherwise load with every service created there).
+	out := setupOutside(ctx, t, n, c)
 	runDataPath(t, rep, cfg, targets, loadBin)
+	runOutside(t, rep, cfg, out, loadBin)
+	for _, p := range OutsidePaths {
+		out.paths[p].stop()
+	}
 	for _, src := range []string{"pod", "node"} {
 		rep.AddDifference(rep.Metric("keep-alive latency p99", src, "µs", false), "keep-alive latency p99 added (vs direct)", PathDirect)
 	}

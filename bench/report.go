@@ -27,6 +27,18 @@ const (
 // Paths are the measured paths in table order.
 var Paths = []string{PathDirect, PathIPTables, PathKUP, PathHAProxy}
 
+// Paths of the outside-client table (issue 6): an outside client to the NodePort of an
+// externalTrafficPolicy: Local service whose endpoint is on the receiving node, through
+// kube-userspace-proxy with --transparent-local=true (PathTransparent) and =false (PathPlain),
+// and through iptables mode (PathIPTables, the baseline).
+const (
+	PathTransparent = "userspace transparent"
+	PathPlain       = "userspace plain"
+)
+
+// OutsidePaths are the paths of the outside-client table in column order.
+var OutsidePaths = []string{PathIPTables, PathTransparent, PathPlain}
+
 // Metric is one figure measured on every path: several samples per path, or a note saying why a
 // path has none.
 type Metric struct {
@@ -89,7 +101,12 @@ func (m *Metric) Summarize(path string) Summary {
 
 // Ratio returns path's median over the baseline's median, and false if either is missing.
 func (m *Metric) Ratio(path string) (float64, bool) {
-	s, b := m.Summarize(path), m.Summarize(Baseline)
+	return m.RatioTo(path, Baseline)
+}
+
+// RatioTo returns path's median over base's median, and false if either is missing.
+func (m *Metric) RatioTo(path, base string) (float64, bool) {
+	s, b := m.Summarize(path), m.Summarize(base)
 	if s.N == 0 || b.N == 0 || b.Median == 0 {
 		return 0, false
 	}
@@ -110,6 +127,22 @@ type Report struct {
 	// Notes are remarks printed under the table.
 	Notes   []string  `json:"notes,omitempty"`
 	Metrics []*Metric `json:"metrics"`
+	// Outside are the outside-client metrics (paths OutsidePaths), a table of their own.
+	Outside []*Metric `json:"outside_metrics,omitempty"`
+	// OutsideNotes are remarks printed under the outside-client table.
+	OutsideNotes []string `json:"outside_notes,omitempty"`
+}
+
+// OutsideMetric returns the outside-client metric workload, creating it with unit and direction.
+func (r *Report) OutsideMetric(workload, unit string, higherBetter bool) *Metric {
+	for _, m := range r.Outside {
+		if m.Workload == workload {
+			return m
+		}
+	}
+	m := &Metric{Workload: workload, Source: "outside client", Unit: unit, HigherBetter: higherBetter}
+	r.Outside = append(r.Outside, m)
+	return m
 }
 
 // Metric returns the metric (workload, source), creating it with unit and direction.
@@ -129,6 +162,22 @@ type jsonMetric struct {
 	*Metric
 	Summary map[string]Summary  `json:"summary"`
 	Ratio   map[string]*float64 `json:"ratio_to_iptables"`
+	// TransparentOverPlain is set on outside-client metrics: PathTransparent's median over
+	// PathPlain's.
+	TransparentOverPlain *float64 `json:"transparent_over_plain,omitempty"`
+}
+
+func summarizeJSON(m *Metric, paths []string) jsonMetric {
+	jm := jsonMetric{Metric: m, Summary: map[string]Summary{}, Ratio: map[string]*float64{}}
+	for _, p := range paths {
+		jm.Summary[p] = m.Summarize(p)
+		if q, ok := m.Ratio(p); ok {
+			jm.Ratio[p] = &q
+		} else {
+			jm.Ratio[p] = nil
+		}
+	}
+	return jm
 }
 
 // WriteJSON writes the report with every metric's summaries and ratios.
@@ -136,18 +185,17 @@ func (r *Report) WriteJSON(w io.Writer) error {
 	out := struct {
 		*Report
 		Metrics []jsonMetric `json:"metrics"`
+		Outside []jsonMetric `json:"outside_metrics,omitempty"`
 	}{Report: r}
 	for _, m := range r.Metrics {
-		jm := jsonMetric{Metric: m, Summary: map[string]Summary{}, Ratio: map[string]*float64{}}
-		for _, p := range Paths {
-			jm.Summary[p] = m.Summarize(p)
-			if q, ok := m.Ratio(p); ok {
-				jm.Ratio[p] = &q
-			} else {
-				jm.Ratio[p] = nil
-			}
+		out.Metrics = append(out.Metrics, summarizeJSON(m, Paths))
+	}
+	for _, m := range r.Outside {
+		jm := summarizeJSON(m, OutsidePaths)
+		if q, ok := m.RatioTo(PathTransparent, PathPlain); ok {
+			jm.TransparentOverPlain = &q
 		}
-		out.Metrics = append(out.Metrics, jm)
+		out.Outside = append(out.Outside, jm)
 	}
 	enc := json.NewEncoder(w)
 	enc.SetIndent("", "  ")
@@ -189,11 +237,44 @@ func (r *Report) WriteMarkdown(w io.Writer) error {
 			b.WriteString("- " + n + "\n")
 		}
 	}
+	r.writeOutside(&b)
 	_, err := io.WriteString(w, b.String())
 	if err != nil {
 		return fmt.Errorf("write markdown report: %w", err)
 	}
 	return nil
+}
+
+// writeOutside writes the outside-client table (issue 6): one column per OutsidePaths entry
+// (cells as in the main table, ratios to iptables mode) and the transparent/plain ratio.
+func (r *Report) writeOutside(b *strings.Builder) {
+	if len(r.Outside) == 0 {
+		return
+	}
+	b.WriteString("\n## From an outside client to a Local NodePort, endpoint on the receiving node (issue 6)\n\n")
+	b.WriteString("| workload | unit | " + strings.Join(OutsidePaths, " | ") + " | transparent / plain |\n")
+	b.WriteString("|---|---|" + strings.Repeat("---|", len(OutsidePaths)) + "---|\n")
+	for _, m := range r.Outside {
+		dir := "↓ better"
+		if m.HigherBetter {
+			dir = "↑ better"
+		}
+		fmt.Fprintf(b, "| %s | %s (%s) |", m.Workload, m.Unit, dir)
+		for _, p := range OutsidePaths {
+			b.WriteString(" " + cell(m, p) + " |")
+		}
+		if q, ok := m.RatioTo(PathTransparent, PathPlain); ok {
+			fmt.Fprintf(b, " ×%.2f |\n", q)
+		} else {
+			b.WriteString(" – |\n")
+		}
+	}
+	if len(r.OutsideNotes) > 0 {
+		b.WriteString("\nNotes:\n\n")
+		for _, n := range r.OutsideNotes {
+			b.WriteString("- " + n + "\n")
+		}
+	}
 }
 
 func cell(m *Metric, p string) string {

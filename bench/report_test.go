@@ -79,3 +79,59 @@ func TestReportOutputs(t *testing.T) {
 		t.Errorf("SVG lacks bars:\n%s", svg.String())
 	}
 }
+
+func TestOutsideTable(t *testing.T) {
+	cases := []struct {
+		name    string
+		samples map[string][]float64
+		want    []string // in the markdown
+		ratio   any      // transparent_over_plain in the JSON (nil: absent)
+	}{
+		{
+			name:    "all paths",
+			samples: map[string][]float64{PathIPTables: {10, 10}, PathTransparent: {6, 8}, PathPlain: {8, 8}},
+			want:    []string{"| short connections | conn/s (↑ better) | 10.0 [10.0–10.0] ×1.00 | 7.00 [6.00–8.00] ×0.70 | 8.00 [8.00–8.00] ×0.80 | ×0.88 |"},
+			ratio:   0.875,
+		},
+		{
+			name:    "plain missing",
+			samples: map[string][]float64{PathIPTables: {10}, PathTransparent: {5}},
+			want:    []string{"| 5.00 [5.00–5.00] ×0.50 | – | – |"},
+		},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			r := &Report{Reps: 2}
+			m := r.OutsideMetric("short connections", "conn/s", true)
+			if again := r.OutsideMetric("short connections", "conn/s", true); again != m || len(r.Outside) != 1 {
+				t.Fatalf("OutsideMetric made a second metric of the same name")
+			}
+			for p, vs := range tc.samples {
+				for _, v := range vs {
+					m.Add(p, v)
+				}
+			}
+			var md, js bytes.Buffer
+			if err := r.WriteMarkdown(&md); err != nil {
+				t.Fatal(err)
+			}
+			for _, want := range append(tc.want, "| workload | unit | iptables | userspace transparent | userspace plain | transparent / plain |") {
+				if !strings.Contains(md.String(), want) {
+					t.Errorf("markdown lacks %q:\n%s", want, md.String())
+				}
+			}
+			if err := r.WriteJSON(&js); err != nil {
+				t.Fatal(err)
+			}
+			var back struct {
+				Outside []map[string]any `json:"outside_metrics"`
+			}
+			if err := json.Unmarshal(js.Bytes(), &back); err != nil || len(back.Outside) != 1 {
+				t.Fatalf("JSON outside_metrics: %v, %d metrics", err, len(back.Outside))
+			}
+			if got := back.Outside[0]["transparent_over_plain"]; got != tc.ratio {
+				t.Errorf("transparent_over_plain = %v, want %v", got, tc.ratio)
+			}
+		})
+	}
+}
