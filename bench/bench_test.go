@@ -162,7 +162,7 @@ func TestBench(t *testing.T) {
 
 	// The outside-client paths of issue 6 (their proxies stop before the idle and control-plane
 	// workloads, which they would otherwise load with every service created there).
-	out := setupOutside(ctx, t, n, c)
+	out := setupOutside(ctx, t, n, c, cfg.reps)
 	runDataPath(t, rep, cfg, targets, loadBin)
 	runOutside(t, rep, cfg, out, loadBin)
 	for _, p := range OutsidePaths {

@@ -36,17 +36,27 @@ type outsidePath struct {
 
 // outside is the outside-client setup: the client and one node per path.
 type outside struct {
-	client *netns.Host
-	paths  map[string]outsidePath
+	// client is the current outside client; runOutside takes a fresh one (from clients) per
+	// repetition: kup-load closes first, so each short-connection run leaves thousands of
+	// TIME_WAIT sockets in the client for 60 s, and the next run to the same node would spend
+	// its time finding free ports (seen: iptables 7084 conn/s in the first repetition, 1142 in
+	// the next two).
+	client  *netns.Host
+	clients []*netns.Host
+	paths   map[string]outsidePath
 }
 
 // setupOutside adds an outside client and, per OutsidePaths entry, a node with a server pod
 // (kup-echo, iperf3 -s) and its proxy: kube-proxy in iptables mode, kube-userspace-proxy with
 // --transparent-local=true and =false. One NodePort service with externalTrafficPolicy: Local
 // has the three pods as endpoints, each on its own node, so each node forwards to its own pod.
-func setupOutside(ctx context.Context, t *testing.T, n *netns.Network, c *cluster.Cluster) *outside {
+func setupOutside(ctx context.Context, t *testing.T, n *netns.Network, c *cluster.Cluster, reps int) *outside {
 	t.Helper()
-	o := &outside{client: n.AddClient(t, "outside"), paths: map[string]outsidePath{}}
+	o := &outside{paths: map[string]outsidePath{}}
+	for i := range reps {
+		o.clients = append(o.clients, n.AddClient(t, fmt.Sprintf("outside%d", i)))
+	}
+	o.client = o.clients[0]
 	names := map[string]string{PathIPTables: "iptl", PathTransparent: "kupt", PathPlain: "kupp"}
 	var eps []harness.Endpoint
 	for _, p := range OutsidePaths {
@@ -135,6 +145,10 @@ func runOutside(t *testing.T, rep *Report, cfg settings, o *outside, loadBin str
 	ctx := context.Background()
 	secs := fmt.Sprint(cfg.loadDuration)
 	for r := range cfg.reps {
+		o.client = o.clients[r%len(o.clients)]
+		if err := o.verify(ctx); err != nil {
+			t.Fatalf("before outside repetition %d: %v", r+1, err)
+		}
 		order := append(append([]string{}, OutsidePaths[r%len(OutsidePaths):]...), OutsidePaths[:r%len(OutsidePaths)]...)
 		each := func(fn func(op outsidePath)) {
 			for _, p := range order {
@@ -170,7 +184,7 @@ func runOutside(t *testing.T, rep *Report, cfg settings, o *outside, loadBin str
 		seen[p] = a.Peer.Addr().String()
 	}
 	rep.OutsideNotes = append(rep.OutsideNotes,
-		fmt.Sprintf("An outside client (%v, a host on the nodes' bridge, not in the cluster) connects to the NodePort of one externalTrafficPolicy: Local service on three nodes, "+
+		fmt.Sprintf("An outside client (%v, a host on the nodes' bridge, not in the cluster; a fresh one per repetition so that the TIME_WAIT sockets of one repetition's short connections do not slow the next) connects to the NodePort of one externalTrafficPolicy: Local service on three nodes, "+
 			"each with its own server pod (kup-echo, iperf3 -s) as the service's only local endpoint: iptables = upstream kube-proxy v1.36.3 --proxy-mode=iptables; "+
 			"userspace transparent = kube-userspace-proxy --transparent-local=true (dials the pod from the client's address: IP_TRANSPARENT + policy routing); "+
 			"userspace plain = kube-userspace-proxy --transparent-local=false (dials from the node). Each proxy on its own node, the three paths interleaved per repetition, the order rotating.", o.client.IP),
