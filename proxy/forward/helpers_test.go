@@ -331,7 +331,11 @@ type proxyRun struct {
 // test's cleanup shuts it down, cutting what is left, and checks that Serve returned nil.
 func startTCPProxy(t testing.TB, family string, chooser Chooser, configure func(*TCPProxy)) *proxyRun {
 	t.Helper()
-	p := &TCPProxy{Listener: listenTCP(t, loopback(family)), Chooser: chooser, Log: testLogger(t)}
+	ln, err := ListenTCP("tcp", net.TCPAddrFromAddrPort(netip.AddrPortFrom(loopback(family), 0)))
+	if err != nil {
+		t.Fatalf("listen: %v", err)
+	}
+	p := &TCPProxy{Listener: ln, Chooser: chooser, Log: testLogger(t)}
 	if configure != nil {
 		configure(p)
 	}

@@ -102,95 +102,129 @@ func (pp *pipePool) closeAll() {
 // failure of either socket, and returns the bytes moved. A pipe is held only between src
 // becoming readable and it running dry.
 func spliceCopy(pool *pipePool, dst, src *net.TCPConn) (int64, error) {
+	s, err := newSplicer(pool, dst, src)
+	if err != nil {
+		return 0, err
+	}
+	return s.run()
+}
+
+// splicer is the state of one spliceCopy. It lives on the heap so that the goroutine waiting in
+// run for src to become readable parks with a shallow stack: an idle connection's goroutines
+// then shrink to the runtime's smallest stacks at the next garbage collection (a stack is halved
+// only while less than a quarter of it is in use), which is most of the proxy's memory per idle
+// connection.
+type splicer struct {
+	pool         *pipePool
+	dst, src     *net.TCPConn
+	srcRC, dstRC syscall.RawConn
+	fillFn       func(fd uintptr) bool // s.fill, bound once
+	drainFn      func(fd uintptr) bool // s.drain, bound once
+
+	p      *pipe // held only while data flows; always empty when returned to the pool
+	total  int64 // bytes moved to dst
+	filled int64 // bytes in the pipe after the last fill
+	noPipe bool  // the last fill found no pipe to be had: copy the chunk through user space
+	err    error // the last fill's or drain's splice error
+}
+
+func newSplicer(pool *pipePool, dst, src *net.TCPConn) (*splicer, error) {
 	srcRC, err := src.SyscallConn()
 	if err != nil {
-		return 0, fmt.Errorf("splice: %w", err)
+		return nil, fmt.Errorf("splice: %w", err)
 	}
 	dstRC, err := dst.SyscallConn()
 	if err != nil {
-		return 0, fmt.Errorf("splice: %w", err)
+		return nil, fmt.Errorf("splice: %w", err)
 	}
-	var (
-		total int64
-		p     *pipe
-	)
-	defer func() {
-		if p != nil {
-			pool.put(p) // only ever left set while empty
-		}
-	}()
+	s := &splicer{pool: pool, dst: dst, src: src, srcRC: srcRC, dstRC: dstRC}
+	s.fillFn, s.drainFn = s.fill, s.drain
+	return s, nil
+}
+
+// run is spliceCopy's loop. Its frame is small on purpose: see splicer.
+func (s *splicer) run() (int64, error) {
+	defer s.releasePipe()
 	for {
-		// Fill the pipe from src. The splice runs inside RawConn.Read, so a readiness event
-		// that comes after its EAGAIN wakes the wait; while waiting, no pipe is held.
-		var n int64
-		var rerr error
-		noPipe := false
-		err := srcRC.Read(func(fd uintptr) bool {
-			if p == nil {
-				var perr error
-				if p, perr = pool.get(); perr != nil {
-					noPipe = true // out of descriptors: copy this chunk through user space
-					return true
-				}
-			}
-			for {
-				n, rerr = syscall.Splice(int(fd), nil, p.w, nil, spliceChunk, spliceMove|spliceNonblock)
-				switch rerr {
-				case syscall.EINTR:
-					continue
-				case syscall.EAGAIN:
-					pool.put(p)
-					p = nil
-					return false
-				}
-				return true
-			}
-		})
-		if err == nil && rerr != nil {
-			err = os.NewSyscallError("splice", rerr)
+		// The splice runs inside RawConn.Read, so a readiness event that comes after its
+		// EAGAIN wakes the wait; while waiting, no pipe is held.
+		s.filled, s.noPipe, s.err = 0, false, nil
+		if err := s.srcRC.Read(s.fillFn); err != nil {
+			return s.total, err
 		}
-		if err != nil {
-			return total, err
+		if s.err != nil {
+			return s.total, os.NewSyscallError("splice", s.err)
 		}
-		if noPipe {
-			m, eof, err := copyChunk(dst, src)
-			total += m
-			if err != nil || eof {
-				return total, err
+		if s.noPipe {
+			if eof, err := s.copyChunk(); err != nil || eof {
+				return s.total, err
 			}
 			continue
 		}
-		if n == 0 {
-			return total, nil // EOF
+		if s.filled == 0 {
+			return s.total, nil // EOF
 		}
-		// Drain the pipe into dst, waiting for dst to be writable as needed.
-		left := n
-		var werr error
-		err = dstRC.Write(func(fd uintptr) bool {
-			for left > 0 {
-				m, e := syscall.Splice(p.r, nil, int(fd), nil, int(left), spliceMove|spliceNonblock)
-				switch e {
-				case nil:
-					left -= m
-					total += m
-				case syscall.EINTR:
-				case syscall.EAGAIN:
-					return false
-				default:
-					werr = e
-					return true
-				}
+		if err := s.dstRC.Write(s.drainFn); err != nil || s.err != nil {
+			s.p.close() // it may still hold data
+			s.p = nil
+			if err == nil {
+				err = os.NewSyscallError("splice", s.err)
 			}
-			return true
-		})
-		if err == nil && werr != nil {
-			err = os.NewSyscallError("splice", werr)
+			return s.total, err
 		}
+	}
+}
+
+// fill splices what src has ready into the pipe, taking one from the pool first. On EAGAIN it
+// returns the pipe and asks RawConn.Read to wait.
+func (s *splicer) fill(fd uintptr) bool {
+	if s.p == nil {
+		p, err := s.pool.get()
 		if err != nil {
-			p.close() // it may still hold data
-			p = nil
-			return total, err
+			s.noPipe = true // out of descriptors: copy this chunk through user space
+			return true
 		}
+		s.p = p
+	}
+	for {
+		n, err := syscall.Splice(int(fd), nil, s.p.w, nil, spliceChunk, spliceMove|spliceNonblock)
+		switch err {
+		case syscall.EINTR:
+			continue
+		case syscall.EAGAIN:
+			s.releasePipe()
+			return false
+		}
+		s.filled, s.err = n, err
+		return true
+	}
+}
+
+// drain splices the pipe's s.filled bytes into dst, asking RawConn.Write to wait while dst's
+// buffer is full.
+func (s *splicer) drain(fd uintptr) bool {
+	for s.filled > 0 {
+		m, err := syscall.Splice(s.p.r, nil, int(fd), nil, int(s.filled), spliceMove|spliceNonblock)
+		switch err {
+		case nil:
+			s.filled -= m
+			s.total += m
+		case syscall.EINTR:
+		case syscall.EAGAIN:
+			return false
+		default:
+			s.err = err
+			return true
+		}
+	}
+	return true
+}
+
+// releasePipe returns the pipe, which is empty, to the pool.
+func (s *splicer) releasePipe() {
+	if s.p != nil {
+		s.pool.put(s.p)
+		s.p = nil
 	}
 }
 
@@ -199,18 +233,18 @@ const copyChunkSize = 32 << 10
 
 // copyChunk copies what src has ready to dst through a buffer (src is readable), and reports
 // src's EOF.
-func copyChunk(dst, src *net.TCPConn) (n int64, eof bool, err error) {
+func (s *splicer) copyChunk() (eof bool, err error) {
 	buf := make([]byte, copyChunkSize)
-	r, err := src.Read(buf)
+	r, err := s.src.Read(buf)
 	if r > 0 {
-		w, werr := dst.Write(buf[:r])
-		n = int64(w)
+		w, werr := s.dst.Write(buf[:r])
+		s.total += int64(w)
 		if werr != nil {
-			return n, false, werr
+			return false, werr
 		}
 	}
 	if errors.Is(err, io.EOF) {
-		return n, true, nil
+		return true, nil
 	}
-	return n, false, err
+	return false, err
 }

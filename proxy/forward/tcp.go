@@ -32,9 +32,8 @@ func defaultDialTimeouts() []time.Duration {
 // proxy splices bytes both ways, passes a half-close (EOF) from either side on as a CloseWrite
 // to the other, and resets both sides if either fails.
 //
-// Socket options are Go's defaults: TCP_NODELAY on both sockets, keepalive on the endpoint side
-// as net.Dialer sets it, and on the client side as the Listener was configured (net.Listen turns
-// it on).
+// Both sockets have TCP_NODELAY (Go's default). The endpoint side has TCP keepalive; the client
+// side has it when the Listener came from ListenTCP (see keepalive_linux.go).
 type TCPProxy struct {
 	// Listener is the service port's listening socket. Required. The proxy owns it from Serve
 	// on: Close and Shutdown close it.
@@ -269,39 +268,66 @@ type tcpConn struct {
 	endpoint netip.AddrPort // the endpoint being dialled, then the connected one
 	backend  *net.TCPConn   // set once connected
 	cut      bool           // cut by Shutdown or CloseConnectionsTo
+
+	// Set by serve before the copy goroutines start; fixed from then on.
+	backend0 *net.TCPConn
+	// Each direction's result, written by its goroutine before it decrements copying; the
+	// goroutine that brings copying to zero reads both.
+	toEndpoint, fromEndpoint copyResult
+	copying                  atomic.Int32
 }
 
-// serve runs the connection: connect, then copy client→endpoint in this goroutine and
-// endpoint→client in copyToClient, then close both sides.
+// serve runs the connection: it connects to an endpoint, then hands the two directions to
+// goroutines of their own (copyToEndpoint, copyToClient) and returns; the last of them to
+// finish closes both sides.
+//
+// The copies get fresh goroutines, rather than this one, because of memory: dialling grows a
+// goroutine's stack past the runtime's smallest size, and a goroutine parked in the network
+// poller never shrinks back to it. An idle connection thus costs two minimal stacks.
 func (c *tcpConn) serve() {
-	p := c.p
-	defer p.connWG.Done()
-	defer c.cancel()
-	defer p.forget(c)
-
-	clientAddr := tcpAddrPort(c.client.RemoteAddr())
-	backend := c.connect(clientAddr)
+	backend := c.open()
 	if backend == nil {
-		resetConn(c.client)
-		p.metrics.ConnFailed()
 		return
 	}
+	c.backend0 = backend
+	c.copying.Store(2)
+	go c.copyToClient()
+	go c.copyToEndpoint()
+}
 
-	done := make(chan copyResult, 1)
-	go c.copyToClient(backend, done)
-	toEndpoint := c.copyToEndpoint(backend)
-	fromEndpoint := <-done
+// open connects the connection to an endpoint. When it cannot, it resets the client, ends the
+// connection and returns nil.
+func (c *tcpConn) open() *net.TCPConn {
+	backend := c.connect(tcpAddrPort(c.client.RemoteAddr()))
+	if backend == nil {
+		resetConn(c.client)
+		c.p.metrics.ConnFailed()
+		c.end()
+	}
+	return backend
+}
 
+// finish closes both sides of a connection that reached its endpoint, reports it and ends it.
+func (c *tcpConn) finish(backend *net.TCPConn, toEndpoint, fromEndpoint copyResult) {
+	p := c.p
 	c.client.Close()
 	backend.Close()
 	p.metrics.BytesCopied(toEndpoint.n, fromEndpoint.n)
 	p.metrics.ConnClosed()
 	if e := p.Log.Debug(); e.Enabled() {
-		e.Stringer("client", clientAddr).Stringer("endpoint", c.endpointNow()).
+		e.Stringer("client", tcpAddrPort(c.client.RemoteAddr())).Stringer("endpoint", c.endpointNow()).
 			Int64("toEndpoint", toEndpoint.n).Int64("fromEndpoint", fromEndpoint.n).
 			AnErr("toEndpointErr", toEndpoint.err).AnErr("fromEndpointErr", fromEndpoint.err).
 			Msg("connection closed")
 	}
+	c.end()
+}
+
+// end forgets the connection, releases its context and lets Shutdown know it is gone.
+func (c *tcpConn) end() {
+	c.p.forget(c)
+	c.cancel()
+	c.p.connWG.Done()
 }
 
 // connect dials an endpoint for the connection, asking Choose again (reset=true) after each
@@ -358,16 +384,16 @@ func (c *tcpConn) connect(clientAddr netip.AddrPort) *net.TCPConn {
 func (c *tcpConn) dial(target Target, client netip.AddrPort, timeout time.Duration) (*net.TCPConn, error) {
 	ep := target.Endpoint
 	if !target.Transparent || !canDialFrom(client.Addr(), ep) {
-		return dialTCP(c.ctx, net.Dialer{Timeout: timeout}, ep)
+		return dialTCP(c.ctx, newDialer(timeout), ep)
 	}
 	d := transparentDialer(client.Addr())
-	d.Timeout = timeout
+	d.Timeout, d.KeepAliveConfig = timeout, endpointKeepAlive
 	conn, err := dialTCP(c.ctx, d, ep)
 	if err == nil || !isTransparentSetupError(err) {
 		return conn, err
 	}
 	logTransparentFallback(c.p.Log, &c.p.transparentWarned, err, client, ep)
-	return dialTCP(c.ctx, net.Dialer{Timeout: timeout}, ep)
+	return dialTCP(c.ctx, newDialer(timeout), ep)
 }
 
 // dialTCP connects to ep with d (or until ctx ends); d's other options are Go's defaults.
@@ -429,13 +455,22 @@ type copyResult struct {
 }
 
 // copyToEndpoint copies client→endpoint until the client's EOF, then half-closes the endpoint.
-func (c *tcpConn) copyToEndpoint(backend *net.TCPConn) copyResult {
-	return c.pump(backend, c.client)
+func (c *tcpConn) copyToEndpoint() {
+	c.toEndpoint = c.pump(c.backend0, c.client)
+	c.copyDone()
 }
 
 // copyToClient copies endpoint→client until the endpoint's EOF, then half-closes the client.
-func (c *tcpConn) copyToClient(backend *net.TCPConn, done chan<- copyResult) {
-	done <- c.pump(c.client, backend)
+func (c *tcpConn) copyToClient() {
+	c.fromEndpoint = c.pump(c.client, c.backend0)
+	c.copyDone()
+}
+
+// copyDone is called by each direction when it ends; the second call finishes the connection.
+func (c *tcpConn) copyDone() {
+	if c.copying.Add(-1) == 0 {
+		c.finish(c.backend0, c.toEndpoint, c.fromEndpoint)
+	}
 }
 
 // pump copies src to dst and passes src's EOF on to dst with CloseWrite. The bytes move with
