@@ -41,8 +41,10 @@ type PortState struct {
 
 // Portals programs the rules that send service traffic to the proxy's listeners.
 type Portals interface {
-	// Sync makes the rules match ports exactly (the complete desired state).
-	Sync(ctx context.Context, ports []PortState) error
+	// Sync makes the rules match ports exactly (the complete desired state). With full set it
+	// rewrites every rule, repairing whatever someone else changed; otherwise it may write only
+	// what changed since its last successful sync.
+	Sync(ctx context.Context, ports []PortState, full bool) error
 }
 
 // SyncObserver is told about every sync; the metrics and health servers implement it.
@@ -126,6 +128,11 @@ type Proxier struct {
 }
 
 // New returns a Proxier. Nothing runs until Run.
+// syncBurst is how many syncs may follow each other before MinSyncPeriod applies: 2, as in
+// kube-proxy's iptables mode, so that a Service and its EndpointSlice created together are both
+// programmed at once.
+const syncBurst = 2
+
 func New(opts Options) *Proxier {
 	if opts.MinSyncPeriod <= 0 {
 		opts.MinSyncPeriod = time.Second
@@ -146,7 +153,7 @@ func New(opts Options) *Proxier {
 		endpoints: map[types.NamespacedName]tracker.Endpoints{},
 	}
 	p.holder = newHolder(opts.Log, opts.LocalAddrs)
-	p.runner = syncrunner.New(p.sync, opts.MinSyncPeriod, opts.SyncPeriod)
+	p.runner = syncrunner.New(p.sync, opts.MinSyncPeriod, opts.SyncPeriod, syncBurst)
 	p.tracker = tracker.New(tracker.Options{
 		Log: opts.Log,
 		OnChange: func() {
@@ -178,10 +185,11 @@ func (p *Proxier) Run(ctx context.Context) {
 
 // Sync runs one sync now, on the caller's goroutine. It is for tests and must not be called
 // while Run is running.
-func (p *Proxier) Sync() { p.sync() }
+func (p *Proxier) Sync() { p.sync(true) }
 
-// sync applies pending changes; it runs on the runner's goroutine only.
-func (p *Proxier) sync() {
+// sync applies pending changes; it runs on the runner's goroutine only. The periodic sync
+// rewrites every portal rule; the ones that changes trigger write only what changed.
+func (p *Proxier) sync(periodic bool) {
 	select {
 	case <-p.synced:
 	default:
@@ -217,7 +225,7 @@ func (p *Proxier) sync() {
 
 	var err error
 	if p.opts.Portals != nil {
-		if err = p.opts.Portals.Sync(context.Background(), states); err != nil {
+		if err = p.opts.Portals.Sync(context.Background(), states, periodic); err != nil {
 			p.log.Error().Err(err).Msg("programming portals failed; retrying at the next sync")
 		}
 	}

@@ -1,5 +1,10 @@
 // Package syncrunner runs a function at bounded frequency: as soon as possible after a trigger,
-// but never more often than once per MinInterval, and at least once per MaxInterval.
+// but on average no more often than once per MinInterval, and at least once per MaxInterval.
+//
+// Like kube-proxy's BoundedFrequencyRunner, it allows a burst: up to Burst runs back to back
+// after a quiet spell, then one per MinInterval. A Service created just before its
+// EndpointSlice is thus programmed at once both times, instead of the second change waiting a
+// whole MinInterval for the first's run.
 //
 // It is the sync loop's heartbeat: every Service or EndpointSlice event triggers it, bursts of
 // events merge into one run (a one-slot channel holds the pending trigger), and the periodic run
@@ -13,15 +18,19 @@ import (
 
 // Runner calls fn at bounded frequency. Create it with New and start it with Run.
 type Runner struct {
-	fn       func()
+	fn       func(periodic bool)
 	min, max time.Duration
+	burst    int
 	trigger  chan struct{}
 }
 
-// New returns a Runner for fn. minInterval ≤ 0 means no lower bound; maxInterval ≤ 0 means no
-// periodic run.
-func New(fn func(), minInterval, maxInterval time.Duration) *Runner {
-	return &Runner{fn: fn, min: minInterval, max: maxInterval, trigger: make(chan struct{}, 1)}
+// New returns a Runner for fn, which is told whether its run is the periodic one (the
+// MaxInterval timer fired, perhaps together with triggers) rather than one for triggers only.
+// minInterval ≤ 0 means no lower bound; maxInterval ≤ 0 means no
+// periodic run; burst is how many runs may follow each other without waiting (at least 1;
+// kube-proxy's iptables mode uses 2).
+func New(fn func(periodic bool), minInterval, maxInterval time.Duration, burst int) *Runner {
+	return &Runner{fn: fn, min: minInterval, max: maxInterval, burst: max(burst, 1), trigger: make(chan struct{}, 1)}
 }
 
 // Trigger asks for a run. It never blocks; triggers before the run starts merge into it.
@@ -35,17 +44,22 @@ func (r *Runner) Trigger() {
 // Run calls fn once per trigger or period until ctx is done. It does not run fn until the first
 // trigger or the first period has passed. It returns when ctx is done and fn has returned.
 func (r *Runner) Run(ctx context.Context) {
-	var last time.Time
+	// The rate limit is a token bucket of burst tokens refilled at one per min, kept as the
+	// time the bucket would be back to full (the generic cell rate algorithm): a run may start
+	// once that is no more than (burst-1)·min ahead of now.
+	var full time.Time
 	periodic := time.NewTimer(r.periodic())
 	defer periodic.Stop()
 	for {
+		isPeriodic := false
 		select {
 		case <-ctx.Done():
 			return
 		case <-r.trigger:
 		case <-periodic.C:
+			isPeriodic = true
 		}
-		if wait := r.min - time.Since(last); !last.IsZero() && wait > 0 {
+		if wait := time.Until(full.Add(-time.Duration(r.burst-1) * r.min)); r.min > 0 && wait > 0 {
 			t := time.NewTimer(wait)
 			select {
 			case <-ctx.Done():
@@ -53,14 +67,23 @@ func (r *Runner) Run(ctx context.Context) {
 				return
 			case <-t.C:
 			}
+			// The period may have ended meanwhile: this run is the periodic one then.
+			select {
+			case <-periodic.C:
+				isPeriodic = true
+			default:
+			}
 		}
 		// Triggers that arrived while waiting are served by this run.
 		select {
 		case <-r.trigger:
 		default:
 		}
-		last = time.Now()
-		r.fn()
+		if now := time.Now(); full.Before(now) {
+			full = now
+		}
+		full = full.Add(r.min)
+		r.fn(isPeriodic)
 		periodic.Reset(r.periodic())
 	}
 }

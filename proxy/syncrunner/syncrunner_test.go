@@ -11,21 +11,27 @@ import (
 // runs records when fn ran.
 type runs struct {
 	mu sync.Mutex
-	at []time.Time
-	ch chan struct{}
+	at       []time.Time
+	periodic []bool
+	ch       chan struct{}
 }
 
-func (r *runs) fn() {
+func (r *runs) fn(periodic bool) {
 	r.mu.Lock()
 	r.at = append(r.at, time.Now())
+	r.periodic = append(r.periodic, periodic)
 	r.mu.Unlock()
 	r.ch <- struct{}{}
 }
 
 func start(t *testing.T, min, max time.Duration) (*Runner, *runs) {
+	return startBurst(t, min, max, 1)
+}
+
+func startBurst(t *testing.T, min, max time.Duration, burst int) (*Runner, *runs) {
 	t.Helper()
 	rec := &runs{ch: make(chan struct{}, 100)}
-	r := New(rec.fn, min, max)
+	r := New(rec.fn, min, max, burst)
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
 	go func() { r.Run(ctx); close(done) }()
@@ -53,6 +59,33 @@ func TestTriggersMergeAndRespectMinInterval(t *testing.T) {
 	if gap := rec.at[1].Sub(rec.at[0]); gap < min {
 		t.Errorf("runs %v apart, want at least %v", gap, min)
 	}
+	if rec.periodic[0] || rec.periodic[1] {
+		t.Errorf("triggered runs reported periodic: %v", rec.periodic)
+	}
+}
+
+// With a burst of 2, two triggers after a quiet spell run at once; the third waits for the
+// bucket to refill (one run per min), and so does everything after it.
+func TestBurst(t *testing.T) {
+	const min = 300 * time.Millisecond
+	r, rec := startBurst(t, min, time.Hour, 2)
+	for range 4 {
+		r.Trigger()
+		<-rec.ch
+	}
+	rec.mu.Lock()
+	defer rec.mu.Unlock()
+	if gap := rec.at[1].Sub(rec.at[0]); gap >= min {
+		t.Errorf("second run of the burst %v after the first, want it without waiting (< %v)", gap, min)
+	}
+	for i := 2; i < 4; i++ {
+		if gap := rec.at[i].Sub(rec.at[i-2]); gap < min {
+			t.Errorf("runs %d and %d %v apart, want at least %v (one token per interval)", i-2, i, gap, min)
+		}
+		if gap := rec.at[i].Sub(rec.at[i-1]); gap < min/2 {
+			t.Errorf("run %d only %v after run %d: the burst was not used up", i, gap, i-1)
+		}
+	}
 }
 
 func TestPeriodicRun(t *testing.T) {
@@ -64,11 +97,18 @@ func TestPeriodicRun(t *testing.T) {
 			t.Fatal("no periodic run")
 		}
 	}
+	rec.mu.Lock()
+	defer rec.mu.Unlock()
+	for i, p := range rec.periodic[:3] {
+		if !p {
+			t.Errorf("run %d: periodic=false, want true for a run the period started", i)
+		}
+	}
 }
 
 func TestRunStopsOnCancel(t *testing.T) {
 	var n atomic.Int32
-	r := New(func() { n.Add(1) }, 0, 0)
+	r := New(func(bool) { n.Add(1) }, 0, 0, 1)
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
 	go func() { r.Run(ctx); close(done) }()

@@ -126,7 +126,7 @@ func (o *Options) FlagGroups() []FlagGroup {
 			fs.StringVar(&o.ProxyPortRange, "proxy-port-range", o.ProxyPortRange, "Range of host ports for the proxy listeners: 'begin-end', 'begin+offset' or a single port; empty means random ports. [config: portRange]")
 			fs.DurationVar(&o.UDPTimeout, "udp-timeout", o.UDPTimeout, "How long an idle UDP session is kept (kube-proxy's 250ms broke DNS forwarders; default: conntrack's 30s).")
 			fs.DurationVar(&o.SyncPeriod, "iptables-sync-period", o.SyncPeriod, "The longest time between two syncs (rules repaired, state re-applied). [config: iptables.syncPeriod]")
-			fs.DurationVar(&o.MinSyncPeriod, "iptables-min-sync-period", o.MinSyncPeriod, "The shortest time between two syncs; changes within it are applied together. [config: iptables.minSyncPeriod]")
+			fs.DurationVar(&o.MinSyncPeriod, "iptables-min-sync-period", o.MinSyncPeriod, "The shortest average time between two syncs (two may run back to back, as in kube-proxy); changes within it are applied together. [config: iptables.minSyncPeriod]")
 			fs.BoolVar(&o.TransparentLocal, "transparent-local", o.TransparentLocal, "Keep the client's address for externalTrafficPolicy: Local services: connect to endpoints on this node from the client's own IP (IP_TRANSPARENT, with a mangle rule, ip rule and route that deliver the replies; needs --portal-mode iptables). false: endpoints see the node's address.")
 		}),
 		group("Health and metrics", func(fs *pflag.FlagSet) {
