@@ -60,6 +60,9 @@ type Manager struct {
 	// synced is true after a successful Sync: our chains existed then, and jumps found missing
 	// later were removed by someone else and are logged when put back.
 	synced bool
+	// written holds, per table, the rule lines the last successful Sync or Update left in our
+	// chains; nil when unknown.
+	written map[string][]string
 }
 
 // NewManager checks opts and returns a Manager. It changes nothing on the host.
@@ -136,8 +139,28 @@ func jumps() []jump {
 func (m *Manager) Sync(portals []Portal) error {
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	start := time.Now()
+	return m.syncLocked(portals, true)
+}
 
+// Update is Sync for the syncs that changes trigger: it writes only the rules that differ from
+// what the last successful Sync or Update wrote (deleting and appending single rules with
+// iptables-restore --noflush, and not running it at all for a table with no change), and skips
+// the jump checks. It thus costs in proportion to the change, not to the number of services,
+// as kube-proxy's partial syncs do. It does a full Sync instead when no earlier one succeeded,
+// and when writing the difference fails (someone else changed our chains): the periodic Sync
+// repairs everything else.
+//
+// Rules of different portals never match the same packets (each names its own address, port
+// and protocol), so appending a changed portal's rules after the others' is equivalent to the
+// sorted order Sync writes.
+func (m *Manager) Update(portals []Portal) error {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return m.syncLocked(portals, false)
+}
+
+func (m *Manager) syncLocked(portals []Portal, full bool) error {
+	start := time.Now()
 	var invalid, errs []error
 	for i := range portals {
 		if err := portals[i].Validate(); err != nil {
@@ -148,26 +171,102 @@ func (m *Manager) Sync(portals []Portal) error {
 	if err != nil {
 		return errors.Join(append(invalid, err)...)
 	}
-
-	errs = append(errs, m.ensureJumpsLocked()...)
+	partial := !full && m.synced && m.written != nil
+	if !partial {
+		errs = append(errs, m.ensureJumpsLocked()...)
+	}
 	jumped := time.Now()
 
 	nat, filter := Render(m.cfg, host, portals)
 	rendered := time.Now()
-	for _, t := range []struct {
+	tables := []struct {
 		table   string
 		payload []byte
-	}{{tableFilter, filter}, {tableNAT, nat}} {
+	}{{tableFilter, filter}, {tableNAT, nat}}
+	if partial {
+		written := map[string][]string{}
+		var deltaBytes int
+		for _, t := range tables {
+			rules := ruleLines(t.payload)
+			written[t.table] = rules
+			delta := diffRules(m.written[t.table], rules)
+			if len(delta) == 0 {
+				continue
+			}
+			deltaBytes += len(delta)
+			if err := m.run.Restore(t.table, delta); err != nil {
+				m.log.Warn().Err(err).Str("table", t.table).Msg("writing the changed portal rules failed; rewriting all of them")
+				m.synced = false
+				return m.syncLocked(portals, true)
+			}
+		}
+		m.written = written
+		m.log.Debug().Int("portals", len(portals)).Int("deltaBytes", deltaBytes).
+			Dur("render", rendered.Sub(jumped)).Dur("restore", time.Since(rendered)).
+			Dur("total", time.Since(start)).Msg("updated portal rules")
+		return errors.Join(invalid...)
+	}
+
+	written := map[string][]string{}
+	for _, t := range tables {
 		if err := m.run.Restore(t.table, t.payload); err != nil {
 			errs = append(errs, fmt.Errorf("portal sync: restore %s table: %w", t.table, err))
+			continue
 		}
+		written[t.table] = ruleLines(t.payload)
 	}
-	// Until a sync succeeds, the next one checks every chain again.
+	// Until a sync succeeds, the next one checks every chain again and writes every rule.
 	m.synced = len(errs) == 0
+	m.written = nil
+	if m.synced {
+		m.written = written
+	}
 	m.log.Debug().Int("portals", len(portals)).Int("natBytes", len(nat)).Int("filterBytes", len(filter)).
 		Dur("jumps", jumped.Sub(start)).Dur("render", rendered.Sub(jumped)).Dur("restore", time.Since(rendered)).
 		Dur("total", time.Since(start)).Msg("synced portal rules")
 	return errors.Join(append(invalid, errs...)...)
+}
+
+// ruleLines returns the "-A chain ..." lines of a rendered payload.
+func ruleLines(payload []byte) []string {
+	lines := strings.Split(string(payload), "\n")
+	rules := lines[:0]
+	for _, l := range lines {
+		if strings.HasPrefix(l, "-A ") {
+			rules = append(rules, l)
+		}
+	}
+	return rules
+}
+
+// diffRules returns the iptables-restore --noflush input that turns the rules was into the rules
+// now: a "-D" line per rule only in was, then an "-A" line per rule only in now, in their
+// order. It is empty when both hold the same rules (a rule's position within its chain does not
+// matter: see Update).
+func diffRules(was, now []string) []byte {
+	count := make(map[string]int, len(was))
+	for _, r := range was {
+		count[r]++
+	}
+	var added []string
+	for _, r := range now {
+		if count[r] > 0 {
+			count[r]--
+		} else {
+			added = append(added, r)
+		}
+	}
+	var b []byte
+	for _, r := range was {
+		if count[r] > 0 {
+			count[r]--
+			b = append(append(append(b, "-D "...), r[len("-A "):]...), '\n')
+		}
+	}
+	for _, r := range added {
+		b = append(append(b, r...), '\n')
+	}
+	return b
 }
 
 // ensureJumpsLocked makes sure our chains and the jumps into them exist. Before the first
@@ -300,6 +399,6 @@ func (m *Manager) Cleanup() error {
 			}
 		}
 	}
-	m.synced = false
+	m.synced, m.written = false, nil
 	return errors.Join(errs...)
 }

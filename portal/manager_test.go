@@ -413,3 +413,83 @@ func TestNewManagerChecks(t *testing.T) {
 		t.Errorf("bind IP without host IP: %v", err)
 	}
 }
+
+// restoreRecorder records the payloads of Restore calls.
+type restoreRecorder struct {
+	*iptables.Runner
+	restores []string // "table: payload"
+}
+
+func (r *restoreRecorder) Restore(table string, payload []byte) error {
+	r.restores = append(r.restores, table+": "+string(payload))
+	return r.Runner.Restore(table, payload)
+}
+
+// TestManagerUpdateInNamespace checks partial updates on a real kernel: Update writes only the
+// rules that changed, nothing when nothing did, and the chains always end up exactly as a full
+// Sync would leave them, also after someone else removed a rule the update wants to delete.
+func TestManagerUpdateInNamespace(t *testing.T) {
+	requireBackends(t)
+	for _, b := range allBackends {
+		t.Run(b.String(), func(t *testing.T) {
+			ns := netnstest.New(t)
+			ad := testAddrs(b.family)
+			ns.IP(t, "addr", "add", netip.PrefixFrom(ad.host, ad.host.BitLen()).String(), "dev", "lo")
+			ns.Do(t, func() { testUpdate(t, b, ad) })
+		})
+	}
+}
+
+func testUpdate(t *testing.T, b backend, ad addrs) {
+	cfg := Config{Family: b.family, HostIP: ad.host}
+	rec := &restoreRecorder{Runner: mustRunner(t, b)}
+	m, err := NewManager(Options{Config: cfg, Runner: rec})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { m.Cleanup() })
+	web := Portal{Comment: "default/web:http", Protocol: "tcp", Port: 80, ClusterIP: ad.clusterIP, ProxyPort: 38023, NodePort: 30080,
+		LoadBalancerIPs: []netip.Addr{ad.lbIP}}
+	dns := Portal{Comment: "default/dns:dns", Protocol: "udp", Port: 53, ClusterIP: ad.clusterIP2, ProxyPort: 38053}
+	update := func(what string, ps []Portal, wantRestores int, wantIn, wantNotIn string) {
+		t.Helper()
+		rec.restores = nil
+		if err := m.Update(ps); err != nil {
+			t.Fatalf("%s: Update: %v", what, err)
+		}
+		nat, filter := Render(cfg, Host{}, ps)
+		checkProgrammed(t, b, "nat", nat)
+		checkProgrammed(t, b, "filter", filter)
+		checkJumps(t, b)
+		if wantRestores >= 0 && len(rec.restores) != wantRestores {
+			t.Errorf("%s: %d restores, want %d:\n%s", what, len(rec.restores), wantRestores, strings.Join(rec.restores, "\n"))
+		}
+		all := strings.Join(rec.restores, "\n")
+		if wantIn != "" && !strings.Contains(all, wantIn) {
+			t.Errorf("%s: restores lack %q:\n%s", what, wantIn, all)
+		}
+		if wantNotIn != "" && strings.Contains(all, wantNotIn) {
+			t.Errorf("%s: restores have %q:\n%s", what, wantNotIn, all)
+		}
+	}
+
+	// The first Update has nothing to compare with: a full sync, chains declared.
+	update("first", []Portal{web}, 2, ":"+ChainPortalsContainer, "")
+	// A new portal: only its rules are written, in nat only (no NodePort, so filter is unchanged).
+	update("add dns", []Portal{web, dns}, 1, "-A "+ChainPortalsContainer, "default/web:http")
+	// No change: no restore at all.
+	update("no change", []Portal{web, dns}, 0, "", "")
+	// A changed proxy port: the old rules deleted, the new appended; dns untouched.
+	web2 := web
+	web2.ProxyPort = 38099
+	update("change web", []Portal{web2, dns}, 2, "-D "+ChainPortalsContainer, "default/dns:dns")
+	// Someone else deleted a rule the next update deletes: the partial write fails and the
+	// manager falls back to writing everything.
+	b.ipt(t, "-t", "nat", "-F", ChainPortalsHost)
+	update("fallback", []Portal{dns}, -1, ":"+ChainPortalsContainer, "")
+	// A periodic Sync, then Update keeps working from its state.
+	if err := m.Sync([]Portal{dns}); err != nil {
+		t.Fatalf("Sync: %v", err)
+	}
+	update("after sync", []Portal{dns, web}, 2, "default/web:http", "default/dns:dns")
+}

@@ -125,7 +125,7 @@ func (l *listener) open(alloc *portalloc.Allocator, bind netip.Addr, udpTimeout 
 			l.served.Add(1)
 			go l.serveUDP(l.udp)
 		default:
-			ln, err := net.ListenTCP(tcpNetwork(bind), net.TCPAddrFromAddrPort(addr))
+			ln, err := forward.ListenTCP(tcpNetwork(bind), net.TCPAddrFromAddrPort(addr))
 			if err != nil {
 				lastErr = err
 				failed = append(failed, port)

@@ -133,7 +133,7 @@ type recordingPortals struct {
 	last []PortState
 }
 
-func (r *recordingPortals) Sync(_ context.Context, ports []PortState) error {
+func (r *recordingPortals) Sync(_ context.Context, ports []PortState, _ bool) error {
 	r.mu.Lock()
 	r.last = ports
 	r.mu.Unlock()

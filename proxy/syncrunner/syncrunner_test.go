@@ -10,7 +10,7 @@ import (
 
 // runs records when fn ran.
 type runs struct {
-	mu sync.Mutex
+	mu       sync.Mutex
 	at       []time.Time
 	periodic []bool
 	ch       chan struct{}

@@ -89,14 +89,19 @@ func newPortals(ctx context.Context, v *Validated, log zerolog.Logger) (*portalS
 	return set, nil
 }
 
-// Sync programs every family's portals, and restores the routing of transparent connections.
-func (s *portalSet) Sync(ctx context.Context, ports []proxy.PortState) error {
+// Sync programs every family's portals. A full sync rewrites every rule and restores the
+// routing of transparent connections; the others write only the rules that changed.
+func (s *portalSet) Sync(ctx context.Context, ports []proxy.PortState, full bool) error {
 	var errs []error
 	for _, f := range s.families {
-		if err := f.manager.Sync(toPortals(f.family, ports)); err != nil {
+		sync := f.manager.Update
+		if full {
+			sync = f.manager.Sync
+		}
+		if err := sync(toPortals(f.family, ports)); err != nil {
 			errs = append(errs, fmt.Errorf("%v portals: %w", f.family, err))
 		}
-		if f.ensureTransparent {
+		if full && f.ensureTransparent {
 			if err := f.transparent.Ensure(ctx); err != nil {
 				errs = append(errs, fmt.Errorf("%v: %w", f.family, err))
 			}
