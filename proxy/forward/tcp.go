@@ -24,8 +24,8 @@ func defaultDialTimeouts() []time.Duration {
 // Set the fields, then run Serve in a goroutine; the fields must not change after that. Close
 // stops accepting; established connections go on until they end or Shutdown cuts them.
 //
-// Each connection is handled by its own goroutine, so a slow or dead endpoint never holds up the
-// accept loop. Its endpoint is dialled with DialTimeouts[0]; when that fails, Choose is asked
+// Each connection is dialled by a goroutine of its own, so a slow or dead endpoint never holds up
+// the accept loop; once connected, each direction has a goroutine. Its endpoint is dialled with DialTimeouts[0]; when that fails, Choose is asked
 // again with reset=true and the next timeout is used, until the list is exhausted. A client
 // whose connection cannot reach any endpoint is reset (RST), so it learns at once that the
 // service is unavailable instead of mistaking a FIN for an empty answer. Once connected, the
@@ -257,7 +257,8 @@ func (p *TCPProxy) startConn(client *net.TCPConn) {
 	go c.serve()
 }
 
-// tcpConn is one proxied connection. Its goroutine (serve) owns it.
+// tcpConn is one proxied connection. Its goroutines own it: serve while connecting, then the two
+// copy goroutines, the last of which finishes it.
 type tcpConn struct {
 	p      *TCPProxy
 	client *net.TCPConn
