@@ -118,7 +118,11 @@ func newTestManager(t *testing.T, b backend, cfg Config) (*Manager, *iptables.Ru
 }
 
 // TestManagerInNamespace programs a real kernel, in a namespace of its own per backend.
-func TestManagerInNamespace(t *testing.T) {
+func TestManagerInNamespace(t *testing.T) { inEachBackend(t, testManager) }
+
+// inEachBackend runs fn once per backend, inside a network namespace of its own that has the
+// family's node addresses.
+func inEachBackend(t *testing.T, fn func(t *testing.T, b backend, ad addrs)) {
 	requireBackends(t)
 	for _, b := range allBackends {
 		t.Run(b.String(), func(t *testing.T) {
@@ -127,7 +131,7 @@ func TestManagerInNamespace(t *testing.T) {
 			// Node addresses live on lo (this kernel has no dummy links).
 			ns.IP(t, "addr", "add", netip.PrefixFrom(ad.host, ad.host.BitLen()).String(), "dev", "lo")
 			ns.IP(t, "addr", "add", netip.PrefixFrom(ad.node2, ad.node2.BitLen()).String(), "dev", "lo")
-			ns.Do(t, func() { testManager(t, b, ad) })
+			ns.Do(t, func() { fn(t, b, ad) })
 		})
 	}
 }
@@ -428,17 +432,7 @@ func (r *restoreRecorder) Restore(table string, payload []byte) error {
 // TestManagerUpdateInNamespace checks partial updates on a real kernel: Update writes only the
 // rules that changed, nothing when nothing did, and the chains always end up exactly as a full
 // Sync would leave them, also after someone else removed a rule the update wants to delete.
-func TestManagerUpdateInNamespace(t *testing.T) {
-	requireBackends(t)
-	for _, b := range allBackends {
-		t.Run(b.String(), func(t *testing.T) {
-			ns := netnstest.New(t)
-			ad := testAddrs(b.family)
-			ns.IP(t, "addr", "add", netip.PrefixFrom(ad.host, ad.host.BitLen()).String(), "dev", "lo")
-			ns.Do(t, func() { testUpdate(t, b, ad) })
-		})
-	}
-}
+func TestManagerUpdateInNamespace(t *testing.T) { inEachBackend(t, testUpdate) }
 
 func testUpdate(t *testing.T, b backend, ad addrs) {
 	cfg := Config{Family: b.family, HostIP: ad.host}
