@@ -125,6 +125,8 @@ type Proxier struct {
 	localAddrs atomic.Pointer[map[netip.Addr]bool]
 	// syncs counts finished syncs (for tests).
 	syncs int
+	// lastFull is when the last successful full portal sync started; sync goroutine only.
+	lastFull time.Time
 }
 
 // New returns a Proxier. Nothing runs until Run.
@@ -188,7 +190,9 @@ func (p *Proxier) Run(ctx context.Context) {
 func (p *Proxier) Sync() { p.sync(true) }
 
 // sync applies pending changes; it runs on the runner's goroutine only. The periodic sync
-// rewrites every portal rule; the ones that changes trigger write only what changed.
+// rewrites every portal rule, and so does any sync once SyncPeriod has passed since the last
+// full one (triggered syncs restart the runner's period, so on a busy cluster the periodic one
+// might never come); the others write only what changed.
 func (p *Proxier) sync(periodic bool) {
 	select {
 	case <-p.synced:
@@ -225,8 +229,11 @@ func (p *Proxier) sync(periodic bool) {
 
 	var err error
 	if p.opts.Portals != nil {
-		if err = p.opts.Portals.Sync(context.Background(), states, periodic); err != nil {
+		full := periodic || time.Since(p.lastFull) >= p.opts.SyncPeriod
+		if err = p.opts.Portals.Sync(context.Background(), states, full); err != nil {
 			p.log.Error().Err(err).Msg("programming portals failed; retrying at the next sync")
+		} else if full {
+			p.lastFull = start
 		}
 	}
 	took := time.Since(start)

@@ -8,6 +8,7 @@ import (
 	"io"
 	"net"
 	"net/netip"
+	"slices"
 	"strings"
 	"sync"
 	"syscall"
@@ -129,15 +130,37 @@ func slice(service, sliceName, portName string, proto v1.Protocol, bs ...*backen
 }
 
 type recordingPortals struct {
-	mu   sync.Mutex
-	last []PortState
+	mu    sync.Mutex
+	last  []PortState
+	fulls []bool // the full flag of every Sync
 }
 
-func (r *recordingPortals) Sync(_ context.Context, ports []PortState, _ bool) error {
+func (r *recordingPortals) Sync(_ context.Context, ports []PortState, full bool) error {
 	r.mu.Lock()
 	r.last = ports
+	r.fulls = append(r.fulls, full)
 	r.mu.Unlock()
 	return nil
+}
+
+// Portal syncs are full when periodic, the first time, and whenever SyncPeriod has passed since
+// the last full one; otherwise partial.
+func TestPortalSyncsFullOrPartial(t *testing.T) {
+	portals := &recordingPortals{}
+	p := newTestProxier(t, Options{Portals: portals, SyncPeriod: time.Hour})
+	p.sync(false) // the first: full
+	p.sync(false) // right after: partial
+	p.sync(true)  // periodic: full
+	p.sync(false)
+	p.lastFull = time.Now().Add(-time.Hour - time.Second) // as if the period had passed
+	p.sync(false)                                         // overdue: full
+	p.sync(false)
+	want := []bool{true, false, true, false, true, false}
+	portals.mu.Lock()
+	defer portals.mu.Unlock()
+	if !slices.Equal(portals.fulls, want) {
+		t.Errorf("full flags of the portal syncs: %v, want %v", portals.fulls, want)
+	}
 }
 
 func newTestProxier(t *testing.T, opts Options) *Proxier {
