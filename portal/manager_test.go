@@ -435,7 +435,7 @@ func (r *restoreRecorder) Restore(table string, payload []byte) error {
 func TestManagerUpdateInNamespace(t *testing.T) { inEachBackend(t, testUpdate) }
 
 func testUpdate(t *testing.T, b backend, ad addrs) {
-	cfg := Config{Family: b.family, HostIP: ad.host}
+	cfg := Config{Family: b.family, HostIP: ad.host, ClusterCIDRs: []netip.Prefix{pfx("10.244.0.0/16"), pfx("fd00:244::/48")}}
 	rec := &restoreRecorder{Runner: mustRunner(t, b)}
 	m, err := NewManager(Options{Config: cfg, Runner: rec})
 	if err != nil {
@@ -486,4 +486,8 @@ func testUpdate(t *testing.T, b backend, ad addrs) {
 		t.Fatalf("Sync: %v", err)
 	}
 	update("after sync", []Portal{dns, web}, 2, "default/web:http", "default/dns:dns")
+	// Local policy without a local endpoint: dropped from outside, redirected from pods.
+	webDrop := web
+	webDrop.External = Drop
+	update("drop", []Portal{dns, webDrop}, 2, "-s ", "default/dns:dns")
 }

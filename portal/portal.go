@@ -142,6 +142,12 @@ type Config struct {
 	// addresses inside these prefixes. Empty, no prefix of this family, or a /0 prefix of this
 	// family mean every local address (matched with `-m addrtype --dst-type LOCAL`).
 	NodePortAddresses []netip.Prefix
+	// ClusterCIDRs (kube-proxy's --cluster-cidr) are the pods' addresses. Traffic from them to a
+	// NodePort, externalIP or load-balancer IP of an externalTrafficPolicy: Local service without
+	// a local endpoint is not dropped but sent to the proxy, which serves it from any endpoint,
+	// as kube-proxy does for pod traffic it detects as local. Prefixes of the other family are
+	// ignored.
+	ClusterCIDRs []netip.Prefix
 }
 
 // Host is what a Manager finds out about the node when it syncs. Render takes it as an argument so

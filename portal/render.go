@@ -72,8 +72,9 @@ type renderer struct {
 	hostDst     netip.Addr // DNAT destination in HOST chains
 	nodeIPs     []netip.Addr
 	allNodeIPs  bool
-	reject      []byte // the REJECT target for UDP in this family
-	rejectTCP   []byte // the REJECT target for TCP: a reset, not subject to ICMP rate limits
+	podCIDRs    []netip.Prefix // Config.ClusterCIDRs of this family
+	reject      []byte         // the REJECT target for UDP in this family
+	rejectTCP   []byte         // the REJECT target for TCP: a reset, not subject to ICMP rate limits
 	drop        []byte
 	accept      []byte
 	pc, ph      []byte // KUBE-PORTALS-CONTAINER, KUBE-PORTALS-HOST
@@ -92,6 +93,11 @@ func newRenderer(cfg Config, host Host) *renderer {
 		r.hostDst = cfg.BindIP.Unmap()
 	}
 	r.nodeIPs, r.allNodeIPs = NodePortIPs(cfg.Family, cfg.NodePortAddresses, host.NodeIPs)
+	for _, c := range cfg.ClusterCIDRs {
+		if inFamily(cfg.Family, c.Addr()) {
+			r.podCIDRs = append(r.podCIDRs, c.Masked())
+		}
+	}
 	r.reject = []byte("-j REJECT --reject-with icmp-port-unreachable")
 	r.rejectTCP = []byte("-j REJECT --reject-with tcp-reset")
 	if r.v6 {
@@ -102,11 +108,15 @@ func newRenderer(cfg Config, host Host) *renderer {
 	return r
 }
 
-// match appends "-A chain [-d addr/len] -p P -m comment --comment "C" -m P --dport port", the
-// order iptables-save prints these matches in.
-func (r *renderer) match(b []byte, chain string, dst netip.Addr, p *Portal, port int) []byte {
+// match appends "-A chain [-s src] [-d addr/len] -p P -m comment --comment "C" -m P --dport port",
+// the order iptables-save prints these matches in.
+func (r *renderer) match(b []byte, chain string, src netip.Prefix, dst netip.Addr, p *Portal, port int) []byte {
 	b = append(b, "-A "...)
 	b = append(b, chain...)
+	if src.IsValid() {
+		b = append(b, " -s "...)
+		b = src.AppendTo(b)
+	}
 	if dst.IsValid() {
 		b = append(b, " -d "...)
 		b = dst.AppendTo(b)
@@ -129,7 +139,20 @@ func (r *renderer) match(b []byte, chain string, dst netip.Addr, p *Portal, port
 
 // rule appends one complete rule: match, then extra matches (may be ""), then the target.
 func (r *renderer) rule(b []byte, chain string, dst netip.Addr, p *Portal, port int, extra string, target []byte) []byte {
-	b = r.match(b, chain, dst, p, port)
+	return r.ruleFrom(b, chain, netip.Prefix{}, dst, p, port, extra, target)
+}
+
+// podRules appends, per cluster CIDR, a rule for traffic from pods (see Config.ClusterCIDRs).
+func (r *renderer) podRules(b []byte, chain string, dst netip.Addr, p *Portal, port int, target []byte) []byte {
+	for _, src := range r.podCIDRs {
+		b = r.ruleFrom(b, chain, src, dst, p, port, "", target)
+	}
+	return b
+}
+
+// ruleFrom is rule with a source match (none when src is the zero Prefix).
+func (r *renderer) ruleFrom(b []byte, chain string, src netip.Prefix, dst netip.Addr, p *Portal, port int, extra string, target []byte) []byte {
+	b = r.match(b, chain, src, dst, p, port)
 	if extra != "" {
 		b = append(b, ' ')
 		b = append(b, extra...)
@@ -182,7 +205,9 @@ func (r *renderer) portal(p *Portal) {
 	// A Drop external action (Local policy, no local endpoint) still sends the node's own traffic
 	// to the proxy, which gives it cluster-wide endpoints, as kube-proxy's "src-type LOCAL"
 	// short-circuit does: only traffic from elsewhere is dropped. The HOST chains see only
-	// locally generated packets, and their DNAT happens before the filter drop rules look.
+	// locally generated packets, and their DNAT happens before the filter drop rules look. Traffic
+	// from pods (Config.ClusterCIDRs) is redirected in the CONTAINER chains likewise, before the
+	// filter table could drop it.
 	hostShortCircuit := p.External == Drop && p.ProxyPort > 0
 	if p.Internal == Redirect || p.External == Redirect || hostShortCircuit {
 		r.setTargets(p)
@@ -207,6 +232,7 @@ func (r *renderer) portal(p *Portal) {
 			r.pf = r.rule(r.pf, ChainPortalsFilter, ip, p, p.Port, "", r.deny(p.External, p.Protocol))
 			if hostShortCircuit {
 				r.ph = r.rule(r.ph, ChainPortalsHost, ip, p, p.Port, "", r.hostTg)
+				r.pc = r.podRules(r.pc, ChainPortalsContainer, ip, p, p.Port, r.containerTg)
 			}
 		}
 	}
@@ -218,6 +244,7 @@ func (r *renderer) portal(p *Portal) {
 			r.pf = r.rule(r.pf, ChainPortalsFilter, ip, p, p.Port, "", r.deny(p.External, p.Protocol))
 			if hostShortCircuit {
 				r.ph = r.rule(r.ph, ChainPortalsHost, ip, p, p.Port, "-m addrtype --dst-type LOCAL", r.hostTg)
+				r.pc = r.podRules(r.pc, ChainPortalsContainer, ip, p, p.Port, r.containerTg)
 			}
 			continue
 		}
@@ -244,9 +271,11 @@ func (r *renderer) portal(p *Portal) {
 		if hostShortCircuit {
 			if r.allNodeIPs {
 				r.nh = r.rule(r.nh, ChainNodePortHost, netip.Addr{}, p, p.NodePort, "", r.hostTg)
+				r.nc = r.podRules(r.nc, ChainNodePortContainer, netip.Addr{}, p, p.NodePort, r.containerTg)
 			}
 			for _, ip := range r.nodeIPs {
 				r.nh = r.rule(r.nh, ChainNodePortHost, ip, p, p.NodePort, "", r.hostTg)
+				r.nc = r.podRules(r.nc, ChainNodePortContainer, ip, p, p.NodePort, r.containerTg)
 			}
 		}
 		return

@@ -218,6 +218,33 @@ func TestRender(t *testing.T) {
 			},
 		},
 		{
+			name: "drop with cluster CIDRs: pods are redirected like the node itself (other family's CIDR ignored)",
+			cfg: with(v4Config(), func(c *Config) {
+				c.ClusterCIDRs = []netip.Prefix{pfx("10.244.0.0/16"), pfx("fd00:244::/48")}
+			}),
+			portals: []Portal{with(web, func(p *Portal) {
+				p.NodePort = 30080
+				p.LoadBalancerIPs = []netip.Addr{a("203.0.113.1")}
+				p.ExternalIPs = []netip.Addr{a("192.0.2.7")}
+				p.External = Drop
+			})},
+			nat: []string{
+				`-A KUBE-PORTALS-CONTAINER -d 10.96.0.10/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -j REDIRECT --to-ports 38023`,
+				`-A KUBE-PORTALS-CONTAINER -s 10.244.0.0/16 -d 203.0.113.1/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -j REDIRECT --to-ports 38023`,
+				`-A KUBE-PORTALS-CONTAINER -s 10.244.0.0/16 -d 192.0.2.7/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -j REDIRECT --to-ports 38023`,
+				`-A KUBE-PORTALS-HOST -d 10.96.0.10/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -j DNAT --to-destination 10.0.0.5:38023`,
+				`-A KUBE-PORTALS-HOST -d 203.0.113.1/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -j DNAT --to-destination 10.0.0.5:38023`,
+				`-A KUBE-PORTALS-HOST -d 192.0.2.7/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -m addrtype --dst-type LOCAL -j DNAT --to-destination 10.0.0.5:38023`,
+				`-A KUBE-NODEPORT-CONTAINER -s 10.244.0.0/16 -p tcp -m comment --comment "default/web:http" -m tcp --dport 30080 -j REDIRECT --to-ports 38023`,
+				`-A KUBE-NODEPORT-HOST -p tcp -m comment --comment "default/web:http" -m tcp --dport 30080 -j DNAT --to-destination 10.0.0.5:38023`,
+			},
+			filter: []string{
+				`-A KUBE-PORTALS-FILTER -d 203.0.113.1/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -j DROP`,
+				`-A KUBE-PORTALS-FILTER -d 192.0.2.7/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -j DROP`,
+				`-A KUBE-PORTALS-FILTER -p tcp -m comment --comment "default/web:http" -m tcp --dport 30080 -m addrtype --dst-type LOCAL -j DROP`,
+			},
+		},
+		{
 			name: "drop NodePort with nodePortAddresses: per address",
 			cfg:  with(v4Config(), func(c *Config) { c.NodePortAddresses = []netip.Prefix{pfx("10.0.0.0/24")} }),
 			host: Host{NodeIPs: []netip.Addr{a("10.0.0.5"), a("192.168.1.1")}},

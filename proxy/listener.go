@@ -58,11 +58,12 @@ func (l *listener) protocol() v1.Protocol { return l.sp.Load().Protocol }
 func (l *listener) Choose(client, dst netip.AddrPort, reset bool) (forward.Target, error) {
 	sp := l.sp.Load()
 	external := dst.IsValid() && sp.UsesExternalPolicy(dst.Addr().Unmap())
-	if external && sp.ExternalPolicyLocal && l.proxier.isLocalAddr(client.Addr()) {
-		// Traffic the node itself sends to a NodePort, externalIP or LB IP has no client IP
-		// to preserve: like kube-proxy's "route LOCAL traffic ... to service chain" rule
-		// (addrtype --src-type LOCAL), it is treated as ClusterIP traffic and may use
-		// endpoints on every node (subject to internalTrafficPolicy).
+	if external && sp.ExternalPolicyLocal && (l.proxier.isLocalAddr(client.Addr()) || l.proxier.isClusterAddr(client.Addr())) {
+		// Traffic the node itself or a pod sends to a NodePort, externalIP or LB IP has no
+		// client IP to preserve: like kube-proxy's "route LOCAL traffic ... to service chain"
+		// rule (addrtype --src-type LOCAL) and its pod-traffic rule (-s cluster CIDR), it is
+		// treated as ClusterIP traffic and may use endpoints on every node (subject to
+		// internalTrafficPolicy).
 		external = false
 	}
 	ep, err := l.proxier.lb.Next(sp.Name, client.Addr().Unmap(), external, reset)

@@ -12,7 +12,8 @@ import (
 
 // TestChooseLocalTraffic checks which endpoints new traffic of a Local service may use,
 // depending on where it comes from and where it was sent: the node's own traffic to an
-// external address ignores externalTrafficPolicy: Local, as kube-proxy's src-type LOCAL rule does.
+// external address ignores externalTrafficPolicy: Local, as kube-proxy's src-type LOCAL rule does,
+// and so does a pod's (cluster CIDR), as kube-proxy's pod-traffic rule does.
 func TestChooseLocalTraffic(t *testing.T) {
 	nodeIP := netip.MustParseAddr("10.0.0.11")
 	clusterIP := netip.MustParseAddr("10.96.0.10")
@@ -31,12 +32,14 @@ func TestChooseLocalTraffic(t *testing.T) {
 		{"loopback to NodePort: cluster-wide", false, "127.0.0.1", nodeIP, true, false},
 		{"node's own traffic with internalTrafficPolicy Local: local only", true, "10.0.0.11", nodeIP, false, true},
 		{"outside client to ClusterIP: cluster-wide", false, "10.0.0.100", clusterIP, true, false},
+		{"pod (cluster CIDR) to NodePort: cluster-wide", false, "10.244.3.7", nodeIP, true, false},
+		{"pod with internalTrafficPolicy Local: local only", true, "10.244.3.7", nodeIP, false, true},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			p := newTestProxier(t, Options{NodeName: "node1", LocalAddrs: func() ([]netip.Addr, error) {
 				return []netip.Addr{nodeIP}, nil
-			}})
+			}, ClusterCIDRs: []netip.Prefix{netip.MustParsePrefix("10.244.0.0/16")}})
 			p.refreshLocalAddrs()
 			sp := &serviceport.ServicePort{
 				Name:     serviceport.Name{Namespace: "default", Name: "web", Port: "http"},

@@ -97,6 +97,11 @@ type Options struct {
 	// (NodeName), so they see the real client. It needs the reply routing of package
 	// portal/transparent. False dials from the node's address, as the userspace proxy always did.
 	TransparentLocal bool
+	// ClusterCIDRs are the pods' addresses (kube-proxy's --cluster-cidr). Pods reaching a
+	// NodePort, externalIP or load-balancer IP of an externalTrafficPolicy: Local service are
+	// served by any endpoint, as the node itself is: their traffic is in-cluster, and kube-proxy
+	// sends it to the cluster-wide endpoints too. Empty: only the node's own traffic is.
+	ClusterCIDRs []netip.Prefix
 }
 
 // Proxier runs the sync loop and owns every listener. Create it with New, feed its Tracker from a
@@ -394,6 +399,17 @@ func (p *Proxier) refreshLocalAddrs() {
 
 // isLocalAddr reports whether a is a loopback address or one of the node's own addresses (as of
 // the last sync).
+// isClusterAddr reports whether a is a pod's address (Options.ClusterCIDRs).
+func (p *Proxier) isClusterAddr(a netip.Addr) bool {
+	a = a.Unmap()
+	for _, c := range p.opts.ClusterCIDRs {
+		if c.Contains(a) {
+			return true
+		}
+	}
+	return false
+}
+
 func (p *Proxier) isLocalAddr(a netip.Addr) bool {
 	a = a.Unmap()
 	if a.IsLoopback() {

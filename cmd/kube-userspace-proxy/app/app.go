@@ -107,6 +107,7 @@ func Run(ctx context.Context, opts *Options, v *Validated, log zerolog.Logger) e
 		UDPTimeout:    opts.UDPTimeout,
 		MinSyncPeriod: opts.MinSyncPeriod,
 		SyncPeriod:    opts.SyncPeriod,
+		ClusterCIDRs:  v.ClusterCIDRs,
 	}
 	var portals *portalSet
 	if opts.PortalMode == PortalModeIPTables {

@@ -74,6 +74,12 @@ var configFields = []configField{
 		func(o *Options, c *kpconfig.KubeProxyConfiguration) {
 			c.NodePortAddresses = append([]string(nil), o.NodePortAddresses...)
 		}},
+	{"cluster-cidr", "clusterCIDR",
+		func(o *Options, c *kpconfig.KubeProxyConfiguration) bool {
+			o.ClusterCIDR = c.ClusterCIDR
+			return c.ClusterCIDR != ""
+		},
+		func(o *Options, c *kpconfig.KubeProxyConfiguration) { c.ClusterCIDR = o.ClusterCIDR }},
 	{"iptables-sync-period", "iptables.syncPeriod",
 		func(o *Options, c *kpconfig.KubeProxyConfiguration) bool {
 			o.SyncPeriod = c.IPTables.SyncPeriod.Duration
@@ -188,8 +194,8 @@ func ignoredFields(cfg *kpconfig.KubeProxyConfiguration) []string {
 	note(!notSet(cfg.Winkernel), "winkernel", "only the userspace mode is implemented")
 	note(cfg.IPTables.MasqueradeAll || cfg.IPTables.MasqueradeBit != nil || cfg.IPTables.LocalhostNodePorts != nil,
 		"iptables.masqueradeAll/masqueradeBit/localhostNodePorts", "the userspace proxy needs no masquerading (it originates every connection)")
-	note(cfg.DetectLocalMode != "" || !notSet(cfg.DetectLocal) || cfg.ClusterCIDR != "",
-		"detectLocalMode/detectLocal/clusterCIDR", "no local-traffic detection is needed")
+	note(cfg.DetectLocalMode != "" && cfg.DetectLocalMode != "ClusterCIDR" || !notSet(cfg.DetectLocal),
+		"detectLocalMode/detectLocal", "pods are told apart by clusterCIDR only")
 	note(cfg.ConfigSyncPeriod.Duration != 0, "configSyncPeriod", "informers do not resync")
 	note(cfg.BindAddressHardFail || cfg.EnableProfiling || cfg.ShowHiddenMetricsForVersion != "",
 		"bindAddressHardFail/enableProfiling/showHiddenMetricsForVersion", "not implemented")

@@ -109,11 +109,26 @@ mode: userspace
 			},
 		},
 		{
-			name: "ignored fields are warned about", content: header + "conntrack:\n  maxPerCore: 0\n  min: 131072\nclusterCIDR: 10.244.0.0/16\n",
+			name: "ignored fields are warned about", content: header + "conntrack:\n  maxPerCore: 0\n  min: 131072\ndetectLocalMode: InterfaceNamePrefix\n",
 			check: func(t *testing.T, o *Options) {
 				w := strings.Join(o.ConfigWarnings, "\n")
-				if !strings.Contains(w, "conntrack") || !strings.Contains(w, "clusterCIDR") {
+				if !strings.Contains(w, "conntrack") || !strings.Contains(w, "detectLocalMode") {
 					t.Errorf("warnings = %q", w)
+				}
+			},
+		},
+		{
+			name: "clusterCIDR is used", content: header + "clusterCIDR: 10.244.0.0/16,fd00:244::/48\ndetectLocalMode: ClusterCIDR\n",
+			check: func(t *testing.T, o *Options) {
+				if o.ClusterCIDR != "10.244.0.0/16,fd00:244::/48" || len(o.ConfigWarnings) != 0 {
+					t.Errorf("ClusterCIDR = %q, warnings %q", o.ClusterCIDR, o.ConfigWarnings)
+				}
+				v, err := o.Validate()
+				if err != nil {
+					t.Fatal(err)
+				}
+				if len(v.ClusterCIDRs) != 2 {
+					t.Errorf("validated cluster CIDRs %v", v.ClusterCIDRs)
 				}
 			},
 		},
@@ -147,7 +162,7 @@ func equalOptions(a, b Options) bool {
 	return a.Kubeconfig == b.Kubeconfig && a.HostnameOverride == b.HostnameOverride && a.BindAddress == b.BindAddress &&
 		a.HealthzBindAddress == b.HealthzBindAddress && a.MetricsBindAddress == b.MetricsBindAddress &&
 		a.SyncPeriod == b.SyncPeriod && a.MinSyncPeriod == b.MinSyncPeriod && a.OOMScoreAdj == b.OOMScoreAdj &&
-		a.ProxyPortRange == b.ProxyPortRange
+		a.ProxyPortRange == b.ProxyPortRange && a.ClusterCIDR == b.ClusterCIDR
 }
 
 // TestValidateNamesConfigField: a bad value from the file is reported with the flag and the
@@ -166,6 +181,8 @@ func TestValidateNamesConfigField(t *testing.T) {
 		{name: "minSyncPeriod above syncPeriod", content: header + "iptables:\n  syncPeriod: 1s\n  minSyncPeriod: 5s\n", want: "field iptables.syncPeriod"},
 		{name: "flag overrides with a bad value", content: header + "bindAddress: 10.0.0.1\n", args: []string{"--bind-address=nope"}, want: "--bind-address: \"nope\""},
 		{name: "bad oom flag", content: header, args: []string{"--oom-score-adj=-1001"}, want: "--oom-score-adj: -1001"},
+		{name: "clusterCIDR from file", content: header + "clusterCIDR: 10.244.0.0\n", want: "field clusterCIDR"},
+		{name: "two IPv4 cluster CIDRs", content: header, args: []string{"--cluster-cidr=10.244.0.0/16,10.245.0.0/16"}, want: "--cluster-cidr: \"10.244.0.0/16,10.245.0.0/16\": at most one CIDR per IP family"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -187,7 +204,7 @@ func TestValidateNamesConfigField(t *testing.T) {
 func TestWriteConfigRoundTrip(t *testing.T) {
 	o, err := parse(t, "--hostname-override=node-x", "--bind-address=10.1.2.3", "--iptables-sync-period=42s",
 		"--iptables-min-sync-period=3s", "--nodeport-addresses=10.0.0.0/8", "--oom-score-adj=-10", "--proxy-port-range=40000+100",
-		"--kubeconfig=/k", "--portal-mode=none", "--udp-timeout=5s")
+		"--kubeconfig=/k", "--portal-mode=none", "--udp-timeout=5s", "--cluster-cidr=10.244.0.0/16")
 	if err != nil {
 		t.Fatal(err)
 	}

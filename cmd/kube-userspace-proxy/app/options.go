@@ -32,6 +32,7 @@ type Options struct {
 	HostnameOverride  string
 	BindAddress       string
 	NodePortAddresses []string
+	ClusterCIDR       string
 
 	// Proxy.
 	PortalMode            string
@@ -120,6 +121,7 @@ func (o *Options) FlagGroups() []FlagGroup {
 			fs.StringVar(&o.HostnameOverride, "hostname-override", o.HostnameOverride, "The name of this node (for endpoints' nodeName and Local traffic policies); default: the hostname. [config: hostnameOverride]")
 			fs.StringVar(&o.BindAddress, "bind-address", o.BindAddress, "The IP address the proxy listeners bind to (0.0.0.0 or :: for all addresses of both families). [config: bindAddress]")
 			fs.StringSliceVar(&o.NodePortAddresses, "nodeport-addresses", o.NodePortAddresses, "CIDRs of the node addresses that serve NodePorts (comma-separated); empty means all local addresses. [config: nodePortAddresses]")
+			fs.StringVar(&o.ClusterCIDR, "cluster-cidr", o.ClusterCIDR, "The pods' CIDR(s) (comma-separated, one per family). Pods reaching a NodePort, externalIP or load-balancer IP of an externalTrafficPolicy: Local service are then served by any endpoint, as in kube-proxy, instead of being dropped on nodes without a local endpoint. [config: clusterCIDR]")
 		}),
 		group("Proxy", func(fs *pflag.FlagSet) {
 			fs.StringVar(&o.PortalMode, "portal-mode", o.PortalMode, "How service traffic reaches the proxy: 'iptables' (portal rules, needs root/NET_ADMIN) or 'none' (only the listeners; no rules, no root).")
@@ -168,6 +170,7 @@ func PrintUsage(w io.Writer, name string, groups []FlagGroup) {
 type Validated struct {
 	BindAddress       netip.Addr
 	NodePortAddresses []netip.Prefix
+	ClusterCIDRs      []netip.Prefix
 	PortRange         portalloc.Range
 	ServiceCIDRs      []netip.Prefix
 	NodeName          string
@@ -195,6 +198,19 @@ func (o *Options) Validate() (*Validated, error) {
 			continue
 		}
 		v.NodePortAddresses = append(v.NodePortAddresses, p.Masked())
+	}
+	if o.ClusterCIDR != "" {
+		for _, c := range strings.Split(o.ClusterCIDR, ",") {
+			p, err := netip.ParsePrefix(strings.TrimSpace(c))
+			if err != nil {
+				bad("cluster-cidr", "%q is not a CIDR", c)
+				continue
+			}
+			v.ClusterCIDRs = append(v.ClusterCIDRs, p.Masked())
+		}
+		if len(v.ClusterCIDRs) == 2 && v.ClusterCIDRs[0].Addr().Is4() == v.ClusterCIDRs[1].Addr().Is4() || len(v.ClusterCIDRs) > 2 {
+			bad("cluster-cidr", "%q: at most one CIDR per IP family", o.ClusterCIDR)
+		}
 	}
 	if v.PortRange, err = portalloc.ParseRange(o.ProxyPortRange); err != nil {
 		bad("proxy-port-range", "%v", err)

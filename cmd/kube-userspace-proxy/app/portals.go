@@ -66,7 +66,7 @@ func newPortals(ctx context.Context, v *Validated, log zerolog.Logger) (*portalS
 			return nil, fmt.Errorf("portals: %w", err)
 		}
 		m, err := portal.NewManager(portal.Options{
-			Config: portal.Config{Family: fam, BindIP: bind, HostIP: host, NodePortAddresses: v.NodePortAddresses},
+			Config: portal.Config{Family: fam, BindIP: bind, HostIP: host, NodePortAddresses: v.NodePortAddresses, ClusterCIDRs: v.ClusterCIDRs},
 			Runner: run,
 			Logger: log,
 		})

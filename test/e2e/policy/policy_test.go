@@ -47,6 +47,7 @@ type fixture struct {
 	c      *cluster.Cluster
 	nodes  []*netns.Node // node1..node3
 	pods   []*netns.Pod  // pod1 on node1, pod2 on node2
+	pod3   *netns.Pod    // a client pod on node3, which has no endpoint
 	client *netns.Host
 	lb     *netns.Host // owns lbIP
 }
@@ -71,6 +72,7 @@ func newFixture(t *testing.T) *fixture {
 		harness.StartEcho(t, pod.NS, fmt.Sprintf("pod%d", i+1), echoPort)
 		f.pods = append(f.pods, pod)
 	}
+	f.pod3 = f.n.AddPod(t, f.nodes[2], "pod3")
 	f.client = f.n.AddClient(t, "out")
 	f.client.Run(t, "ip", "route", "add", lbIP.String()+"/32", "via", f.nodes[0].IP.String())
 	// The load balancer owns the LB IP and probes health checks from it (seed 001); the nodes
@@ -94,6 +96,7 @@ func newFixture(t *testing.T) *fixture {
 			Args: []string{
 				"--iptables-sync-period=" + syncPeriod.String(),
 				"--iptables-min-sync-period=" + minSync.String(),
+				"--cluster-cidr=" + f.n.ClusterCIDR().String(),
 			},
 		})
 	}
@@ -270,6 +273,17 @@ func TestPolicies(t *testing.T) {
 		// node3 has no local endpoint: outside traffic is dropped there, but the node's own
 		// traffic is not (kube-proxy's src-type LOCAL short-circuit).
 		expectBackends(ctx, t, f.nodes[2].NS, nodePort(2), 16, "pod1", "pod2")
+	})
+
+	t.Run("Local: a pod on node3 reaches the LB IP and node3's NodePort through every endpoint", func(t *testing.T) {
+		// Outside traffic is dropped on node3 (no local endpoint), but pod traffic is
+		// in-cluster: served by any endpoint, as kube-proxy does with --cluster-cidr.
+		from := f.pod3.NS
+		for _, addr := range []string{netip.AddrPortFrom(lbIP, 80).String(), nodePort(2)} {
+			waitAnswer(t, from, addr, "pod1", "pod2")
+			expectBackends(ctx, t, from, addr, 16, "pod1", "pod2")
+		}
+		expectDropped(ctx, t, client, nodePort(2))
 	})
 
 	t.Run("health check node port", func(t *testing.T) {
