@@ -62,6 +62,7 @@ func Main(args []string, stdout, stderr io.Writer) int {
 	}
 	level, _ := parseLevel(opts.LogLevel)
 	log := zerolog.New(zerolog.ConsoleWriter{Out: stderr, TimeFormat: time.RFC3339, NoColor: !isTerminal(stderr)}).Level(level).With().Timestamp().Logger()
+	routeKlog(log)
 
 	for _, w := range opts.ConfigWarnings {
 		log.Warn().Str("config", opts.ConfigFile).Msg(w)
