@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"net"
 	"net/netip"
 	"sync"
@@ -62,12 +63,9 @@ type TCPProxy struct {
 
 	transparentWarned atomic.Bool // a failed transparent dial was logged at warning level
 
-	mu         sync.Mutex // guards the following fields
-	started    bool
-	closed     bool
-	stop       chan struct{} // closed by Close; wakes a pausing accept loop
-	acceptDone chan struct{} // closed when Serve returns; nil until Serve starts
-	conns      map[*tcpConn]struct{}
+	mu    sync.Mutex // guards the following fields
+	run   runState
+	conns map[*tcpConn]struct{}
 }
 
 // Serve accepts connections until Close or Shutdown, handing each to its own goroutine. It
@@ -78,31 +76,25 @@ func (p *TCPProxy) Serve() error {
 		return errors.New("serve TCP proxy: Listener and Chooser are required")
 	}
 	p.mu.Lock()
-	if p.started {
-		p.mu.Unlock()
-		return errors.New("serve TCP proxy: Serve called twice")
-	}
-	p.started = true
 	p.initLocked()
-	if p.closed {
+	done, ok, err := p.run.startLocked("TCP proxy")
+	if !ok {
 		p.mu.Unlock()
-		return nil
+		return err
 	}
 	p.metrics = metricsOrNone(p.Metrics)
 	p.timeouts = p.DialTimeouts
 	if len(p.timeouts) == 0 {
 		p.timeouts = defaultDialTimeouts()
 	}
-	done := make(chan struct{})
-	p.acceptDone = done
 	p.mu.Unlock()
 	defer close(done)
 	return p.acceptLoop()
 }
 
 func (p *TCPProxy) initLocked() {
-	if p.stop == nil {
-		p.stop = make(chan struct{})
+	p.run.initLocked()
+	if p.conns == nil {
 		p.conns = make(map[*tcpConn]struct{})
 	}
 }
@@ -111,24 +103,11 @@ func (p *TCPProxy) initLocked() {
 // Established connections, and connections still dialling, go on. Close may be called more
 // than once, and before Serve.
 func (p *TCPProxy) Close() error {
-	p.mu.Lock()
-	p.initLocked()
-	first := !p.closed
-	if first {
-		p.closed = true
-		close(p.stop)
+	var sock io.Closer
+	if p.Listener != nil {
+		sock = p.Listener
 	}
-	done := p.acceptDone
-	p.mu.Unlock()
-	var err error
-	if first && p.Listener != nil {
-		if cerr := p.Listener.Close(); cerr != nil && !errors.Is(cerr, net.ErrClosed) {
-			err = fmt.Errorf("close TCP proxy listener: %w", cerr)
-		}
-	}
-	if done != nil {
-		<-done
-	}
+	first, err := p.run.close(&p.mu, p.initLocked, sock, "TCP proxy listener")
 	if first {
 		p.pipes.closeAll() // connections still running close their pipes when done
 	}
@@ -180,15 +159,6 @@ func (p *TCPProxy) CloseConnectionsTo(keep func(endpoint netip.AddrPort) bool) i
 	return n
 }
 
-func (p *TCPProxy) stopping() bool {
-	select {
-	case <-p.stop:
-		return true
-	default:
-		return false
-	}
-}
-
 // acceptLoop is Serve's loop.
 func (p *TCPProxy) acceptLoop() error {
 	var pause resourcePause
@@ -196,7 +166,7 @@ func (p *TCPProxy) acceptLoop() error {
 		client, err := p.Listener.AcceptTCP()
 		if err != nil {
 			switch {
-			case p.stopping():
+			case p.run.stopping():
 				return nil
 			case isResourceExhausted(err):
 				if !p.pauseAccepting(&pause, err) {
@@ -228,7 +198,7 @@ func (p *TCPProxy) pauseAccepting(pause *resourcePause, err error) bool {
 	if h := p.testHookAcceptPause; h != nil {
 		h(pause.attempts, d)
 	}
-	return sleepUnlessStopped(d, p.stop)
+	return sleepUnlessStopped(d, p.run.stop)
 }
 
 // isPendingConnError reports whether an accept error belongs to the one pending connection that

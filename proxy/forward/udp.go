@@ -3,6 +3,7 @@ package forward
 import (
 	"errors"
 	"fmt"
+	"io"
 	"net"
 	"net/netip"
 	"os"
@@ -74,12 +75,9 @@ type UDPProxy struct {
 
 	transparentWarned atomic.Bool // a failed transparent socket was logged at warning level
 
-	mu        sync.Mutex // guards the following fields
-	started   bool
-	closed    bool
-	stop      chan struct{} // closed by Close
-	serveDone chan struct{} // closed when Serve returns; nil until Serve starts
-	sessions  map[netip.AddrPort]*udpSession
+	mu       sync.Mutex // guards the following fields
+	run      runState
+	sessions map[netip.AddrPort]*udpSession
 }
 
 // udpSession is one client address's flow to one endpoint. Its goroutine (relayReplies) owns it.
@@ -104,15 +102,11 @@ func (p *UDPProxy) Serve() error {
 		return errors.New("serve UDP proxy: Conn and Chooser are required")
 	}
 	p.mu.Lock()
-	if p.started {
-		p.mu.Unlock()
-		return errors.New("serve UDP proxy: Serve called twice")
-	}
-	p.started = true
 	p.initLocked()
-	if p.closed {
+	done, ok, err := p.run.startLocked("UDP proxy")
+	if !ok {
 		p.mu.Unlock()
-		return nil
+		return err
 	}
 	p.metrics = metricsOrNone(p.Metrics)
 	p.timeout = p.Timeout
@@ -124,8 +118,6 @@ func (p *UDPProxy) Serve() error {
 		b := make([]byte, udpBufSize)
 		return &b
 	}
-	done := make(chan struct{})
-	p.serveDone = done
 	p.mu.Unlock()
 	defer close(done)
 
@@ -141,8 +133,8 @@ func (p *UDPProxy) Serve() error {
 }
 
 func (p *UDPProxy) initLocked() {
-	if p.stop == nil {
-		p.stop = make(chan struct{})
+	p.run.initLocked()
+	if p.sessions == nil {
 		p.sessions = make(map[netip.AddrPort]*udpSession)
 	}
 }
@@ -151,24 +143,11 @@ func (p *UDPProxy) initLocked() {
 // their goroutines. Unlike TCP connections, sessions cannot outlive the proxy: their replies
 // leave through Conn. Close may be called more than once, and before Serve.
 func (p *UDPProxy) Close() error {
-	p.mu.Lock()
-	p.initLocked()
-	first := !p.closed
-	if first {
-		p.closed = true
-		close(p.stop)
+	var sock io.Closer
+	if p.Conn != nil {
+		sock = p.Conn
 	}
-	done := p.serveDone
-	p.mu.Unlock()
-	var err error
-	if first && p.Conn != nil {
-		if cerr := p.Conn.Close(); cerr != nil && !errors.Is(cerr, net.ErrClosed) {
-			err = fmt.Errorf("close UDP proxy socket: %w", cerr)
-		}
-	}
-	if done != nil {
-		<-done
-	}
+	_, err := p.run.close(&p.mu, p.initLocked, sock, "UDP proxy socket")
 	p.DropSessions(func(netip.AddrPort) bool { return false })
 	p.sessionWG.Wait()
 	return err
@@ -204,16 +183,14 @@ func (p *UDPProxy) readLoop(ct *conntrackConn) error {
 	for {
 		n, oobn, _, src, err := p.Conn.ReadMsgUDPAddrPort(buf, oob)
 		if err != nil {
-			select {
-			case <-p.stop:
+			if p.run.stopping() {
 				return nil
-			default:
 			}
 			if isResourceExhausted(err) {
 				if pause.attempts == 0 {
 					p.Log.Warn().Err(err).Msg("receive: out of memory; pausing")
 				}
-				if !sleepUnlessStopped(pause.next(), p.stop) {
+				if !sleepUnlessStopped(pause.next(), p.run.stop) {
 					return nil
 				}
 				continue
@@ -311,7 +288,7 @@ func (p *UDPProxy) session(ct *conntrackConn, client, to netip.AddrPort) *udpSes
 	s = &udpSession{p: p, client: client, endpoint: ep, backend: backend, replyOOB: sourceAddrOOB(to.Addr())}
 	s.lastActive.Store(p.now())
 	p.mu.Lock()
-	if p.closed {
+	if p.run.closed {
 		p.mu.Unlock()
 		backend.Close()
 		return nil

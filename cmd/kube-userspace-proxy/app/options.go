@@ -200,32 +200,12 @@ func (o *Options) Validate() (*Validated, error) {
 		v.NodePortAddresses = append(v.NodePortAddresses, p.Masked())
 	}
 	if o.ClusterCIDR != "" {
-		for _, c := range strings.Split(o.ClusterCIDR, ",") {
-			p, err := netip.ParsePrefix(strings.TrimSpace(c))
-			if err != nil {
-				bad("cluster-cidr", "%q is not a CIDR", c)
-				continue
-			}
-			v.ClusterCIDRs = append(v.ClusterCIDRs, p.Masked())
-		}
-		if len(v.ClusterCIDRs) == 2 && v.ClusterCIDRs[0].Addr().Is4() == v.ClusterCIDRs[1].Addr().Is4() || len(v.ClusterCIDRs) > 2 {
-			bad("cluster-cidr", "%q: at most one CIDR per IP family", o.ClusterCIDR)
-		}
+		v.ClusterCIDRs = dualStackCIDRs(o.ClusterCIDR, func(format string, args ...any) { bad("cluster-cidr", format, args...) })
 	}
 	if v.PortRange, err = portalloc.ParseRange(o.ProxyPortRange); err != nil {
 		bad("proxy-port-range", "%v", err)
 	}
-	for _, s := range strings.Split(o.ServiceClusterIPRange, ",") {
-		p, err := netip.ParsePrefix(strings.TrimSpace(s))
-		if err != nil {
-			bad("service-cluster-ip-range", "%q is not a CIDR", s)
-			continue
-		}
-		v.ServiceCIDRs = append(v.ServiceCIDRs, p.Masked())
-	}
-	if len(v.ServiceCIDRs) > 2 || (len(v.ServiceCIDRs) == 2 && v.ServiceCIDRs[0].Addr().Is4() == v.ServiceCIDRs[1].Addr().Is4()) {
-		bad("service-cluster-ip-range", "%q: at most one CIDR per IP family", o.ServiceClusterIPRange)
-	}
+	v.ServiceCIDRs = dualStackCIDRs(o.ServiceClusterIPRange, func(format string, args ...any) { bad("service-cluster-ip-range", format, args...) })
 	switch o.PortalMode {
 	case PortalModeIPTables, PortalModeNone:
 	default:
@@ -276,4 +256,22 @@ func (o *Options) Validate() (*Validated, error) {
 		v.NodeName = strings.ToLower(h)
 	}
 	return v, errors.Join(errs...)
+}
+
+// dualStackCIDRs parses a comma-separated list of at most one CIDR per IP family (masked),
+// reporting what is wrong through bad.
+func dualStackCIDRs(list string, bad func(format string, args ...any)) []netip.Prefix {
+	var out []netip.Prefix
+	for _, s := range strings.Split(list, ",") {
+		p, err := netip.ParsePrefix(strings.TrimSpace(s))
+		if err != nil {
+			bad("%q is not a CIDR", s)
+			continue
+		}
+		out = append(out, p.Masked())
+	}
+	if len(out) > 2 || (len(out) == 2 && out[0].Addr().Is4() == out[1].Addr().Is4()) {
+		bad("%q: at most one CIDR per IP family", list)
+	}
+	return out
 }
