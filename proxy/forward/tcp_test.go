@@ -493,9 +493,12 @@ func TestTCPCloseConnectionsTo(t *testing.T) {
 	checkNoLeaks(t)
 	keep, drop := startTCPEcho(t, loopback("4")), startTCPEcho(t, loopback("4"))
 	p := startTCPProxy(t, "4", &fakeChooser{endpoints: []netip.AddrPort{keep, drop}}, nil)
-	kept, dropped := dialTCPTest(t, p.addr), dialTCPTest(t, p.addr)
-	for _, c := range []*net.TCPConn{kept, dropped} {
-		if _, err := roundTrip(c, []byte("x")); err != nil {
+	// One after the other, so that the chooser's round robin gives the first keep and the
+	// second drop (connections dialled together are connected in either order).
+	var kept, dropped *net.TCPConn
+	for _, c := range []**net.TCPConn{&kept, &dropped} {
+		*c = dialTCPTest(t, p.addr)
+		if _, err := roundTrip(*c, []byte("x")); err != nil {
 			t.Fatal(err)
 		}
 	}
