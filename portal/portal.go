@@ -5,7 +5,8 @@
 // to do with new traffic (redirect it to the listener, reject it, or drop it). Render turns a list
 // of portals into the full contents of the chains this package owns, as iptables-restore input; a
 // Manager applies that with one iptables-restore per table and keeps the jumps into the chains in
-// place. The package knows nothing about sockets.
+// place (Sync), or writes only the rules that changed since (Update). The package knows nothing
+// about sockets.
 //
 // The rules are those of kube-proxy's userspace mode (Kubernetes v1.25), every rule commented with
 // the service port's name:
@@ -18,7 +19,8 @@
 //	filter KUBE-PORTALS-FILTER     from INPUT, FORWARD, OUTPUT, first (ctstate NEW)
 //	                                                         REJECT / DROP for portals without usable endpoints
 //
-// and, beyond upstream, --nodeport-addresses (Config.NodePortAddresses) and the reject/drop chain.
+// and, beyond upstream, --nodeport-addresses (Config.NodePortAddresses), the reject/drop chain,
+// and redirects of pod traffic (Config.ClusterCIDRs) to Local services' external addresses.
 package portal
 
 import (

@@ -5,11 +5,12 @@
 // goroutine it owns.
 //
 // TCP: the accept loop never waits on a dial. Each accepted connection gets its own goroutine,
-// which dials the chosen endpoint (retrying other endpoints with growing timeouts), then copies
-// both directions with splice(2) through a pipe (so the bytes never enter user space; the pipe
-// comes from a small per-proxy pool and is held only while data flows, so an idle connection
-// costs just its two sockets), propagates half-closes, and resets the client when no
-// endpoint can be reached. Running out of file descriptors on accept pauses accepting with a
+// which dials the chosen endpoint (retrying other endpoints with growing timeouts) and resets
+// the client when no endpoint can be reached; then one fresh goroutine per direction copies with
+// splice(2) through a pipe (so the bytes never enter user space; the pipe comes from a small
+// per-proxy pool and is held only while data flows) and propagates half-closes. An idle
+// connection thus costs its two sockets and two minimal goroutine stacks. The client side's TCP
+// keepalive is inherited from the listening socket (ListenTCP), so accepting sets no options. Running out of file descriptors on accept pauses accepting with a
 // growing sleep instead of failing.
 //
 // UDP: one session per client address, each with its own connected socket to the endpoint and
