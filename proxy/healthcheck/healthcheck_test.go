@@ -10,6 +10,7 @@ import (
 	"net/http/httptest"
 	"net/netip"
 	"regexp"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -287,6 +288,29 @@ func TestProxyHealthReportsSourceError(t *testing.T) {
 		}
 		if doc["sourceError"] != srcErr.Error() {
 			t.Errorf("%s sourceError = %v, want %q", path, doc["sourceError"], srcErr)
+		}
+	}
+}
+
+// A node that is not eligible (being deleted, or tainted by the autoscaler) fails /healthz with
+// "nodeEligible": false, so load balancers drain it; /livez stays 200.
+func TestProxyHealthNodeEligible(t *testing.T) {
+	eligible := false
+	h := NewProxyHealth(ProxyHealthOptions{NodeEligible: func() bool { return eligible }})
+	srv := httptest.NewServer(h.Handler())
+	defer srv.Close()
+	for _, tc := range []struct {
+		eligible bool
+		healthz  int
+		body     string
+	}{{false, 503, `"nodeEligible": false}`}, {true, 200, `"nodeEligible": true}`}} {
+		eligible = tc.eligible
+		code, _, body := get(t, srv.URL+"/healthz")
+		if code != tc.healthz || !strings.HasSuffix(body, tc.body) {
+			t.Errorf("eligible=%v: /healthz %d %s, want %d and a body ending in %s", tc.eligible, code, body, tc.healthz, tc.body)
+		}
+		if code, _, body := get(t, srv.URL+"/livez"); code != 200 || strings.Contains(body, "nodeEligible") {
+			t.Errorf("eligible=%v: /livez %d %s, want 200 without nodeEligible", tc.eligible, code, body)
 		}
 	}
 }

@@ -34,14 +34,20 @@ type ProxyHealthOptions struct {
 	// the proxy keeps serving its last state, and probes must not restart it for an outage of
 	// the API server.
 	SourceErr func() error
+	// NodeEligible, if set, reports whether this node should get load-balancer traffic (false
+	// while its Node is being deleted or is tainted ToBeDeletedByClusterAutoscaler). /healthz
+	// then answers 503 with "nodeEligible": false, as kube-proxy's does, so that load balancers
+	// drain the node; /livez is not affected. Nil means always eligible.
+	NodeEligible func() bool
 }
 
 // ProxyHealth tracks whether the proxy keeps its rules up to date and serves /healthz and /livez.
 // Its methods are safe for concurrent use.
 type ProxyHealth struct {
-	timeout   time.Duration
-	now       func() time.Time
-	sourceErr func() error
+	timeout      time.Duration
+	now          func() time.Time
+	sourceErr    func() error
+	nodeEligible func() bool
 
 	mu sync.Mutex // guards the following fields
 	// lastUpdated is when the last successful sync ended (zero before the first).
@@ -62,7 +68,7 @@ func NewProxyHealth(opts ProxyHealthOptions) *ProxyHealth {
 	if opts.Now == nil {
 		opts.Now = time.Now
 	}
-	return &ProxyHealth{timeout: opts.Timeout, now: opts.Now, sourceErr: opts.SourceErr}
+	return &ProxyHealth{timeout: opts.Timeout, now: opts.Now, sourceErr: opts.SourceErr, nodeEligible: opts.NodeEligible}
 }
 
 // SyncDone marks the rules up to date when the sync succeeded (proxy.SyncObserver). A failed
@@ -107,9 +113,8 @@ func (h *ProxyHealth) state() (healthy bool, lastUpdated, now time.Time) {
 // Handler serves /healthz and /livez. Both answer 200 when healthy and 503 otherwise, with
 // kube-proxy's headers and body: {"lastUpdated": "...","currentTime": "..."} (Go's time.Time
 // String form, quoted), plus "nodeEligible" on /healthz. As in kube-proxy, a healthy answer
-// reports lastUpdated as the current time. nodeEligible is always true: this proxy does not
-// watch its Node object (kube-proxy reports false while the node is being deleted or is tainted
-// ToBeDeletedByClusterAutoscaler).
+// reports lastUpdated as the current time. /healthz is also 503 while the node is not eligible
+// (ProxyHealthOptions.NodeEligible).
 func (h *ProxyHealth) Handler() http.Handler {
 	mux := http.NewServeMux()
 	mux.HandleFunc("/healthz", func(w http.ResponseWriter, _ *http.Request) { h.serve(w, true) })
@@ -118,8 +123,11 @@ func (h *ProxyHealth) Handler() http.Handler {
 }
 
 func (h *ProxyHealth) serve(w http.ResponseWriter, withNode bool) {
-	const nodeEligible = true
 	healthy, lastUpdated, now := h.state()
+	nodeEligible := h.nodeEligible == nil || h.nodeEligible()
+	if withNode {
+		healthy = healthy && nodeEligible
+	}
 	w.Header().Set("Content-Type", "application/json")
 	w.Header().Set("X-Content-Type-Options", "nosniff")
 	if healthy {

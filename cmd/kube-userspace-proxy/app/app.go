@@ -17,6 +17,7 @@ import (
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/healthcheck"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/source"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/source/kubeapi"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/source/manifests"
@@ -125,11 +126,14 @@ func Run(ctx context.Context, opts *Options, v *Validated, log zerolog.Logger) e
 			pOpts.TransparentLocal = true
 		}
 	}
-	var sourceErr func() error
+	health := healthcheck.ProxyHealthOptions{Timeout: 2 * opts.SyncPeriod}
 	if e, ok := src.(interface{ Err() error }); ok {
-		sourceErr = e.Err // the API server source: /healthz reports an outage
+		health.SourceErr = e.Err // the API server source: /healthz reports an outage
 	}
-	srv, err := newServers(opts, v, sourceErr, log.With().Str("component", "servers").Logger())
+	if n, ok := src.(interface{ NodeEligible() bool }); ok {
+		health.NodeEligible = n.NodeEligible // and drains the node while it is being removed
+	}
+	srv, err := newServers(opts, v, health, log.With().Str("component", "servers").Logger())
 	if err != nil {
 		return err
 	}
@@ -196,7 +200,7 @@ func newSource(opts *Options, v *Validated, log zerolog.Logger) (runner, error) 
 	if err != nil {
 		return nil, fmt.Errorf("API client for %s: %w", cfg.Host, err)
 	}
-	return kubeapi.New(client, kubeapi.Options{Log: log.With().Str("component", "kubeapi").Logger()}), nil
+	return kubeapi.New(client, kubeapi.Options{Log: log.With().Str("component", "kubeapi").Logger(), NodeName: v.NodeName}), nil
 }
 
 func parseLevel(s string) (zerolog.Level, error) {

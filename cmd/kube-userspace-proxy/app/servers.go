@@ -37,11 +37,11 @@ type servers struct {
 
 // newServers builds the servers and opens the /healthz and /metrics listeners (empty addresses
 // disable them).
-func newServers(opts *Options, v *Validated, sourceErr func() error, log zerolog.Logger) (*servers, error) {
+func newServers(opts *Options, v *Validated, health healthcheck.ProxyHealthOptions, log zerolog.Logger) (*servers, error) {
 	s := &servers{
 		log:         log,
 		metrics:     metrics.New(metrics.Options{}),
-		health:      healthcheck.NewProxyHealth(healthcheck.ProxyHealthOptions{Timeout: 2 * opts.SyncPeriod, SourceErr: sourceErr}),
+		health:      healthcheck.NewProxyHealth(health),
 		healthzAddr: opts.HealthzBindAddress,
 		metricsAddr: opts.MetricsBindAddress,
 	}

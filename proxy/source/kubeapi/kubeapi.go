@@ -7,6 +7,9 @@
 //     and headless Services (field selector spec.clusterIP!=None);
 //   - EndpointSlices labelled service.kubernetes.io/headless (their service is headless).
 //
+// With Options.NodeName it also watches that one Node (field selector metadata.name) for
+// NodeEligible, which /healthz reports as kube-proxy's does.
+//
 // Everything else is passed through unchanged; in particular ExternalName Services reach the
 // Handler and are skipped by the model (serviceport.FromService), as are headless Services on a
 // server or fake that ignores the field selector.
@@ -25,6 +28,7 @@ import (
 	"io"
 	"net/url"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/rs/zerolog"
@@ -55,6 +59,8 @@ type Options struct {
 	WaitLogInterval time.Duration
 	// Log receives the source's logs. The zero value discards them.
 	Log zerolog.Logger
+	// NodeName, when set, makes Run also watch that Node, for NodeEligible.
+	NodeName string
 }
 
 func (o *Options) waitLogInterval() time.Duration {
@@ -70,8 +76,10 @@ type Source struct {
 	opts   Options
 	log    zerolog.Logger
 
-	// svcW and sliceW remember each informer's current list/watch failure.
-	svcW, sliceW *watchState
+	// svcW, sliceW and nodeW remember each informer's current list/watch failure.
+	svcW, sliceW, nodeW *watchState
+	// nodeIneligible is the negation of NodeEligible (so that the zero value means eligible).
+	nodeIneligible atomic.Bool
 
 	mu      sync.Mutex // guards following fields
 	started bool
@@ -83,6 +91,7 @@ func New(client kubernetes.Interface, opts Options) *Source {
 	return &Source{client: client, opts: opts, log: log,
 		svcW:   &watchState{resource: "services", log: log},
 		sliceW: &watchState{resource: "endpointslices", log: log},
+		nodeW:  &watchState{resource: "nodes", log: log},
 	}
 }
 
@@ -170,6 +179,9 @@ func (s *Source) Run(ctx context.Context, h source.Handler) error {
 	defer wg.Wait()
 	wg.Go(func() { svcInf.RunWithContext(ctx) })
 	wg.Go(func() { sliceInf.RunWithContext(ctx) })
+	if s.opts.NodeName != "" {
+		wg.Go(func() { s.watchNode(ctx) })
+	}
 
 	s.log.Info().Str("serviceLabelSelector", svcLabels).Str("serviceFieldSelector", svcFields).
 		Str("endpointSliceLabelSelector", sliceLabels).Msg("starting Service and EndpointSlice informers")

@@ -450,4 +450,43 @@ func TestPolicies(t *testing.T) {
 		one("kube_userspace_proxy_bytes_from_endpoints_total", local)
 		one("kube_userspace_proxy_connections_active", local)
 	})
+
+	t.Run("a node tainted ToBeDeletedByClusterAutoscaler fails /healthz until untainted", func(t *testing.T) {
+		node := f.nodes[1]
+		addr := netip.AddrPortFrom(node.IP, 10256).String()
+		taint := func(on bool) {
+			t.Helper()
+			n, err := f.c.Client.CoreV1().Nodes().Get(ctx, nodeName(1), metav1.GetOptions{})
+			if err != nil {
+				t.Fatal(err)
+			}
+			n.Spec.Taints = nil
+			if on {
+				n.Spec.Taints = []corev1.Taint{{Key: "ToBeDeletedByClusterAutoscaler", Value: "1700000000", Effect: corev1.TaintEffectNoSchedule}}
+			}
+			if _, err := f.c.Client.CoreV1().Nodes().Update(ctx, n, metav1.UpdateOptions{}); err != nil {
+				t.Fatal(err)
+			}
+		}
+		expect := func(code int, suffix string) time.Duration {
+			t.Helper()
+			return harness.WaitFor(t, converge, func() error {
+				c, b, err := httpGet(ctx, client, netip.Addr{}, addr, "/healthz")
+				if err != nil {
+					return err
+				}
+				if c != code || !strings.HasSuffix(b, suffix) {
+					return fmt.Errorf("/healthz on %s: %d %s, want %d and a body ending in %s", nodeName(1), c, b, code, suffix)
+				}
+				return nil
+			})
+		}
+		taint(true)
+		t.Logf("tainted: /healthz 503 after %v", expect(503, `"nodeEligible": false}`).Round(time.Millisecond))
+		if c, b, err := httpGet(ctx, client, netip.Addr{}, addr, "/livez"); err != nil || c != 200 {
+			t.Errorf("/livez on the tainted node: %d %s %v, want 200", c, b, err)
+		}
+		taint(false)
+		t.Logf("untainted: /healthz 200 after %v", expect(200, `"nodeEligible": true}`).Round(time.Millisecond))
+	})
 }
