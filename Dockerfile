@@ -1,12 +1,12 @@
-# kube-userspace-proxy image: a Go builder stage, then a small Debian image with iptables, iproute2 and
-# the binaries (kube-userspace-proxy, kup-echo; the "demo" stage adds kup-demo).
+# kube-userspace-proxy image: a Go builder stage, then a small Debian image with iptables, iproute2,
+# conntrack (to delete stale UDP flows; optional) and the binaries (kube-userspace-proxy, kup-echo; the "demo" stage adds kup-demo).
 #
 #   docker build -t kube-userspace-proxy .
 #
 # Build arguments:
 #   GO_IMAGE    the builder's base (default golang:1.26-bookworm)
-#   BASE_IMAGE  the final image's base (default debian:bookworm-slim); iptables and iproute2
-#               are installed unless the base already has them
+#   BASE_IMAGE  the final image's base (default debian:bookworm-slim); iptables, iproute2 and
+#               conntrack are installed unless the base already has iptables and iproute2
 #   PREBUILT    a directory of the build context holding binaries built beforehand
 #               (CGO_ENABLED=0 go build): the builder then only copies them, so GO_IMAGE need
 #               not have Go (demo/run.sh uses this on machines without a registry)
@@ -35,7 +35,7 @@ RUN set -e; mkdir -p /out; \
 
 FROM ${BASE_IMAGE} AS runtime
 RUN if ! command -v iptables >/dev/null || ! command -v ip >/dev/null; then \
-      apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends iptables iproute2 ca-certificates \
+      apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends iptables iproute2 conntrack ca-certificates \
       && rm -rf /var/lib/apt/lists/*; \
     fi
 COPY --from=build /out/kube-userspace-proxy /out/kup-echo /usr/local/bin/

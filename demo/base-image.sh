@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds the demo's base image locally, for machines whose Docker engine cannot pull images:
-# a minimal Debian bookworm (debootstrap --variant=minbase) with iptables and iproute2, imported as
+# a minimal Debian bookworm (debootstrap --variant=minbase) with iptables, iproute2 and conntrack, imported as
 # kup-base:bookworm. Skips everything when the image already exists (delete it to rebuild).
 #
 #   demo/base-image.sh [IMAGE]      default IMAGE: kup-base:bookworm
@@ -28,7 +28,7 @@ dir=$(mktemp -d /tmp/kup-base.XXXXXX)
 trap 'rm -rf "$dir"' EXIT
 echo "debootstrap bookworm from $mirror into $dir (a few minutes cold)"
 start=$(date +%s)
-debootstrap --variant=minbase --include=iptables,iproute2,ca-certificates bookworm "$dir" "$mirror" >"$dir.log" 2>&1 || {
+debootstrap --variant=minbase --include=iptables,iproute2,conntrack,ca-certificates bookworm "$dir" "$mirror" >"$dir.log" 2>&1 || {
   tail -n 30 "$dir.log" >&2; rm -f "$dir.log"; exit 1; }
 rm -f "$dir.log"
 # Keep the image small: no apt lists, no docs, no caches.

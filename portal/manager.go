@@ -43,6 +43,9 @@ type Options struct {
 	// InterfaceAddrs lists the node's addresses for Config.NodePortAddresses, on every sync.
 	// Nil means InterfaceAddrs (net.InterfaceAddrs).
 	InterfaceAddrs func() ([]netip.Addr, error)
+	// Flows, if set, deletes the conntrack entries of UDP flows whose portal changed, after
+	// each successful sync (see package portal/conntrack). Nil leaves them alone.
+	Flows FlowDeleter
 }
 
 // Manager programs the portal rules of one IP family. Its methods may be called from several
@@ -52,6 +55,7 @@ type Manager struct {
 	run    Runner
 	log    zerolog.Logger
 	ifaddr func() ([]netip.Addr, error)
+	flows  FlowDeleter
 
 	mu sync.Mutex // guards the following fields
 	// physdevChecked and noPhysdev cache whether the kernel has the physdev match.
@@ -63,6 +67,9 @@ type Manager struct {
 	// written holds, per table, the rule lines the last successful Sync or Update left in our
 	// chains; nil when unknown.
 	written map[string][]string
+	// udpTargets is what the last successful sync did with each UDP target (see
+	// deleteStaleFlowsLocked); nil before the first.
+	udpTargets map[udpTarget]string
 }
 
 // NewManager checks opts and returns a Manager. It changes nothing on the host.
@@ -92,6 +99,7 @@ func NewManager(opts Options) (*Manager, error) {
 		run:    opts.Runner,
 		log:    opts.Logger.With().Str("component", "portal").Str("family", cfg.Family.String()).Logger(),
 		ifaddr: opts.InterfaceAddrs,
+		flows:  opts.Flows,
 	}
 	if m.ifaddr == nil {
 		m.ifaddr = InterfaceAddrs
@@ -201,6 +209,7 @@ func (m *Manager) syncLocked(portals []Portal, full bool) error {
 			}
 		}
 		m.written = written
+		m.deleteStaleFlowsLocked(portals)
 		m.log.Debug().Int("portals", len(portals)).Int("deltaBytes", deltaBytes).
 			Dur("render", rendered.Sub(jumped)).Dur("restore", time.Since(rendered)).
 			Dur("total", time.Since(start)).Msg("updated portal rules")
@@ -220,6 +229,7 @@ func (m *Manager) syncLocked(portals []Portal, full bool) error {
 	m.written = nil
 	if m.synced {
 		m.written = written
+		m.deleteStaleFlowsLocked(portals)
 	}
 	m.log.Debug().Int("portals", len(portals)).Int("natBytes", len(nat)).Int("filterBytes", len(filter)).
 		Dur("jumps", jumped.Sub(start)).Dur("render", rendered.Sub(jumped)).Dur("restore", time.Since(rendered)).
@@ -399,6 +409,6 @@ func (m *Manager) Cleanup() error {
 			}
 		}
 	}
-	m.synced, m.written = false, nil
+	m.synced, m.written, m.udpTargets = false, nil, nil
 	return errors.Join(errs...)
 }

@@ -507,6 +507,29 @@ func TestProxy(t *testing.T) {
 
 	t.Run("SIGTERM removes portals and restart recovers", func(t *testing.T) {
 		addr := harness.Addr(web, 0)
+		// A UDP client that keeps its socket (a DNS forwarder, say): its flow's conntrack entry
+		// points at the old proxy's port, which the restarted proxy does not reuse.
+		udp, err := f.clientPod.NS.DialContext(ctx, "udp", harness.Addr(web, 1))
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer udp.Close()
+		ask := func() error {
+			if _, err := udp.Write([]byte("ping\n")); err != nil {
+				return err
+			}
+			_ = udp.SetReadDeadline(time.Now().Add(300 * time.Millisecond))
+			buf := make([]byte, 512)
+			n, err := udp.Read(buf)
+			if err != nil {
+				return err
+			}
+			if !strings.HasSuffix(string(buf[:n]), "ping\n") {
+				return fmt.Errorf("answer %q", buf[:n])
+			}
+			return nil
+		}
+		harness.WaitFor(t, converge, ask)
 		if err := f.proxy.Terminate(30 * time.Second); err != nil {
 			t.Fatalf("SIGTERM: %v; log:\n%s", err, f.proxy.Tail(20))
 		}
@@ -527,6 +550,8 @@ func TestProxy(t *testing.T) {
 		for _, fr := range f.everywhere() {
 			expectBackends(ctx, t, fr.ns, "tcp", addr, 6, f.names...)
 		}
+		// The restarted proxy deleted the stale flow: the same socket is answered again.
+		t.Logf("MEASURE restart → the old UDP socket is answered again: %v", harness.WaitFor(t, converge, ask).Round(time.Millisecond))
 	})
 
 	t.Run("1000 services", func(t *testing.T) {

@@ -6,12 +6,14 @@ import (
 	"fmt"
 	"net"
 	"net/netip"
+	"os/exec"
 	"strings"
 
 	"github.com/rs/zerolog"
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/iptables"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/portal"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/portal/conntrack"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/portal/transparent"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy"
 )
@@ -42,6 +44,13 @@ func newPortals(ctx context.Context, v *Validated, log zerolog.Logger) (*portalS
 		return nil, fmt.Errorf("detect iptables backend: %w", err)
 	}
 	set := &portalSet{log: log}
+	// Stale UDP flows (a changed portal, a restart) are deleted with the conntrack tool.
+	var flows portal.FlowDeleter
+	if path, err := exec.LookPath("conntrack"); err == nil {
+		flows = conntrack.Tool{Path: path}
+	} else {
+		log.Warn().Err(err).Msg("no conntrack tool (Debian package conntrack): UDP flows tracked before a portal changed keep their old destination while their clients keep sending")
+	}
 	for _, fam := range []iptables.Family{iptables.IPv4, iptables.IPv6} {
 		bind := v.BindAddress
 		if bind.IsUnspecified() {
@@ -69,6 +78,7 @@ func newPortals(ctx context.Context, v *Validated, log zerolog.Logger) (*portalS
 			Config: portal.Config{Family: fam, BindIP: bind, HostIP: host, NodePortAddresses: v.NodePortAddresses, ClusterCIDRs: v.ClusterCIDRs},
 			Runner: run,
 			Logger: log,
+			Flows:  flows,
 		})
 		if err != nil {
 			return nil, err
