@@ -21,6 +21,8 @@
 //
 // and, beyond upstream, --nodeport-addresses (Config.NodePortAddresses), the reject/drop chain,
 // and redirects of pod traffic (Config.ClusterCIDRs) to Local services' external addresses.
+// After each sync a Manager with Options.Flows deletes the conntrack entries of UDP flows whose
+// portal changed (portal/conntrack), so that they meet the new rules.
 package portal
 
 import (
