@@ -508,7 +508,7 @@ func runControlPlane(t *testing.T, rep *Report, cfg settings, c *cluster.Cluster
 	}
 	rep.Notes = append(rep.Notes,
 		"Control plane: both proxies watch the same API server; `one more service` is the time, in a steady state (2 s after the last change), from the EndpointSlice's creation (the Service exists already) to the first TCP connection that gets an answer from the node (a fresh connection every 5 ms, so a SYN lost before the rules existed does not delay the figure). Both run with their default --iptables-min-sync-period (kube-proxy: 1 s).",
-		"Full sync after restart: the mean of the sync-duration histogram (kube-proxy: kubeproxy_sync_full_proxy_rules_duration_seconds; kube-userspace-proxy: kubeproxy_sync_proxy_rules_duration_seconds, every sync of it is full) scraped right after the restarted proxy served everything. Idle CPU: utime+stime from /proc/PID/stat over "+cfg.cpuWindow.String()+".")
+		"Full sync after restart: the mean of kubeproxy_sync_full_proxy_rules_duration_seconds (both proxies count full syncs separately from partial ones) scraped right after the restarted proxy served everything. Idle CPU: utime+stime from /proc/PID/stat over "+cfg.cpuWindow.String()+".")
 }
 
 // createServices creates services bulk-<from>..bulk-<to-1> with one endpoint each (8 workers)
@@ -571,7 +571,7 @@ func firstSync(ns *netns.NS) (float64, error) {
 		v, _ := strconv.ParseFloat(f[1], 64)
 		vals[name] += v
 	}
-	// kube-proxy counts its full syncs separately; kube-userspace-proxy's syncs are all full.
+	// Both proxies count their full syncs separately (the first sync after a start is full).
 	metric := "kubeproxy_sync_full_proxy_rules_duration_seconds"
 	if vals[metric+"_count"] == 0 {
 		metric = "kubeproxy_sync_proxy_rules_duration_seconds"

@@ -58,6 +58,13 @@ type SyncObserver interface {
 	PortsSynced(ports []PortState)
 }
 
+// SyncModeObserver is optionally implemented by a SyncObserver that tells full portal syncs from
+// partial ones (kube-proxy's kubeproxy_sync_{full,partial}_proxy_rules_duration_seconds). It is
+// called before SyncDone, for syncs that programmed portals.
+type SyncModeObserver interface {
+	SyncModeDone(full bool, took time.Duration)
+}
+
 // ChangeCounter is optionally implemented by a SyncObserver that counts the changes each sync
 // applied (kube-proxy's sync_proxy_rules_{service,endpoint}_changes_total metrics). It is called
 // before SyncDone with the number of services whose definition changed and the number of
@@ -233,8 +240,10 @@ func (p *Proxier) sync(periodic bool) {
 	p.mu.Unlock()
 
 	var err error
+	programmed, full := false, false
 	if p.opts.Portals != nil {
-		full := periodic || time.Since(p.lastFull) >= p.opts.SyncPeriod
+		programmed = true
+		full = periodic || time.Since(p.lastFull) >= p.opts.SyncPeriod
 		if err = p.opts.Portals.Sync(context.Background(), states, full); err != nil {
 			p.log.Error().Err(err).Msg("programming portals failed; retrying at the next sync")
 		} else if full {
@@ -245,6 +254,9 @@ func (p *Proxier) sync(periodic bool) {
 	if p.opts.Observer != nil {
 		if cc, ok := p.opts.Observer.(ChangeCounter); ok {
 			cc.ChangesApplied(len(ch.Services), len(ch.Endpoints))
+		}
+		if sm, ok := p.opts.Observer.(SyncModeObserver); ok && programmed {
+			sm.SyncModeDone(full, took)
 		}
 		p.opts.Observer.PortsSynced(states)
 		p.opts.Observer.SyncDone(start, took, ch.Oldest, err)

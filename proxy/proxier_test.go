@@ -145,9 +145,18 @@ func (r *recordingPortals) Sync(_ context.Context, ports []PortState, full bool)
 
 // Portal syncs are full when periodic, the first time, and whenever SyncPeriod has passed since
 // the last full one; otherwise partial.
+// modeObserver records what SyncModeDone reports.
+type modeObserver struct{ fulls []bool }
+
+func (o *modeObserver) SyncDone(time.Time, time.Duration, time.Time, error) {}
+func (o *modeObserver) ChangeQueued(time.Time)                              {}
+func (o *modeObserver) PortsSynced([]PortState)                             {}
+func (o *modeObserver) SyncModeDone(full bool, _ time.Duration)             { o.fulls = append(o.fulls, full) }
+
 func TestPortalSyncsFullOrPartial(t *testing.T) {
 	portals := &recordingPortals{}
-	p := newTestProxier(t, Options{Portals: portals, SyncPeriod: time.Hour})
+	obs := &modeObserver{}
+	p := newTestProxier(t, Options{Portals: portals, SyncPeriod: time.Hour, Observer: obs})
 	p.sync(false) // the first: full
 	p.sync(false) // right after: partial
 	p.sync(true)  // periodic: full
@@ -160,6 +169,9 @@ func TestPortalSyncsFullOrPartial(t *testing.T) {
 	defer portals.mu.Unlock()
 	if !slices.Equal(portals.fulls, want) {
 		t.Errorf("full flags of the portal syncs: %v, want %v", portals.fulls, want)
+	}
+	if !slices.Equal(obs.fulls, want) {
+		t.Errorf("sync modes reported to the observer: %v, want %v", obs.fulls, want)
 	}
 }
 

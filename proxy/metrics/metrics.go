@@ -33,6 +33,8 @@ import (
 // Metric names. The kubeproxy_ ones are kube-proxy's.
 const (
 	SyncDuration               = "kubeproxy_sync_proxy_rules_duration_seconds"
+	SyncFullDuration           = "kubeproxy_sync_full_proxy_rules_duration_seconds"
+	SyncPartialDuration        = "kubeproxy_sync_partial_proxy_rules_duration_seconds"
 	SyncLastTimestamp          = "kubeproxy_sync_proxy_rules_last_timestamp_seconds"
 	SyncLastQueuedTimestamp    = "kubeproxy_sync_proxy_rules_last_queued_timestamp_seconds"
 	ServiceChangesTotal        = "kubeproxy_sync_proxy_rules_service_changes_total"
@@ -72,6 +74,8 @@ type Metrics struct {
 	now func() time.Time
 
 	syncDuration    prometheus.Histogram
+	syncFull        prometheus.Histogram
+	syncPartial     prometheus.Histogram
 	syncLast        prometheus.Gauge
 	queuedLast      prometheus.Gauge
 	serviceChanges  prometheus.Counter
@@ -106,6 +110,16 @@ func New(opts Options) *Metrics {
 	m.syncDuration = prometheus.NewHistogram(prometheus.HistogramOpts{
 		Name:    SyncDuration,
 		Help:    "SyncProxyRules latency in seconds",
+		Buckets: prometheus.ExponentialBuckets(0.001, 2, 15),
+	})
+	m.syncFull = prometheus.NewHistogram(prometheus.HistogramOpts{
+		Name:    SyncFullDuration,
+		Help:    "SyncProxyRules latency in seconds for full resyncs",
+		Buckets: prometheus.ExponentialBuckets(0.001, 2, 15),
+	})
+	m.syncPartial = prometheus.NewHistogram(prometheus.HistogramOpts{
+		Name:    SyncPartialDuration,
+		Help:    "SyncProxyRules latency in seconds for partial resyncs",
 		Buckets: prometheus.ExponentialBuckets(0.001, 2, 15),
 	})
 	m.syncLast = prometheus.NewGauge(prometheus.GaugeOpts{
@@ -160,7 +174,7 @@ func New(opts Options) *Metrics {
 	m.dropped = counter(UDPDatagramsDroppedTotal, "UDP datagrams from clients that could not be forwarded, per service port")
 	m.localEndpointsGauge = gauge(ServicePortsLocalEndpoints, "Endpoints on this node that Local external traffic may use, per service port")
 
-	m.reg.MustRegister(m.syncDuration, m.syncLast, m.queuedLast, m.serviceChanges, m.endpointChanges,
+	m.reg.MustRegister(m.syncDuration, m.syncFull, m.syncPartial, m.syncLast, m.queuedLast, m.serviceChanges, m.endpointChanges,
 		m.netProg, m.syncFailures, m.ports,
 		m.accepted, m.active, m.failed, m.bytesTo, m.bytesFrom, m.dialFailures, m.udpOpened, m.udpActive,
 		m.dropped, m.localEndpointsGauge)
@@ -193,6 +207,16 @@ func (m *Metrics) SyncDone(start time.Time, took time.Duration, oldestChange tim
 	m.syncLast.Set(float64(end.UnixNano()) / 1e9)
 	if !oldestChange.IsZero() {
 		m.netProg.Observe(end.Sub(oldestChange).Seconds())
+	}
+}
+
+// SyncModeDone records a sync's duration in the full or the partial histogram
+// (proxy.SyncModeObserver).
+func (m *Metrics) SyncModeDone(full bool, took time.Duration) {
+	if full {
+		m.syncFull.Observe(took.Seconds())
+	} else {
+		m.syncPartial.Observe(took.Seconds())
 	}
 }
 

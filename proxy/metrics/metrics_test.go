@@ -120,7 +120,9 @@ func TestSyncMetrics(t *testing.T) {
 	m.ChangesApplied(2, 5)
 	sp := &serviceport.ServicePort{Name: webName, Protocol: v1.ProtocolTCP}
 	obs.PortsSynced([]proxy.PortState{{ServicePort: sp, LocalEndpoints: 2}})
+	m.SyncModeDone(true, 500*time.Millisecond)
 	obs.SyncDone(now.Add(-time.Second), 500*time.Millisecond, now.Add(-3*time.Second), nil)
+	m.SyncModeDone(false, 20*time.Millisecond)
 	// A failed sync counts its duration but does not move the last-success timestamp.
 	obs.SyncDone(now, 20*time.Millisecond, now, errors.New("restore failed"))
 
@@ -131,6 +133,8 @@ func TestSyncMetrics(t *testing.T) {
 		want   float64
 	}{
 		{"sync durations observed", SyncDuration, 2},
+		{"full syncs observed", SyncFullDuration, 1},
+		{"partial syncs observed", SyncPartialDuration, 1},
 		{"last successful sync", SyncLastTimestamp, float64(now.Add(-500*time.Millisecond).UnixNano()) / 1e9},
 		{"last queued", SyncLastQueuedTimestamp, float64(now.Add(-3*time.Second).UnixNano()) / 1e9},
 		{"service changes", ServiceChangesTotal, 2},

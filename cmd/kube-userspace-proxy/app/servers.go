@@ -161,10 +161,13 @@ func (s *servers) closeListeners() {
 }
 
 // observers fans one proxy.SyncObserver out to several, including the optional
-// proxy.ChangeCounter.
+// proxy.ChangeCounter and proxy.SyncModeObserver.
 type observers []proxy.SyncObserver
 
-var _ proxy.ChangeCounter = observers(nil)
+var (
+	_ proxy.ChangeCounter    = observers(nil)
+	_ proxy.SyncModeObserver = observers(nil)
+)
 
 func (o observers) SyncDone(start time.Time, took time.Duration, oldest time.Time, err error) {
 	for _, ob := range o {
@@ -181,6 +184,14 @@ func (o observers) ChangeQueued(at time.Time) {
 func (o observers) PortsSynced(ports []proxy.PortState) {
 	for _, ob := range o {
 		ob.PortsSynced(ports)
+	}
+}
+
+func (o observers) SyncModeDone(full bool, took time.Duration) {
+	for _, ob := range o {
+		if sm, ok := ob.(proxy.SyncModeObserver); ok {
+			sm.SyncModeDone(full, took)
+		}
 	}
 }
 
