@@ -1,0 +1,399 @@
+package serviceport
+
+import (
+	"errors"
+	"net/netip"
+	"strings"
+	"testing"
+	"time"
+
+	v1 "k8s.io/api/core/v1"
+	discovery "k8s.io/api/discovery/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+)
+
+func ptr[T any](v T) *T { return &v }
+
+// svc returns a ClusterIP service ns/web with one TCP port 80 named "http", changed by edit.
+func svc(edit func(*v1.Service)) *v1.Service {
+	s := &v1.Service{
+		ObjectMeta: metav1.ObjectMeta{Namespace: "ns", Name: "web"},
+		Spec: v1.ServiceSpec{
+			Type:       v1.ServiceTypeClusterIP,
+			ClusterIP:  "10.96.0.10",
+			ClusterIPs: []string{"10.96.0.10"},
+			Ports:      []v1.ServicePort{{Name: "http", Protocol: v1.ProtocolTCP, Port: 80}},
+		},
+	}
+	if edit != nil {
+		edit(s)
+	}
+	return s
+}
+
+// fieldErrors returns the fields named by the FieldErrors in err.
+func fieldErrors(t *testing.T, err error) []string {
+	t.Helper()
+	if err == nil {
+		return nil
+	}
+	var out []string
+	var walk func(error)
+	walk = func(e error) {
+		if j, ok := e.(interface{ Unwrap() []error }); ok {
+			for _, x := range j.Unwrap() {
+				walk(x)
+			}
+			return
+		}
+		var fe *FieldError
+		if !errors.As(e, &fe) {
+			t.Fatalf("error %q is not a FieldError", e)
+		}
+		if fe.Object != "Service ns/web" {
+			t.Errorf("error %q names object %q, want Service ns/web", e, fe.Object)
+		}
+		out = append(out, fe.Field)
+	}
+	walk(err)
+	return out
+}
+
+func TestFromService(t *testing.T) {
+	addrs := func(ss ...string) []netip.Addr {
+		var out []netip.Addr
+		for _, s := range ss {
+			out = append(out, netip.MustParseAddr(s))
+		}
+		return out
+	}
+	cases := []struct {
+		name       string
+		edit       func(*v1.Service)
+		wantPorts  int
+		wantErrs   []string // fields named by the error, in order
+		check      func(t *testing.T, sp *ServicePort)
+		skipReason string
+	}{
+		{
+			name:      "plain ClusterIP",
+			wantPorts: 1,
+			check: func(t *testing.T, sp *ServicePort) {
+				if sp.Name.String() != "ns/web:http" || sp.Protocol != v1.ProtocolTCP || sp.Port != 80 || sp.NodePort != 0 {
+					t.Errorf("got %+v", sp)
+				}
+				if sp.SessionAffinity || sp.AffinityTimeout != DefaultAffinityTimeout || sp.ProxyProtocol != ProxyProtocolNone {
+					t.Errorf("affinity/proxy protocol: got %+v", sp)
+				}
+			},
+		},
+		{name: "headless", edit: func(s *v1.Service) { s.Spec.ClusterIP = v1.ClusterIPNone }, skipReason: "headless service"},
+		{name: "ExternalName", edit: func(s *v1.Service) { s.Spec.Type = v1.ServiceTypeExternalName }, skipReason: "ExternalName service"},
+		{name: "another proxy's", edit: func(s *v1.Service) { s.Labels = map[string]string{ServiceProxyNameLabel: "other"} },
+			skipReason: "service labelled " + ServiceProxyNameLabel},
+		{
+			name: "dual-stack, IPv4-mapped cluster IP unmapped",
+			edit: func(s *v1.Service) { s.Spec.ClusterIPs = []string{"::ffff:10.96.0.10", "fd00::10"} },
+			wantPorts: 1,
+			check: func(t *testing.T, sp *ServicePort) {
+				if want := addrs("10.96.0.10", "fd00::10"); !equalAddrs(sp.ClusterIPs, want) {
+					t.Errorf("ClusterIPs %v, want %v", sp.ClusterIPs, want)
+				}
+			},
+		},
+		{
+			name:      "every cluster IP invalid: nothing served",
+			edit:      func(s *v1.Service) { s.Spec.ClusterIPs = []string{"not-an-ip"} },
+			wantPorts: 0,
+			wantErrs:  []string{"spec.clusterIPs[0]"},
+		},
+		{
+			name: "LoadBalancer: hostname-only ingress ignored, ipMode Proxy is NodePort only, bad IP reported",
+			edit: func(s *v1.Service) {
+				s.Spec.Type = v1.ServiceTypeLoadBalancer
+				s.Spec.Ports[0].NodePort = 30080
+				s.Status.LoadBalancer.Ingress = []v1.LoadBalancerIngress{
+					{IP: "192.0.2.1"},
+					{Hostname: "lb.example"},
+					{IP: "192.0.2.2", IPMode: ptr(v1.LoadBalancerIPModeProxy)},
+					{IP: "192.0.2.300"},
+					{IP: "192.0.2.3", IPMode: ptr(v1.LoadBalancerIPModeVIP)},
+				}
+			},
+			wantPorts: 1,
+			wantErrs:  []string{"status.loadBalancer.ingress[3].ip"},
+			check: func(t *testing.T, sp *ServicePort) {
+				if want := addrs("192.0.2.1", "192.0.2.3"); !equalAddrs(sp.LoadBalancerIPs, want) {
+					t.Errorf("LoadBalancerIPs %v, want %v", sp.LoadBalancerIPs, want)
+				}
+				if sp.NodePort != 30080 {
+					t.Errorf("NodePort %d, want 30080", sp.NodePort)
+				}
+			},
+		},
+		{
+			name: "NodePort of a ClusterIP service is ignored",
+			edit: func(s *v1.Service) { s.Spec.Ports[0].NodePort = 30080 },
+			wantPorts: 1,
+			check: func(t *testing.T, sp *ServicePort) {
+				if sp.NodePort != 0 {
+					t.Errorf("NodePort %d, want 0", sp.NodePort)
+				}
+			},
+		},
+		{
+			name: "ClientIP affinity with its own timeout",
+			edit: func(s *v1.Service) {
+				s.Spec.SessionAffinity = v1.ServiceAffinityClientIP
+				s.Spec.SessionAffinityConfig = &v1.SessionAffinityConfig{ClientIP: &v1.ClientIPConfig{TimeoutSeconds: ptr(int32(60))}}
+			},
+			wantPorts: 1,
+			check: func(t *testing.T, sp *ServicePort) {
+				if !sp.SessionAffinity || sp.AffinityTimeout != time.Minute {
+					t.Errorf("affinity %v timeout %v, want true 1m", sp.SessionAffinity, sp.AffinityTimeout)
+				}
+			},
+		},
+		{
+			name: "affinity timeout out of range: default used, field reported",
+			edit: func(s *v1.Service) {
+				s.Spec.SessionAffinity = v1.ServiceAffinityClientIP
+				s.Spec.SessionAffinityConfig = &v1.SessionAffinityConfig{ClientIP: &v1.ClientIPConfig{TimeoutSeconds: ptr(int32(0))}}
+			},
+			wantPorts: 1,
+			wantErrs:  []string{"spec.sessionAffinityConfig.clientIP.timeoutSeconds"},
+			check: func(t *testing.T, sp *ServicePort) {
+				if !sp.SessionAffinity || sp.AffinityTimeout != DefaultAffinityTimeout {
+					t.Errorf("affinity %v timeout %v, want true %v", sp.SessionAffinity, sp.AffinityTimeout, DefaultAffinityTimeout)
+				}
+			},
+		},
+		{
+			name: "bad ports left out, good ones kept",
+			edit: func(s *v1.Service) {
+				s.Spec.Ports = append(s.Spec.Ports,
+					v1.ServicePort{Name: "sctp", Protocol: v1.ProtocolSCTP, Port: 81},
+					v1.ServicePort{Name: "big", Protocol: v1.ProtocolTCP, Port: 70000},
+					v1.ServicePort{Name: "http", Protocol: v1.ProtocolUDP, Port: 82},
+					v1.ServicePort{Name: "dns", Port: 53}, // protocol defaults to TCP
+				)
+			},
+			wantPorts: 2,
+			wantErrs:  []string{"spec.ports[1].protocol", "spec.ports[2].port", "spec.ports[3].name"},
+		},
+		{
+			name: "PROXY protocol v2",
+			edit: func(s *v1.Service) { s.Annotations = map[string]string{ProxyProtocolAnnotation: "v2"} },
+			wantPorts: 1,
+			check: func(t *testing.T, sp *ServicePort) {
+				if sp.ProxyProtocol != ProxyProtocolV2 {
+					t.Errorf("ProxyProtocol %q, want v2", sp.ProxyProtocol)
+				}
+			},
+		},
+		{
+			name: "PROXY protocol malformed: reported, service still served without a header",
+			edit: func(s *v1.Service) { s.Annotations = map[string]string{ProxyProtocolAnnotation: "v3"} },
+			wantPorts: 1,
+			wantErrs:  []string{"metadata.annotations[" + ProxyProtocolAnnotation + "]"},
+			check: func(t *testing.T, sp *ServicePort) {
+				if sp.ProxyProtocol != ProxyProtocolNone {
+					t.Errorf("ProxyProtocol %q, want none", sp.ProxyProtocol)
+				}
+			},
+		},
+		{
+			name: "externalTrafficPolicy Local on NodePort, health check port only for LoadBalancer",
+			edit: func(s *v1.Service) {
+				s.Spec.Type = v1.ServiceTypeNodePort
+				s.Spec.ExternalTrafficPolicy = v1.ServiceExternalTrafficPolicyLocal
+				s.Spec.HealthCheckNodePort = 32000
+			},
+			wantPorts: 1,
+			check: func(t *testing.T, sp *ServicePort) {
+				if !sp.ExternalPolicyLocal || sp.HealthCheckNodePort != 0 {
+					t.Errorf("ExternalPolicyLocal %v HealthCheckNodePort %d, want true 0", sp.ExternalPolicyLocal, sp.HealthCheckNodePort)
+				}
+			},
+		},
+		{
+			name: "externalTrafficPolicy Local means nothing for a plain ClusterIP service",
+			edit: func(s *v1.Service) { s.Spec.ExternalTrafficPolicy = v1.ServiceExternalTrafficPolicyLocal },
+			wantPorts: 1,
+			check: func(t *testing.T, sp *ServicePort) {
+				if sp.ExternalPolicyLocal {
+					t.Error("ExternalPolicyLocal set on a ClusterIP service without external IPs")
+				}
+			},
+		},
+		{
+			name: "externalIPs: bad one reported, Local policy applies",
+			edit: func(s *v1.Service) {
+				s.Spec.ExternalIPs = []string{"203.0.113.5", "bogus"}
+				s.Spec.ExternalTrafficPolicy = v1.ServiceExternalTrafficPolicyLocal
+				s.Spec.InternalTrafficPolicy = ptr(v1.ServiceInternalTrafficPolicyLocal)
+			},
+			wantPorts: 1,
+			wantErrs:  []string{"spec.externalIPs[1]"},
+			check: func(t *testing.T, sp *ServicePort) {
+				if !equalAddrs(sp.ExternalIPs, addrs("203.0.113.5")) || !sp.ExternalPolicyLocal || !sp.InternalPolicyLocal {
+					t.Errorf("got %+v", sp)
+				}
+				if !sp.UsesExternalPolicy(netip.MustParseAddr("203.0.113.5")) || sp.UsesExternalPolicy(netip.MustParseAddr("::ffff:10.96.0.10")) {
+					t.Error("UsesExternalPolicy: external IP must use it, the (mapped) cluster IP must not")
+				}
+			},
+		},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			s := svc(tc.edit)
+			if got := SkipReason(s); got != tc.skipReason {
+				t.Fatalf("SkipReason = %q, want %q", got, tc.skipReason)
+			}
+			ports, err := FromService(s)
+			if got := fieldErrors(t, err); strings.Join(got, ",") != strings.Join(tc.wantErrs, ",") {
+				t.Errorf("errors name %q, want %q (err: %v)", got, tc.wantErrs, err)
+			}
+			if len(ports) != tc.wantPorts {
+				t.Fatalf("got %d ports, want %d", len(ports), tc.wantPorts)
+			}
+			if tc.check != nil && len(ports) > 0 {
+				tc.check(t, ports[0])
+			}
+			for _, sp := range ports {
+				if !sp.Equal(sp) {
+					t.Errorf("%v not Equal to itself", sp)
+				}
+			}
+		})
+	}
+}
+
+func equalAddrs(a, b []netip.Addr) bool {
+	if len(a) != len(b) {
+		return false
+	}
+	for i := range a {
+		if a[i] != b[i] {
+			return false
+		}
+	}
+	return true
+}
+
+func TestServicePortEqual(t *testing.T) {
+	base, _ := FromService(svc(nil))
+	for _, tc := range []struct {
+		name string
+		edit func(*v1.Service)
+	}{
+		{"port", func(s *v1.Service) { s.Spec.Ports[0].Port = 81 }},
+		{"protocol", func(s *v1.Service) { s.Spec.Ports[0].Protocol = v1.ProtocolUDP }},
+		{"cluster IP", func(s *v1.Service) { s.Spec.ClusterIPs = []string{"10.96.0.11"} }},
+		{"external IP", func(s *v1.Service) { s.Spec.ExternalIPs = []string{"203.0.113.5"} }},
+		{"affinity", func(s *v1.Service) { s.Spec.SessionAffinity = v1.ServiceAffinityClientIP }},
+		{"internal policy", func(s *v1.Service) { s.Spec.InternalTrafficPolicy = ptr(v1.ServiceInternalTrafficPolicyLocal) }},
+		{"proxy protocol", func(s *v1.Service) { s.Annotations = map[string]string{ProxyProtocolAnnotation: "v1"} }},
+	} {
+		changed, err := FromService(svc(tc.edit))
+		if err != nil || len(changed) != 1 {
+			t.Fatalf("%s: %v", tc.name, err)
+		}
+		if base[0].Equal(changed[0]) {
+			t.Errorf("%s: a changed %s compares Equal", tc.name, tc.name)
+		}
+	}
+	same, _ := FromService(svc(nil))
+	if !base[0].Equal(same[0]) {
+		t.Error("two conversions of the same service differ")
+	}
+}
+
+func TestEndpointsFromSlices(t *testing.T) {
+	name := types.NamespacedName{Namespace: "ns", Name: "web"}
+	slice := func(n string, at discovery.AddressType, ports []discovery.EndpointPort, eps ...discovery.Endpoint) *discovery.EndpointSlice {
+		return &discovery.EndpointSlice{
+			ObjectMeta:  metav1.ObjectMeta{Namespace: "ns", Name: n, Labels: map[string]string{discovery.LabelServiceName: "web"}},
+			AddressType: at,
+			Ports:       ports,
+			Endpoints:   eps,
+		}
+	}
+	http := []discovery.EndpointPort{{Name: ptr("http"), Port: ptr(int32(8080))}}
+	ep := func(addr string, ready, serving, terminating *bool, node string) discovery.Endpoint {
+		e := discovery.Endpoint{Addresses: []string{addr},
+			Conditions: discovery.EndpointConditions{Ready: ready, Serving: serving, Terminating: terminating}}
+		if node != "" {
+			e.NodeName = ptr(node)
+		}
+		return e
+	}
+	t1, f := ptr(true), ptr(false)
+
+	got, err := EndpointsFromSlices(name, []*discovery.EndpointSlice{
+		slice("web-b", discovery.AddressTypeIPv4, http,
+			ep("10.0.0.2", f, t1, t1, "node2"),    // terminating but serving
+			ep("10.0.0.1", nil, nil, nil, "node1"), // unset conditions: ready, serving, not terminating
+			ep("10.0.0.300", t1, nil, nil, ""),     // invalid
+		),
+		slice("web-a", discovery.AddressTypeIPv4, http,
+			ep("10.0.0.2", t1, nil, nil, "node2"), // the ready copy of a duplicate wins
+			ep("10.0.0.3", f, f, nil, ""),         // not ready, not serving
+		),
+		slice("web-6", discovery.AddressTypeIPv6, http, ep("fd00::1", nil, nil, nil, "")),
+		slice("web-fqdn", discovery.AddressTypeFQDN, http, ep("example.com", nil, nil, nil, "")),
+		slice("web-bad", discovery.AddressTypeIPv4, []discovery.EndpointPort{{Name: ptr("x")}, {Name: ptr("y"), Port: ptr(int32(0))}},
+			ep("10.0.0.9", nil, nil, nil, "")),
+	})
+	var fields []string
+	for _, e := range err.(interface{ Unwrap() []error }).Unwrap() {
+		var fe *FieldError
+		if !errors.As(e, &fe) {
+			t.Fatalf("error %v is not a FieldError", e)
+		}
+		fields = append(fields, fe.Object+" "+fe.Field)
+	}
+	wantFields := "EndpointSlice ns/web-b endpoints[2].addresses[0],EndpointSlice ns/web-bad ports[0].port,EndpointSlice ns/web-bad ports[1].port"
+	if strings.Join(fields, ",") != wantFields {
+		t.Errorf("errors name %q, want %q", fields, wantFields)
+	}
+	want := []Endpoint{
+		{Addr: netip.MustParseAddrPort("10.0.0.1:8080"), Ready: true, Serving: true, NodeName: "node1"},
+		{Addr: netip.MustParseAddrPort("10.0.0.2:8080"), Ready: true, Serving: true, NodeName: "node2"},
+		{Addr: netip.MustParseAddrPort("10.0.0.3:8080")},
+		{Addr: netip.MustParseAddrPort("[fd00::1]:8080"), Ready: true, Serving: true},
+	}
+	if len(got) != 1 || len(got["http"]) != len(want) {
+		t.Fatalf("got %v, want only port http with %v", got, want)
+	}
+	for i := range want {
+		if got["http"][i] != want[i] {
+			t.Errorf("endpoint %d: got %+v, want %+v", i, got["http"][i], want[i])
+		}
+	}
+
+	// Without the ready copy, the terminating one stays, with its conditions.
+	got, err = EndpointsFromSlices(name, []*discovery.EndpointSlice{
+		slice("web-b", discovery.AddressTypeIPv4, http, ep("10.0.0.2", f, t1, t1, "node2")),
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if e := got["http"][0]; e.Ready || !e.Serving || !e.Terminating {
+		t.Errorf("terminating endpoint: got %+v", e)
+	}
+}
+
+func TestSliceServiceName(t *testing.T) {
+	s := &discovery.EndpointSlice{ObjectMeta: metav1.ObjectMeta{Namespace: "ns", Name: "web-abc",
+		Labels: map[string]string{discovery.LabelServiceName: "web"}}}
+	if n, ok := SliceServiceName(s); !ok || n != (types.NamespacedName{Namespace: "ns", Name: "web"}) {
+		t.Errorf("got %v %v", n, ok)
+	}
+	s.Labels = nil
+	if _, ok := SliceServiceName(s); ok {
+		t.Error("a slice without the service-name label belongs to a service")
+	}
+}
