@@ -8,12 +8,17 @@ import "github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/serviceport"
 //
 // The ready endpoints are usable; when none is, the serving and terminating ones are. When the
 // class is subject to a Local policy (sp.ExternalPolicyLocal for external traffic,
-// sp.InternalPolicyLocal for ClusterIP traffic), only endpoints whose NodeName is nodeName are
-// considered, with the same fallback among them; an empty nodeName matches no endpoint. A nil sp
-// is treated as a service with no Local policy. The result is nil when nothing is usable; it never
-// aliases eps.
-func Usable(sp *serviceport.ServicePort, eps []serviceport.Endpoint, nodeName string, external bool) []serviceport.Endpoint {
-	return filter(nil, eps, nodeName, localClass(sp, external))
+// sp.InternalPolicyLocal for ClusterIP traffic), only endpoints whose NodeName is node.Name are
+// considered, with the same fallback among them; an empty node.Name matches no endpoint.
+// Otherwise the endpoints' topology hints may narrow the ready ones to those hinted for node or
+// its zone (see topologyFor); hints never apply under a Local policy, nor to the fallback. A nil
+// sp is treated as a service with no Local policy. The result is nil when nothing is usable; it
+// never aliases eps.
+func Usable(sp *serviceport.ServicePort, eps []serviceport.Endpoint, node Node, external bool) []serviceport.Endpoint {
+	if localClass(sp, external) {
+		return filter(nil, eps, node, true, topologyNone)
+	}
+	return filter(nil, eps, node, false, topologyFor(eps, node).mode)
 }
 
 // LocalEndpoints counts the endpoints on nodeName that external traffic under
@@ -59,12 +64,14 @@ func isLocal(e *serviceport.Endpoint, nodeName string) bool {
 }
 
 // filter appends to dst the endpoints of eps usable under the selection rule (local restricts
-// them to nodeName) and returns it.
-func filter(dst, eps []serviceport.Endpoint, nodeName string, local bool) []serviceport.Endpoint {
+// them to node.Name; mode restricts the ready ones to those available for topology) and returns
+// it. mode must leave at least one ready endpoint when any is ready (topologyFor guarantees it),
+// so the fallback to serving and terminating endpoints happens only when none is ready.
+func filter(dst, eps []serviceport.Endpoint, node Node, local bool, mode topologyMode) []serviceport.Endpoint {
 	start := len(dst)
 	for i := range eps {
 		e := &eps[i]
-		if e.Ready && (!local || isLocal(e, nodeName)) {
+		if e.Ready && (!local || isLocal(e, node.Name)) && availableForTopology(e, mode, node) {
 			dst = append(dst, *e)
 		}
 	}
@@ -73,7 +80,7 @@ func filter(dst, eps []serviceport.Endpoint, nodeName string, local bool) []serv
 	}
 	for i := range eps {
 		e := &eps[i]
-		if e.Serving && e.Terminating && (!local || isLocal(e, nodeName)) {
+		if e.Serving && e.Terminating && (!local || isLocal(e, node.Name)) {
 			dst = append(dst, *e)
 		}
 	}

@@ -8,6 +8,7 @@ import (
 
 	discovery "k8s.io/api/discovery/v1"
 	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/apimachinery/pkg/util/validation"
 )
 
 // SliceServiceName returns the service an EndpointSlice belongs to, from its
@@ -24,6 +25,9 @@ func SliceServiceName(s *discovery.EndpointSlice) (types.NamespacedName, bool) {
 // Slices of address type FQDN are ignored. An endpoint listed in several slices appears once
 // (the first ready copy wins). Invalid fields are left out and reported together in the error.
 // Each port's list is sorted by address so equal inputs give equal outputs.
+//
+// An endpoint's hints.forZones and hints.forNodes become its ZoneHints and NodeHints; a hint whose
+// name is not a valid zone (label value) or node name is reported and left out.
 func EndpointsFromSlices(svc types.NamespacedName, slices []*discovery.EndpointSlice) (map[string][]Endpoint, error) {
 	var errs []error
 	out := map[string][]Endpoint{}
@@ -63,6 +67,14 @@ func EndpointsFromSlices(svc types.NamespacedName, slices []*discovery.EndpointS
 				if e.NodeName != nil {
 					node = *e.NodeName
 				}
+				var zoneHints, nodeHints Hints
+				if e.Hints != nil {
+					report := bad
+					if pi > 0 {
+						report = func(string, string, ...any) {} // reported with the first port
+					}
+					zoneHints, nodeHints = hints(e.Hints, fmt.Sprintf("endpoints[%d].hints", ei), report)
+				}
 				for ai, a := range e.Addresses {
 					ip, err := netip.ParseAddr(a)
 					if err != nil {
@@ -72,7 +84,8 @@ func EndpointsFromSlices(svc types.NamespacedName, slices []*discovery.EndpointS
 						continue
 					}
 					ap := netip.AddrPortFrom(ip.Unmap(), uint16(*p.Port))
-					ep := Endpoint{Addr: ap, Ready: ready, Serving: serving, Terminating: terminating, NodeName: node}
+					ep := Endpoint{Addr: ap, Ready: ready, Serving: serving, Terminating: terminating, NodeName: node,
+						ZoneHints: zoneHints, NodeHints: nodeHints}
 					if i, dup := index[portName][ap]; dup {
 						if !out[portName][i].Ready && ready {
 							out[portName][i] = ep
@@ -90,4 +103,27 @@ func EndpointsFromSlices(svc types.NamespacedName, slices []*discovery.EndpointS
 	}
 	_ = svc
 	return out, errors.Join(errs...)
+}
+
+// hints converts an endpoint's hints, reporting (through bad, under field) names that are not
+// valid zone or node names, as the API server would have rejected them.
+func hints(h *discovery.EndpointHints, field string, bad func(field, format string, args ...any)) (zones, nodes Hints) {
+	names := make([]string, 0, max(len(h.ForZones), len(h.ForNodes)))
+	for i, z := range h.ForZones {
+		if errs := validation.IsValidLabelValue(z.Name); z.Name == "" || len(errs) > 0 {
+			bad(fmt.Sprintf("%s.forZones[%d].name", field, i), "invalid zone name %q", z.Name)
+			continue
+		}
+		names = append(names, z.Name)
+	}
+	zones = NewHints(names...)
+	names = names[:0]
+	for i, n := range h.ForNodes {
+		if errs := validation.IsDNS1123Subdomain(n.Name); len(errs) > 0 {
+			bad(fmt.Sprintf("%s.forNodes[%d].name", field, i), "invalid node name %q", n.Name)
+			continue
+		}
+		names = append(names, n.Name)
+	}
+	return zones, NewHints(names...)
 }

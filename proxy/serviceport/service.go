@@ -119,6 +119,8 @@ func FromService(svc *v1.Service) ([]*ServicePort, error) {
 		}
 	}
 
+	topology := topologyRequest(svc, bad)
+
 	hcnp := 0
 	if externalLocal && svc.Spec.Type == v1.ServiceTypeLoadBalancer {
 		hcnp = int(svc.Spec.HealthCheckNodePort)
@@ -165,7 +167,36 @@ func FromService(svc *v1.Service) ([]*ServicePort, error) {
 			InternalPolicyLocal: internalLocal,
 			HealthCheckNodePort: hcnp,
 			ProxyProtocol:       pp,
+			Topology:            topology,
 		})
 	}
 	return out, errors.Join(errs...)
+}
+
+// topologyRequest returns the topology-aware routing svc asks for, with the precedence of the
+// EndpointSlice controller, which is what acts on it: the annotation
+// service.kubernetes.io/topology-aware-hints when present, else service.kubernetes.io/topology-mode,
+// asks for TopologyAuto when its value is "Auto" or "auto" (any other value asks for nothing);
+// otherwise spec.trafficDistribution decides. An unknown trafficDistribution is reported.
+func topologyRequest(svc *v1.Service, bad func(field, format string, args ...any)) Topology {
+	val, ok := svc.Annotations[v1.DeprecatedAnnotationTopologyAwareHints]
+	if !ok {
+		val, ok = svc.Annotations[v1.AnnotationTopologyMode]
+	}
+	if ok && (val == "Auto" || val == "auto") {
+		return TopologyAuto
+	}
+	td := svc.Spec.TrafficDistribution
+	if td == nil {
+		return TopologyNone
+	}
+	switch *td {
+	case v1.ServiceTrafficDistributionPreferClose, v1.ServiceTrafficDistributionPreferSameZone:
+		return TopologyPreferSameZone
+	case v1.ServiceTrafficDistributionPreferSameNode:
+		return TopologyPreferSameNode
+	}
+	bad("spec.trafficDistribution", "unsupported value %q (want %s, %s or %s); endpoint hints are still followed",
+		*td, v1.ServiceTrafficDistributionPreferClose, v1.ServiceTrafficDistributionPreferSameZone, v1.ServiceTrafficDistributionPreferSameNode)
+	return TopologyNone
 }

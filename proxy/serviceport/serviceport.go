@@ -13,6 +13,7 @@ import (
 	"fmt"
 	"net/netip"
 	"slices"
+	"strings"
 	"time"
 
 	v1 "k8s.io/api/core/v1"
@@ -84,7 +85,34 @@ type ServicePort struct {
 
 	// ProxyProtocol is the PROXY protocol version to send to endpoints, from ProxyProtocolAnnotation.
 	ProxyProtocol ProxyProtocol
+
+	// Topology is the topology-aware routing the service asks for (TopologyNone when it asks for
+	// none). The proxy follows the endpoints' hints whatever this says, as kube-proxy does since
+	// v1.33 (the EndpointSlice controller writes hints only for services that ask); it is kept
+	// so that the load balancer can say why a service that asked got no topology.
+	Topology Topology
 }
+
+// Topology is the topology-aware routing a Service asks for, through the annotations
+// service.kubernetes.io/topology-mode (or the deprecated service.kubernetes.io/topology-aware-hints)
+// or spec.trafficDistribution. The EndpointSlice controller answers it by writing hints on the
+// service's endpoints.
+type Topology string
+
+// Topology requests.
+const (
+	// TopologyNone: the service asks for no topology-aware routing.
+	TopologyNone Topology = ""
+	// TopologyAuto: the topology-mode (or topology-aware-hints) annotation is "Auto": zone hints
+	// in proportion to each zone's CPU cores.
+	TopologyAuto Topology = "Auto"
+	// TopologyPreferSameZone: trafficDistribution PreferSameZone or its older name PreferClose:
+	// zone hints, each endpoint hinted for its own zone.
+	TopologyPreferSameZone Topology = v1.ServiceTrafficDistributionPreferSameZone
+	// TopologyPreferSameNode: trafficDistribution PreferSameNode: node hints, each endpoint
+	// hinted for its own node, and zone hints as a fallback.
+	TopologyPreferSameNode Topology = v1.ServiceTrafficDistributionPreferSameNode
+)
 
 // String returns the port's name and protocol, as "ns/name:port/TCP".
 func (sp *ServicePort) String() string {
@@ -101,7 +129,8 @@ func (sp *ServicePort) Equal(o *ServicePort) bool {
 		slices.Equal(sp.ExternalIPs, o.ExternalIPs) && slices.Equal(sp.LoadBalancerIPs, o.LoadBalancerIPs) &&
 		sp.SessionAffinity == o.SessionAffinity && sp.AffinityTimeout == o.AffinityTimeout &&
 		sp.ExternalPolicyLocal == o.ExternalPolicyLocal && sp.InternalPolicyLocal == o.InternalPolicyLocal &&
-		sp.HealthCheckNodePort == o.HealthCheckNodePort && sp.ProxyProtocol == o.ProxyProtocol
+		sp.HealthCheckNodePort == o.HealthCheckNodePort && sp.ProxyProtocol == o.ProxyProtocol &&
+		sp.Topology == o.Topology
 }
 
 // UsesExternalPolicy reports whether traffic arriving through addr (an IP the packet was sent to)
@@ -120,6 +149,53 @@ type Endpoint struct {
 	Terminating bool
 	// NodeName is the node hosting the endpoint ("" if unknown).
 	NodeName string
+	// ZoneHints and NodeHints are the endpoint's hints.forZones and hints.forNodes: the zones and
+	// nodes whose traffic should go to it under topology-aware routing (empty when not hinted).
+	ZoneHints, NodeHints Hints
+}
+
+// Hints is a set of zone or node names from an endpoint's hints. It is kept as its names sorted,
+// without duplicates and joined by commas (names that are valid label values or node names hold
+// no comma), so that Endpoint stays comparable with == and equal sets compare equal. The zero
+// value is the empty set.
+type Hints string
+
+// NewHints returns the set of names; empty names are left out.
+func NewHints(names ...string) Hints {
+	list := make([]string, 0, len(names))
+	for _, n := range names {
+		if n != "" {
+			list = append(list, n)
+		}
+	}
+	slices.Sort(list)
+	return Hints(strings.Join(slices.Compact(list), ","))
+}
+
+// Has reports whether name is in the set; the empty name never is.
+func (h Hints) Has(name string) bool {
+	if name == "" {
+		return false
+	}
+	for rest := string(h); rest != ""; {
+		var n string
+		n, rest, _ = strings.Cut(rest, ",")
+		if n == name {
+			return true
+		}
+	}
+	return false
+}
+
+// Empty reports whether the set has no name: the endpoint carries no hint of this kind.
+func (h Hints) Empty() bool { return h == "" }
+
+// Names returns the names in the set, sorted (nil when empty).
+func (h Hints) Names() []string {
+	if h == "" {
+		return nil
+	}
+	return strings.Split(string(h), ",")
 }
 
 // String returns the endpoint's address as "ip:port".

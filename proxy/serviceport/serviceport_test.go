@@ -93,8 +93,8 @@ func TestFromService(t *testing.T) {
 		{name: "another proxy's", edit: func(s *v1.Service) { s.Labels = map[string]string{ServiceProxyNameLabel: "other"} },
 			skipReason: "service labelled " + ServiceProxyNameLabel},
 		{
-			name: "dual-stack, IPv4-mapped cluster IP unmapped",
-			edit: func(s *v1.Service) { s.Spec.ClusterIPs = []string{"::ffff:10.96.0.10", "fd00::10"} },
+			name:      "dual-stack, IPv4-mapped cluster IP unmapped",
+			edit:      func(s *v1.Service) { s.Spec.ClusterIPs = []string{"::ffff:10.96.0.10", "fd00::10"} },
 			wantPorts: 1,
 			check: func(t *testing.T, sp *ServicePort) {
 				if want := addrs("10.96.0.10", "fd00::10"); !equalAddrs(sp.ClusterIPs, want) {
@@ -133,8 +133,8 @@ func TestFromService(t *testing.T) {
 			},
 		},
 		{
-			name: "NodePort of a ClusterIP service is ignored",
-			edit: func(s *v1.Service) { s.Spec.Ports[0].NodePort = 30080 },
+			name:      "NodePort of a ClusterIP service is ignored",
+			edit:      func(s *v1.Service) { s.Spec.Ports[0].NodePort = 30080 },
 			wantPorts: 1,
 			check: func(t *testing.T, sp *ServicePort) {
 				if sp.NodePort != 0 {
@@ -183,8 +183,8 @@ func TestFromService(t *testing.T) {
 			wantErrs:  []string{"spec.ports[1].protocol", "spec.ports[2].port", "spec.ports[3].name"},
 		},
 		{
-			name: "PROXY protocol v2",
-			edit: func(s *v1.Service) { s.Annotations = map[string]string{ProxyProtocolAnnotation: "v2"} },
+			name:      "PROXY protocol v2",
+			edit:      func(s *v1.Service) { s.Annotations = map[string]string{ProxyProtocolAnnotation: "v2"} },
 			wantPorts: 1,
 			check: func(t *testing.T, sp *ServicePort) {
 				if sp.ProxyProtocol != ProxyProtocolV2 {
@@ -193,8 +193,8 @@ func TestFromService(t *testing.T) {
 			},
 		},
 		{
-			name: "PROXY protocol malformed: reported, service still served without a header",
-			edit: func(s *v1.Service) { s.Annotations = map[string]string{ProxyProtocolAnnotation: "v3"} },
+			name:      "PROXY protocol malformed: reported, service still served without a header",
+			edit:      func(s *v1.Service) { s.Annotations = map[string]string{ProxyProtocolAnnotation: "v3"} },
 			wantPorts: 1,
 			wantErrs:  []string{"metadata.annotations[" + ProxyProtocolAnnotation + "]"},
 			check: func(t *testing.T, sp *ServicePort) {
@@ -218,8 +218,8 @@ func TestFromService(t *testing.T) {
 			},
 		},
 		{
-			name: "externalTrafficPolicy Local means nothing for a plain ClusterIP service",
-			edit: func(s *v1.Service) { s.Spec.ExternalTrafficPolicy = v1.ServiceExternalTrafficPolicyLocal },
+			name:      "externalTrafficPolicy Local means nothing for a plain ClusterIP service",
+			edit:      func(s *v1.Service) { s.Spec.ExternalTrafficPolicy = v1.ServiceExternalTrafficPolicyLocal },
 			wantPorts: 1,
 			check: func(t *testing.T, sp *ServicePort) {
 				if sp.ExternalPolicyLocal {
@@ -334,7 +334,7 @@ func TestEndpointsFromSlices(t *testing.T) {
 
 	got, err := EndpointsFromSlices(name, []*discovery.EndpointSlice{
 		slice("web-b", discovery.AddressTypeIPv4, http,
-			ep("10.0.0.2", f, t1, t1, "node2"),    // terminating but serving
+			ep("10.0.0.2", f, t1, t1, "node2"),     // terminating but serving
 			ep("10.0.0.1", nil, nil, nil, "node1"), // unset conditions: ready, serving, not terminating
 			ep("10.0.0.300", t1, nil, nil, ""),     // invalid
 		),
