@@ -21,4 +21,13 @@ for _ in $(seq 100); do
   sleep 0.1
 done
 echo "== 6 requests to the proxy listener 127.0.0.1:$PORT (service default/echo:tcp), one connection each:"
-"$BIN/kup-echo" request --tcp "127.0.0.1:$PORT" --count 6
+answers=$("$BIN/kup-echo" request --tcp "127.0.0.1:$PORT" --count 6)
+echo "$answers"
+# Round robin over two endpoints: each backend answers every other request, three times.
+a=$(grep -c '^backend-a ' <<<"$answers" || true)
+b=$(grep -c '^backend-b ' <<<"$answers" || true)
+if [ "$a" -ne 3 ] || [ "$b" -ne 3 ] || [ "$(awk '{print $1}' <<<"$answers" | uniq | wc -l)" -ne 6 ]; then
+  echo "example FAILED: want backend-a and backend-b alternating, 3 answers each (got a=$a b=$b)" >&2
+  exit 1
+fi
+echo "== ok: the answers alternate between backend-a and backend-b (round robin)"

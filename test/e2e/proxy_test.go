@@ -554,6 +554,41 @@ func TestProxy(t *testing.T) {
 		t.Logf("MEASURE restart → the old UDP socket is answered again: %v", harness.WaitFor(t, converge, ask).Round(time.Millisecond))
 	})
 
+	t.Run("killed proxy: the restart replaces its stale rules", func(t *testing.T) {
+		addr := harness.Addr(web, 0)
+		waitAnswer(t, f.clientPod.NS, "tcp", addr)
+		before := harness.RulesFor(harness.IPTablesSave(t, f.node.NS), harness.Namespace, "web")
+		if len(redirectPorts(before)) == 0 {
+			t.Fatalf("no proxy port found in the rules of web:\n%s", strings.Join(before, "\n"))
+		}
+		f.proxy.Stop() // SIGKILL: no cleanup, the rules point at ports nobody listens on
+		if stale := harness.RulesFor(harness.IPTablesSave(t, f.node.NS), harness.Namespace, "web"); len(stale) != len(before) {
+			t.Fatalf("%d rules of web before the kill, %d after it: the case proves nothing", len(before), len(stale))
+		}
+		restarted := time.Now()
+		cfg := f.proxyConfig()
+		cfg.Ready = func(ctx context.Context) error {
+			_, err := harness.Ask(ctx, f.clientPod.NS, "tcp", addr)
+			return err
+		}
+		f.proxy = harness.StartProxy(top, f.node.NS, cfg)
+		t.Logf("MEASURE restart after SIGKILL → traffic flows again: %v", time.Since(restarted).Round(time.Millisecond))
+		after := harness.RulesFor(harness.IPTablesSave(t, f.node.NS), harness.Namespace, "web")
+		if len(after) != len(before) {
+			t.Errorf("%d rules of web before the kill, %d after the restart (stale ones kept?):\n%s",
+				len(before), len(after), strings.Join(after, "\n"))
+		}
+		socks := harness.Sockets(t, f.node.NS)
+		for _, p := range redirectPorts(after) {
+			if !hasPort(socks, p) {
+				t.Errorf("a rule of web redirects to port %d, where nothing listens:\n%s", p, socks)
+			}
+		}
+		for _, fr := range f.everywhere() {
+			expectBackends(ctx, t, fr.ns, "tcp", addr, 6, f.names...)
+		}
+	})
+
 	t.Run("1000 services", func(t *testing.T) {
 		measureBigSync(ctx, t, f, 1000)
 	})
