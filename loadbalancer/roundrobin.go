@@ -10,6 +10,8 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/rs/zerolog"
+
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/serviceport"
 )
 
@@ -28,9 +30,16 @@ var (
 
 // Options configures a RoundRobin. The zero value is usable.
 type Options struct {
-	// NodeName is this node's name, compared with Endpoint.NodeName for Local traffic policies.
-	// Empty means no endpoint is local: Local classes then never have usable endpoints.
+	// NodeName is this node's name, compared with Endpoint.NodeName for Local traffic policies
+	// and with node hints. Empty means no endpoint is local: Local classes then never have
+	// usable endpoints, and node hints never apply.
 	NodeName string
+	// Zone is this node's zone (its topology.kubernetes.io/zone label) until SetZone changes it.
+	// Empty means unknown: zone hints never apply.
+	Zone string
+	// Log receives debug logs of topology decisions (why hints were used or ignored); the zero
+	// value logs nothing.
+	Log zerolog.Logger
 	// Now returns the current time, for session affinity. Nil means time.Now.
 	Now func() time.Time
 	// Rand shuffles the endpoints of each service port. Nil means a source seeded at random.
@@ -43,13 +52,14 @@ type Options struct {
 // start, with optional ClientIP session affinity. Create it with New. All methods are safe for
 // concurrent use.
 type RoundRobin struct {
-	nodeName string
-	now      func() time.Time
+	now func() time.Time
+	log zerolog.Logger
 
-	// writeMu serialises SetServicePort and DeleteServicePort. It guards the following fields,
-	// and every port's order field.
+	// writeMu serialises SetServicePort, DeleteServicePort and SetZone. It guards the following
+	// fields, and every port's sp, order and topologyNote fields.
 	writeMu sync.Mutex
 	rand    *rand.Rand
+	node    Node // Name is fixed; Zone changes with SetZone
 
 	// mu guards ports (the map, not the ports). Held only for lookups and single inserts or
 	// deletes, never across other work, so that a waiting writer never stalls Next for long.
@@ -61,10 +71,11 @@ type RoundRobin struct {
 // New returns a RoundRobin with no service ports.
 func New(opts Options) *RoundRobin {
 	lb := &RoundRobin{
-		nodeName: opts.NodeName,
-		now:      opts.Now,
-		rand:     opts.Rand,
-		ports:    map[serviceport.Name]*port{},
+		now:   opts.Now,
+		log:   opts.Log,
+		rand:  opts.Rand,
+		node:  Node{Name: opts.NodeName, Zone: opts.Zone},
+		ports: map[serviceport.Name]*port{},
 	}
 	if lb.now == nil {
 		lb.now = time.Now
@@ -77,8 +88,8 @@ func New(opts Options) *RoundRobin {
 
 // Pools: the two selection rules. A traffic class uses one of them.
 const (
-	poolCluster = iota // every node's endpoints
-	poolLocal          // this node's endpoints only
+	poolCluster = iota // every node's endpoints, narrowed by topology hints
+	poolLocal          // this node's endpoints only (hints never apply)
 	numPools
 )
 
@@ -94,8 +105,11 @@ type port struct {
 	// snap is what Next reads; replaced (never modified) by SetServicePort, under mu.
 	snap atomic.Pointer[snapshot]
 
-	// order is every endpoint, in rotation order. Guarded by RoundRobin.writeMu.
-	order []serviceport.Endpoint
+	// sp is the port's current configuration, order every endpoint in rotation order, and
+	// topologyNote the last topology decision logged. Guarded by RoundRobin.writeMu.
+	sp           *serviceport.ServicePort
+	order        []serviceport.Endpoint
+	topologyNote string
 
 	// errNoEndpoints and errNoLocal are Next's errors for this port, built once so that failing
 	// picks do not allocate.
@@ -124,6 +138,8 @@ type pool struct {
 	index map[netip.AddrPort]int // position of each endpoint in eps
 	err   error                  // Next's error when eps is empty
 	next  atomic.Uint64          // rotation counter: the next pick is eps[next % len(eps)]
+	// topology is the topology decision behind eps (poolCluster only).
+	topology topologyChoice
 }
 
 type affinityEntry struct {
@@ -172,10 +188,12 @@ func (lb *RoundRobin) SetServicePort(sp *serviceport.ServicePort, eps []servicep
 	if old != nil && !changed {
 		s.pools = old.pools
 	} else {
-		s.pools = p.buildPools(order, lb.nodeName, old)
+		s.pools = p.buildPools(order, lb.node, old)
 	}
 	s.class[classInternal] = s.pools[poolFor(sp.InternalPolicyLocal)]
 	s.class[classExternal] = s.pools[poolFor(sp.ExternalPolicyLocal)]
+	p.sp = sp
+	lb.noteTopologyLocked(p, s)
 
 	p.mu.Lock()
 	for id, table := range p.affinity {
@@ -199,6 +217,74 @@ func (lb *RoundRobin) SetServicePort(sp *serviceport.ServicePort, eps []servicep
 		lb.ports[sp.Name] = p
 		lb.mu.Unlock()
 	}
+}
+
+// SetZone changes this node's zone (its topology.kubernetes.io/zone label; "" when it has none)
+// and re-applies the topology hints of every service port under it. Rotation positions carry
+// over as they do when endpoints change; affinity entries are kept but not used while their
+// endpoint is outside the traffic's usable set.
+func (lb *RoundRobin) SetZone(zone string) {
+	lb.writeMu.Lock()
+	defer lb.writeMu.Unlock()
+	if zone == lb.node.Zone {
+		return
+	}
+	lb.node.Zone = zone
+	lb.mu.RLock()
+	ports := make([]*port, 0, len(lb.ports))
+	for _, p := range lb.ports {
+		ports = append(ports, p)
+	}
+	lb.mu.RUnlock()
+	for _, p := range ports {
+		if !slices.ContainsFunc(p.order, func(e serviceport.Endpoint) bool { return !e.ZoneHints.Empty() }) {
+			continue // the zone cannot change what this port uses
+		}
+		old := p.snap.Load()
+		s := *old
+		s.pools = p.buildPools(p.order, lb.node, old)
+		for c := range s.class {
+			s.class[c] = s.pools[old.class[c].id]
+		}
+		p.mu.Lock()
+		p.snap.Store(&s)
+		p.mu.Unlock()
+		lb.noteTopologyLocked(p, &s)
+	}
+}
+
+// noteTopologyLocked logs, at debug level, the topology decision for p's new snapshot s when it
+// differs from the last one logged for p: which hints are used, or why hints (or the service's
+// request for topology) are ignored. Ports that neither ask for topology nor have hinted
+// endpoints stay quiet. lb.writeMu must be held.
+func (lb *RoundRobin) noteTopologyLocked(p *port, s *snapshot) {
+	c := s.pools[poolCluster].topology
+	asked := p.sp.Topology != serviceport.TopologyNone
+	var note string
+	switch {
+	case s.class[classInternal].id != poolCluster && s.class[classExternal].id != poolCluster:
+		if asked || c.hinted {
+			note = "hints not used: both traffic policies are Local"
+		}
+	case c.mode != topologyNone:
+		note = "using " + c.mode.String()
+		if c.ignored != "" {
+			note += " (ignored " + c.ignored + ")"
+		}
+	case c.ignored != "":
+		note = "hints ignored, every endpoint used: " + c.ignored
+	case asked && !c.hinted:
+		note = "service asks for topology but no ready endpoint has hints: every endpoint used"
+	}
+	if note == p.topologyNote {
+		return
+	}
+	p.topologyNote = note
+	if note == "" {
+		note = "no topology hints: every endpoint used"
+	}
+	lb.log.Debug().Str("servicePort", p.sp.String()).Str("node", lb.node.Name).Str("zone", lb.node.Zone).
+		Str("topologyRequest", string(p.sp.Topology)).Msg("topology: " + note)
 }
 
 // DeleteServicePort forgets a service port, its endpoints and its affinity entries. Next then
@@ -321,12 +407,21 @@ func poolFor(local bool) int {
 }
 
 // buildPools computes the usable lists of both selection rules from order, carrying each rule's
-// rotation position over from old (nil for a new port).
-func (p *port) buildPools(order []serviceport.Endpoint, nodeName string, old *snapshot) [numPools]*pool {
+// rotation position over from old (nil for a new port). The cluster-wide rule follows the
+// topology hints of order for node; the local rule never does.
+func (p *port) buildPools(order []serviceport.Endpoint, node Node, old *snapshot) [numPools]*pool {
 	var pools [numPools]*pool
+	choice := topologyFor(order, node)
 	for id := range numPools {
-		eps := filter(nil, order, nodeName, id == poolLocal)
+		local, mode := id == poolLocal, choice.mode
+		if local {
+			mode = topologyNone
+		}
+		eps := filter(nil, order, node, local, mode)
 		pl := &pool{id: id, eps: eps, index: make(map[netip.AddrPort]int, len(eps))}
+		if !local {
+			pl.topology = choice
+		}
 		for i, e := range eps {
 			pl.index[e.Addr] = i
 		}

@@ -193,7 +193,7 @@ func TestEndpointUpdates(t *testing.T) {
 			}
 			h.set(svcPort(svc, tt.spOpts...), after...)
 
-			usable := addrs(Usable(svcPort(svc), after, thisNode, false))
+			usable := addrs(Usable(svcPort(svc), after, Node{Name: thisNode}, false))
 			if len(usable) == 0 {
 				if _, err := h.lb.Next(svc, clientAddr("192.168.1.1"), false, false); !errors.Is(err, ErrNoEndpoints) {
 					t.Fatalf("Next after update: error %v, want %v", err, ErrNoEndpoints)
@@ -666,7 +666,7 @@ func TestTrafficPolicies(t *testing.T) {
 			for _, s := range tt.want {
 				want = append(want, ap(s))
 			}
-			if got := addrs(Usable(sp, tt.eps, node, tt.external)); !slices.Equal(got, want) {
+			if got := addrs(Usable(sp, tt.eps, Node{Name: node}, tt.external)); !slices.Equal(got, want) {
 				t.Errorf("Usable = %v, want %v", got, want)
 			}
 			for _, affinity := range []bool{false, true} {

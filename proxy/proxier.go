@@ -77,7 +77,8 @@ type ChangeCounter interface {
 type Options struct {
 	// Log is the component's logger; the zero value logs nothing.
 	Log zerolog.Logger
-	// NodeName is this node's name, for Local traffic policies.
+	// NodeName is this node's name, for Local traffic policies and node topology hints. This
+	// node's zone, for zone hints, comes from the source through the Tracker (unknown until then).
 	NodeName string
 	// BindAddress is the address the proxy listeners bind to; the zero value (or an unspecified
 	// address) binds all addresses of both families.
@@ -131,6 +132,8 @@ type Proxier struct {
 	endpoints map[types.NamespacedName]tracker.Endpoints
 	holder    *holder
 	closed    bool
+	// zone is this node's zone as last drained from the tracker ("" unknown).
+	zone string
 	// localAddrs is the set of the node's own addresses, refreshed at every sync and read per
 	// connection by listener.Choose (traffic the node itself sends ignores a Local external
 	// policy, as in kube-proxy).
@@ -160,7 +163,7 @@ func New(opts Options) *Proxier {
 	p := &Proxier{
 		opts:      opts,
 		log:       opts.Log,
-		lb:        loadbalancer.New(loadbalancer.Options{NodeName: opts.NodeName}),
+		lb:        loadbalancer.New(loadbalancer.Options{NodeName: opts.NodeName, Log: opts.Log}),
 		alloc:     portalloc.NewAllocator(opts.PortRange, nil),
 		synced:    make(chan struct{}),
 		ports:     map[serviceport.Name]*listener{},
@@ -269,6 +272,12 @@ func (p *Proxier) sync(periodic bool) {
 // whose ports or endpoints changed.
 func (p *Proxier) applyLocked(ch *tracker.Changes) map[types.NamespacedName]bool {
 	dirty := map[types.NamespacedName]bool{}
+	if ch.ZoneChanged {
+		// Before the ports: SetServicePort below then already works with the new zone.
+		p.log.Info().Str("zone", ch.Zone).Str("previousZone", p.zone).Msg("this node's zone changed; re-applying topology hints")
+		p.zone = ch.Zone
+		p.lb.SetZone(ch.Zone)
+	}
 	for svc, c := range ch.Services {
 		dirty[svc] = true
 		for portName, sp := range c.Previous {
@@ -350,7 +359,7 @@ func (p *Proxier) portStatesLocked() []PortState {
 		sp := l.sp.Load()
 		eps := p.endpoints[name.Service()][name.Port]
 		st := PortState{ServicePort: sp, ProxyPort: l.proxyPort}
-		st.Internal, st.External = actions(sp, eps, p.opts.NodeName)
+		st.Internal, st.External = actions(sp, eps, loadbalancer.Node{Name: p.opts.NodeName, Zone: p.zone})
 		st.LocalEndpoints = loadbalancer.LocalEndpoints(sp, eps, p.opts.NodeName)
 		st.LocalReady = localReady(eps, p.opts.NodeName)
 		if l.proxyPort == 0 {
@@ -363,7 +372,7 @@ func (p *Proxier) portStatesLocked() []PortState {
 }
 
 // actions decides what the portals do with new traffic of each class.
-func actions(sp *serviceport.ServicePort, eps []serviceport.Endpoint, node string) (internal, external portal.Action) {
+func actions(sp *serviceport.ServicePort, eps []serviceport.Endpoint, node loadbalancer.Node) (internal, external portal.Action) {
 	cluster := *sp
 	cluster.InternalPolicyLocal, cluster.ExternalPolicyLocal = false, false
 	if len(loadbalancer.Usable(&cluster, eps, node, false)) == 0 {

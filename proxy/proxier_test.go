@@ -20,6 +20,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/utils/ptr"
 
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/loadbalancer"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/portal"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/portalloc"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/serviceport"
@@ -574,7 +575,7 @@ func TestActions(t *testing.T) {
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
 			sp := &serviceport.ServicePort{ExternalPolicyLocal: tc.extLocal, InternalPolicyLocal: tc.intLoc}
-			i, e := actions(sp, tc.eps, "n1")
+			i, e := actions(sp, tc.eps, loadbalancer.Node{Name: "n1", Zone: "zone-a"})
 			if i != tc.wantInt || e != tc.wantExt {
 				t.Errorf("got %v/%v, want %v/%v", i, e, tc.wantInt, tc.wantExt)
 			}

@@ -2,7 +2,9 @@
 //
 // Two sources implement it: package kubeapi (client-go informers on a real API server) and
 // package manifests (a directory of YAML/JSON manifests). Both call a Handler with every change
-// they see, in order, from one goroutine at a time.
+// they see, in order, from one goroutine at a time. A source that also knows this node's Node
+// (kubeapi does; a manifests directory has none) tells a Handler that implements TopologyHandler
+// the node's zone.
 package source
 
 import (
@@ -19,4 +21,13 @@ type Handler interface {
 	OnEndpointSliceUpdate(prev, cur *discovery.EndpointSlice)
 	// OnSynced is called once, after the source has delivered its complete initial state.
 	OnSynced()
+}
+
+// TopologyHandler is implemented by Handlers that route by topology. A source that watches this
+// node's Node calls OnNodeTopology with the Node's topology.kubernetes.io/zone label when it is
+// first seen and whenever it changes ("" when the label is missing or the Node is deleted). The
+// calls are serialised with the Handler's other calls and, like them, must not block for long.
+// Until the first call the zone is unknown.
+type TopologyHandler interface {
+	OnNodeTopology(zone string)
 }

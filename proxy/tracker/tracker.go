@@ -9,6 +9,9 @@
 // followed by a delete) is dropped. Services and endpoints are tracked independently: endpoints
 // may arrive before their service, and the consumer joins them by name.
 //
+// The Tracker also implements source.TopologyHandler: this node's zone is handed out by Drain
+// when it differs from the zone the previous Drain handed out.
+//
 // The Tracker is safe for concurrent use.
 package tracker
 
@@ -48,13 +51,19 @@ type EndpointsChange struct {
 type Changes struct {
 	Services  map[types.NamespacedName]ServiceChange
 	Endpoints map[types.NamespacedName]EndpointsChange
+	// ZoneChanged is true when this node's zone changed since the previous Drain; Zone is then
+	// the new zone ("" when the node has none).
+	ZoneChanged bool
+	Zone        string
 	// Oldest is when the oldest change in this batch was recorded (zero when empty): the start
 	// of the network programming latency.
 	Oldest time.Time
 }
 
 // Empty reports whether there is nothing to apply.
-func (c *Changes) Empty() bool { return len(c.Services) == 0 && len(c.Endpoints) == 0 }
+func (c *Changes) Empty() bool {
+	return len(c.Services) == 0 && len(c.Endpoints) == 0 && !c.ZoneChanged
+}
 
 // Options configures a Tracker.
 type Options struct {
@@ -82,14 +91,19 @@ type Tracker struct {
 	// pending changes since the last Drain.
 	pendingPorts     map[types.NamespacedName]*ServiceChange
 	pendingEndpoints map[types.NamespacedName]*EndpointsChange
-	oldest           time.Time
+	// zone is this node's zone as last reported, appliedZone the one the last Drain handed out.
+	zone, appliedZone string
+	oldest            time.Time
 	// lastErr remembers the last reported error per object so a repeated event does not repeat it.
 	lastErr map[string]string
 	// serviceEvents and endpointEvents count events that left a change pending.
 	serviceEvents, endpointEvents int
 }
 
-var _ source.Handler = (*Tracker)(nil)
+var (
+	_ source.Handler         = (*Tracker)(nil)
+	_ source.TopologyHandler = (*Tracker)(nil)
+)
 
 // New returns an empty Tracker.
 func New(opts Options) *Tracker {
@@ -225,6 +239,20 @@ func (t *Tracker) OnEndpointSliceUpdate(prev, cur *discovery.EndpointSlice) {
 	}
 }
 
+// OnNodeTopology records this node's zone ("" for none).
+func (t *Tracker) OnNodeTopology(zone string) {
+	t.mu.Lock()
+	pending := zone != t.zone && zone != t.appliedZone
+	t.zone = zone
+	if pending {
+		t.markLocked()
+	}
+	t.mu.Unlock()
+	if pending && t.opts.OnChange != nil {
+		t.opts.OnChange()
+	}
+}
+
 // OnSynced forwards the source's initial-sync signal.
 func (t *Tracker) OnSynced() {
 	if t.opts.OnSynced != nil {
@@ -240,6 +268,10 @@ func (t *Tracker) Drain() Changes {
 		Services:  make(map[types.NamespacedName]ServiceChange, len(t.pendingPorts)),
 		Endpoints: make(map[types.NamespacedName]EndpointsChange, len(t.pendingEndpoints)),
 		Oldest:    t.oldest,
+	}
+	if t.zone != t.appliedZone {
+		c.ZoneChanged, c.Zone = true, t.zone
+		t.appliedZone = t.zone
 	}
 	for name, ch := range t.pendingPorts {
 		c.Services[name] = *ch
@@ -267,7 +299,7 @@ func (t *Tracker) Drain() Changes {
 func (t *Tracker) Pending() (bool, time.Time) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	return len(t.pendingPorts)+len(t.pendingEndpoints) > 0, t.oldest
+	return len(t.pendingPorts)+len(t.pendingEndpoints) > 0 || t.zone != t.appliedZone, t.oldest
 }
 
 // EventCounts returns how many service and endpoint events left a change pending so far (the

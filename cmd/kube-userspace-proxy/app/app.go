@@ -12,7 +12,6 @@ import (
 
 	"github.com/rs/zerolog"
 	"github.com/spf13/pflag"
-	"golang.org/x/sync/errgroup"
 	"k8s.io/client-go/kubernetes"
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy"
@@ -144,8 +143,12 @@ func Run(ctx context.Context, opts *Options, v *Validated, log zerolog.Logger) e
 
 	proxyCtx, stopProxy := context.WithCancel(context.Background())
 	defer stopProxy()
-	g, gctx := errgroup.WithContext(ctx)
-	g.Go(func() error { return src.Run(gctx, px.Tracker()) })
+	// The source runs until ctx is done; it is stopped (and waited for, bounded) after the proxy
+	// has shut down, so that a source slow to stop never delays the shutdown.
+	srcCtx, stopSource := context.WithCancel(ctx)
+	defer stopSource()
+	srcDone := make(chan error, 1)
+	go func() { srcDone <- src.Run(srcCtx, px.Tracker()) }()
 	proxyDone := make(chan struct{})
 	go func() { px.Run(proxyCtx); close(proxyDone) }()
 	// The health, metrics and health check node port servers run until the drain is over.
@@ -154,7 +157,16 @@ func Run(ctx context.Context, opts *Options, v *Validated, log zerolog.Logger) e
 	go func() { srv.run(serversCtx); close(serversDone) }()
 	defer func() { stopServers(); <-serversDone }()
 
-	err = g.Wait()
+	var err error
+	select {
+	case <-ctx.Done():
+	case err = <-srcDone: // the source failed (or ended) on its own
+		srcDone = nil
+		if err != nil {
+			err = fmt.Errorf("source: %w", err)
+		}
+	}
+	stopSource()
 	// Shutdown: stop accepting, remove portals, let connections finish, exit.
 	stopProxy()
 	<-proxyDone
@@ -174,10 +186,39 @@ func Run(ctx context.Context, opts *Options, v *Validated, log zerolog.Logger) e
 			log.Error().Err(cerr).Msg("removing the routing of transparent connections")
 		}
 	}
+	if srcDone != nil {
+		if serr := waitSource(srcDone, sourceStopTimeout, log); serr != nil && err == nil {
+			err = fmt.Errorf("source: %w", serr)
+		}
+	}
 	if err != nil && !errors.Is(err, context.Canceled) {
 		return err
 	}
 	return nil
+}
+
+// sourceStopTimeout bounds how long Run waits for the source once the proxy has shut down.
+// client-go's reflector sleeps out its back-off (up to a minute while the API server is
+// unreachable) without watching for cancellation, and the API server source waits for its
+// informers.
+const sourceStopTimeout = 5 * time.Second
+
+// waitSource waits up to timeout for the source's Run to return on done, and returns its error.
+// When it does not return in time, waitSource logs so and returns nil: the source's goroutine
+// (stuck in client-go's back-off sleep) is abandoned. That only happens at the end of the
+// process, which exits right after Run and takes the goroutine with it; the proxy no longer
+// syncs, so what the source still delivers has no effect.
+func waitSource(done <-chan error, timeout time.Duration, log zerolog.Logger) error {
+	t := time.NewTimer(timeout)
+	defer t.Stop()
+	select {
+	case err := <-done:
+		log.Debug().Msg("source stopped")
+		return err
+	case <-t.C:
+		log.Warn().Dur("waited", timeout).Msg("the source has not stopped (client-go's back-off ignores cancellation); exiting without it")
+		return nil
+	}
 }
 
 // runner is what Run needs of a source.

@@ -263,9 +263,12 @@ func TestPolicies(t *testing.T) {
 	})
 
 	t.Run("Local: ClusterIP traffic is not affected", func(t *testing.T) {
+		// From a pod and from the node on node3, which has no endpoint of its own.
 		addr := harness.Addr(svc, 0)
-		waitAnswer(t, f.nodes[2].NS, addr, "pod1", "pod2")
-		expectBackends(ctx, t, f.nodes[2].NS, addr, 12, "pod1", "pod2")
+		for _, from := range []*netns.NS{f.pod3.NS, f.nodes[2].NS} {
+			waitAnswer(t, from, addr, "pod1", "pod2")
+			expectBackends(ctx, t, from, addr, 12, "pod1", "pod2")
+		}
 	})
 
 	t.Run("Local: the node's own traffic to its NodePort uses every endpoint", func(t *testing.T) {
@@ -447,8 +450,16 @@ func TestPolicies(t *testing.T) {
 		if v := one("kube_userspace_proxy_bytes_to_endpoints_total", local); v < 14*5 {
 			t.Errorf("bytes to endpoints %v, want ≥ %d (\"ping\\n\" per connection)", v, 14*5)
 		}
-		one("kube_userspace_proxy_bytes_from_endpoints_total", local)
-		one("kube_userspace_proxy_connections_active", local)
+		// Each answer is the pod's name and the peer it saw ("pod1 10.244.…:port\n").
+		if v, want := one("kube_userspace_proxy_bytes_from_endpoints_total", local), 14*len("pod1 1.2.3.4:5\n"); v < float64(want) {
+			t.Errorf("bytes from endpoints %v, want ≥ %d", v, want)
+		}
+		if v := one("kube_userspace_proxy_connections_active", local); v != 0 {
+			t.Errorf("active connections %v, want 0: every connection of the earlier cases has ended", v)
+		}
+		if v := one("kube_userspace_proxy_connections_failed_total", local); v != 0 {
+			t.Errorf("failed connections %v, want 0: node1 always had its local endpoint", v)
+		}
 	})
 
 	t.Run("a node tainted ToBeDeletedByClusterAutoscaler fails /healthz until untainted", func(t *testing.T) {
