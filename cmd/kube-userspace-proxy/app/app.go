@@ -77,7 +77,11 @@ func Main(args []string, stdout, stderr io.Writer) int {
 	return 0
 }
 
-// Run runs the proxy until ctx is done.
+// Run runs the proxy until ctx is done (or the source fails), then shuts it down at once: stop
+// accepting, remove the portals, drain for up to the grace period. Only then does it wait for the
+// source, at most sourceStopTimeout: if the source has not stopped by then (client-go sleeping
+// out a back-off), Run returns without it and the source's goroutine is abandoned, to end with
+// the process. Run is meant to be called once per process, from Main.
 func Run(ctx context.Context, opts *Options, v *Validated, log zerolog.Logger) error {
 	if opts.Cleanup {
 		if err := cleanupPortals(ctx, log); err != nil {
@@ -157,13 +161,13 @@ func Run(ctx context.Context, opts *Options, v *Validated, log zerolog.Logger) e
 	go func() { srv.run(serversCtx); close(serversDone) }()
 	defer func() { stopServers(); <-serversDone }()
 
-	var err error
+	var runErr error
 	select {
 	case <-ctx.Done():
-	case err = <-srcDone: // the source failed (or ended) on its own
+	case runErr = <-srcDone: // the source failed (or ended) on its own
 		srcDone = nil
-		if err != nil {
-			err = fmt.Errorf("source: %w", err)
+		if runErr != nil {
+			runErr = fmt.Errorf("source: %w", runErr)
 		}
 	}
 	stopSource()
@@ -187,12 +191,12 @@ func Run(ctx context.Context, opts *Options, v *Validated, log zerolog.Logger) e
 		}
 	}
 	if srcDone != nil {
-		if serr := waitSource(srcDone, sourceStopTimeout, log); serr != nil && err == nil {
-			err = fmt.Errorf("source: %w", serr)
+		if serr := waitSource(srcDone, sourceStopTimeout, log); serr != nil && runErr == nil {
+			runErr = fmt.Errorf("source: %w", serr)
 		}
 	}
-	if err != nil && !errors.Is(err, context.Canceled) {
-		return err
+	if runErr != nil && !errors.Is(runErr, context.Canceled) {
+		return runErr
 	}
 	return nil
 }

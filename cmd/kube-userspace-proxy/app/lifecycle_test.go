@@ -234,19 +234,27 @@ func exitCode(err error) int {
 
 // TestShutdownSignals runs the binary: after SIGTERM/SIGINT it stops accepting, established
 // connections go on until they end (then exit 0); a second signal exits at once with
-// ExitSecondSignal although a connection is still open and the grace period is long.
+// ExitSecondSignal although a connection is still open and the grace period is long. With the
+// API server unreachable (client-go backing off), SIGTERM still stops the proxy first and exits.
 func TestShutdownSignals(t *testing.T) {
 	tests := []struct {
 		name     string
 		signals  []syscall.Signal
 		wantCode int
+		// apiServerDown runs against an API server address where nothing listens.
+		apiServerDown bool
 	}{
 		{name: "SIGTERM drains", signals: []syscall.Signal{syscall.SIGTERM}, wantCode: 0},
 		{name: "SIGINT drains", signals: []syscall.Signal{syscall.SIGINT}, wantCode: 0},
 		{name: "second signal exits at once", signals: []syscall.Signal{syscall.SIGTERM, syscall.SIGTERM}, wantCode: ExitSecondSignal},
+		{name: "SIGTERM during an API server outage", signals: []syscall.Signal{syscall.SIGTERM}, wantCode: 0, apiServerDown: true},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
+			if tt.apiServerDown {
+				shutdownDuringOutage(t, tt.signals[0])
+				return
+			}
 			p := startProxy(t, time.Hour)
 			c, r := p.connect(t)
 			defer c.Close()
@@ -288,5 +296,97 @@ func TestShutdownSignals(t *testing.T) {
 			}
 			p.done <- nil // for the cleanup
 		})
+	}
+}
+
+// exitBound is the generous bound on "exits promptly" after a signal.
+const exitBound = 10 * time.Second
+
+// shutdownDuringOutage runs the binary against an API server address with nothing behind it,
+// waits until client-go is retrying with back-off, signals, and requires exit 0 within exitBound,
+// with the proxy stopped (listeners closed, portals removed) before the source is waited for.
+func shutdownDuringOutage(t *testing.T, sig syscall.Signal) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	closed := ln.Addr().String()
+	ln.Close() // nothing listens there any more: connection refused, client-go backs off
+
+	stderr := &syncBuffer{}
+	cmd := exec.Command(proxyBinary(t), "--master", "http://"+closed, "--portal-mode", "none",
+		"--hostname-override", "node", "--healthz-bind-address", "", "--metrics-bind-address", "",
+		"--shutdown-grace-period", "1h", "--log-level", "debug")
+	cmd.Stderr = stderr
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() { done <- cmd.Wait() }()
+	t.Cleanup(func() {
+		_ = cmd.Process.Kill()
+		<-done
+		if t.Failed() {
+			t.Logf("proxy log:\n%s", stderr.String())
+		}
+		done <- nil
+	})
+	// Both informers have failed once: their reflectors are in a back-off sleep.
+	for !backingOff(stderr.String(), "services") || !backingOff(stderr.String(), "endpointslices") {
+		select {
+		case err := <-done:
+			done <- err
+			t.Fatalf("proxy exited while starting: %v", err)
+		case <-time.After(50 * time.Millisecond):
+		}
+	}
+	if err := cmd.Process.Signal(sig); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case err := <-done:
+		done <- err
+		if code := exitCode(err); code != 0 {
+			t.Fatalf("exit code %d, want 0", code)
+		}
+	case <-time.After(exitBound):
+		t.Fatalf("still running %v after %v", exitBound, sig)
+	}
+	log := stderr.String()
+	stopped := strings.Index(log, "stopped accepting")
+	source := strings.Index(log, "source stopped")
+	if source < 0 {
+		source = strings.Index(log, "the source has not stopped")
+	}
+	if stopped < 0 || source < 0 || stopped > source {
+		t.Errorf("want \"stopped accepting\" logged before the source is waited for (at %d, source at %d)", stopped, source)
+	}
+}
+
+// backingOff reports whether log has the API server source's warning that client-go retries
+// resource with back-off.
+func backingOff(log, resource string) bool {
+	for _, line := range strings.Split(log, "\n") {
+		if strings.Contains(line, "client-go retries with back-off") && strings.Contains(line, "resource="+resource+" ") {
+			return true
+		}
+	}
+	return false
+}
+
+// TestWaitSource: the source's error is returned when it stops in time; a source that does not
+// stop is given up on after the timeout.
+func TestWaitSource(t *testing.T) {
+	done := make(chan error, 1)
+	done <- errors.New("boom")
+	if err := waitSource(done, time.Hour, zerolog.Nop()); err == nil || err.Error() != "boom" {
+		t.Errorf("waitSource = %v, want boom", err)
+	}
+	var buf bytes.Buffer
+	if err := waitSource(make(chan error), time.Millisecond, zerolog.New(&buf)); err != nil {
+		t.Errorf("waitSource of a stuck source = %v, want nil", err)
+	}
+	if !strings.Contains(buf.String(), "has not stopped") {
+		t.Errorf("no warning about the abandoned source: %q", buf.String())
 	}
 }

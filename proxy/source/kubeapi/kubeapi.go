@@ -139,6 +139,11 @@ func mustNotExist(key string) labels.Selector {
 // An unreachable or failing API server is not an error: client-go retries with back-off; Run
 // logs each list/watch failure and, every WaitLogInterval until the initial sync, what it is
 // still waiting for. Run returns an error only when it was already called.
+//
+// While the API server is unreachable, Run may return up to one back-off interval (at most about
+// a minute) after ctx is done: client-go's reflector sleeps out its watch-list back-off without
+// watching for cancellation, and Run waits for the informers. A caller that must not wait that
+// long (a process shutting down) bounds its wait and leaves the goroutine to end with the process.
 func (s *Source) Run(ctx context.Context, h source.Handler) error {
 	s.mu.Lock()
 	if s.started {
