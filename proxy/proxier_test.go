@@ -558,6 +558,10 @@ func TestActions(t *testing.T) {
 	ep := func(node string, ready, serving, terminating bool) serviceport.Endpoint {
 		return serviceport.Endpoint{Addr: netip.MustParseAddrPort("10.0.0.1:80"), NodeName: node, Ready: ready, Serving: serving, Terminating: terminating}
 	}
+	inZone := func(e serviceport.Endpoint, zone string) serviceport.Endpoint {
+		e.ZoneHints = serviceport.NewHints(zone)
+		return e
+	}
 	tests := []struct {
 		name             string
 		extLocal, intLoc bool
@@ -571,6 +575,9 @@ func TestActions(t *testing.T) {
 		{"local endpoint, both local", true, true, []serviceport.Endpoint{ep("n1", true, true, false)}, portal.Redirect, portal.Redirect},
 		{"only terminating serving", false, false, []serviceport.Endpoint{ep("n2", false, true, true)}, portal.Redirect, portal.Redirect},
 		{"only terminating not serving", false, false, []serviceport.Endpoint{ep("n2", false, false, true)}, portal.Reject, portal.Reject},
+		// Topology hints narrow the endpoints but never empty them: the actions do not change.
+		{"remote endpoint hinted for another zone", false, false, []serviceport.Endpoint{inZone(ep("n2", true, true, false), "zone-b")}, portal.Redirect, portal.Redirect},
+		{"hinted for this zone, external local", true, false, []serviceport.Endpoint{inZone(ep("n2", true, true, false), "zone-a")}, portal.Redirect, portal.Drop},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {

@@ -245,6 +245,82 @@ func TestFromService(t *testing.T) {
 				}
 			},
 		},
+		{
+			name:      "no topology asked",
+			wantPorts: 1,
+			check:     wantTopology(TopologyNone),
+		},
+		{
+			name:      "topology-mode Auto",
+			edit:      func(s *v1.Service) { s.Annotations = map[string]string{v1.AnnotationTopologyMode: "Auto"} },
+			wantPorts: 1,
+			check:     wantTopology(TopologyAuto),
+		},
+		{
+			name: "deprecated topology-aware-hints auto",
+			edit: func(s *v1.Service) {
+				s.Annotations = map[string]string{v1.DeprecatedAnnotationTopologyAwareHints: "auto"}
+			},
+			wantPorts: 1,
+			check:     wantTopology(TopologyAuto),
+		},
+		{
+			name: "topology-aware-hints, when present, shadows topology-mode (EndpointSlice controller's precedence)",
+			edit: func(s *v1.Service) {
+				s.Annotations = map[string]string{v1.DeprecatedAnnotationTopologyAwareHints: "Disabled", v1.AnnotationTopologyMode: "Auto"}
+			},
+			wantPorts: 1,
+			check:     wantTopology(TopologyNone),
+		},
+		{
+			name:      "topology-mode other than Auto or auto asks for nothing",
+			edit:      func(s *v1.Service) { s.Annotations = map[string]string{v1.AnnotationTopologyMode: "AUTO"} },
+			wantPorts: 1,
+			check:     wantTopology(TopologyNone),
+		},
+		{
+			name:      "trafficDistribution PreferClose is PreferSameZone",
+			edit:      func(s *v1.Service) { s.Spec.TrafficDistribution = ptr(v1.ServiceTrafficDistributionPreferClose) },
+			wantPorts: 1,
+			check:     wantTopology(TopologyPreferSameZone),
+		},
+		{
+			name:      "trafficDistribution PreferSameZone",
+			edit:      func(s *v1.Service) { s.Spec.TrafficDistribution = ptr(v1.ServiceTrafficDistributionPreferSameZone) },
+			wantPorts: 1,
+			check:     wantTopology(TopologyPreferSameZone),
+		},
+		{
+			name:      "trafficDistribution PreferSameNode",
+			edit:      func(s *v1.Service) { s.Spec.TrafficDistribution = ptr(v1.ServiceTrafficDistributionPreferSameNode) },
+			wantPorts: 1,
+			check:     wantTopology(TopologyPreferSameNode),
+		},
+		{
+			name: "the Auto annotation wins over trafficDistribution",
+			edit: func(s *v1.Service) {
+				s.Annotations = map[string]string{v1.AnnotationTopologyMode: "Auto"}
+				s.Spec.TrafficDistribution = ptr(v1.ServiceTrafficDistributionPreferSameNode)
+			},
+			wantPorts: 1,
+			check:     wantTopology(TopologyAuto),
+		},
+		{
+			name: "a disabled annotation leaves trafficDistribution in charge",
+			edit: func(s *v1.Service) {
+				s.Annotations = map[string]string{v1.AnnotationTopologyMode: "Disabled"}
+				s.Spec.TrafficDistribution = ptr(v1.ServiceTrafficDistributionPreferClose)
+			},
+			wantPorts: 1,
+			check:     wantTopology(TopologyPreferSameZone),
+		},
+		{
+			name:      "unknown trafficDistribution: reported, no topology asked",
+			edit:      func(s *v1.Service) { s.Spec.TrafficDistribution = ptr("PreferSameRack") },
+			wantPorts: 1,
+			wantErrs:  []string{"spec.trafficDistribution"},
+			check:     wantTopology(TopologyNone),
+		},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
@@ -268,6 +344,14 @@ func TestFromService(t *testing.T) {
 				}
 			}
 		})
+	}
+}
+
+func wantTopology(want Topology) func(t *testing.T, sp *ServicePort) {
+	return func(t *testing.T, sp *ServicePort) {
+		if sp.Topology != want {
+			t.Errorf("Topology %q, want %q", sp.Topology, want)
+		}
 	}
 }
 
@@ -296,6 +380,7 @@ func TestServicePortEqual(t *testing.T) {
 		{"affinity", func(s *v1.Service) { s.Spec.SessionAffinity = v1.ServiceAffinityClientIP }},
 		{"internal policy", func(s *v1.Service) { s.Spec.InternalTrafficPolicy = ptr(v1.ServiceInternalTrafficPolicyLocal) }},
 		{"proxy protocol", func(s *v1.Service) { s.Annotations = map[string]string{ProxyProtocolAnnotation: "v1"} }},
+		{"topology", func(s *v1.Service) { s.Spec.TrafficDistribution = ptr(v1.ServiceTrafficDistributionPreferClose) }},
 	} {
 		changed, err := FromService(svc(tc.edit))
 		if err != nil || len(changed) != 1 {
@@ -383,6 +468,116 @@ func TestEndpointsFromSlices(t *testing.T) {
 	}
 	if e := got["http"][0]; e.Ready || !e.Serving || !e.Terminating {
 		t.Errorf("terminating endpoint: got %+v", e)
+	}
+}
+
+func TestEndpointHints(t *testing.T) {
+	name := types.NamespacedName{Namespace: "ns", Name: "web"}
+	http := []discovery.EndpointPort{{Name: ptr("http"), Port: ptr(int32(8080))}, {Name: ptr("alt"), Port: ptr(int32(8081))}}
+	zones := func(z ...string) []discovery.ForZone {
+		var out []discovery.ForZone
+		for _, n := range z {
+			out = append(out, discovery.ForZone{Name: n})
+		}
+		return out
+	}
+	nodes := func(n ...string) []discovery.ForNode {
+		var out []discovery.ForNode
+		for _, x := range n {
+			out = append(out, discovery.ForNode{Name: x})
+		}
+		return out
+	}
+	cases := []struct {
+		name               string
+		hints              *discovery.EndpointHints
+		wantZones          Hints
+		wantNodes          Hints
+		wantErrs           []string // fields named by the error, in order (each once, not per port)
+		wantZoneNames      []string
+		hasZone, lacksZone string
+	}{
+		{name: "no hints"},
+		{name: "empty hints", hints: &discovery.EndpointHints{}},
+		{
+			name:      "zones sorted, duplicates once",
+			hints:     &discovery.EndpointHints{ForZones: zones("zone-b", "zone-a", "zone-b")},
+			wantZones: "zone-a,zone-b", wantZoneNames: []string{"zone-a", "zone-b"},
+			hasZone: "zone-b", lacksZone: "zone",
+		},
+		{
+			name:      "zones and nodes",
+			hints:     &discovery.EndpointHints{ForZones: zones("zone-a"), ForNodes: nodes("node1")},
+			wantZones: "zone-a", wantNodes: "node1", wantZoneNames: []string{"zone-a"},
+		},
+		{
+			name:      "invalid names reported and left out",
+			hints:     &discovery.EndpointHints{ForZones: zones("zone-a", "", "a,b"), ForNodes: nodes("Node_1", "node2")},
+			wantZones: "zone-a", wantNodes: "node2", wantZoneNames: []string{"zone-a"},
+			wantErrs: []string{"endpoints[0].hints.forZones[1].name", "endpoints[0].hints.forZones[2].name", "endpoints[0].hints.forNodes[0].name"},
+		},
+		{
+			name:     "only invalid names: not hinted",
+			hints:    &discovery.EndpointHints{ForZones: zones("bad zone")},
+			wantErrs: []string{"endpoints[0].hints.forZones[0].name"},
+		},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			s := &discovery.EndpointSlice{
+				ObjectMeta:  metav1.ObjectMeta{Namespace: "ns", Name: "web-a", Labels: map[string]string{discovery.LabelServiceName: "web"}},
+				AddressType: discovery.AddressTypeIPv4,
+				Ports:       http,
+				Endpoints:   []discovery.Endpoint{{Addresses: []string{"10.0.0.1"}, Hints: tc.hints}},
+			}
+			got, err := EndpointsFromSlices(name, []*discovery.EndpointSlice{s})
+			var fields []string
+			if err != nil {
+				for _, e := range err.(interface{ Unwrap() []error }).Unwrap() {
+					var fe *FieldError
+					if !errors.As(e, &fe) {
+						t.Fatalf("error %v is not a FieldError", e)
+					}
+					fields = append(fields, fe.Field)
+				}
+			}
+			if strings.Join(fields, ",") != strings.Join(tc.wantErrs, ",") {
+				t.Errorf("errors name %q, want %q", fields, tc.wantErrs)
+			}
+			for _, port := range []string{"http", "alt"} {
+				if len(got[port]) != 1 {
+					t.Fatalf("port %s: got %v, want one endpoint", port, got[port])
+				}
+				e := got[port][0]
+				if e.ZoneHints != tc.wantZones || e.NodeHints != tc.wantNodes {
+					t.Errorf("port %s: hints zones %q nodes %q, want %q %q", port, e.ZoneHints, e.NodeHints, tc.wantZones, tc.wantNodes)
+				}
+			}
+			e := got["http"][0]
+			if names := e.ZoneHints.Names(); strings.Join(names, ",") != strings.Join(tc.wantZoneNames, ",") {
+				t.Errorf("ZoneHints.Names() = %q, want %q", names, tc.wantZoneNames)
+			}
+			if e.ZoneHints.Empty() != (tc.wantZones == "") {
+				t.Errorf("ZoneHints.Empty() = %v for %q", e.ZoneHints.Empty(), e.ZoneHints)
+			}
+			if tc.hasZone != "" && !e.ZoneHints.Has(tc.hasZone) {
+				t.Errorf("ZoneHints %q has no %q", e.ZoneHints, tc.hasZone)
+			}
+			if e.ZoneHints.Has(tc.lacksZone) {
+				t.Errorf("ZoneHints %q has %q", e.ZoneHints, tc.lacksZone)
+			}
+			// Endpoints stay comparable: the same slice converted twice gives equal endpoints,
+			// and a change of hints alone makes them differ.
+			again, _ := EndpointsFromSlices(name, []*discovery.EndpointSlice{s})
+			if again["http"][0] != e {
+				t.Errorf("two conversions differ: %+v and %+v", again["http"][0], e)
+			}
+			other := e
+			other.ZoneHints = NewHints("zone-z")
+			if other == e {
+				t.Error("endpoints with different hints compare equal")
+			}
+		})
 	}
 }
 
