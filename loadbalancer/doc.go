@@ -2,8 +2,8 @@
 // goes to.
 //
 // It is pure logic over the proxy's model (package proxy/serviceport): endpoint lists with their
-// EndpointSlice conditions and node names, the service's traffic policies and its ClientIP
-// session affinity. It opens no sockets and writes no rules; time and randomness are injected
+// EndpointSlice conditions, node names and topology hints, the service's traffic policies and its
+// ClientIP session affinity, and this node's name and zone. It opens no sockets and writes no rules; time and randomness are injected
 // (Options.Now, Options.Rand), so its behaviour is deterministic in tests.
 //
 // # Selection rule
@@ -23,6 +23,16 @@
 //   - A Local class with no usable local endpoint fails with ErrNoLocalEndpoints when the service
 //     has usable endpoints elsewhere (the proxy drops the traffic), and with ErrNoEndpoints when it
 //     has none at all (the proxy rejects it).
+//   - Traffic not subject to a Local policy follows the endpoints' topology hints, as kube-proxy
+//     v1.33 and later does: when every ready endpoint is hinted for some node and one is hinted
+//     for this node, only the ready endpoints hinted for this node are used; otherwise, when every
+//     ready endpoint is hinted for some zone and one is hinted for this node's zone, only those
+//     hinted for this zone; otherwise every ready endpoint. Hints come from the EndpointSlice
+//     controller, which writes them for services that ask (trafficDistribution PreferSameZone,
+//     PreferClose or PreferSameNode, annotation service.kubernetes.io/topology-mode: Auto); the
+//     service's request itself is not checked, as in kube-proxy since v1.33. An unknown zone
+//     (Options.Zone, SetZone) disables zone hints. The serving-and-terminating fallback ignores
+//     hints. Why hints are used or ignored is logged at debug level when it changes.
 //
 // # Round robin and affinity
 //

@@ -2,8 +2,9 @@
 // one listener per service port.
 //
 // A source (package source/kubeapi or source/manifests) feeds a Proxier's Tracker with Service and
-// EndpointSlice events. A bounded-frequency runner calls the sync, which drains the coalesced
-// changes and then, for every changed service port:
+// EndpointSlice events, and kubeapi also with this node's zone (for topology hints). A
+// bounded-frequency runner calls the sync, which drains the coalesced changes and then, for every
+// changed service port:
 //   - opens (or keeps, or closes) the port's listener on a proxy port and serves it with package
 //     forward (TCP splice or UDP sessions),
 //   - hands the port's endpoints to the load balancer, which picks an endpoint per new

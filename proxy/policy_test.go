@@ -6,6 +6,9 @@ import (
 	"testing"
 
 	v1 "k8s.io/api/core/v1"
+	discovery "k8s.io/api/discovery/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/utils/ptr"
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/serviceport"
 )
@@ -93,5 +96,58 @@ func TestLocalReady(t *testing.T) {
 				t.Errorf("localReady = %v, want %v", got, tt.want)
 			}
 		})
+	}
+}
+
+// TestChooseFollowsZone: the zone a source reports through the Tracker reaches the balancer at
+// the next sync, and Choose then keeps ClusterIP traffic in this node's zone; an unknown zone
+// (never reported, or the label removed) uses every endpoint.
+func TestChooseFollowsZone(t *testing.T) {
+	p := newTestProxier(t, Options{NodeName: "node1", LocalAddrs: func() ([]netip.Addr, error) { return nil, nil }})
+	tr := p.Tracker()
+	tr.OnServiceUpdate(nil, service("web", []v1.ServicePort{tcpPort("http", 80)}, func(s *v1.Service) {
+		s.Spec.TrafficDistribution = ptr.To(v1.ServiceTrafficDistributionPreferClose)
+	}))
+	inA, inB := netip.MustParseAddrPort("10.244.1.2:8080"), netip.MustParseAddrPort("10.244.2.2:8080")
+	hinted := func(ep netip.AddrPort, node, zone string) discovery.Endpoint {
+		return discovery.Endpoint{Addresses: []string{ep.Addr().String()}, NodeName: ptr.To(node),
+			Conditions: discovery.EndpointConditions{Ready: ptr.To(true)},
+			Hints:      &discovery.EndpointHints{ForZones: []discovery.ForZone{{Name: zone}}}}
+	}
+	tr.OnEndpointSliceUpdate(nil, &discovery.EndpointSlice{
+		ObjectMeta:  metav1.ObjectMeta{Namespace: "default", Name: "web-1", Labels: map[string]string{discovery.LabelServiceName: "web"}},
+		AddressType: discovery.AddressTypeIPv4,
+		Ports:       []discovery.EndpointPort{{Name: ptr.To("http"), Port: ptr.To(int32(8080))}},
+		Endpoints:   []discovery.Endpoint{hinted(inA, "node2", "zone-a"), hinted(inB, "node3", "zone-b")},
+	})
+	chosen := func() map[netip.AddrPort]bool {
+		t.Helper()
+		p.Sync()
+		p.mu.Lock()
+		l := p.ports[serviceport.Name{Namespace: "default", Name: "web", Port: "http"}]
+		p.mu.Unlock()
+		if l == nil {
+			t.Fatal("service port not set up")
+		}
+		seen := map[netip.AddrPort]bool{}
+		for range 8 {
+			tg, err := l.Choose(netip.MustParseAddrPort("10.0.0.100:40000"), netip.MustParseAddrPort("10.96.0.10:80"), false)
+			if err != nil {
+				t.Fatal(err)
+			}
+			seen[tg.Endpoint] = true
+		}
+		return seen
+	}
+	if seen := chosen(); !seen[inA] || !seen[inB] {
+		t.Errorf("zone unknown: chose %v, want both endpoints", seen)
+	}
+	tr.OnNodeTopology("zone-b")
+	if seen := chosen(); seen[inA] || !seen[inB] {
+		t.Errorf("zone-b: chose %v, want only %v", seen, inB)
+	}
+	tr.OnNodeTopology("")
+	if seen := chosen(); !seen[inA] || !seen[inB] {
+		t.Errorf("zone label removed: chose %v, want both endpoints", seen)
 	}
 }

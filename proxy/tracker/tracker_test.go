@@ -208,3 +208,40 @@ func TestSourceSwitch(t *testing.T) {
 		t.Errorf("c: %+v", ch)
 	}
 }
+
+// TestNodeZone: the zone is handed out by the Drain after it changed, once; a change back to the
+// zone already handed out before the Drain is no change.
+func TestNodeZone(t *testing.T) {
+	changes := 0
+	tr := New(Options{OnChange: func() { changes++ }})
+	steps := []struct {
+		name        string
+		zones       []string // OnNodeTopology calls before the Drain
+		wantChanges int      // OnChange calls they make
+		wantChanged bool
+		wantZone    string
+	}{
+		{name: "nothing yet"},
+		{name: "first zone", zones: []string{"zone-a"}, wantChanges: 1, wantChanged: true, wantZone: "zone-a"},
+		{name: "same zone again", zones: []string{"zone-a"}},
+		{name: "changed twice", zones: []string{"zone-b", "zone-c"}, wantChanges: 2, wantChanged: true, wantZone: "zone-c"},
+		{name: "changed and back", zones: []string{"zone-d", "zone-c"}, wantChanges: 1},
+		{name: "label removed", zones: []string{""}, wantChanges: 1, wantChanged: true, wantZone: ""},
+	}
+	for _, st := range steps {
+		changes = 0
+		for _, z := range st.zones {
+			tr.OnNodeTopology(z)
+		}
+		if changes != st.wantChanges {
+			t.Errorf("%s: OnChange called %d times, want %d", st.name, changes, st.wantChanges)
+		}
+		if pending, _ := tr.Pending(); pending != st.wantChanged {
+			t.Errorf("%s: Pending = %v, want %v", st.name, pending, st.wantChanged)
+		}
+		c := tr.Drain()
+		if c.ZoneChanged != st.wantChanged || c.Zone != st.wantZone || c.Empty() == st.wantChanged {
+			t.Errorf("%s: Drain gave ZoneChanged %v Zone %q Empty %v, want %v %q", st.name, c.ZoneChanged, c.Zone, c.Empty(), st.wantChanged, st.wantZone)
+		}
+	}
+}

@@ -29,6 +29,13 @@ func (d *dispatcher) synced() {
 	d.h.OnSynced()
 }
 
+// run calls f as one serialised Handler call.
+func (d *dispatcher) run(f func()) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	f()
+}
+
 // eventHandler maps informer notifications for objects of type T to deliver(prev, cur):
 // add → (nil, obj), update → (old, new), delete → (obj, nil), including deletes that arrive as
 // a cache.DeletedFinalStateUnknown tombstone (a delete missed while the watch was down).

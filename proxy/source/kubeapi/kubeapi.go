@@ -8,7 +8,10 @@
 //   - EndpointSlices labelled service.kubernetes.io/headless (their service is headless).
 //
 // With Options.NodeName it also watches that one Node (field selector metadata.name) for
-// NodeEligible, which /healthz reports as kube-proxy's does.
+// NodeEligible, which /healthz reports as kube-proxy's does, and for its
+// topology.kubernetes.io/zone label, which it hands to a Handler that implements
+// source.TopologyHandler (the proxy's zone for topology hints). The initial sync does not wait
+// for the Node: until it is seen, the zone is unknown and hints are ignored.
 //
 // Everything else is passed through unchanged; in particular ExternalName Services reach the
 // Handler and are skipped by the model (serviceport.FromService), as are headless Services on a
@@ -59,7 +62,7 @@ type Options struct {
 	WaitLogInterval time.Duration
 	// Log receives the source's logs. The zero value discards them.
 	Log zerolog.Logger
-	// NodeName, when set, makes Run also watch that Node, for NodeEligible.
+	// NodeName, when set, makes Run also watch that Node, for NodeEligible and its zone.
 	NodeName string
 }
 
@@ -185,7 +188,7 @@ func (s *Source) Run(ctx context.Context, h source.Handler) error {
 	wg.Go(func() { svcInf.RunWithContext(ctx) })
 	wg.Go(func() { sliceInf.RunWithContext(ctx) })
 	if s.opts.NodeName != "" {
-		wg.Go(func() { s.watchNode(ctx) })
+		wg.Go(func() { s.watchNode(ctx, d, h) })
 	}
 
 	s.log.Info().Str("serviceLabelSelector", svcLabels).Str("serviceFieldSelector", svcFields).

@@ -17,6 +17,11 @@
 // depends on, and allocation of missing cluster IPs and node ports (see allocate.go for the
 // deterministic scheme).
 //
+// A manifests directory has no Node, so this node's zone is unknown and the endpoints' topology
+// hints (hints.forZones) are ignored, as kube-proxy ignores them on a node without a
+// topology.kubernetes.io/zone label; node hints (hints.forNodes) still apply, matched against the
+// node name. Other kinds, Node included, are ignored.
+//
 // Errors never stop the source: a broken object is logged once per file content (file,
 // document, object, field) and skipped, and its last good version keeps serving; when a
 // document is too broken to tell which object it was, every object the file held before keeps
