@@ -140,6 +140,61 @@ type pool struct {
 	next  atomic.Uint64          // rotation counter: the next pick is eps[next % len(eps)]
 	// topology is the topology decision behind eps (poolCluster only).
 	topology topologyChoice
+	// families, when eps holds endpoints of both address families, is this pool narrowed to
+	// each family (familyIPv4, familyIPv6), each with its own rotation and the same id: traffic
+	// keeps its address family, as with kube-proxy's per-family proxiers. Nil otherwise; a
+	// client then gets whatever family eps has (a userspace proxy can bridge them).
+	families *[2]*pool
+}
+
+// Address families of families.
+const (
+	familyIPv4 = iota
+	familyIPv6
+)
+
+func familyOf(a netip.Addr) int {
+	if a.Unmap().Is4() {
+		return familyIPv4
+	}
+	return familyIPv6
+}
+
+// forClient returns the pool that traffic from client picks from: the one of client's address
+// family when pl has both families, pl itself otherwise (or when client is unknown).
+func (pl *pool) forClient(client netip.Addr) *pool {
+	if pl.families == nil || !client.IsValid() {
+		return pl
+	}
+	return pl.families[familyOf(client)]
+}
+
+// splitFamilies sets pl.families when pl has endpoints of both families, carrying each family's
+// rotation over from old (the same rule's previous pool; nil for a new port).
+func (pl *pool) splitFamilies(old *pool) {
+	var byFamily [2][]serviceport.Endpoint
+	for _, e := range pl.eps {
+		f := familyOf(e.Addr.Addr())
+		byFamily[f] = append(byFamily[f], e)
+	}
+	if len(byFamily[familyIPv4]) == 0 || len(byFamily[familyIPv6]) == 0 {
+		return
+	}
+	pl.families = new([2]*pool)
+	for f, eps := range byFamily {
+		sub := &pool{id: pl.id, eps: eps, index: make(map[netip.AddrPort]int, len(eps)), err: pl.err, topology: pl.topology}
+		for i, e := range eps {
+			sub.index[e.Addr] = i
+		}
+		if old != nil {
+			prev := old
+			if old.families != nil {
+				prev = old.families[f]
+			}
+			sub.next.Store(carryPosition(prev, sub))
+		}
+		pl.families[f] = sub
+	}
 }
 
 type affinityEntry struct {
@@ -303,6 +358,10 @@ func (lb *RoundRobin) DeleteServicePort(name serviceport.Name) {
 // resetAffinity is true when dialling the endpoint previously returned for this client failed:
 // the client's affinity is forgotten and a different endpoint is returned if there is one.
 //
+// A client gets endpoints of its own address family while the usable endpoints include any
+// (a dual-stack service: IPv4 traffic to IPv4 pods, IPv6 to IPv6, each family in its own
+// rotation), and the other family's otherwise.
+//
 // Errors wrap ErrUnknownServicePort, ErrNoEndpoints or ErrNoLocalEndpoints. An invalid client
 // address gets no affinity.
 func (lb *RoundRobin) Next(name serviceport.Name, client netip.Addr, external, resetAffinity bool) (serviceport.Endpoint, error) {
@@ -317,7 +376,7 @@ func (lb *RoundRobin) Next(name serviceport.Name, client netip.Addr, external, r
 		class = classExternal
 	}
 	s := p.snap.Load()
-	pl := s.class[class]
+	pl := s.class[class].forClient(client)
 	if len(pl.eps) == 0 {
 		return serviceport.Endpoint{}, pl.err
 	}
@@ -333,7 +392,7 @@ func (lb *RoundRobin) nextAffine(p *port, class int, client netip.Addr, reset bo
 	defer p.mu.Unlock()
 	// Reload: SetServicePort may have replaced the snapshot since Next read it.
 	s := p.snap.Load()
-	pl := s.class[class]
+	pl := s.class[class].forClient(client)
 	if len(pl.eps) == 0 {
 		return serviceport.Endpoint{}, pl.err
 	}
@@ -434,6 +493,13 @@ func (p *port) buildPools(order []serviceport.Endpoint, node Node, old *snapshot
 	pools[poolLocal].err = p.errNoLocal
 	if len(pools[poolCluster].eps) == 0 {
 		pools[poolLocal].err = p.errNoEndpoints
+	}
+	for id, pl := range pools {
+		var prev *pool
+		if old != nil {
+			prev = old.pools[id]
+		}
+		pl.splitFamilies(prev)
 	}
 	return pools
 }

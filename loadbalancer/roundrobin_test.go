@@ -27,7 +27,10 @@ func TestRoundRobin(t *testing.T) {
 		{name: "one endpoint", eps: []serviceport.Endpoint{ready("10.0.0.1", "n1")}},
 		{name: "many endpoints", eps: []serviceport.Endpoint{
 			ready("10.0.0.1", "n1"), ready("10.0.0.2", "n2"), ready("10.0.0.3", "n3"),
-			ready("10.0.0.4", "n1"), ready("[fd00::5]:8080", "n2"),
+			ready("10.0.0.4", "n1"), ready("10.0.0.5", "n2"),
+		}},
+		{name: "IPv6 endpoints only", eps: []serviceport.Endpoint{
+			ready("[fd00::1]:8080", "n1"), ready("[fd00::2]:8080", "n2"),
 		}},
 		{name: "duplicate addresses count once", eps: []serviceport.Endpoint{
 			ready("10.0.0.1", "n1"), ready("10.0.0.2", "n2"), ready("10.0.0.1", "n1"),
@@ -760,5 +763,54 @@ func TestConcurrentUse(t *testing.T) {
 	close(errs)
 	for err := range errs {
 		t.Error(err)
+	}
+}
+
+// TestAddressFamilies checks that the traffic of a dual-stack service keeps its address family,
+// and falls back to the other family only when its own has no usable endpoint.
+func TestAddressFamilies(t *testing.T) {
+	svc := name("dual", "http")
+	v4 := []serviceport.Endpoint{ready("10.0.0.1", "n1"), ready("10.0.0.2", "n2")}
+	v6 := []serviceport.Endpoint{ready("[fd00::1]:8080", "n1"), ready("[fd00::2]:8080", "n2"), ready("[fd00::3]:8080", "n3")}
+	all := append(slices.Clone(v4), v6...)
+	clients := map[string][]serviceport.Endpoint{
+		"192.168.1.1":        v4,
+		"::ffff:192.168.1.2": v4, // an IPv4 client of a dual-stack listener
+		"fd01::1":            v6,
+	}
+	for _, affinity := range []bool{false, true} {
+		t.Run(fmt.Sprintf("affinity=%v", affinity), func(t *testing.T) {
+			h := newHarness(t, thisNode, 3)
+			sp := svcPort(svc)
+			if affinity {
+				sp = svcPort(svc, withAffinity(time.Hour))
+			}
+			h.set(sp, all...)
+			for client, want := range clients {
+				for _, external := range []bool{false, true} {
+					if !affinity {
+						if err := checkRotation(h.picks(svc, client, external, 3*len(want)), addrs(want)); err != nil {
+							t.Errorf("client %s external=%v: %v", client, external, err)
+						}
+						continue
+					}
+					first := h.next(svc, client, external, false).Addr
+					if !slices.Contains(addrs(want), first) {
+						t.Errorf("client %s: got %v, not of its family (%v)", client, first, addrs(want))
+					}
+					if again := h.next(svc, client, external, false).Addr; again != first {
+						t.Errorf("client %s: affinity broken: %v then %v", client, first, again)
+					}
+					if other := h.next(svc, client, external, true).Addr; other == first || !slices.Contains(addrs(want), other) {
+						t.Errorf("client %s: after a failed dial of %v got %v, want another of %v", client, first, other, addrs(want))
+					}
+				}
+			}
+			// The IPv4 endpoints stop being ready: IPv4 clients are bridged to IPv6 ones.
+			h.set(sp, append([]serviceport.Endpoint{notReady("10.0.0.1", "n1"), notReady("10.0.0.2", "n2")}, v6...)...)
+			if got := h.next(svc, "192.168.1.1", false, false).Addr; !slices.Contains(addrs(v6), got) {
+				t.Errorf("IPv4 client with no IPv4 endpoint left: got %v, want one of %v", got, addrs(v6))
+			}
+		})
 	}
 }
