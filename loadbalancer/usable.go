@@ -23,8 +23,10 @@ func Usable(sp *serviceport.ServicePort, eps []serviceport.Endpoint, node Node, 
 
 // LocalEndpoints counts the endpoints on nodeName that external traffic under
 // externalTrafficPolicy: Local may use (ready local endpoints, or when there are none the serving
-// and terminating local ones). The healthCheckNodePort server answers 200 when it is at least 1.
-// The count does not depend on whether sp actually has the Local policy; sp may be nil.
+// and terminating local ones); it is the kube_userspace_proxy_service_port_local_endpoints
+// metric. (The healthCheckNodePort server counts ready local endpoints only, as kube-proxy does,
+// so that a load balancer drains a node whose endpoints are all terminating.) The count does not
+// depend on whether sp actually has the Local policy; sp may be nil.
 func LocalEndpoints(sp *serviceport.ServicePort, eps []serviceport.Endpoint, nodeName string) int {
 	_ = sp
 	ready, fallback := 0, 0
