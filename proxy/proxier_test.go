@@ -589,3 +589,59 @@ func TestActions(t *testing.T) {
 		})
 	}
 }
+
+// TestHeldLocalPortal checks that an external IP that is one of the node's own addresses has its
+// service port held by a socket (TCP and UDP), and released when the service goes.
+func TestHeldLocalPortal(t *testing.T) {
+	const local = "127.0.0.1"
+	// A port free for TCP and UDP on the address.
+	var port int
+	for range 20 {
+		tl, err := net.Listen("tcp", local+":0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		port = tl.Addr().(*net.TCPAddr).Port
+		ul, err := net.ListenPacket("udp", fmt.Sprintf("%s:%d", local, port))
+		tl.Close()
+		if err == nil {
+			ul.Close()
+			break
+		}
+		port = 0
+	}
+	if port == 0 {
+		t.Fatal("no port free for both TCP and UDP on " + local)
+	}
+	p := newTestProxier(t, Options{HoldPorts: true, LocalAddrs: func() ([]netip.Addr, error) {
+		return []netip.Addr{netip.MustParseAddr(local)}, nil
+	}})
+	tr := p.Tracker()
+	svc := service("eip", []v1.ServicePort{tcpPort("tcp", int32(port)), udpPort("udp", int32(port))}, func(s *v1.Service) {
+		s.Spec.ExternalIPs = []string{local, "192.0.2.7"} // the second is not the node's: not held
+	})
+	addr := fmt.Sprintf("%s:%d", local, port)
+	tr.OnServiceUpdate(nil, svc)
+	p.Sync()
+	if _, err := net.Listen("tcp", addr); !errors.Is(err, syscall.EADDRINUSE) {
+		t.Errorf("TCP %s not held: listen by another socket gave %v", addr, err)
+	}
+	if _, err := net.ListenPacket("udp", addr); !errors.Is(err, syscall.EADDRINUSE) {
+		t.Errorf("UDP %s not held: bind by another socket gave %v", addr, err)
+	}
+	if got, want := p.holder.heldKeys(), 2; len(got) != want {
+		t.Errorf("held %v, want %d sockets (TCP and UDP on %s only)", got, want, addr)
+	}
+	tr.OnServiceUpdate(svc, nil)
+	p.Sync()
+	ln, err := net.Listen("tcp", addr)
+	if err != nil {
+		t.Fatalf("TCP %s still held after delete: %v", addr, err)
+	}
+	ln.Close()
+	pc, err := net.ListenPacket("udp", addr)
+	if err != nil {
+		t.Fatalf("UDP %s still held after delete: %v", addr, err)
+	}
+	pc.Close()
+}
