@@ -8,6 +8,8 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"runtime"
+	"runtime/debug"
 	"time"
 
 	"github.com/rs/zerolog"
@@ -20,12 +22,6 @@ import (
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/source"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/source/kubeapi"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/source/manifests"
-)
-
-// Version and Commit are set at build time (-ldflags "-X ...").
-var (
-	Version = "dev"
-	Commit  = "unknown"
 )
 
 // Main parses args and runs the proxy; it returns the process exit code.
@@ -41,7 +37,7 @@ func Main(args []string, stdout, stderr io.Writer) int {
 		return 2
 	}
 	if opts.Version {
-		fmt.Fprintf(stdout, "kube-userspace-proxy %s (commit %s)\n", Version, Commit)
+		fmt.Fprintln(stdout, versionLine(Version, Commit, debug.ReadBuildInfo))
 		return 0
 	}
 	if err := opts.Complete(fs); err != nil {
@@ -97,6 +93,10 @@ func Run(ctx context.Context, opts *Options, v *Validated, log zerolog.Logger) e
 	}
 	if err := setOOMScoreAdj(oomScoreAdjPath, opts.OOMScoreAdj); err != nil {
 		log.Warn().Err(err).Msg("cannot set the OOM score adjustment")
+	}
+	ct := conntrackSysctls{procRoot: "/proc", sysRoot: "/sys", log: log.With().Str("component", "conntrack").Logger()}
+	for _, err := range ct.apply(opts.conntrackSettings(runtime.NumCPU())) {
+		log.Warn().Err(err).Msg("conntrack sysctl left alone")
 	}
 
 	src, err := newSource(opts, v, log)

@@ -1,18 +1,24 @@
 package app
 
 import (
+	"bytes"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
+	"maps"
 	"os"
 	"reflect"
+	"slices"
 	"sort"
+	"strconv"
 	"strings"
 	"time"
 
 	"github.com/spf13/pflag"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/apimachinery/pkg/runtime/serializer"
 	kpconfig "k8s.io/kube-proxy/config/v1alpha1"
 	"sigs.k8s.io/yaml"
@@ -114,6 +120,76 @@ var configFields = []configField{
 			return c.PortRange != ""
 		},
 		func(o *Options, c *kpconfig.KubeProxyConfiguration) { c.PortRange = o.ProxyPortRange }},
+	{"conntrack-max-per-core", "conntrack.maxPerCore",
+		func(o *Options, c *kpconfig.KubeProxyConfiguration) bool {
+			if c.Conntrack.MaxPerCore == nil {
+				return false
+			}
+			o.ConntrackMaxPerCore = *c.Conntrack.MaxPerCore
+			return true
+		},
+		func(o *Options, c *kpconfig.KubeProxyConfiguration) {
+			v := o.ConntrackMaxPerCore
+			c.Conntrack.MaxPerCore = &v
+		}},
+	{"conntrack-min", "conntrack.min",
+		func(o *Options, c *kpconfig.KubeProxyConfiguration) bool {
+			if c.Conntrack.Min == nil {
+				return false
+			}
+			o.ConntrackMin = *c.Conntrack.Min
+			return true
+		},
+		func(o *Options, c *kpconfig.KubeProxyConfiguration) {
+			v := o.ConntrackMin
+			c.Conntrack.Min = &v
+		}},
+	{"conntrack-tcp-timeout-established", "conntrack.tcpEstablishedTimeout",
+		func(o *Options, c *kpconfig.KubeProxyConfiguration) bool {
+			if c.Conntrack.TCPEstablishedTimeout == nil {
+				return false
+			}
+			o.ConntrackTCPEstablishedTimeout = c.Conntrack.TCPEstablishedTimeout.Duration
+			return true
+		},
+		func(o *Options, c *kpconfig.KubeProxyConfiguration) {
+			c.Conntrack.TCPEstablishedTimeout = &metav1.Duration{Duration: o.ConntrackTCPEstablishedTimeout}
+		}},
+	{"conntrack-tcp-timeout-close-wait", "conntrack.tcpCloseWaitTimeout",
+		func(o *Options, c *kpconfig.KubeProxyConfiguration) bool {
+			if c.Conntrack.TCPCloseWaitTimeout == nil {
+				return false
+			}
+			o.ConntrackTCPCloseWaitTimeout = c.Conntrack.TCPCloseWaitTimeout.Duration
+			return true
+		},
+		func(o *Options, c *kpconfig.KubeProxyConfiguration) {
+			c.Conntrack.TCPCloseWaitTimeout = &metav1.Duration{Duration: o.ConntrackTCPCloseWaitTimeout}
+		}},
+	{"conntrack-tcp-be-liberal", "conntrack.tcpBeLiberal",
+		func(o *Options, c *kpconfig.KubeProxyConfiguration) bool {
+			o.ConntrackTCPBeLiberal = c.Conntrack.TCPBeLiberal
+			return c.Conntrack.TCPBeLiberal
+		},
+		func(o *Options, c *kpconfig.KubeProxyConfiguration) {
+			c.Conntrack.TCPBeLiberal = o.ConntrackTCPBeLiberal
+		}},
+	{"conntrack-udp-timeout", "conntrack.udpTimeout",
+		func(o *Options, c *kpconfig.KubeProxyConfiguration) bool {
+			o.ConntrackUDPTimeout = c.Conntrack.UDPTimeout.Duration
+			return c.Conntrack.UDPTimeout.Duration != 0
+		},
+		func(o *Options, c *kpconfig.KubeProxyConfiguration) {
+			c.Conntrack.UDPTimeout = metav1.Duration{Duration: o.ConntrackUDPTimeout}
+		}},
+	{"conntrack-udp-timeout-stream", "conntrack.udpStreamTimeout",
+		func(o *Options, c *kpconfig.KubeProxyConfiguration) bool {
+			o.ConntrackUDPStreamTimeout = c.Conntrack.UDPStreamTimeout.Duration
+			return c.Conntrack.UDPStreamTimeout.Duration != 0
+		},
+		func(o *Options, c *kpconfig.KubeProxyConfiguration) {
+			c.Conntrack.UDPStreamTimeout = metav1.Duration{Duration: o.ConntrackUDPStreamTimeout}
+		}},
 }
 
 // LoadConfigFile reads a KubeProxyConfiguration (kubeproxy.config.k8s.io/v1alpha1, YAML or
@@ -139,8 +215,14 @@ func DecodeConfig(data []byte) (*kpconfig.KubeProxyConfiguration, error) {
 	}
 	codecs := serializer.NewCodecFactory(scheme, serializer.EnableStrict)
 	// No default kind or object: the file must say what it is.
-	obj, gvk, err := codecs.UniversalDeserializer().Decode(data, nil, nil)
+	decode := func(data []byte) (runtime.Object, *schema.GroupVersionKind, error) {
+		return codecs.UniversalDeserializer().Decode(data, nil, nil)
+	}
+	obj, gvk, err := decode(data)
 	if err != nil {
+		if field := badField(data, decode); field != "" && !strings.Contains(err.Error(), field) {
+			return nil, fmt.Errorf("decode KubeProxyConfiguration: %s: %w", field, err)
+		}
 		return nil, fmt.Errorf("decode KubeProxyConfiguration: %w", err)
 	}
 	cfg, ok := obj.(*kpconfig.KubeProxyConfiguration)
@@ -148,6 +230,58 @@ func DecodeConfig(data []byte) (*kpconfig.KubeProxyConfiguration, error) {
 		return nil, fmt.Errorf("decode KubeProxyConfiguration: got %v, want %s KubeProxyConfiguration", gvk, kpconfig.SchemeGroupVersion)
 	}
 	return cfg, nil
+}
+
+// badField returns the path (such as "iptables.syncPeriod") of the field of a configuration that
+// decode rejects, for errors that do not name it (a malformed duration says only
+// `time: invalid duration "banana"`), or "" when it cannot tell. It decodes, for each field in
+// turn, a document with only that field (and apiVersion and kind), descending into the objects
+// that fail.
+func badField(data []byte, decode func([]byte) (runtime.Object, *schema.GroupVersionKind, error)) string {
+	var doc map[string]any
+	if err := yaml.Unmarshal(data, &doc); err != nil {
+		return ""
+	}
+	head := map[string]any{"apiVersion": doc["apiVersion"], "kind": doc["kind"]}
+	fails := func(path []string, v any) bool {
+		d := maps.Clone(head)
+		inner := d
+		for _, k := range path[:len(path)-1] {
+			m := map[string]any{}
+			inner[k] = m
+			inner = m
+		}
+		inner[path[len(path)-1]] = v
+		b, err := json.Marshal(d)
+		if err != nil {
+			return false
+		}
+		_, _, err = decode(b)
+		return err != nil
+	}
+	if fails([]string{"kind"}, doc["kind"]) {
+		return "" // the document as such is rejected: no one field is to blame
+	}
+	var find func(path []string, m map[string]any) string
+	find = func(path []string, m map[string]any) string {
+		for _, k := range slices.Sorted(maps.Keys(m)) {
+			if len(path) == 0 && (k == "apiVersion" || k == "kind") {
+				continue
+			}
+			p := append(slices.Clone(path), k)
+			if !fails(p, m[k]) {
+				continue
+			}
+			if sub, ok := m[k].(map[string]any); ok {
+				if f := find(p, sub); f != "" {
+					return f
+				}
+			}
+			return strings.Join(p, ".")
+		}
+		return ""
+	}
+	return find(nil, doc)
 }
 
 // ApplyConfig sets the options from cfg, except those whose flag changed reports as set on the
@@ -182,13 +316,19 @@ func ignoredFields(cfg *kpconfig.KubeProxyConfiguration) []string {
 			out = append(out, fmt.Sprintf("%s is ignored: %s", field, why))
 		}
 	}
-	notSet := func(v any) bool { return reflect.ValueOf(v).IsZero() }
+	// A section is unset when it encodes as its zero value does: comparing the structs themselves
+	// would see a decoded "0" quantity (logging's infoBufferSize, which --write-config-to writes)
+	// as set.
+	notSet := func(v any) bool {
+		got, err1 := json.Marshal(v)
+		zero, err2 := json.Marshal(reflect.Zero(reflect.TypeOf(v)).Interface())
+		return err1 == nil && err2 == nil && bytes.Equal(got, zero)
+	}
 	cc := cfg.ClientConnection
 	note(cc.QPS != 0 || cc.Burst != 0 || cc.ContentType != "" || cc.AcceptContentTypes != "",
 		"clientConnection (other than kubeconfig)", "the client's rate limits and content types are built in")
 	note(len(cfg.FeatureGates) > 0, "featureGates", "there are no feature gates")
 	note(!notSet(cfg.Logging), "logging", "use --log-level")
-	note(!notSet(cfg.Conntrack), "conntrack", "conntrack sysctls are left alone")
 	note(!notSet(cfg.IPVS), "ipvs", "only the userspace mode is implemented")
 	note(!notSet(cfg.NFTables), "nftables", "only the userspace mode is implemented")
 	note(!notSet(cfg.Winkernel), "winkernel", "only the userspace mode is implemented")
@@ -237,17 +377,27 @@ func (o *Options) KubeProxyConfiguration() *kpconfig.KubeProxyConfiguration {
 	return cfg
 }
 
-// OwnFlags returns our settings that have no KubeProxyConfiguration field, as command-line
-// flags, sorted by name.
+// OwnFlags returns our settings that have no KubeProxyConfiguration field, or a value the file
+// cannot express (an empty server address, which disables the server), as command-line flags,
+// sorted by name.
 func (o *Options) OwnFlags() []string {
 	own := map[string]string{
 		"portal-mode":           o.PortalMode,
 		"udp-timeout":           o.UDPTimeout.String(),
 		"shutdown-grace-period": o.ShutdownGracePeriod.String(),
 		"log-level":             o.LogLevel,
+		"transparent-local":     strconv.FormatBool(o.TransparentLocal),
 	}
 	if o.Master != "" {
 		own["master"] = o.Master
+	}
+	// An empty server address disables the server, but an empty field in the file means "the
+	// default": say it with the flag.
+	if o.HealthzBindAddress == "" {
+		own["healthz-bind-address"] = ""
+	}
+	if o.MetricsBindAddress == "" {
+		own["metrics-bind-address"] = ""
 	}
 	if o.Manifests != "" {
 		own["manifests"] = o.Manifests

@@ -15,6 +15,13 @@ import (
 // parse registers fresh options on a flag set, parses args, and completes them (--config).
 func parse(t *testing.T, args ...string) (*Options, error) {
 	t.Helper()
+	o, _, err := parseFlags(t, args...)
+	return o, err
+}
+
+// parseFlags is parse that also returns the flag set.
+func parseFlags(t *testing.T, args ...string) (*Options, *pflag.FlagSet, error) {
+	t.Helper()
 	o := NewOptions()
 	fs := pflag.NewFlagSet("test", pflag.ContinueOnError)
 	fs.SetOutput(&bytes.Buffer{})
@@ -22,7 +29,7 @@ func parse(t *testing.T, args ...string) (*Options, error) {
 	if err := fs.Parse(args); err != nil {
 		t.Fatalf("parse %v: %v", args, err)
 	}
-	return o, o.Complete(fs)
+	return o, fs, o.Complete(fs)
 }
 
 func writeFile(t *testing.T, content string) string {
@@ -109,11 +116,43 @@ mode: userspace
 			},
 		},
 		{
-			name: "ignored fields are warned about", content: header + "conntrack:\n  maxPerCore: 0\n  min: 131072\ndetectLocalMode: InterfaceNamePrefix\n",
+			name: "ignored fields are warned about", content: header + "ipvs:\n  scheduler: rr\ndetectLocalMode: InterfaceNamePrefix\n",
 			check: func(t *testing.T, o *Options) {
 				w := strings.Join(o.ConfigWarnings, "\n")
-				if !strings.Contains(w, "conntrack") || !strings.Contains(w, "detectLocalMode") {
+				if !strings.Contains(w, "ipvs") || !strings.Contains(w, "detectLocalMode") {
 					t.Errorf("warnings = %q", w)
+				}
+			},
+		},
+		{
+			name: "conntrack is used", content: header + `
+conntrack:
+  maxPerCore: 0
+  min: 1000
+  tcpEstablishedTimeout: 2h
+  tcpCloseWaitTimeout: 30m
+  tcpBeLiberal: true
+  udpTimeout: 45s
+  udpStreamTimeout: 3m
+`,
+			check: func(t *testing.T, o *Options) {
+				if len(o.ConfigWarnings) != 0 {
+					t.Errorf("warnings: %q", o.ConfigWarnings)
+				}
+				got := o.conntrackSettings(4)
+				want := conntrackSettings{TCPEstablishedTimeout: 2 * time.Hour, TCPCloseWaitTimeout: 30 * time.Minute,
+					TCPBeLiberal: true, UDPTimeout: 45 * time.Second, UDPStreamTimeout: 3 * time.Minute}
+				if got != want || o.ConntrackMin != 1000 {
+					t.Errorf("conntrack settings %+v (min %d), want %+v (min 1000)", got, o.ConntrackMin, want)
+				}
+			},
+		},
+		{
+			name:    "an all-null conntrack section (kubeadm's) leaves every sysctl alone",
+			content: header + "conntrack:\n  maxPerCore: null\n  min: null\n  tcpCloseWaitTimeout: null\n  tcpEstablishedTimeout: null\n",
+			check: func(t *testing.T, o *Options) {
+				if s := o.conntrackSettings(4); s != (conntrackSettings{}) || len(o.ConfigWarnings) != 0 {
+					t.Errorf("settings %+v, warnings %q", s, o.ConfigWarnings)
 				}
 			},
 		},
@@ -138,7 +177,9 @@ mode: userspace
 		{name: "other mode", content: header + "mode: iptables\n", wantErr: `mode: "iptables"`},
 		{name: "wrong kind", content: "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeletConfiguration\n", wantErr: "KubeletConfiguration"},
 		{name: "no apiVersion", content: "kind: KubeProxyConfiguration\n", wantErr: "decode KubeProxyConfiguration"},
-		{name: "bad duration", content: header + "iptables:\n  syncPeriod: soon\n", wantErr: "soon"},
+		{name: "bad duration", content: header + "iptables:\n  syncPeriod: soon\n", wantErr: `iptables.syncPeriod: time: invalid duration "soon"`},
+		{name: "bad conntrack duration", content: header + "hostnameOverride: n\nconntrack:\n  min: 5\n  tcpCloseWaitTimeout: 1x\n", wantErr: "conntrack.tcpCloseWaitTimeout: "},
+		{name: "bad integer", content: header + "conntrack:\n  maxPerCore: lots\n", wantErr: "maxPerCore"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -199,31 +240,93 @@ func TestValidateNamesConfigField(t *testing.T) {
 	}
 }
 
+// operationalFlags are the flags that are not settings, which --write-config-to leaves out.
+var operationalFlags = map[string]bool{"config": true, "write-config-to": true, "cleanup": true, "version": true}
+
 // TestWriteConfigRoundTrip: what --write-config-to writes decodes strictly and, read back with
-// --config, gives the same options.
+// --config plus the flags it lists in its comment, gives the same value of every setting, with
+// no warning. Every flag is set to a value other than its default, so a setting that
+// --write-config-to forgets fails here; a new flag fails until it is given a value below.
 func TestWriteConfigRoundTrip(t *testing.T) {
-	o, err := parse(t, "--hostname-override=node-x", "--bind-address=10.1.2.3", "--iptables-sync-period=42s",
-		"--iptables-min-sync-period=3s", "--nodeport-addresses=10.0.0.0/8", "--oom-score-adj=-10", "--proxy-port-range=40000+100",
-		"--kubeconfig=/k", "--portal-mode=none", "--udp-timeout=5s", "--cluster-cidr=10.244.0.0/16")
-	if err != nil {
-		t.Fatal(err)
+	every := map[string]string{
+		"kubeconfig": "/k", "master": "https://10.0.0.1:6443", "manifests": t.TempDir(), "service-cluster-ip-range": "10.100.0.0/16",
+		"hostname-override": "node-x", "bind-address": "10.1.2.3", "nodeport-addresses": "10.0.0.0/8,192.168.0.0/16",
+		"cluster-cidr": "10.244.0.0/16,fd00:244::/48", "portal-mode": "none", "proxy-port-range": "40000+100", "udp-timeout": "5s",
+		"iptables-sync-period": "42s", "iptables-min-sync-period": "3s", "transparent-local": "false",
+		"conntrack-max-per-core": "1000", "conntrack-min": "5000", "conntrack-tcp-timeout-established": "2h0m0s",
+		"conntrack-tcp-timeout-close-wait": "30m0s", "conntrack-tcp-be-liberal": "true", "conntrack-udp-timeout": "45s",
+		"conntrack-udp-timeout-stream": "3m0s", "healthz-bind-address": "127.0.0.1:20256", "metrics-bind-address": "0.0.0.0:20249",
+		"shutdown-grace-period": "7s", "oom-score-adj": "-10", "log-level": "debug",
 	}
-	var buf bytes.Buffer
-	if err := o.WriteConfig(&buf); err != nil {
-		t.Fatal(err)
+	tests := []struct {
+		name string
+		set  map[string]string
+		// complete: set gives every setting a value other than its default.
+		complete bool
+	}{
+		{name: "every setting changed", set: every, complete: true},
+		{name: "servers disabled", set: map[string]string{"healthz-bind-address": "", "metrics-bind-address": ""}},
+		{name: "defaults", set: map[string]string{}},
+		{name: "conntrack limits explicitly left alone", set: map[string]string{"conntrack-max-per-core": "0", "conntrack-tcp-timeout-established": "0s"}},
 	}
-	out := buf.String()
-	for _, want := range []string{"mode: userspace", "kind: KubeProxyConfiguration", "--portal-mode=none", "--udp-timeout=5s"} {
-		if !strings.Contains(out, want) {
-			t.Errorf("written config lacks %q:\n%s", want, out)
-		}
-	}
-	back, err := parse(t, "--config", writeFile(t, out))
-	if err != nil {
-		t.Fatalf("reading back:\n%s\n%v", out, err)
-	}
-	if !equalOptions(*back, *o) || strings.Join(back.NodePortAddresses, ",") != "10.0.0.0/8" {
-		t.Errorf("round trip:\n got %+v\nwant %+v", back, o)
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			var args []string
+			for k, v := range tt.set {
+				args = append(args, "--"+k+"="+v)
+			}
+			o, fs, err := parseFlags(t, args...)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if tt.complete {
+				fs.VisitAll(func(f *pflag.Flag) {
+					if operationalFlags[f.Name] {
+						return
+					}
+					if _, ok := tt.set[f.Name]; !ok {
+						t.Errorf("--%s has no value in this test: give it one other than its default", f.Name)
+					} else if f.Value.String() == f.DefValue {
+						t.Errorf("--%s=%s is its default: give it another value", f.Name, f.Value)
+					}
+				})
+			}
+			var buf bytes.Buffer
+			if err := o.WriteConfig(&buf); err != nil {
+				t.Fatal(err)
+			}
+			out := buf.String()
+			for _, want := range []string{"mode: userspace", "kind: KubeProxyConfiguration"} {
+				if !strings.Contains(out, want) {
+					t.Errorf("written config lacks %q:\n%s", want, out)
+				}
+			}
+			// Read it back as an operator would: the file, plus the flags its comment lists.
+			backArgs := []string{"--config", writeFile(t, out)}
+			for _, line := range strings.Split(out, "\n") {
+				if f, ok := strings.CutPrefix(line, "#   --"); ok {
+					backArgs = append(backArgs, "--"+f)
+				}
+			}
+			back, backFS, err := parseFlags(t, backArgs...)
+			if err != nil {
+				t.Fatalf("reading back:\n%s\n%v", out, err)
+			}
+			if len(back.ConfigWarnings) != 0 {
+				t.Errorf("reading back warns: %q\n%s", back.ConfigWarnings, out)
+			}
+			fs.VisitAll(func(f *pflag.Flag) {
+				if operationalFlags[f.Name] {
+					return
+				}
+				if got := backFS.Lookup(f.Name).Value.String(); got != f.Value.String() {
+					t.Errorf("--%s read back as %q, want %q", f.Name, got, f.Value)
+				}
+			})
+			if t.Failed() {
+				t.Logf("written:\n%s", out)
+			}
+		})
 	}
 }
 

@@ -46,6 +46,16 @@ type Options struct {
 	// endpoints on this node from the client's own address (needs --portal-mode iptables).
 	TransparentLocal bool
 
+	// Conntrack sysctls: each is left alone while zero (false), unlike kube-proxy, whose
+	// defaults set them (see conntrack.go).
+	ConntrackMaxPerCore            int32
+	ConntrackMin                   int32 // the least nf_conntrack_max, with ConntrackMaxPerCore
+	ConntrackTCPEstablishedTimeout time.Duration
+	ConntrackTCPCloseWaitTimeout   time.Duration
+	ConntrackTCPBeLiberal          bool
+	ConntrackUDPTimeout            time.Duration
+	ConntrackUDPStreamTimeout      time.Duration
+
 	// Servers.
 	HealthzBindAddress string
 	MetricsBindAddress string
@@ -75,6 +85,10 @@ const DefaultOOMScoreAdj = -999
 // kernel would keep the same flow.
 const DefaultUDPTimeout = 30 * time.Second
 
+// DefaultConntrackMin is kube-proxy's --conntrack-min. It matters only with
+// --conntrack-max-per-core, which is unset (0, leave nf_conntrack_max alone) by default.
+const DefaultConntrackMin = 131072
+
 // NewOptions returns the defaults.
 func NewOptions() *Options {
 	return &Options{
@@ -90,6 +104,7 @@ func NewOptions() *Options {
 		LogLevel:              "info",
 		OOMScoreAdj:           DefaultOOMScoreAdj,
 		TransparentLocal:      true,
+		ConntrackMin:          DefaultConntrackMin,
 	}
 }
 
@@ -130,6 +145,15 @@ func (o *Options) FlagGroups() []FlagGroup {
 			fs.DurationVar(&o.SyncPeriod, "iptables-sync-period", o.SyncPeriod, "The longest time between two syncs (rules repaired, state re-applied). [config: iptables.syncPeriod]")
 			fs.DurationVar(&o.MinSyncPeriod, "iptables-min-sync-period", o.MinSyncPeriod, "The shortest average time between two syncs (two may run back to back, as in kube-proxy); changes within it are applied together. [config: iptables.minSyncPeriod]")
 			fs.BoolVar(&o.TransparentLocal, "transparent-local", o.TransparentLocal, "Keep the client's address for externalTrafficPolicy: Local services: connect to endpoints on this node from the client's own IP (IP_TRANSPARENT, with a mangle rule, ip rule and route that deliver the replies; needs --portal-mode iptables). false: endpoints see the node's address.")
+		}),
+		group("Conntrack (sysctls left alone unless set; kube-proxy's defaults set them)", func(fs *pflag.FlagSet) {
+			fs.Int32Var(&o.ConntrackMaxPerCore, "conntrack-max-per-core", o.ConntrackMaxPerCore, "Set net.netfilter.nf_conntrack_max to this times the number of CPUs (or to --conntrack-min if that is larger), and grow the conntrack hash table to a quarter of it; only possible from the host's network namespace. 0: leave them alone (kube-proxy's default is 32768). [config: conntrack.maxPerCore]")
+			fs.Int32Var(&o.ConntrackMin, "conntrack-min", o.ConntrackMin, "The least nf_conntrack_max that --conntrack-max-per-core sets. [config: conntrack.min]")
+			fs.DurationVar(&o.ConntrackTCPEstablishedTimeout, "conntrack-tcp-timeout-established", o.ConntrackTCPEstablishedTimeout, "Set net.netfilter.nf_conntrack_tcp_timeout_established (whole seconds). 0: leave it alone (kube-proxy's default is 24h). [config: conntrack.tcpEstablishedTimeout]")
+			fs.DurationVar(&o.ConntrackTCPCloseWaitTimeout, "conntrack-tcp-timeout-close-wait", o.ConntrackTCPCloseWaitTimeout, "Set net.netfilter.nf_conntrack_tcp_timeout_close_wait (whole seconds). 0: leave it alone (kube-proxy's default is 1h). [config: conntrack.tcpCloseWaitTimeout]")
+			fs.BoolVar(&o.ConntrackTCPBeLiberal, "conntrack-tcp-be-liberal", o.ConntrackTCPBeLiberal, "Set net.netfilter.nf_conntrack_tcp_be_liberal to 1 (out-of-window TCP packets are not marked INVALID). false: leave it alone. [config: conntrack.tcpBeLiberal]")
+			fs.DurationVar(&o.ConntrackUDPTimeout, "conntrack-udp-timeout", o.ConntrackUDPTimeout, "Set net.netfilter.nf_conntrack_udp_timeout (whole seconds). 0: leave it alone. [config: conntrack.udpTimeout]")
+			fs.DurationVar(&o.ConntrackUDPStreamTimeout, "conntrack-udp-timeout-stream", o.ConntrackUDPStreamTimeout, "Set net.netfilter.nf_conntrack_udp_timeout_stream (whole seconds). 0: leave it alone. [config: conntrack.udpStreamTimeout]")
 		}),
 		group("Health and metrics", func(fs *pflag.FlagSet) {
 			fs.StringVar(&o.HealthzBindAddress, "healthz-bind-address", o.HealthzBindAddress, "IP:port of the /healthz and /livez server; empty disables it. [config: healthzBindAddress]")
@@ -243,6 +267,22 @@ func (o *Options) Validate() (*Validated, error) {
 	}
 	if o.OOMScoreAdj < -1000 || o.OOMScoreAdj > 1000 {
 		bad("oom-score-adj", "%d: must be in [-1000, 1000]", o.OOMScoreAdj)
+	}
+	if o.ConntrackMaxPerCore < 0 {
+		bad("conntrack-max-per-core", "%d: must not be negative", o.ConntrackMaxPerCore)
+	}
+	if o.ConntrackMin < 0 {
+		bad("conntrack-min", "%d: must not be negative", o.ConntrackMin)
+	}
+	for flag, d := range map[string]time.Duration{
+		"conntrack-tcp-timeout-established": o.ConntrackTCPEstablishedTimeout,
+		"conntrack-tcp-timeout-close-wait":  o.ConntrackTCPCloseWaitTimeout,
+		"conntrack-udp-timeout":             o.ConntrackUDPTimeout,
+		"conntrack-udp-timeout-stream":      o.ConntrackUDPStreamTimeout,
+	} {
+		if d < 0 || d > 0 && d < time.Second {
+			bad(flag, "%v: must be 0 (leave the sysctl alone) or at least 1s", d)
+		}
 	}
 	if _, err := parseLevel(o.LogLevel); err != nil {
 		bad("log-level", "%v", err)
