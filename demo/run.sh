@@ -4,12 +4,15 @@
 # client's output and exits with the client's status (non-zero if any request failed).
 #
 #   demo/run.sh            prepare, then run the demo
-#   demo/run.sh prepare    only prepare (then: cd demo && docker-compose up --exit-code-from client)
+#   demo/run.sh prepare    only prepare, then print the `docker compose up` command to run
 #
 # Without a registry (the default here): the base image is built locally (base-image.sh,
-# cached) and used for every stage, with the Go binaries built on the host (PREBUILT). With
-# public images: KUP_BASE_IMAGE=debian:bookworm-slim KUP_GO_IMAGE=golang:1.26-bookworm
-# KUP_PREBUILT= demo/run.sh builds everything inside Docker.
+# cached) and used for every stage, with the Go binaries built on the host (PREBUILT), and the
+# control plane image is built from `make test-bins`'s etcd and kube-apiserver. With public
+# images: KUP_BASE_IMAGE=debian:bookworm-slim KUP_GO_IMAGE=golang:1.26-bookworm KUP_PREBUILT=
+# KUP_ETCD_IMAGE=registry.k8s.io/etcd:3.6.8-0
+# KUP_APISERVER_IMAGE=registry.k8s.io/kube-apiserver:v1.36.3 demo/run.sh builds everything
+# inside Docker and pulls the control plane.
 set -euo pipefail
 cd "$(dirname "$0")"
 demo=$PWD
@@ -18,6 +21,9 @@ compose=(docker-compose -p kup-demo -f "$demo/docker-compose.yaml")
 command -v docker-compose >/dev/null || compose=(docker compose -p kup-demo -f "$demo/docker-compose.yaml")
 GO=${GO:-go}
 KUP_K8S_BIN=${KUP_K8S_BIN:-${XDG_CACHE_HOME:-$HOME/.cache}/kube-userspace-proxy/bin/k8s-v1.36.3-etcd-v3.6.8}
+# The control plane image built from make test-bins's binaries (unless KUP_ETCD_IMAGE and
+# KUP_APISERVER_IMAGE name others).
+controlplane=kup-demo/controlplane:latest
 t0=$(date +%s)
 step() { echo "-- [$(( $(date +%s) - t0 ))s] $*"; }
 
@@ -39,14 +45,18 @@ prepare() {
       CGO_ENABLED=0 "$GO" build -trimpath -o "$KUP_PREBUILT/kup-echo" ./cmd/kup-echo &&
       CGO_ENABLED=0 "$GO" build -trimpath -o "$KUP_PREBUILT/kup-demo" ./demo/kup-demo)
   fi
-  step "etcd and kube-apiserver from $KUP_K8S_BIN"
-  for b in etcd kube-apiserver; do
-    [ -x "$KUP_K8S_BIN/$b" ] || { echo "$KUP_K8S_BIN/$b missing: run make test-bins" >&2; exit 1; }
-  done
-  mkdir -p controlplane/bin
-  for b in etcd kube-apiserver; do
-    cmp -s "$KUP_K8S_BIN/$b" "controlplane/bin/$b" || cp "$KUP_K8S_BIN/$b" "controlplane/bin/$b"
-  done
+  if [ -z "${KUP_ETCD_IMAGE:-}" ] || [ -z "${KUP_APISERVER_IMAGE:-}" ]; then
+    step "control plane image $controlplane: etcd and kube-apiserver from $KUP_K8S_BIN"
+    for b in etcd kube-apiserver; do
+      [ -x "$KUP_K8S_BIN/$b" ] || { echo "$KUP_K8S_BIN/$b missing: run make test-bins" >&2; exit 1; }
+    done
+    mkdir -p controlplane/bin
+    for b in etcd kube-apiserver; do
+      cmp -s "$KUP_K8S_BIN/$b" "controlplane/bin/$b" || cp "$KUP_K8S_BIN/$b" "controlplane/bin/$b"
+    done
+    docker build -q -t "$controlplane" --build-arg "BASE_IMAGE=${KUP_BASE_IMAGE:-debian:bookworm-slim}" controlplane >/dev/null
+    export KUP_ETCD_IMAGE=${KUP_ETCD_IMAGE:-$controlplane} KUP_APISERVER_IMAGE=${KUP_APISERVER_IMAGE:-$controlplane}
+  fi
 
   local conf=.build/conf
   if [ ! -s "$conf/proxy.kubeconfig" ]; then
@@ -81,6 +91,13 @@ KC
   "${compose[@]}" build -q
 }
 
+# up_command prints how to bring the prepared demo up by hand.
+up_command() {
+  echo "prepared; to run the demo yourself:"
+  echo "  cd demo && KUP_ETCD_IMAGE=$KUP_ETCD_IMAGE KUP_APISERVER_IMAGE=$KUP_APISERVER_IMAGE \\"
+  echo "    docker compose -p kup-demo up --exit-code-from client; docker compose -p kup-demo down -v"
+}
+
 run() {
   step "docker-compose up"
   "${compose[@]}" down -v --remove-orphans >/dev/null 2>&1 || true
@@ -101,5 +118,8 @@ run() {
 
 mkdir -p .build
 prepare
-[ "${1:-}" = prepare ] && exit 0
+if [ "${1:-}" = prepare ]; then
+  up_command
+  exit 0
+fi
 run
