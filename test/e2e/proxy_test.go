@@ -118,6 +118,17 @@ func newFixture(t *testing.T) *fixture {
 }
 
 // endpoints returns Endpoint values for the backends with the given indexes.
+// restartProxy starts the proxy again (the previous one must have stopped), owned by top so it
+// outlives the calling subtest, and returns once the client pod gets an answer from addr (TCP).
+func (f *fixture) restartProxy(top *testing.T, addr string) {
+	cfg := f.proxyConfig()
+	cfg.Ready = func(ctx context.Context) error {
+		_, err := harness.Ask(ctx, f.clientPod.NS, "tcp", addr)
+		return err
+	}
+	f.proxy = harness.StartProxy(top, f.node.NS, cfg)
+}
+
 func (f *fixture) endpoints(idx ...int) []harness.Endpoint {
 	var eps []harness.Endpoint
 	for _, i := range idx {
@@ -540,12 +551,7 @@ func TestProxy(t *testing.T) {
 			t.Errorf("service answered by %s with the proxy stopped", a.Backend)
 		}
 		restarted := time.Now()
-		cfg := f.proxyConfig()
-		cfg.Ready = func(ctx context.Context) error {
-			_, err := harness.Ask(ctx, f.clientPod.NS, "tcp", addr)
-			return err
-		}
-		f.proxy = harness.StartProxy(top, f.node.NS, cfg)
+		f.restartProxy(top, addr)
 		t.Logf("MEASURE restart → traffic flows again: %v", time.Since(restarted).Round(time.Millisecond))
 		for _, fr := range f.everywhere() {
 			expectBackends(ctx, t, fr.ns, "tcp", addr, 6, f.names...)
@@ -566,12 +572,7 @@ func TestProxy(t *testing.T) {
 			t.Fatalf("%d rules of web before the kill, %d after it: the case proves nothing", len(before), len(stale))
 		}
 		restarted := time.Now()
-		cfg := f.proxyConfig()
-		cfg.Ready = func(ctx context.Context) error {
-			_, err := harness.Ask(ctx, f.clientPod.NS, "tcp", addr)
-			return err
-		}
-		f.proxy = harness.StartProxy(top, f.node.NS, cfg)
+		f.restartProxy(top, addr)
 		t.Logf("MEASURE restart after SIGKILL → traffic flows again: %v", time.Since(restarted).Round(time.Millisecond))
 		after := harness.RulesFor(harness.IPTablesSave(t, f.node.NS), harness.Namespace, "web")
 		if len(after) != len(before) {
