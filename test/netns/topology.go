@@ -14,6 +14,11 @@ var (
 	bridgeSubnet  = netip.MustParsePrefix("10.0.0.0/24") // nodes and hosts, on the bridge
 	bridgeGateway = netip.MustParseAddr("10.0.0.1")      // the network namespace's bridge address
 	clusterCIDR   = netip.MustParsePrefix("10.244.0.0/16")
+
+	// The IPv6 half of a dual-stack network (see [NewDualStackNetwork]), mirroring the IPv4 one.
+	bridgeSubnet6  = netip.MustParsePrefix("fd00:10::/64")
+	bridgeGateway6 = netip.MustParseAddr("fd00:10::1")
+	clusterCIDR6   = netip.MustParsePrefix("fd00:244::/56") // node k's pod subnet is fd00:244:0:k::/64
 )
 
 const (
@@ -38,9 +43,18 @@ const (
 //
 // So every pod reaches every pod and node directly, and hosts reach pods through the network
 // namespace. Methods may be called from several goroutines; topology changes are serialised.
+//
+// A network made by [NewDualStackNetwork] has the same plan in IPv6 as well: bridge address
+// fd00:10::1/64; hosts and nodes fd00:10::<n> (n the last octet of their IPv4 address); node k's
+// pod subnet fd00:244:0:k::/64, whose ::1 is the node's side of every pod veth; pods
+// fd00:244:0:k::<n>/128 (n the last octet of their IPv4 address). Nodes and the network namespace
+// forward IPv6 too. Duplicate address detection is off in its namespaces, so IPv6 addresses are
+// usable at once.
 type Network struct {
 	// NS is the network namespace holding the bridge.
 	NS *NS
+
+	ipv6 bool // dual-stack: every host, node and pod gets an IPv6 address too; set at creation
 
 	mu       sync.Mutex // guards following fields
 	lastHost int        // last octet given out on the bridge
@@ -53,6 +67,9 @@ type Host struct {
 	*NS
 	// IP is the host's address on the bridge (interface eth0).
 	IP netip.Addr
+	// IPv6 is the host's IPv6 address on the bridge in a dual-stack network; the zero Addr
+	// otherwise.
+	IPv6 netip.Addr
 }
 
 // Node is a host that carries pods.
@@ -60,6 +77,9 @@ type Node struct {
 	Host
 	// PodCIDR is the node's pod subnet.
 	PodCIDR netip.Prefix
+	// PodCIDRv6 is the node's IPv6 pod subnet in a dual-stack network; the zero Prefix
+	// otherwise.
+	PodCIDRv6 netip.Prefix
 
 	mu      sync.Mutex // guards lastPod
 	lastPod int        // last octet given out in PodCIDR
@@ -70,6 +90,9 @@ type Pod struct {
 	*NS
 	// IP is the pod's address, from its node's PodCIDR.
 	IP netip.Addr
+	// IPv6 is the pod's IPv6 address, from its node's PodCIDRv6, in a dual-stack network; the
+	// zero Addr otherwise.
+	IPv6 netip.Addr
 	// Node is the node the pod is attached to.
 	Node *Node
 }
@@ -78,7 +101,24 @@ type Pod struct {
 // deleted in t.Cleanup. It fails the test on error.
 func NewNetwork(t testing.TB, name string) *Network {
 	t.Helper()
-	n := &Network{NS: New(t, name), lastHost: 1}
+	return newNetwork(t, name, false)
+}
+
+// NewDualStackNetwork is [NewNetwork] for a network whose hosts, nodes and pods have an IPv6
+// address besides their IPv4 one (see [Network] for the plan).
+func NewDualStackNetwork(t testing.TB, name string) *Network {
+	t.Helper()
+	return newNetwork(t, name, true)
+}
+
+func newNetwork(t testing.TB, name string, ipv6 bool) *Network {
+	t.Helper()
+	n := &Network{NS: New(t, name), lastHost: 1, ipv6: ipv6}
+	if ipv6 {
+		if err := n.NS.disableDAD(); err != nil {
+			t.Fatalf("netns: create network %s: %v", n.NS.name, err)
+		}
+	}
 	ctx, cancel := context.WithTimeout(context.Background(), cleanupTimeout)
 	defer cancel()
 	steps := [][]string{
@@ -86,16 +126,21 @@ func NewNetwork(t testing.TB, name string) *Network {
 		{"addr", "add", prefixOf(bridgeGateway, bridgeSubnet), "dev", bridgeName},
 		{"link", "set", bridgeName, "up"},
 	}
-	if err := n.NS.ipSteps(ctx, steps); err != nil {
-		t.Fatalf("netns: create network %s: %v", n.NS.name, err)
-	}
-	for _, kv := range [][2]string{
+	sysctls := [][2]string{
 		{"net.ipv4.ip_forward", "1"},
 		// Hosts reach pods through us and the replies go straight back over the bridge: do
 		// not tell them about the shorter path.
 		{"net.ipv4.conf.all.send_redirects", "0"},
 		{"net.ipv4.conf." + bridgeName + ".send_redirects", "0"},
-	} {
+	}
+	if ipv6 {
+		steps = append(steps, []string{"addr", "add", prefixOf(bridgeGateway6, bridgeSubnet6), "dev", bridgeName, "nodad"})
+		sysctls = append(sysctls, [2]string{"net.ipv6.conf.all.forwarding", "1"})
+	}
+	if err := n.NS.ipSteps(ctx, steps); err != nil {
+		t.Fatalf("netns: create network %s: %v", n.NS.name, err)
+	}
+	for _, kv := range sysctls {
 		if err := n.NS.SetSysctl(kv[0], kv[1]); err != nil {
 			t.Fatalf("netns: create network %s: %v", n.NS.name, err)
 		}
@@ -112,6 +157,26 @@ func (n *Network) Subnet() netip.Prefix { return bridgeSubnet }
 
 // ClusterCIDR returns the prefix all pod subnets are taken from (kube-proxy's --cluster-cidr).
 func (n *Network) ClusterCIDR() netip.Prefix { return clusterCIDR }
+
+// DualStack reports whether the network was made by [NewDualStackNetwork].
+func (n *Network) DualStack() bool { return n.ipv6 }
+
+// Subnet6 and ClusterCIDR6 are Subnet and ClusterCIDR for IPv6; they are the zero Prefix unless
+// the network is dual-stack.
+func (n *Network) Subnet6() netip.Prefix {
+	if !n.ipv6 {
+		return netip.Prefix{}
+	}
+	return bridgeSubnet6
+}
+
+// ClusterCIDR6 is documented with Subnet6.
+func (n *Network) ClusterCIDR6() netip.Prefix {
+	if !n.ipv6 {
+		return netip.Prefix{}
+	}
+	return clusterCIDR6
+}
 
 // Nodes returns the nodes added so far, in order.
 func (n *Network) Nodes() []*Node {
@@ -149,6 +214,11 @@ func (n *Network) addHostLocked(t testing.TB, name string) (*Host, error) {
 	octet := n.lastHost
 	ip := nthAddr(bridgeSubnet, octet)
 	h := &Host{NS: New(t, name), IP: ip}
+	if n.ipv6 {
+		if err := h.disableDAD(); err != nil {
+			return nil, err
+		}
+	}
 	port := "p" + strconv.Itoa(octet) // the bridge port in the network namespace
 	ctx, cancel := context.WithTimeout(context.Background(), cleanupTimeout)
 	defer cancel()
@@ -167,6 +237,15 @@ func (n *Network) addHostLocked(t testing.TB, name string) (*Host, error) {
 		{"route", "add", "default", "via", bridgeGateway.String()},
 	}); err != nil {
 		return nil, err
+	}
+	if n.ipv6 {
+		h.IPv6 = nthAddr(bridgeSubnet6, octet)
+		if err := h.ipSteps(ctx, [][]string{
+			{"addr", "add", prefixOf(h.IPv6, bridgeSubnet6), "dev", "eth0", "nodad"},
+			{"-6", "route", "add", "default", "via", bridgeGateway6.String()},
+		}); err != nil {
+			return nil, err
+		}
 	}
 	return h, nil
 }
@@ -201,20 +280,39 @@ func (n *Network) addNodeLocked(t testing.TB, name string) (*Node, error) {
 	if err := node.SetSysctl("net.ipv4.ip_forward", "1"); err != nil {
 		return nil, err
 	}
+	if n.ipv6 {
+		base6 := clusterCIDR6.Addr().As16()
+		base6[6], base6[7] = byte(k>>8), byte(k)
+		node.PodCIDRv6 = netip.PrefixFrom(netip.AddrFrom16(base6), 64)
+		if err := node.SetSysctl("net.ipv6.conf.all.forwarding", "1"); err != nil {
+			return nil, err
+		}
+	}
 	ctx, cancel := context.WithTimeout(context.Background(), cleanupTimeout)
 	defer cancel()
+	// routes returns the steps routing to node's pod subnets via node (in IPv6 too when set).
+	routes := func(to *Node) [][]string {
+		r := [][]string{{"route", "add", to.PodCIDR.String(), "via", to.IP.String()}}
+		if to.PodCIDRv6.IsValid() {
+			r = append(r, []string{"route", "add", to.PodCIDRv6.String(), "via", to.IPv6.String()})
+		}
+		return r
+	}
 	// Addresses of the subnet that are no pod's fail fast instead of looping via the gateway.
 	steps := [][]string{{"route", "add", "unreachable", node.PodCIDR.String()}}
+	if node.PodCIDRv6.IsValid() {
+		steps = append(steps, []string{"route", "add", "unreachable", node.PodCIDRv6.String()})
+	}
 	for _, other := range n.nodes {
-		steps = append(steps, []string{"route", "add", other.PodCIDR.String(), "via", other.IP.String()})
-		if err := other.ipSteps(ctx, [][]string{{"route", "add", node.PodCIDR.String(), "via", node.IP.String()}}); err != nil {
+		steps = append(steps, routes(other)...)
+		if err := other.ipSteps(ctx, routes(node)); err != nil {
 			return nil, err
 		}
 	}
 	if err := node.ipSteps(ctx, steps); err != nil {
 		return nil, err
 	}
-	if err := n.NS.ipSteps(ctx, [][]string{{"route", "add", node.PodCIDR.String(), "via", node.IP.String()}}); err != nil {
+	if err := n.NS.ipSteps(ctx, routes(node)); err != nil {
 		return nil, err
 	}
 	n.nodes = append(n.nodes, node)
@@ -242,6 +340,11 @@ func (node *Node) addPod(t testing.TB, name string) (*Pod, error) {
 	node.lastPod++
 	octet := node.lastPod
 	pod := &Pod{NS: New(t, name), IP: nthAddr(node.PodCIDR, octet), Node: node}
+	if node.PodCIDRv6.IsValid() {
+		if err := pod.disableDAD(); err != nil {
+			return nil, err
+		}
+	}
 	gw := nthAddr(node.PodCIDR, 1)
 	veth := "v" + strconv.Itoa(octet) // the node's side
 	ctx, cancel := context.WithTimeout(context.Background(), cleanupTimeout)
@@ -264,7 +367,37 @@ func (node *Node) addPod(t testing.TB, name string) (*Pod, error) {
 	}); err != nil {
 		return nil, err
 	}
+	if node.PodCIDRv6.IsValid() {
+		pod.IPv6 = nthAddr(node.PodCIDRv6, octet)
+		gw6 := nthAddr(node.PodCIDRv6, 1)
+		if err := node.ipSteps(ctx, [][]string{
+			{"addr", "add", gw6.String() + "/128", "dev", veth, "nodad"},
+			{"route", "add", pod.IPv6.String() + "/128", "dev", veth},
+		}); err != nil {
+			return nil, err
+		}
+		if err := pod.ipSteps(ctx, [][]string{
+			{"addr", "add", pod.IPv6.String() + "/128", "dev", "eth0", "nodad"},
+			{"route", "add", gw6.String(), "dev", "eth0"},
+			{"-6", "route", "add", "default", "via", gw6.String(), "dev", "eth0"},
+		}); err != nil {
+			return nil, err
+		}
+	}
 	return pod, nil
+}
+
+// disableDAD turns IPv6 duplicate address detection off in ns for the links created from now
+// on. Besides our addresses (added "nodad" anyway), it spares the kernel's link-local ones: while
+// those are tentative, for a second or two after a link comes up, the first TCP connection over
+// a new pod's link measurably waited two seconds.
+func (ns *NS) disableDAD() error {
+	for _, key := range []string{"net.ipv6.conf.all.accept_dad", "net.ipv6.conf.default.accept_dad"} {
+		if err := ns.SetSysctl(key, "0"); err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
 // ipSteps runs `ip -n <ns> <step>` for each step, stopping at the first error.
@@ -277,12 +410,19 @@ func (ns *NS) ipSteps(ctx context.Context, steps [][]string) error {
 	return nil
 }
 
-// nthAddr returns the address at offset n from the start of an IPv4 prefix.
+// nthAddr returns the address at offset n (0 <= n < 65536) from the start of a prefix.
 func nthAddr(p netip.Prefix, n int) netip.Addr {
-	a := p.Masked().Addr().As4()
-	v := uint32(a[0])<<24 | uint32(a[1])<<16 | uint32(a[2])<<8 | uint32(a[3])
-	v += uint32(n)
-	return netip.AddrFrom4([4]byte{byte(v >> 24), byte(v >> 16), byte(v >> 8), byte(v)})
+	a := p.Masked().Addr()
+	if a.Is4() {
+		b := a.As4()
+		v := uint32(b[0])<<24 | uint32(b[1])<<16 | uint32(b[2])<<8 | uint32(b[3])
+		v += uint32(n)
+		return netip.AddrFrom4([4]byte{byte(v >> 24), byte(v >> 16), byte(v >> 8), byte(v)})
+	}
+	b := a.As16()
+	v := uint32(b[14])<<8 | uint32(b[15]) + uint32(n)
+	b[14], b[15] = byte(v>>8), byte(v) // the prefixes of the plan leave these two bytes zero
+	return netip.AddrFrom16(b)
 }
 
 // prefixOf formats addr with the length of p ("10.0.0.2/24").

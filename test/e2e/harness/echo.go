@@ -11,8 +11,9 @@ import (
 )
 
 // StartEcho runs `kup-echo serve --name name --listen 0.0.0.0:port` (TCP and UDP) inside ns and
-// waits until it answers on 127.0.0.1:port there. Every answer carries name and the peer address
-// the server saw (see [Answer]). The process is killed in the test's cleanup.
+// waits until it answers on 127.0.0.1:port there. Go listens on a wildcard address with one
+// dual-stack socket, so it serves IPv6 ([::]:port) as well. Every answer carries name and the
+// peer address the server saw (see [Answer]). The process is killed in the test's cleanup.
 func StartEcho(t testing.TB, ns *netns.NS, name string, port int) *netns.Process {
 	t.Helper()
 	p := ns.Start(t, EchoBinary(t), "serve", "--name", name, "--listen", fmt.Sprintf("0.0.0.0:%d", port))

@@ -174,12 +174,24 @@ func applySlice(ctx context.Context, client kubernetes.Interface, slice *discove
 // (including a missing iptables-save).
 func IPTablesSave(t testing.TB, ns *netns.NS) string {
 	t.Helper()
-	if _, err := exec.LookPath("iptables-save"); err != nil {
-		t.Fatalf("harness: iptables-save not installed: %v", err)
+	return save(t, ns, "iptables-save")
+}
+
+// IP6TablesSave is IPTablesSave for IPv6: `ip6tables-save` inside ns.
+func IP6TablesSave(t testing.TB, ns *netns.NS) string {
+	t.Helper()
+	return save(t, ns, "ip6tables-save")
+}
+
+// save runs tool (iptables-save or ip6tables-save) inside ns and returns its output.
+func save(t testing.TB, ns *netns.NS, tool string) string {
+	t.Helper()
+	if _, err := exec.LookPath(tool); err != nil {
+		t.Fatalf("harness: %s not installed: %v", tool, err)
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	out, err := ns.Exec(ctx, "iptables-save")
+	out, err := ns.Exec(ctx, tool)
 	if err != nil {
 		t.Fatalf("harness: %v", err)
 	}
