@@ -123,10 +123,7 @@ func Run(ctx context.Context, opts *Options, v *Validated, log zerolog.Logger) e
 		pOpts.Portals = portals
 		pOpts.HoldPorts = true
 		if opts.TransparentLocal {
-			if err := portals.EnableTransparent(ctx); err != nil {
-				return err
-			}
-			pOpts.TransparentLocal = true
+			pOpts.TransparentLocal = enableTransparent(ctx, portals, log)
 		}
 	}
 	health := healthcheck.ProxyHealthOptions{Timeout: 2 * opts.SyncPeriod}

@@ -122,11 +122,15 @@ func (s *portalSet) Sync(ctx context.Context, ports []proxy.PortState, full bool
 
 // EnableTransparent programs, in every family, the reply routing of transparent connections
 // (package portal/transparent), and has Sync restore it from then on. Call it before the
-// proxier starts.
+// proxier starts. On error no family's routing is restored by Sync; what was programmed stays
+// until CleanupTransparent.
 func (s *portalSet) EnableTransparent(ctx context.Context) error {
 	for i := range s.families {
 		f := &s.families[i]
 		if err := f.transparent.Ensure(ctx); err != nil {
+			for j := range s.families {
+				s.families[j].ensureTransparent = false // all or nothing: Sync restores none
+			}
 			return fmt.Errorf("%v routing of transparent connections (--transparent-local=false turns them off): %w", f.family, err)
 		}
 		f.ensureTransparent = true
@@ -254,4 +258,27 @@ func hostIP(fam iptables.Family) (netip.Addr, bool) {
 		}
 	}
 	return netip.Addr{}, false
+}
+
+// transparentRouting is what enableTransparent needs of a portalSet.
+type transparentRouting interface {
+	EnableTransparent(ctx context.Context) error
+	CleanupTransparent(ctx context.Context) error
+}
+
+// enableTransparent turns on transparent connections for Local services and reports whether it
+// could. When the kernel or the node cannot have them (no xt_socket match, the mark or routing
+// table taken, no privilege), the proxy still serves everything: it warns, removes whatever part
+// of the routing was programmed, and endpoints see the node's address, as in the original
+// userspace mode.
+func enableTransparent(ctx context.Context, r transparentRouting, log zerolog.Logger) bool {
+	err := r.EnableTransparent(ctx)
+	if err == nil {
+		return true
+	}
+	log.Warn().Err(err).Msg("transparent connections disabled: endpoints of Local services see the node's address, not the client's")
+	if cerr := r.CleanupTransparent(ctx); cerr != nil {
+		log.Warn().Err(cerr).Msg("removing the partly programmed routing of transparent connections")
+	}
+	return false
 }
