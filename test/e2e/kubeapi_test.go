@@ -195,7 +195,32 @@ func TestKubeAPISource(t *testing.T) {
 		args := strings.Split(strings.TrimRight(string(cmdline), "\x00"), "\x00")
 		c.APIServer.Stop()
 		down := time.Now()
+		// A second source (a proxy starting on a node) while the API server is down: it waits,
+		// says so, and syncs once the server is back.
+		var lateLog syncBuffer
+		late := &recorder{}
+		lateSrc := kubeapi.New(c.Client, kubeapi.Options{Log: zerolog.New(&lateLog), WaitLogInterval: time.Second})
+		lateCtx, stopLate := context.WithCancel(ctx)
+		lateDone := make(chan error, 1)
+		go func() { lateDone <- lateSrc.Run(lateCtx, late) }()
+		t.Cleanup(func() {
+			stopLate()
+			if err := <-lateDone; err != nil {
+				t.Errorf("late source Run: %v", err)
+			}
+			if t.Failed() {
+				t.Logf("late source log:\n%s", lateLog.String())
+			}
+		})
 		time.Sleep(3 * time.Second) // the watches fail and retry meanwhile
+		if late.count("synced") != 0 {
+			t.Fatal("a source started while the API server is down reported the initial sync")
+		}
+		for _, want := range []string{"waiting for initial sync", "failed, client-go retries with back-off"} {
+			if !strings.Contains(lateLog.String(), want) {
+				t.Errorf("the late source's log does not say %q while the API server is down:\n%s", want, lateLog.String())
+			}
+		}
 		apiserver := c.ControlPlane.Start(t, args...)
 		harness.WaitFor(t, 90*time.Second, func() error {
 			select {
@@ -217,6 +242,12 @@ func TestKubeAPISource(t *testing.T) {
 		})
 		rec.waitEvent(t, "svc add after-restart")
 		t.Logf("source delivered a change %v after the API server went down", time.Since(down).Round(time.Millisecond))
+		late.waitEvent(t, "synced")
+		for _, want := range []string{"svc add pre", "slice add pre-e2e"} {
+			if late.count(want) != 1 {
+				t.Errorf("late source: %q delivered %d times, want once: %q", want, late.count(want), late.snapshot())
+			}
+		}
 		if got := rec.count("synced"); got != 1 {
 			t.Errorf("OnSynced called %d times, want once", got)
 		}
