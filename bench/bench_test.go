@@ -551,8 +551,23 @@ func cmpErr(a, b error) error {
 	return b
 }
 
-// firstSync scrapes the sync-duration histogram of the proxy in ns and returns its mean in ms.
+// firstSync waits (at most a minute) until the proxy in ns has finished a sync since it started
+// and returns the mean of its full-sync durations in ms. (kube-proxy leaves its rules in place
+// when it stops, so the restarted one serves before its first sync has ended.)
 func firstSync(ns *netns.NS) (float64, error) {
+	deadline := time.Now().Add(time.Minute)
+	for {
+		d, err := scrapeSyncMean(ns)
+		if err == nil || time.Now().After(deadline) {
+			return d, err
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+}
+
+// scrapeSyncMean scrapes the sync-duration histogram of the proxy in ns and returns its mean in
+// ms, or an error while no sync has been observed.
+func scrapeSyncMean(ns *netns.NS) (float64, error) {
 	hc := &http.Client{Timeout: 5 * time.Second, Transport: &http.Transport{DialContext: ns.DialContext, DisableKeepAlives: true}}
 	resp, err := hc.Get("http://" + metricsAddr + "/metrics")
 	if err != nil {
