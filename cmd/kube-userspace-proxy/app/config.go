@@ -120,52 +120,18 @@ var configFields = []configField{
 			return c.PortRange != ""
 		},
 		func(o *Options, c *kpconfig.KubeProxyConfiguration) { c.PortRange = o.ProxyPortRange }},
-	{"conntrack-max-per-core", "conntrack.maxPerCore",
-		func(o *Options, c *kpconfig.KubeProxyConfiguration) bool {
-			if c.Conntrack.MaxPerCore == nil {
-				return false
-			}
-			o.ConntrackMaxPerCore = *c.Conntrack.MaxPerCore
-			return true
-		},
-		func(o *Options, c *kpconfig.KubeProxyConfiguration) {
-			v := o.ConntrackMaxPerCore
-			c.Conntrack.MaxPerCore = &v
-		}},
-	{"conntrack-min", "conntrack.min",
-		func(o *Options, c *kpconfig.KubeProxyConfiguration) bool {
-			if c.Conntrack.Min == nil {
-				return false
-			}
-			o.ConntrackMin = *c.Conntrack.Min
-			return true
-		},
-		func(o *Options, c *kpconfig.KubeProxyConfiguration) {
-			v := o.ConntrackMin
-			c.Conntrack.Min = &v
-		}},
-	{"conntrack-tcp-timeout-established", "conntrack.tcpEstablishedTimeout",
-		func(o *Options, c *kpconfig.KubeProxyConfiguration) bool {
-			if c.Conntrack.TCPEstablishedTimeout == nil {
-				return false
-			}
-			o.ConntrackTCPEstablishedTimeout = c.Conntrack.TCPEstablishedTimeout.Duration
-			return true
-		},
-		func(o *Options, c *kpconfig.KubeProxyConfiguration) {
-			c.Conntrack.TCPEstablishedTimeout = &metav1.Duration{Duration: o.ConntrackTCPEstablishedTimeout}
-		}},
-	{"conntrack-tcp-timeout-close-wait", "conntrack.tcpCloseWaitTimeout",
-		func(o *Options, c *kpconfig.KubeProxyConfiguration) bool {
-			if c.Conntrack.TCPCloseWaitTimeout == nil {
-				return false
-			}
-			o.ConntrackTCPCloseWaitTimeout = c.Conntrack.TCPCloseWaitTimeout.Duration
-			return true
-		},
-		func(o *Options, c *kpconfig.KubeProxyConfiguration) {
-			c.Conntrack.TCPCloseWaitTimeout = &metav1.Duration{Duration: o.ConntrackTCPCloseWaitTimeout}
-		}},
+	pointerField("conntrack-max-per-core", "conntrack.maxPerCore",
+		func(c *kpconfig.KubeProxyConfiguration) **int32 { return &c.Conntrack.MaxPerCore },
+		func(o *Options) *int32 { return &o.ConntrackMaxPerCore }, same[int32], same[int32]),
+	pointerField("conntrack-min", "conntrack.min",
+		func(c *kpconfig.KubeProxyConfiguration) **int32 { return &c.Conntrack.Min },
+		func(o *Options) *int32 { return &o.ConntrackMin }, same[int32], same[int32]),
+	pointerField("conntrack-tcp-timeout-established", "conntrack.tcpEstablishedTimeout",
+		func(c *kpconfig.KubeProxyConfiguration) **metav1.Duration { return &c.Conntrack.TCPEstablishedTimeout },
+		func(o *Options) *time.Duration { return &o.ConntrackTCPEstablishedTimeout }, fromDuration, toDuration),
+	pointerField("conntrack-tcp-timeout-close-wait", "conntrack.tcpCloseWaitTimeout",
+		func(c *kpconfig.KubeProxyConfiguration) **metav1.Duration { return &c.Conntrack.TCPCloseWaitTimeout },
+		func(o *Options) *time.Duration { return &o.ConntrackTCPCloseWaitTimeout }, fromDuration, toDuration),
 	{"conntrack-tcp-be-liberal", "conntrack.tcpBeLiberal",
 		func(o *Options, c *kpconfig.KubeProxyConfiguration) bool {
 			o.ConntrackTCPBeLiberal = c.Conntrack.TCPBeLiberal
@@ -191,6 +157,29 @@ var configFields = []configField{
 			c.Conntrack.UDPStreamTimeout = metav1.Duration{Duration: o.ConntrackUDPStreamTimeout}
 		}},
 }
+
+// pointerField is the configField of a flag whose configuration field is a pointer (nil: unset);
+// toOpt and toFile convert the value between the file's type and the option's.
+func pointerField[F, O any](flag, field string, ptr func(*kpconfig.KubeProxyConfiguration) **F, opt func(*Options) *O,
+	toOpt func(F) O, toFile func(O) F) configField {
+	return configField{flag: flag, field: field,
+		set: func(o *Options, c *kpconfig.KubeProxyConfiguration) bool {
+			p := *ptr(c)
+			if p == nil {
+				return false
+			}
+			*opt(o) = toOpt(*p)
+			return true
+		},
+		get: func(o *Options, c *kpconfig.KubeProxyConfiguration) {
+			v := toFile(*opt(o))
+			*ptr(c) = &v
+		}}
+}
+
+func same[T any](v T) T                            { return v }
+func fromDuration(d metav1.Duration) time.Duration { return d.Duration }
+func toDuration(d time.Duration) metav1.Duration   { return metav1.Duration{Duration: d} }
 
 // LoadConfigFile reads a KubeProxyConfiguration (kubeproxy.config.k8s.io/v1alpha1, YAML or
 // JSON) from path, strictly: an unknown or duplicate field is an error that names it.
