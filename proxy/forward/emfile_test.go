@@ -2,7 +2,6 @@ package forward
 
 import (
 	"bufio"
-	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
@@ -127,30 +126,12 @@ func TestTCPOutOfFileDescriptors(t *testing.T) {
 	backend := startTCPEcho(t, loopback("4"))
 	cmd := exec.Command(os.Args[0])
 	cmd.Env = append(os.Environ(), childEnv+"=emfile", backendEnv+"="+backend.String())
-	stdin, err := cmd.StdinPipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	stdout, err := cmd.StdoutPipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	var stderr bytes.Buffer
-	cmd.Stderr = &stderr
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	waited := false
-	t.Cleanup(func() {
-		if !waited {
-			cmd.Process.Kill()
-			cmd.Wait()
-		}
-	})
+	child := startChild(t, cmd)
+	stdin, stderr := child.stdin, &child.stderr
 	lines := make(chan string, 100)
 	go func() {
 		defer close(lines)
-		s := bufio.NewScanner(stdout)
+		s := bufio.NewScanner(child.stdout)
 		for s.Scan() {
 			lines <- s.Text()
 		}
@@ -215,10 +196,7 @@ func TestTCPOutOfFileDescriptors(t *testing.T) {
 		t.Fatalf("after the descriptors were released: %q, %v; want the echo", buf, err)
 	}
 	c.Close()
-	stdin.Close()
-	err = cmd.Wait()
-	waited = true
-	if err != nil {
+	if err := child.wait(); err != nil {
 		t.Fatalf("child: %v; stderr:\n%s", err, stderr.String())
 	}
 

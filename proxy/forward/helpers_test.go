@@ -1,6 +1,7 @@
 package forward
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -9,6 +10,7 @@ import (
 	"net"
 	"net/netip"
 	"os"
+	"os/exec"
 	"runtime"
 	"strings"
 	"sync"
@@ -478,4 +480,45 @@ func TestLeakCheckSeesProxies(t *testing.T) {
 	if g := proxyGoroutines(); g != "" {
 		t.Errorf("goroutines after Close:\n%s", g)
 	}
+}
+
+// testChild is a copy of the test binary (or a command wrapping it, such as strace) running one
+// of the child modes, with pipes to its standard input and output and its standard error kept.
+type testChild struct {
+	cmd    *exec.Cmd
+	stdin  io.WriteCloser
+	stdout io.ReadCloser
+	stderr bytes.Buffer // read it only after wait, or for a message after a failure
+	waited bool
+}
+
+// startChild starts cmd; the test's cleanup kills it unless wait was called.
+func startChild(t testing.TB, cmd *exec.Cmd) *testChild {
+	t.Helper()
+	c := &testChild{cmd: cmd}
+	var err error
+	if c.stdin, err = cmd.StdinPipe(); err != nil {
+		t.Fatal(err)
+	}
+	if c.stdout, err = cmd.StdoutPipe(); err != nil {
+		t.Fatal(err)
+	}
+	cmd.Stderr = &c.stderr
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if !c.waited {
+			_ = cmd.Process.Kill()
+			_ = cmd.Wait()
+		}
+	})
+	return c
+}
+
+// wait closes the child's standard input (its signal to finish) and waits for it to exit.
+func (c *testChild) wait() error {
+	c.stdin.Close()
+	c.waited = true
+	return c.cmd.Wait()
 }

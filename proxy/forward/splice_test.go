@@ -109,27 +109,9 @@ func testTCPSplice(t *testing.T, mode string) {
 		"-e", "trace=splice,read,write,readv,writev,recvfrom,sendto,recvmsg,sendmsg",
 		"-e", "signal=none", os.Args[0])
 	cmd.Env = append(os.Environ(), childEnv+"=splice", backendEnv+"="+backend.String(), spliceModeEnv+"="+mode)
-	stdin, err := cmd.StdinPipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	stdout, err := cmd.StdoutPipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	var stderr bytes.Buffer
-	cmd.Stderr = &stderr
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	waited := false
-	t.Cleanup(func() {
-		if !waited {
-			cmd.Process.Kill()
-			cmd.Wait()
-		}
-	})
-	line, err := bufio.NewReader(stdout).ReadString('\n')
+	child := startChild(t, cmd)
+	stderr := &child.stderr
+	line, err := bufio.NewReader(child.stdout).ReadString('\n')
 	if err != nil {
 		t.Fatalf("reading the child's address: %v (stderr: %s)", err, stderr.String())
 	}
@@ -161,10 +143,7 @@ func testTCPSplice(t *testing.T, mode string) {
 		t.Fatal(err)
 	}
 	c.Close()
-	stdin.Close()
-	err = cmd.Wait()
-	waited = true
-	if err != nil {
+	if err := child.wait(); err != nil {
 		t.Fatalf("child: %v (stderr: %s)", err, stderr.String())
 	}
 
