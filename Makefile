@@ -34,6 +34,22 @@ fmt-check:
 # namespaces against a real kube-apiserver + etcd (built once by test-bins, then cached).
 test: deps test-bins fmt-check vet
 	$(GO) test -race -count=1 -timeout $(TEST_TIMEOUT) ./...
+	$(MAKE) fuzz
+
+# Every fuzz target for a bounded short time (their seed corpora also run in every `go test`).
+# FUZZTIME=2m make fuzz for a longer look. A finding is written under testdata/fuzz/ and fails.
+FUZZTIME ?= 10s
+# FuzzRender runs real iptables-restore per input (about 15 inputs/s): a count, not a time, for it,
+# because a slow input still running when -fuzztime's deadline passes fails the run with
+# "context deadline exceeded".
+FUZZRENDER ?= 150x
+.PHONY: fuzz
+fuzz:
+	$(GO) test -run='^$$' -fuzz='^FuzzDecode$$' -fuzztime=$(FUZZTIME) ./proxy/source/manifests/
+	$(GO) test -run='^$$' -fuzz='^FuzzFromService$$' -fuzztime=$(FUZZTIME) ./proxy/
+	$(GO) test -run='^$$' -fuzz='^FuzzEndpointsFromSlices$$' -fuzztime=$(FUZZTIME) ./proxy/
+	$(GO) test -run='^$$' -fuzz='^FuzzProxyHeader$$' -fuzztime=$(FUZZTIME) ./proxy/forward/
+	$(GO) test -run='^$$' -fuzz='^FuzzRender$$' -fuzztime=$(FUZZRENDER) ./portal/
 
 # Unit and loopback tests only (no control plane).
 unit:

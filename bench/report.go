@@ -221,11 +221,7 @@ func (r *Report) WriteMarkdown(w io.Writer) error {
 	b.WriteString("| workload | from | unit | " + strings.Join(Paths, " | ") + " |\n")
 	b.WriteString("|---|---|---|" + strings.Repeat("---|", len(Paths)) + "\n")
 	for _, m := range r.Metrics {
-		dir := "↓ better"
-		if m.HigherBetter {
-			dir = "↑ better"
-		}
-		fmt.Fprintf(&b, "| %s | %s | %s (%s) |", m.Workload, m.Source, m.Unit, dir)
+		fmt.Fprintf(&b, "| %s | %s | %s (%s) |", m.Workload, m.Source, m.Unit, m.direction())
 		for _, p := range Paths {
 			b.WriteString(" " + cell(m, p) + " |")
 		}
@@ -245,6 +241,14 @@ func (r *Report) WriteMarkdown(w io.Writer) error {
 	return nil
 }
 
+// direction says which way the metric is better, for the tables.
+func (m *Metric) direction() string {
+	if m.HigherBetter {
+		return "↑ better"
+	}
+	return "↓ better"
+}
+
 // writeOutside writes the outside-client table (issue 6): one column per OutsidePaths entry
 // (cells as in the main table, ratios to iptables mode) and the transparent/plain ratio.
 func (r *Report) writeOutside(b *strings.Builder) {
@@ -255,11 +259,7 @@ func (r *Report) writeOutside(b *strings.Builder) {
 	b.WriteString("| workload | unit | " + strings.Join(OutsidePaths, " | ") + " | transparent / plain |\n")
 	b.WriteString("|---|---|" + strings.Repeat("---|", len(OutsidePaths)) + "---|\n")
 	for _, m := range r.Outside {
-		dir := "↓ better"
-		if m.HigherBetter {
-			dir = "↑ better"
-		}
-		fmt.Fprintf(b, "| %s | %s (%s) |", m.Workload, m.Unit, dir)
+		fmt.Fprintf(b, "| %s | %s (%s) |", m.Workload, m.Unit, m.direction())
 		for _, p := range OutsidePaths {
 			b.WriteString(" " + cell(m, p) + " |")
 		}

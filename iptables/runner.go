@@ -90,6 +90,7 @@ type Runner struct {
 	family      Family
 	mode        Mode
 	ipt         *goipt.IPTables
+	path        string
 	restorePath string
 	savePath    string
 	waitArg     string
@@ -127,7 +128,7 @@ func New(opts Options) (*Runner, error) {
 	if err != nil {
 		return nil, fmt.Errorf("set up %s: %w", base, err)
 	}
-	r := &Runner{family: opts.Family, mode: mode, ipt: ipt, waitArg: "--wait=" + strconv.Itoa(secs)}
+	r := &Runner{family: opts.Family, mode: mode, ipt: ipt, path: path, waitArg: "--wait=" + strconv.Itoa(secs)}
 	for _, tool := range []struct {
 		suffix string
 		dst    *string
@@ -290,6 +291,47 @@ func (r *Runner) List(table, chain string) ([]string, error) {
 		return nil, fmt.Errorf("%s: list %s/%s: %w", r, table, chain, err)
 	}
 	return lines, nil
+}
+
+// References returns how many rules jump to table/chain: the count in the header that
+// `iptables -L chain` prints. It is cheap for an empty chain with iptables-nft (that reads the
+// table's chains and the one chain's rules); iptables-legacy reads the whole table.
+func (r *Runner) References(table, chain string) (int, error) {
+	cmd := exec.Command(r.path, r.waitArg, "-t", table, "-n", "-L", chain)
+	var stdout, stderr bytes.Buffer
+	cmd.Stdout = &stdout
+	cmd.Stderr = &stderr
+	if err := cmd.Run(); err != nil {
+		return 0, fmt.Errorf("%s: list %s/%s: %w: %s", r, table, chain, err, strings.TrimSpace(stderr.String()))
+	}
+	header, _, _ := strings.Cut(stdout.String(), "\n")
+	n, ok := parseReferences(header, chain)
+	if !ok {
+		return 0, fmt.Errorf("%s: list %s/%s: unexpected header %q", r, table, chain, header)
+	}
+	return n, nil
+}
+
+// parseReferences reads the count from a chain header such as
+// "Chain KUBE-X (2 references)"; a built-in chain's header ("Chain INPUT (policy ACCEPT)") has
+// none.
+func parseReferences(header, chain string) (int, bool) {
+	rest, ok := strings.CutPrefix(header, "Chain "+chain+" (")
+	if !ok {
+		return 0, false
+	}
+	num, ok := strings.CutSuffix(rest, " references)")
+	if !ok {
+		num, ok = strings.CutSuffix(rest, " reference)")
+	}
+	if !ok {
+		return 0, false
+	}
+	n, err := strconv.Atoi(num)
+	if err != nil || n < 0 {
+		return 0, false
+	}
+	return n, true
 }
 
 // Restore applies payload to table with one `iptables-restore --noflush` exec. payload holds the

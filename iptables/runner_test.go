@@ -103,6 +103,13 @@ func testRunner(t *testing.T, b backend) {
 	if len(rules) != 3 || !strings.Contains(rules[0], `"first jump; with spaces"`) || !strings.Contains(rules[2], "LOCAL") {
 		t.Fatalf("PREROUTING = %q, want [first jump, foreign udp, addrtype jump]", rules)
 	}
+	// References counts the jumps to a chain; a missing chain is an error.
+	if n, err := r.References("nat", "KUBE-TEST"); err != nil || n != 2 {
+		t.Errorf("References(KUBE-TEST) = %d, %v; want 2 (the two jumps in PREROUTING)", n, err)
+	}
+	if n, err := r.References("nat", "KUBE-NOPE"); err == nil {
+		t.Errorf("References(missing chain) = %d, nil; want an error", n)
+	}
 
 	// Restore: creates and flushes only the chains it names.
 	b.run(t, "-t", "nat", "-N", "FOREIGN")
@@ -235,5 +242,25 @@ func TestDetectModeInNamespace(t *testing.T) {
 				}
 			})
 		})
+	}
+}
+
+func TestParseReferences(t *testing.T) {
+	for _, tc := range []struct {
+		header string
+		want   int
+		ok     bool
+	}{
+		{"Chain KUBE-X (4 references)", 4, true},
+		{"Chain KUBE-X (0 references)", 0, true},
+		{"Chain KUBE-X (1 reference)", 1, true},
+		{"Chain INPUT (policy ACCEPT)", 0, false},
+		{"Chain KUBE-Y (4 references)", 0, false},
+		{"Chain KUBE-X (-1 references)", 0, false},
+		{"", 0, false},
+	} {
+		if n, ok := parseReferences(tc.header, "KUBE-X"); n != tc.want || ok != tc.ok {
+			t.Errorf("parseReferences(%q) = %d, %v; want %d, %v", tc.header, n, ok, tc.want, tc.ok)
+		}
 	}
 }

@@ -8,7 +8,9 @@ import (
 	"testing"
 	"time"
 
-	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/serviceport"
+	v1 "k8s.io/api/core/v1"
+
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy"
 )
 
 // benchClients is how many distinct client IPs the affinity benchmarks rotate through; after the
@@ -27,11 +29,11 @@ func BenchmarkNext(b *testing.B) {
 		for _, n := range []int{1, 10, 100} {
 			lb := New(Options{NodeName: thisNode, Rand: rand.New(rand.NewPCG(1, 2))})
 			svc := name("bench", "http")
-			var eps []serviceport.Endpoint
+			var eps []proxy.Endpoint
 			for i := range n {
 				eps = append(eps, ready(netip.AddrFrom4([4]byte{10, 1, byte(i >> 8), byte(i)}).String(), "n1"))
 			}
-			opts := []func(*serviceport.ServicePort){}
+			opts := []func(*proxy.ServicePort){}
 			if affinity {
 				opts = append(opts, withAffinity(time.Hour))
 			}
@@ -80,7 +82,7 @@ func BenchmarkSetServicePort(b *testing.B) {
 	lb := New(Options{NodeName: thisNode, Rand: rand.New(rand.NewPCG(1, 2))})
 	svc := name("bench", "http")
 	sp := svcPort(svc, withAffinity(time.Hour))
-	var eps []serviceport.Endpoint
+	var eps []proxy.Endpoint
 	for i := range 101 {
 		eps = append(eps, ready(netip.AddrFrom4([4]byte{10, 1, 0, byte(i)}).String(), "n1"))
 	}
@@ -95,5 +97,36 @@ func BenchmarkSetServicePort(b *testing.B) {
 	for b.Loop() {
 		lb.SetServicePort(sp, eps[i%2:100+i%2])
 		i++
+	}
+}
+
+// BenchmarkAffinityChurn measures Next for a stream of new clients on a port whose affinity
+// table is full (a flood of spoofed sources): each pick evicts the least recently used entry.
+func BenchmarkAffinityChurn(b *testing.B) {
+	var evicted int
+	lb := New(Options{NodeName: thisNode, Rand: rand.New(rand.NewPCG(1, 2)), OnAffinityEvicted: func(proxy.Name, v1.Protocol) { evicted++ }})
+	svc := name("bench", "http")
+	var eps []proxy.Endpoint
+	for i := range 10 {
+		eps = append(eps, ready(netip.AddrFrom4([4]byte{10, 1, 0, byte(i)}).String(), "n1"))
+	}
+	lb.SetServicePort(svcPort(svc, withAffinity(time.Hour)), eps)
+	i := uint32(0)
+	next := func() {
+		c := netip.AddrFrom4([4]byte{byte(11 + i>>24), byte(i >> 16), byte(i >> 8), byte(i)})
+		if _, err := lb.Next(svc, c, false, false); err != nil {
+			b.Fatal(err)
+		}
+		i++
+	}
+	for range DefaultMaxAffinityEntries {
+		next()
+	}
+	b.ReportAllocs()
+	for b.Loop() {
+		next()
+	}
+	if evicted == 0 {
+		b.Fatal("nothing evicted")
 	}
 }

@@ -1,15 +1,17 @@
 // Package loadbalancer decides which endpoint a new TCP connection or UDP flow of a service port
 // goes to.
 //
-// It is pure logic over the proxy's model (package proxy/serviceport): endpoint lists with their
+// It is pure logic over the proxy's model (package proxy, the only package of this module it
+// imports): endpoint lists with their
 // EndpointSlice conditions, node names and topology hints, the service's traffic policies and its
 // ClientIP session affinity, and this node's name and zone. It opens no sockets and writes no rules; time and randomness are injected
 // (Options.Now, Options.Rand), so its behaviour is deterministic in tests.
 //
 // # Selection rule
 //
-// Usable is the one place the rule is written down; the balancer, the portal code and the
-// healthCheckNodePort server all use it:
+// Usable is the one place the rule is written down; the balancer's per-port lists follow it, and
+// Availability tells the proxier, per port, which traffic classes have a usable endpoint (so the
+// portals redirect, drop or reject them):
 //
 //   - Usable endpoints are the ready ones. When none is ready, the endpoints that are serving and
 //     terminating are used instead, so a service whose pods are all shutting down keeps working
@@ -51,12 +53,23 @@
 // Affinity is kept per service port, and per selection rule within it (a client's choice under a
 // Local rule is kept apart from its choice under the cluster-wide rule).
 //
+// The entries of a service port are bounded (Options.MaxAffinityEntries, by default
+// DefaultMaxAffinityEntries, counting a client once per rule it has used), so that clients with
+// spoofed or ever-changing addresses cannot grow the proxy's memory for the length of the
+// affinity timeout (up to a day). At the bound a new client evicts the least recently used one,
+// which gets a new pick when it comes back, as if its entry had expired; each eviction is
+// reported to Options.OnAffinityEvicted. The entries of a port form a map and a doubly linked
+// list in order of use, so that a hit, an insertion and an eviction are O(1), and a hit
+// allocates nothing; Sweep frees the expired entries, the least recently used ones, from the
+// list's tail.
+//
 // # Concurrency
 //
 // All methods of RoundRobin are safe for concurrent use. Next is the hot path: it finds the port
 // under a read lock held only for the map lookup, then works on an immutable snapshot that
 // SetServicePort publishes; without affinity it takes no other lock and does not allocate, its
 // only shared write being the port's rotation counter (an atomic add). With affinity it takes the
-// port's own mutex, so ports never contend with each other. SetServicePort and
-// DeleteServicePort are serialised with each other; Sweep locks one port at a time.
+// port's own mutex, so ports never contend with each other (the affinity bound is per port for
+// this reason too). SetServicePort and DeleteServicePort are serialised with each other; Sweep
+// locks one port at a time.
 package loadbalancer

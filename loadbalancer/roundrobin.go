@@ -11,8 +11,9 @@ import (
 	"time"
 
 	"github.com/rs/zerolog"
+	v1 "k8s.io/api/core/v1"
 
-	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/serviceport"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy"
 )
 
 // Errors returned by Next, wrapped with the operation and the service port; test them with
@@ -46,6 +47,17 @@ type Options struct {
 	// It is used only inside SetServicePort (never concurrently) and must not be used by the
 	// caller after New.
 	Rand *rand.Rand
+	// MaxAffinityEntries bounds the ClientIP affinity entries of each service port (a client
+	// counts once per selection rule it has used: cluster-wide, Local). A new client at the
+	// bound evicts the least recently used one, which then gets a new pick, like a client whose
+	// entry expired. Zero or less means DefaultMaxAffinityEntries.
+	MaxAffinityEntries int
+	// OnAffinityEvicted, if set, is called once for each affinity entry evicted by the bound
+	// (not for those that expire or whose endpoint leaves), with the service port's name and
+	// protocol; metrics.Metrics.AffinityEvicted fits. It is called from Next with the service
+	// port's lock held: it must be quick and must not call the RoundRobin. It is not called
+	// for a service port once DeleteServicePort has returned.
+	OnAffinityEvicted func(name proxy.Name, protocol v1.Protocol)
 }
 
 // RoundRobin picks endpoints for the service ports it has been given, round robin from a random
@@ -54,31 +66,44 @@ type Options struct {
 type RoundRobin struct {
 	now func() time.Time
 	log zerolog.Logger
+	// epoch is now() at New: affinity entries keep their times as durations since it.
+	epoch       time.Time
+	maxAffinity int
+	onEvicted   func(proxy.Name, v1.Protocol)
 
 	// writeMu serialises SetServicePort, DeleteServicePort and SetZone. It guards the following
 	// fields, and every port's sp, order and topologyNote fields.
 	writeMu sync.Mutex
 	rand    *rand.Rand
 	node    Node // Name is fixed; Zone changes with SetZone
+	// restore holds affinity entries handed over by a predecessor, per port not yet set
+	// (RestoreAffinity).
+	restore map[proxy.Name][]AffinityEntry
 
 	// mu guards ports (the map, not the ports). Held only for lookups and single inserts or
 	// deletes, never across other work, so that a waiting writer never stalls Next for long.
 	// (A sync.Map avoids the shared reader count but measured ~25 ns slower per Next here.)
 	mu    sync.RWMutex
-	ports map[serviceport.Name]*port
+	ports map[proxy.Name]*port
 }
 
 // New returns a RoundRobin with no service ports.
 func New(opts Options) *RoundRobin {
 	lb := &RoundRobin{
-		now:   opts.Now,
-		log:   opts.Log,
-		rand:  opts.Rand,
-		node:  Node{Name: opts.NodeName, Zone: opts.Zone},
-		ports: map[serviceport.Name]*port{},
+		now:         opts.Now,
+		log:         opts.Log,
+		maxAffinity: opts.MaxAffinityEntries,
+		onEvicted:   opts.OnAffinityEvicted,
+		rand:        opts.Rand,
+		node:        Node{Name: opts.NodeName, Zone: opts.Zone},
+		ports:       map[proxy.Name]*port{},
 	}
 	if lb.now == nil {
 		lb.now = time.Now
+	}
+	lb.epoch = lb.now()
+	if lb.maxAffinity <= 0 {
+		lb.maxAffinity = DefaultMaxAffinityEntries
 	}
 	if lb.rand == nil {
 		lb.rand = rand.New(rand.NewPCG(rand.Uint64(), rand.Uint64()))
@@ -107,8 +132,8 @@ type port struct {
 
 	// sp is the port's current configuration, order every endpoint in rotation order, and
 	// topologyNote the last topology decision logged. Guarded by RoundRobin.writeMu.
-	sp           *serviceport.ServicePort
-	order        []serviceport.Endpoint
+	sp           *proxy.ServicePort
+	order        []proxy.Endpoint
 	topologyNote string
 
 	// errNoEndpoints and errNoLocal are Next's errors for this port, built once so that failing
@@ -116,14 +141,18 @@ type port struct {
 	errNoEndpoints, errNoLocal error
 
 	// mu guards the following fields. Snapshots are stored under it too, so that a holder of
-	// mu sees a snapshot consistent with the affinity tables.
+	// mu sees a snapshot consistent with the affinity table.
 	mu sync.Mutex
-	// affinity holds, per pool, the last endpoint chosen for each client IP. Nil tables are empty.
-	affinity [numPools]map[netip.Addr]affinityEntry
+	// affinity holds the last endpoint chosen for each client IP under each pool, at most
+	// RoundRobin.maxAffinity of them; nil when empty.
+	affinity *affinityTable
+	// deleted is set by DeleteServicePort: Next no longer records affinity for the port.
+	deleted bool
 }
 
 // snapshot is an immutable view of a port's configuration and usable endpoints.
 type snapshot struct {
+	sp       *proxy.ServicePort // the configuration it was built from
 	affinity bool
 	timeout  time.Duration
 	pools    [numPools]*pool
@@ -134,7 +163,7 @@ type snapshot struct {
 // is immutable once published.
 type pool struct {
 	id    int
-	eps   []serviceport.Endpoint // usable endpoints, in rotation order
+	eps   []proxy.Endpoint       // usable endpoints, in rotation order
 	index map[netip.AddrPort]int // position of each endpoint in eps
 	err   error                  // Next's error when eps is empty
 	next  atomic.Uint64          // rotation counter: the next pick is eps[next % len(eps)]
@@ -172,7 +201,7 @@ func (pl *pool) forClient(client netip.Addr) *pool {
 // splitFamilies sets pl.families when pl has endpoints of both families, carrying each family's
 // rotation over from old (the same rule's previous pool; nil for a new port).
 func (pl *pool) splitFamilies(old *pool) {
-	var byFamily [2][]serviceport.Endpoint
+	var byFamily [2][]proxy.Endpoint
 	for _, e := range pl.eps {
 		f := familyOf(e.Addr.Addr())
 		byFamily[f] = append(byFamily[f], e)
@@ -197,13 +226,8 @@ func (pl *pool) splitFamilies(old *pool) {
 	}
 }
 
-type affinityEntry struct {
-	ep       netip.AddrPort
-	lastUsed time.Time
-}
-
 // pick returns the next endpoint in rotation. eps must not be empty.
-func (pl *pool) pick() serviceport.Endpoint {
+func (pl *pool) pick() proxy.Endpoint {
 	i := pl.next.Add(1) - 1
 	return pl.eps[i%uint64(len(pl.eps))]
 }
@@ -215,7 +239,7 @@ func (pl *pool) pick() serviceport.Endpoint {
 // surviving endpoints when they did. Affinity entries are dropped when their endpoint is no longer
 // in eps, and all of them when sp turns affinity off; a changed affinity timeout applies at once,
 // to existing entries too. sp must not be modified afterwards (ServicePorts are immutable).
-func (lb *RoundRobin) SetServicePort(sp *serviceport.ServicePort, eps []serviceport.Endpoint) {
+func (lb *RoundRobin) SetServicePort(sp *proxy.ServicePort, eps []proxy.Endpoint) {
 	if sp == nil {
 		return
 	}
@@ -236,9 +260,9 @@ func (lb *RoundRobin) SetServicePort(sp *serviceport.ServicePort, eps []servicep
 
 	old := p.snap.Load()
 	order, present, added, changed := lb.mergeOrder(p.order, eps)
-	s := &snapshot{affinity: sp.SessionAffinity, timeout: sp.AffinityTimeout}
+	s := &snapshot{sp: sp, affinity: sp.SessionAffinity, timeout: sp.AffinityTimeout}
 	if s.timeout <= 0 {
-		s.timeout = serviceport.DefaultAffinityTimeout
+		s.timeout = proxy.DefaultAffinityTimeout
 	}
 	if old != nil && !changed {
 		s.pools = old.pools
@@ -251,17 +275,19 @@ func (lb *RoundRobin) SetServicePort(sp *serviceport.ServicePort, eps []servicep
 	lb.noteTopologyLocked(p, s)
 
 	p.mu.Lock()
-	for id, table := range p.affinity {
-		switch {
-		case !s.affinity:
-			p.affinity[id] = nil
-		case len(order) < len(p.order)+added: // some endpoint left
-			for client, e := range table {
-				if _, ok := present[e.ep]; !ok {
-					delete(table, client)
-				}
-			}
-		}
+	switch {
+	case p.affinity == nil:
+	case !s.affinity:
+		p.affinity = nil
+	case len(order) < len(p.order)+added: // some endpoint left
+		p.affinity.removeFunc(func(e *affinityEntry) bool {
+			_, ok := present[e.ep]
+			return !ok
+		})
+		p.affinity = p.affinity.compact()
+	}
+	if isNew {
+		lb.restoreAffinityLocked(p, s, present)
 	}
 	p.snap.Store(s)
 	p.mu.Unlock()
@@ -292,7 +318,7 @@ func (lb *RoundRobin) SetZone(zone string) {
 	}
 	lb.mu.RUnlock()
 	for _, p := range ports {
-		if !slices.ContainsFunc(p.order, func(e serviceport.Endpoint) bool { return !e.ZoneHints.Empty() }) {
+		if !slices.ContainsFunc(p.order, func(e proxy.Endpoint) bool { return !e.ZoneHints.Empty() }) {
 			continue // the zone cannot change what this port uses
 		}
 		old := p.snap.Load()
@@ -314,7 +340,7 @@ func (lb *RoundRobin) SetZone(zone string) {
 // endpoints stay quiet. lb.writeMu must be held.
 func (lb *RoundRobin) noteTopologyLocked(p *port, s *snapshot) {
 	c := s.pools[poolCluster].topology
-	asked := p.sp.Topology != serviceport.TopologyNone
+	asked := p.sp.Topology != proxy.TopologyNone
 	var note string
 	switch {
 	case s.class[classInternal].id != poolCluster && s.class[classExternal].id != poolCluster:
@@ -342,14 +368,54 @@ func (lb *RoundRobin) noteTopologyLocked(p *port, s *snapshot) {
 		Str("topologyRequest", string(p.sp.Topology)).Msg("topology: " + note)
 }
 
+// Availability says which traffic of one service port has a usable endpoint (see Usable), as of
+// the port's last SetServicePort or SetZone. The zero value (an unknown port) has none.
+type Availability struct {
+	// Any is true when some endpoint is usable by traffic not subject to a Local policy.
+	Any bool
+	// Internal and External are true when ClusterIP traffic, and NodePort, externalIP and
+	// load-balancer IP traffic, have a usable endpoint under the port's traffic policies.
+	Internal, External bool
+	// LocalEndpoints counts the endpoints on this node that traffic under a Local policy may use
+	// (the ready local ones, or when there are none the serving and terminating local ones).
+	LocalEndpoints int
+}
+
+// Availability returns the availability of the service port name.
+func (lb *RoundRobin) Availability(name proxy.Name) Availability {
+	lb.mu.RLock()
+	p := lb.ports[name]
+	lb.mu.RUnlock()
+	if p == nil {
+		return Availability{}
+	}
+	s := p.snap.Load()
+	return Availability{
+		Any:            len(s.pools[poolCluster].eps) > 0,
+		Internal:       len(s.class[classInternal].eps) > 0,
+		External:       len(s.class[classExternal].eps) > 0,
+		LocalEndpoints: len(s.pools[poolLocal].eps),
+	}
+}
+
 // DeleteServicePort forgets a service port, its endpoints and its affinity entries. Next then
 // fails with ErrUnknownServicePort. Deleting an unknown port does nothing.
-func (lb *RoundRobin) DeleteServicePort(name serviceport.Name) {
+func (lb *RoundRobin) DeleteServicePort(name proxy.Name) {
 	lb.writeMu.Lock()
 	defer lb.writeMu.Unlock()
 	lb.mu.Lock()
+	p := lb.ports[name]
 	delete(lb.ports, name)
 	lb.mu.Unlock()
+	if p == nil {
+		return
+	}
+	// A Next that found p before the delete may still be running: from here on it records no
+	// affinity, so it evicts nothing and reports no eviction.
+	p.mu.Lock()
+	p.deleted = true
+	p.affinity = nil
+	p.mu.Unlock()
 }
 
 // Next picks the endpoint for a new connection or flow of the service port name from client.
@@ -364,12 +430,12 @@ func (lb *RoundRobin) DeleteServicePort(name serviceport.Name) {
 //
 // Errors wrap ErrUnknownServicePort, ErrNoEndpoints or ErrNoLocalEndpoints. An invalid client
 // address gets no affinity.
-func (lb *RoundRobin) Next(name serviceport.Name, client netip.Addr, external, resetAffinity bool) (serviceport.Endpoint, error) {
+func (lb *RoundRobin) Next(name proxy.Name, client netip.Addr, external, resetAffinity bool) (proxy.Endpoint, error) {
 	lb.mu.RLock()
 	p := lb.ports[name]
 	lb.mu.RUnlock()
 	if p == nil {
-		return serviceport.Endpoint{}, fmt.Errorf("pick endpoint for %s: %w", name, ErrUnknownServicePort)
+		return proxy.Endpoint{}, fmt.Errorf("pick endpoint for %s: %w", name, ErrUnknownServicePort)
 	}
 	class := classInternal
 	if external {
@@ -378,7 +444,7 @@ func (lb *RoundRobin) Next(name serviceport.Name, client netip.Addr, external, r
 	s := p.snap.Load()
 	pl := s.class[class].forClient(client)
 	if len(pl.eps) == 0 {
-		return serviceport.Endpoint{}, pl.err
+		return proxy.Endpoint{}, pl.err
 	}
 	if !s.affinity || !client.IsValid() {
 		return pl.pick(), nil
@@ -386,29 +452,36 @@ func (lb *RoundRobin) Next(name serviceport.Name, client netip.Addr, external, r
 	return lb.nextAffine(p, class, client.Unmap(), resetAffinity)
 }
 
-// nextAffine is Next for a port with session affinity.
-func (lb *RoundRobin) nextAffine(p *port, class int, client netip.Addr, reset bool) (serviceport.Endpoint, error) {
+// nextAffine is Next for a port with session affinity. A hit allocates nothing.
+func (lb *RoundRobin) nextAffine(p *port, class int, client netip.Addr, reset bool) (proxy.Endpoint, error) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	// Reload: SetServicePort may have replaced the snapshot since Next read it.
 	s := p.snap.Load()
 	pl := s.class[class].forClient(client)
 	if len(pl.eps) == 0 {
-		return serviceport.Endpoint{}, pl.err
+		return proxy.Endpoint{}, pl.err
 	}
-	if !s.affinity {
+	if !s.affinity || p.deleted {
 		return pl.pick(), nil
 	}
-	now := lb.now()
-	table := p.affinity[pl.id]
-	var failed netip.AddrPort
-	if e, ok := table[client]; ok {
+	now := lb.now().Sub(lb.epoch)
+	t := p.affinity
+	var (
+		at     int32
+		found  bool
+		failed netip.AddrPort
+	)
+	if t != nil {
+		at, found = t.get(pl.id, client)
+	}
+	if found {
+		e := &t.entries[at]
 		if reset {
 			failed = e.ep
-		} else if now.Sub(e.lastUsed) < s.timeout {
+		} else if now-e.used < s.timeout {
 			if i, usable := pl.index[e.ep]; usable {
-				e.lastUsed = now
-				table[client] = e
+				t.use(at, e.ep, now)
 				return pl.eps[i], nil
 			}
 		}
@@ -417,18 +490,27 @@ func (lb *RoundRobin) nextAffine(p *port, class int, client netip.Addr, reset bo
 	if ep.Addr == failed && len(pl.eps) > 1 {
 		ep = pl.pick()
 	}
-	if table == nil {
-		table = map[netip.Addr]affinityEntry{}
-		p.affinity[pl.id] = table
+	switch {
+	case found:
+		t.use(at, ep.Addr, now)
+	case t == nil:
+		p.affinity = newAffinityTable(lb.maxAffinity)
+		p.affinity.add(pl.id, client, ep.Addr, now)
+	default:
+		if t.add(pl.id, client, ep.Addr, now) && lb.onEvicted != nil {
+			lb.onEvicted(s.sp.Name, s.sp.Protocol)
+		}
 	}
-	table[client] = affinityEntry{ep: ep.Addr, lastUsed: now}
 	return ep, nil
 }
 
-// Sweep drops the affinity entries that have not been used for their port's affinity timeout.
-// Expired entries are never used even before they are swept; sweeping only frees their memory.
+// Sweep drops the affinity entries that have not been used for their port's affinity timeout,
+// and moves a port's table to smaller storage when it has shrunk to a quarter of its size or
+// less. Expired entries are never used even before they are swept; sweeping only frees their
+// memory. Finding them takes O(expired entries) per port, as they are the least recently used
+// ones (if Options.Now goes backwards, some may be left to be evicted or swept later).
 func (lb *RoundRobin) Sweep() {
-	now := lb.now()
+	now := lb.now().Sub(lb.epoch)
 	lb.mu.RLock()
 	ports := make([]*port, 0, len(lb.ports))
 	for _, p := range lb.ports {
@@ -442,20 +524,15 @@ func (lb *RoundRobin) Sweep() {
 	}
 }
 
-func (p *port) sweep(now time.Time) {
+// sweep is Sweep for p; now is the time since RoundRobin.epoch.
+func (p *port) sweep(now time.Duration) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	timeout := p.snap.Load().timeout
-	for id, table := range p.affinity {
-		for client, e := range table {
-			if now.Sub(e.lastUsed) >= timeout {
-				delete(table, client)
-			}
-		}
-		if len(table) == 0 {
-			p.affinity[id] = nil // let the map's memory go
-		}
+	if p.affinity == nil {
+		return
 	}
+	p.affinity.expire(now - p.snap.Load().timeout)
+	p.affinity = p.affinity.compact()
 }
 
 func poolFor(local bool) int {
@@ -468,7 +545,7 @@ func poolFor(local bool) int {
 // buildPools computes the usable lists of both selection rules from order, carrying each rule's
 // rotation position over from old (nil for a new port). The cluster-wide rule follows the
 // topology hints of order for node; the local rule never does.
-func (p *port) buildPools(order []serviceport.Endpoint, node Node, old *snapshot) [numPools]*pool {
+func (p *port) buildPools(order []proxy.Endpoint, node Node, old *snapshot) [numPools]*pool {
 	var pools [numPools]*pool
 	choice := topologyFor(order, node)
 	for id := range numPools {
@@ -526,14 +603,14 @@ func carryPosition(old, pl *pool) uint64 {
 // uniformly random positions, so the first order is a uniform shuffle. present holds the
 // addresses in eps, nAdded how many of them are new; changed reports whether order differs from
 // prev (addresses, order or conditions).
-func (lb *RoundRobin) mergeOrder(prev, eps []serviceport.Endpoint) (order []serviceport.Endpoint, present map[netip.AddrPort]int, nAdded int, changed bool) {
+func (lb *RoundRobin) mergeOrder(prev, eps []proxy.Endpoint) (order []proxy.Endpoint, present map[netip.AddrPort]int, nAdded int, changed bool) {
 	present = make(map[netip.AddrPort]int, len(eps))
 	for i, e := range eps {
 		if _, dup := present[e.Addr]; !dup {
 			present[e.Addr] = i
 		}
 	}
-	kept := make([]serviceport.Endpoint, 0, len(present))
+	kept := make([]proxy.Endpoint, 0, len(present))
 	taken := make([]bool, len(eps))
 	for _, e := range prev {
 		if i, ok := present[e.Addr]; ok {
@@ -541,7 +618,7 @@ func (lb *RoundRobin) mergeOrder(prev, eps []serviceport.Endpoint) (order []serv
 			taken[i] = true
 		}
 	}
-	var added []serviceport.Endpoint
+	var added []proxy.Endpoint
 	for i, e := range eps {
 		if !taken[i] && present[e.Addr] == i {
 			added = append(added, e)
@@ -552,7 +629,7 @@ func (lb *RoundRobin) mergeOrder(prev, eps []serviceport.Endpoint) (order []serv
 	}
 	lb.rand.Shuffle(len(added), func(i, j int) { added[i], added[j] = added[j], added[i] })
 	// A uniformly random interleaving: take from kept with probability (kept left)/(total left).
-	order = make([]serviceport.Endpoint, 0, len(kept)+len(added))
+	order = make([]proxy.Endpoint, 0, len(kept)+len(added))
 	k, a := 0, 0
 	for k < len(kept) || a < len(added) {
 		if lb.rand.IntN(len(kept)-k+len(added)-a) < len(kept)-k {

@@ -10,29 +10,29 @@ import (
 	"testing"
 	"time"
 
-	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/serviceport"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy"
 )
 
 func TestRoundRobin(t *testing.T) {
 	svc := name("web", "http")
 	tests := []struct {
 		name    string
-		eps     []serviceport.Endpoint
+		eps     []proxy.Endpoint
 		wantErr error
 	}{
 		{name: "no endpoints", wantErr: ErrNoEndpoints},
-		{name: "only unusable endpoints", eps: []serviceport.Endpoint{
+		{name: "only unusable endpoints", eps: []proxy.Endpoint{
 			notReady("10.0.0.1", "n1"), stopping("10.0.0.2", "n1"),
 		}, wantErr: ErrNoEndpoints},
-		{name: "one endpoint", eps: []serviceport.Endpoint{ready("10.0.0.1", "n1")}},
-		{name: "many endpoints", eps: []serviceport.Endpoint{
+		{name: "one endpoint", eps: []proxy.Endpoint{ready("10.0.0.1", "n1")}},
+		{name: "many endpoints", eps: []proxy.Endpoint{
 			ready("10.0.0.1", "n1"), ready("10.0.0.2", "n2"), ready("10.0.0.3", "n3"),
 			ready("10.0.0.4", "n1"), ready("10.0.0.5", "n2"),
 		}},
-		{name: "IPv6 endpoints only", eps: []serviceport.Endpoint{
+		{name: "IPv6 endpoints only", eps: []proxy.Endpoint{
 			ready("[fd00::1]:8080", "n1"), ready("[fd00::2]:8080", "n2"),
 		}},
-		{name: "duplicate addresses count once", eps: []serviceport.Endpoint{
+		{name: "duplicate addresses count once", eps: []proxy.Endpoint{
 			ready("10.0.0.1", "n1"), ready("10.0.0.2", "n2"), ready("10.0.0.1", "n1"),
 		}},
 	}
@@ -61,7 +61,7 @@ func TestRoundRobin(t *testing.T) {
 // TestShuffle checks that the rotation starts from a random order that depends only on the seed.
 func TestShuffle(t *testing.T) {
 	svc := name("web", "http")
-	var eps []serviceport.Endpoint
+	var eps []proxy.Endpoint
 	for i := range 8 {
 		eps = append(eps, ready(netip.AddrFrom4([4]byte{10, 0, 0, byte(i + 1)}).String(), "n1"))
 	}
@@ -135,47 +135,47 @@ func TestEndpointUpdates(t *testing.T) {
 	a, b, c, d, e := "10.0.0.1", "10.0.0.2", "10.0.0.3", "10.0.0.4", "10.0.0.5"
 	tests := []struct {
 		name   string
-		before []serviceport.Endpoint
+		before []proxy.Endpoint
 		picks  int // picks made before the update
-		after  []serviceport.Endpoint
-		spOpts []func(*serviceport.ServicePort) // options of the ServicePort set with after
+		after  []proxy.Endpoint
+		spOpts []func(*proxy.ServicePort) // options of the ServicePort set with after
 	}{
 		{
 			name:   "endpoints added mid-rotation",
-			before: []serviceport.Endpoint{ready(a, ""), ready(b, ""), ready(c, "")},
+			before: []proxy.Endpoint{ready(a, ""), ready(b, ""), ready(c, "")},
 			picks:  1,
-			after:  []serviceport.Endpoint{ready(a, ""), ready(b, ""), ready(c, ""), ready(d, ""), ready(e, "")},
+			after:  []proxy.Endpoint{ready(a, ""), ready(b, ""), ready(c, ""), ready(d, ""), ready(e, "")},
 		},
 		{
 			name:   "next endpoint removed mid-rotation",
-			before: []serviceport.Endpoint{ready(a, ""), ready(b, ""), ready(c, ""), ready(d, "")},
+			before: []proxy.Endpoint{ready(a, ""), ready(b, ""), ready(c, ""), ready(d, "")},
 			picks:  5,
 			after:  nil, // filled in from the observed rotation: everything but the next pick
 		},
 		{
 			name:   "all endpoints replaced",
-			before: []serviceport.Endpoint{ready(a, ""), ready(b, "")},
+			before: []proxy.Endpoint{ready(a, ""), ready(b, "")},
 			picks:  1,
-			after:  []serviceport.Endpoint{ready(c, ""), ready(d, ""), ready(e, "")},
+			after:  []proxy.Endpoint{ready(c, ""), ready(d, ""), ready(e, "")},
 		},
 		{
 			name:   "endpoint becomes terminating",
-			before: []serviceport.Endpoint{ready(a, ""), ready(b, ""), ready(c, "")},
+			before: []proxy.Endpoint{ready(a, ""), ready(b, ""), ready(c, "")},
 			picks:  2,
-			after:  []serviceport.Endpoint{ready(a, ""), terminating(b, ""), ready(c, "")},
+			after:  []proxy.Endpoint{ready(a, ""), terminating(b, ""), ready(c, "")},
 		},
 		{
 			name:   "only the service changes",
-			before: []serviceport.Endpoint{ready(a, ""), ready(b, ""), ready(c, "")},
+			before: []proxy.Endpoint{ready(a, ""), ready(b, ""), ready(c, "")},
 			picks:  1,
-			after:  []serviceport.Endpoint{ready(c, ""), ready(b, ""), ready(a, "")},
-			spOpts: []func(*serviceport.ServicePort){externalLocal, func(sp *serviceport.ServicePort) { sp.Port = 8080 }},
+			after:  []proxy.Endpoint{ready(c, ""), ready(b, ""), ready(a, "")},
+			spOpts: []func(*proxy.ServicePort){externalLocal, func(sp *proxy.ServicePort) { sp.Port = 8080 }},
 		},
 		{
 			name:   "all endpoints removed",
-			before: []serviceport.Endpoint{ready(a, ""), ready(b, "")},
+			before: []proxy.Endpoint{ready(a, ""), ready(b, "")},
 			picks:  1,
-			after:  []serviceport.Endpoint{},
+			after:  []proxy.Endpoint{},
 		},
 	}
 	for _, tt := range tests {
@@ -281,7 +281,7 @@ func TestServicePortRemoval(t *testing.T) {
 
 func TestSessionAffinity(t *testing.T) {
 	svc := name("web", "http")
-	three := []serviceport.Endpoint{ready("10.0.0.1", ""), ready("10.0.0.2", ""), ready("10.0.0.3", "")}
+	three := []proxy.Endpoint{ready("10.0.0.1", ""), ready("10.0.0.2", ""), ready("10.0.0.3", "")}
 	const c1, c2, c3 = "192.168.1.1", "192.168.1.2", "192.168.1.3"
 
 	tests := []struct {
@@ -326,11 +326,11 @@ func TestSessionAffinity(t *testing.T) {
 		{"default timeout when unset", func(t *testing.T, h *harness) {
 			h.set(svcPort(svc, withAffinity(0)), three...)
 			first := h.next(svc, c1, false, false)
-			h.clock.Advance(serviceport.DefaultAffinityTimeout - time.Second)
+			h.clock.Advance(proxy.DefaultAffinityTimeout - time.Second)
 			if got := h.next(svc, c1, false, false); got != first {
 				t.Fatalf("before default timeout: %v, want %v", got, first)
 			}
-			h.clock.Advance(serviceport.DefaultAffinityTimeout)
+			h.clock.Advance(proxy.DefaultAffinityTimeout)
 			if got := h.next(svc, c1, false, false); got == first {
 				t.Errorf("after default timeout: still %v", got)
 			}
@@ -379,7 +379,7 @@ func TestSessionAffinity(t *testing.T) {
 		{"endpoint removal drops its entries", func(t *testing.T, h *harness) {
 			h.set(svcPort(svc, withAffinity(time.Hour)), three...)
 			e1, e2 := h.next(svc, c1, false, false), h.next(svc, c2, false, false)
-			var rest []serviceport.Endpoint
+			var rest []proxy.Endpoint
 			for _, e := range three {
 				if e != e1 {
 					rest = append(rest, e)
@@ -489,7 +489,7 @@ func TestSessionAffinity(t *testing.T) {
 			h.set(svcPort(svc, withAffinity(time.Hour), externalLocal), local, ready("10.0.0.2", "n2"), ready("10.0.0.3", "n3"))
 			// A client whose cluster-wide choice is not the local endpoint.
 			var client string
-			var internal serviceport.Endpoint
+			var internal proxy.Endpoint
 			for _, c := range []string{c1, c2, c3} {
 				if internal = h.next(svc, c, false, false); internal != local {
 					client = c
@@ -539,121 +539,121 @@ func TestTrafficPolicies(t *testing.T) {
 	tests := []struct {
 		name     string
 		nodeName string // RoundRobin's node; thisNode unless set to "-" (empty)
-		spOpts   []func(*serviceport.ServicePort)
-		eps      []serviceport.Endpoint
+		spOpts   []func(*proxy.ServicePort)
+		eps      []proxy.Endpoint
 		external bool
 		want     []string // usable addresses, in eps order
 		wantErr  error
 	}{
 		{
 			name: "ready only when some are ready",
-			eps:  []serviceport.Endpoint{ready(l1, thisNode), terminating(l2, thisNode), ready(r1, "n2"), notReady(r2, "n2")},
+			eps:  []proxy.Endpoint{ready(l1, thisNode), terminating(l2, thisNode), ready(r1, "n2"), notReady(r2, "n2")},
 			want: []string{l1, r1},
 		},
 		{
 			name: "serving terminating when none is ready",
-			eps:  []serviceport.Endpoint{terminating(l1, thisNode), stopping(l2, thisNode), terminating(r1, "n2"), notReady(r2, "n2")},
+			eps:  []proxy.Endpoint{terminating(l1, thisNode), stopping(l2, thisNode), terminating(r1, "n2"), notReady(r2, "n2")},
 			want: []string{l1, r1},
 		},
 		{
 			name: "serving but not terminating is no fallback",
-			eps:  []serviceport.Endpoint{{Addr: ap(l1), Serving: true, NodeName: thisNode}, terminating(r1, "n2")},
+			eps:  []proxy.Endpoint{{Addr: ap(l1), Serving: true, NodeName: thisNode}, terminating(r1, "n2")},
 			want: []string{r1},
 		},
 		{
 			name:    "nothing serving",
-			eps:     []serviceport.Endpoint{stopping(l1, thisNode), notReady(r1, "n2")},
+			eps:     []proxy.Endpoint{stopping(l1, thisNode), notReady(r1, "n2")},
 			wantErr: ErrNoEndpoints,
 		},
 		{
 			name:     "external Local: local endpoints only",
-			spOpts:   []func(*serviceport.ServicePort){externalLocal},
-			eps:      []serviceport.Endpoint{ready(l1, thisNode), ready(l2, thisNode), ready(r1, "n2")},
+			spOpts:   []func(*proxy.ServicePort){externalLocal},
+			eps:      []proxy.Endpoint{ready(l1, thisNode), ready(l2, thisNode), ready(r1, "n2")},
 			external: true,
 			want:     []string{l1, l2},
 		},
 		{
 			name:     "external Local: local terminating before remote ready",
-			spOpts:   []func(*serviceport.ServicePort){externalLocal},
-			eps:      []serviceport.Endpoint{terminating(l1, thisNode), stopping(l2, thisNode), ready(r1, "n2")},
+			spOpts:   []func(*proxy.ServicePort){externalLocal},
+			eps:      []proxy.Endpoint{terminating(l1, thisNode), stopping(l2, thisNode), ready(r1, "n2")},
 			external: true,
 			want:     []string{l1},
 		},
 		{
 			name:     "external Local: no local endpoint",
-			spOpts:   []func(*serviceport.ServicePort){externalLocal},
-			eps:      []serviceport.Endpoint{ready(r1, "n2"), ready(r2, "n3")},
+			spOpts:   []func(*proxy.ServicePort){externalLocal},
+			eps:      []proxy.Endpoint{ready(r1, "n2"), ready(r2, "n3")},
 			external: true,
 			wantErr:  ErrNoLocalEndpoints,
 		},
 		{
 			name:     "external Local: local endpoint not serving",
-			spOpts:   []func(*serviceport.ServicePort){externalLocal},
-			eps:      []serviceport.Endpoint{notReady(l1, thisNode), ready(r1, "n2")},
+			spOpts:   []func(*proxy.ServicePort){externalLocal},
+			eps:      []proxy.Endpoint{notReady(l1, thisNode), ready(r1, "n2")},
 			external: true,
 			wantErr:  ErrNoLocalEndpoints,
 		},
 		{
 			name:     "external Local: no endpoints",
-			spOpts:   []func(*serviceport.ServicePort){externalLocal},
+			spOpts:   []func(*proxy.ServicePort){externalLocal},
 			external: true,
 			wantErr:  ErrNoEndpoints,
 		},
 		{
 			name:     "external Local: no usable endpoints anywhere",
-			spOpts:   []func(*serviceport.ServicePort){externalLocal},
-			eps:      []serviceport.Endpoint{notReady(l1, thisNode), stopping(r1, "n2")},
+			spOpts:   []func(*proxy.ServicePort){externalLocal},
+			eps:      []proxy.Endpoint{notReady(l1, thisNode), stopping(r1, "n2")},
 			external: true,
 			wantErr:  ErrNoEndpoints,
 		},
 		{
 			name:   "external Local: ClusterIP traffic not restricted",
-			spOpts: []func(*serviceport.ServicePort){externalLocal},
-			eps:    []serviceport.Endpoint{ready(l1, thisNode), ready(r1, "n2"), ready(r2, "n3")},
+			spOpts: []func(*proxy.ServicePort){externalLocal},
+			eps:    []proxy.Endpoint{ready(l1, thisNode), ready(r1, "n2"), ready(r2, "n3")},
 			want:   []string{l1, r1, r2},
 		},
 		{
 			name:   "internal Local: local endpoints only",
-			spOpts: []func(*serviceport.ServicePort){internalLocal},
-			eps:    []serviceport.Endpoint{ready(l1, thisNode), ready(r1, "n2"), terminating(l2, thisNode)},
+			spOpts: []func(*proxy.ServicePort){internalLocal},
+			eps:    []proxy.Endpoint{ready(l1, thisNode), ready(r1, "n2"), terminating(l2, thisNode)},
 			want:   []string{l1},
 		},
 		{
 			name:   "internal Local: local terminating fallback",
-			spOpts: []func(*serviceport.ServicePort){internalLocal},
-			eps:    []serviceport.Endpoint{terminating(l1, thisNode), terminating(l2, thisNode), ready(r1, "n2")},
+			spOpts: []func(*proxy.ServicePort){internalLocal},
+			eps:    []proxy.Endpoint{terminating(l1, thisNode), terminating(l2, thisNode), ready(r1, "n2")},
 			want:   []string{l1, l2},
 		},
 		{
 			name:    "internal Local: no local endpoint",
-			spOpts:  []func(*serviceport.ServicePort){internalLocal},
-			eps:     []serviceport.Endpoint{ready(r1, "n2")},
+			spOpts:  []func(*proxy.ServicePort){internalLocal},
+			eps:     []proxy.Endpoint{ready(r1, "n2")},
 			wantErr: ErrNoLocalEndpoints,
 		},
 		{
 			name:    "internal Local: no endpoints",
-			spOpts:  []func(*serviceport.ServicePort){internalLocal},
+			spOpts:  []func(*proxy.ServicePort){internalLocal},
 			wantErr: ErrNoEndpoints,
 		},
 		{
 			name:     "internal Local: external traffic not restricted",
-			spOpts:   []func(*serviceport.ServicePort){internalLocal},
-			eps:      []serviceport.Endpoint{ready(l1, thisNode), ready(r1, "n2")},
+			spOpts:   []func(*proxy.ServicePort){internalLocal},
+			eps:      []proxy.Endpoint{ready(l1, thisNode), ready(r1, "n2")},
 			external: true,
 			want:     []string{l1, r1},
 		},
 		{
 			name:     "both Local",
-			spOpts:   []func(*serviceport.ServicePort){internalLocal, externalLocal},
-			eps:      []serviceport.Endpoint{ready(r1, "n2"), ready(l2, thisNode)},
+			spOpts:   []func(*proxy.ServicePort){internalLocal, externalLocal},
+			eps:      []proxy.Endpoint{ready(r1, "n2"), ready(l2, thisNode)},
 			external: true,
 			want:     []string{l2},
 		},
 		{
 			name:     "unknown node name: nothing is local",
 			nodeName: "-",
-			spOpts:   []func(*serviceport.ServicePort){externalLocal},
-			eps:      []serviceport.Endpoint{ready(l1, ""), ready(r1, "n2")},
+			spOpts:   []func(*proxy.ServicePort){externalLocal},
+			eps:      []proxy.Endpoint{ready(l1, ""), ready(r1, "n2")},
 			external: true,
 			wantErr:  ErrNoLocalEndpoints,
 		},
@@ -706,7 +706,7 @@ func TestConcurrentUse(t *testing.T) {
 	clock := newFakeClock()
 	lb := New(Options{NodeName: thisNode, Now: clock.Now, Rand: rand.New(rand.NewPCG(7, 7))})
 	all := map[netip.AddrPort]bool{}
-	versions := make([][]serviceport.Endpoint, 6)
+	versions := make([][]proxy.Endpoint, 6)
 	for v := range versions {
 		for i := range v + 1 {
 			e := ready(netip.AddrFrom4([4]byte{10, 0, byte(v), byte(i)}).String(), []string{thisNode, "n2"}[i%2])
@@ -744,7 +744,7 @@ func TestConcurrentUse(t *testing.T) {
 		})
 	}
 	for i := range 300 {
-		opts := []func(*serviceport.ServicePort){withAffinity(time.Duration(1+i%3) * time.Second)}
+		opts := []func(*proxy.ServicePort){withAffinity(time.Duration(1+i%3) * time.Second)}
 		if i%4 == 0 {
 			opts = append(opts, externalLocal)
 		}
@@ -770,10 +770,10 @@ func TestConcurrentUse(t *testing.T) {
 // and falls back to the other family only when its own has no usable endpoint.
 func TestAddressFamilies(t *testing.T) {
 	svc := name("dual", "http")
-	v4 := []serviceport.Endpoint{ready("10.0.0.1", "n1"), ready("10.0.0.2", "n2")}
-	v6 := []serviceport.Endpoint{ready("[fd00::1]:8080", "n1"), ready("[fd00::2]:8080", "n2"), ready("[fd00::3]:8080", "n3")}
+	v4 := []proxy.Endpoint{ready("10.0.0.1", "n1"), ready("10.0.0.2", "n2")}
+	v6 := []proxy.Endpoint{ready("[fd00::1]:8080", "n1"), ready("[fd00::2]:8080", "n2"), ready("[fd00::3]:8080", "n3")}
 	all := append(slices.Clone(v4), v6...)
-	clients := map[string][]serviceport.Endpoint{
+	clients := map[string][]proxy.Endpoint{
 		"192.168.1.1":        v4,
 		"::ffff:192.168.1.2": v4, // an IPv4 client of a dual-stack listener
 		"fd01::1":            v6,
@@ -807,7 +807,7 @@ func TestAddressFamilies(t *testing.T) {
 				}
 			}
 			// The IPv4 endpoints stop being ready: IPv4 clients are bridged to IPv6 ones.
-			h.set(sp, append([]serviceport.Endpoint{notReady("10.0.0.1", "n1"), notReady("10.0.0.2", "n2")}, v6...)...)
+			h.set(sp, append([]proxy.Endpoint{notReady("10.0.0.1", "n1"), notReady("10.0.0.2", "n2")}, v6...)...)
 			if got := h.next(svc, "192.168.1.1", false, false).Addr; !slices.Contains(addrs(v6), got) {
 				t.Errorf("IPv4 client with no IPv4 endpoint left: got %v, want one of %v", got, addrs(v6))
 			}

@@ -3,7 +3,7 @@ package loadbalancer
 import (
 	"strings"
 
-	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/serviceport"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy"
 )
 
 // Node is what endpoint selection needs to know about the node the proxy runs on.
@@ -54,7 +54,7 @@ type topologyChoice struct {
 //
 // With no ready endpoint, no hints are used: the serving-and-terminating fallback ignores
 // topology. The service's own request (ServicePort.Topology) plays no part, as in kube-proxy.
-func topologyFor(eps []serviceport.Endpoint, node Node) topologyChoice {
+func topologyFor(eps []proxy.Endpoint, node Node) topologyChoice {
 	anyReady := false
 	allNode, forNode, anyNode := true, false, false
 	allZone, forZone, anyZone := true, false, false
@@ -106,7 +106,7 @@ func topologyFor(eps []serviceport.Endpoint, node Node) topologyChoice {
 }
 
 // availableForTopology reports whether e may take the cluster-wide traffic of node under mode.
-func availableForTopology(e *serviceport.Endpoint, mode topologyMode, node Node) bool {
+func availableForTopology(e *proxy.Endpoint, mode topologyMode, node Node) bool {
 	switch mode {
 	case topologySameZone:
 		return e.ZoneHints.Has(node.Zone)

@@ -12,25 +12,25 @@ import (
 
 	"github.com/rs/zerolog"
 
-	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/serviceport"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy"
 )
 
 const thisZone = "zone-a"
 
 // zones returns e hinted for the zones.
-func zones(e serviceport.Endpoint, z ...string) serviceport.Endpoint {
-	e.ZoneHints = serviceport.NewHints(z...)
+func zones(e proxy.Endpoint, z ...string) proxy.Endpoint {
+	e.ZoneHints = proxy.NewHints(z...)
 	return e
 }
 
 // nodes returns e hinted for the nodes.
-func nodes(e serviceport.Endpoint, n ...string) serviceport.Endpoint {
-	e.NodeHints = serviceport.NewHints(n...)
+func nodes(e proxy.Endpoint, n ...string) proxy.Endpoint {
+	e.NodeHints = proxy.NewHints(n...)
 	return e
 }
 
-func topologyRequest(t serviceport.Topology) func(*serviceport.ServicePort) {
-	return func(sp *serviceport.ServicePort) { sp.Topology = t }
+func topologyRequest(t proxy.Topology) func(*proxy.ServicePort) {
+	return func(sp *proxy.ServicePort) { sp.Topology = t }
 }
 
 // TestTopology checks which endpoints topology hints leave to each traffic class, through Usable
@@ -45,62 +45,62 @@ func TestTopology(t *testing.T) {
 		name     string
 		zone     string // this node's zone; thisZone unless set to "-" (unknown)
 		nodeName string // this node's name; thisNode unless set to "-" (unknown)
-		spOpts   []func(*serviceport.ServicePort)
-		eps      []serviceport.Endpoint
+		spOpts   []func(*proxy.ServicePort)
+		eps      []proxy.Endpoint
 		external bool
 		want     []string // usable addresses, in eps order
 		wantErr  error
 	}{
 		{
 			name: "zone hints: only this zone's endpoints",
-			eps:  []serviceport.Endpoint{zones(ready(a1, "n2"), "zone-a"), zones(ready(b1, "n3"), "zone-b"), zones(ready(a2, "n4"), "zone-a")},
+			eps:  []proxy.Endpoint{zones(ready(a1, "n2"), "zone-a"), zones(ready(b1, "n3"), "zone-b"), zones(ready(a2, "n4"), "zone-a")},
 			want: []string{a1, a2},
 		},
 		{
 			name:   "service asks (Auto): same as when it does not",
-			spOpts: []func(*serviceport.ServicePort){topologyRequest(serviceport.TopologyAuto)},
-			eps:    []serviceport.Endpoint{zones(ready(a1, "n2"), "zone-a"), zones(ready(b1, "n3"), "zone-b")},
+			spOpts: []func(*proxy.ServicePort){topologyRequest(proxy.TopologyAuto)},
+			eps:    []proxy.Endpoint{zones(ready(a1, "n2"), "zone-a"), zones(ready(b1, "n3"), "zone-b")},
 			want:   []string{a1},
 		},
 		{
 			name: "endpoint hinted for several zones",
-			eps:  []serviceport.Endpoint{zones(ready(a1, "n2"), "zone-b", "zone-a"), zones(ready(b1, "n3"), "zone-b")},
+			eps:  []proxy.Endpoint{zones(ready(a1, "n2"), "zone-b", "zone-a"), zones(ready(b1, "n3"), "zone-b")},
 			want: []string{a1},
 		},
 		{
 			name: "zone unknown: hints ignored",
 			zone: "-",
-			eps:  []serviceport.Endpoint{zones(ready(a1, "n2"), "zone-a"), zones(ready(b1, "n3"), "zone-b")},
+			eps:  []proxy.Endpoint{zones(ready(a1, "n2"), "zone-a"), zones(ready(b1, "n3"), "zone-b")},
 			want: []string{a1, b1},
 		},
 		{
 			name: "a ready endpoint without hints: hints ignored",
-			eps:  []serviceport.Endpoint{zones(ready(a1, "n2"), "zone-a"), ready(b1, "n3"), zones(ready(b2, "n3"), "zone-b")},
+			eps:  []proxy.Endpoint{zones(ready(a1, "n2"), "zone-a"), ready(b1, "n3"), zones(ready(b2, "n3"), "zone-b")},
 			want: []string{a1, b1, b2},
 		},
 		{
 			name: "no endpoint for this zone: hints ignored",
-			eps:  []serviceport.Endpoint{zones(ready(b1, "n3"), "zone-b"), zones(ready(b2, "n3"), "zone-b")},
+			eps:  []proxy.Endpoint{zones(ready(b1, "n3"), "zone-b"), zones(ready(b2, "n3"), "zone-b")},
 			want: []string{b1, b2},
 		},
 		{
 			name: "only ready endpoints count: an unhinted not-ready one does not stop hints",
-			eps:  []serviceport.Endpoint{zones(ready(a1, "n2"), "zone-a"), zones(ready(b1, "n3"), "zone-b"), notReady(a2, "n2")},
+			eps:  []proxy.Endpoint{zones(ready(a1, "n2"), "zone-a"), zones(ready(b1, "n3"), "zone-b"), notReady(a2, "n2")},
 			want: []string{a1},
 		},
 		{
 			name: "only ready endpoints count: a terminating one hinted for this zone does not enable hints",
-			eps:  []serviceport.Endpoint{zones(ready(b1, "n3"), "zone-b"), zones(ready(b2, "n3"), "zone-b"), zones(terminating(a1, "n2"), "zone-a")},
+			eps:  []proxy.Endpoint{zones(ready(b1, "n3"), "zone-b"), zones(ready(b2, "n3"), "zone-b"), zones(terminating(a1, "n2"), "zone-a")},
 			want: []string{b1, b2},
 		},
 		{
 			name: "no ready endpoint: the terminating fallback ignores hints",
-			eps:  []serviceport.Endpoint{zones(terminating(a1, "n2"), "zone-a"), zones(terminating(b1, "n3"), "zone-b")},
+			eps:  []proxy.Endpoint{zones(terminating(a1, "n2"), "zone-a"), zones(terminating(b1, "n3"), "zone-b")},
 			want: []string{a1, b1},
 		},
 		{
 			name: "node hints: only endpoints hinted for this node, over zone hints",
-			eps: []serviceport.Endpoint{
+			eps: []proxy.Endpoint{
 				nodes(zones(ready(l1, thisNode), "zone-a"), thisNode),
 				nodes(zones(ready(a1, "n2"), "zone-a"), "n2"),
 				nodes(zones(ready(b1, "n3"), "zone-b"), "n3"),
@@ -109,7 +109,7 @@ func TestTopology(t *testing.T) {
 		},
 		{
 			name: "node hints, none for this node: zone hints",
-			eps: []serviceport.Endpoint{
+			eps: []proxy.Endpoint{
 				nodes(zones(ready(a1, "n2"), "zone-a"), "n2"),
 				nodes(zones(ready(b1, "n3"), "zone-b"), "n3"),
 			},
@@ -117,7 +117,7 @@ func TestTopology(t *testing.T) {
 		},
 		{
 			name: "node hints on some endpoints only: zone hints",
-			eps: []serviceport.Endpoint{
+			eps: []proxy.Endpoint{
 				nodes(zones(ready(l1, thisNode), "zone-a"), thisNode),
 				zones(ready(a1, "n2"), "zone-a"),
 				zones(ready(b1, "n3"), "zone-b"),
@@ -126,13 +126,13 @@ func TestTopology(t *testing.T) {
 		},
 		{
 			name: "node hints, none for this node, no zone hints: every endpoint",
-			eps:  []serviceport.Endpoint{nodes(ready(a1, "n2"), "n2"), nodes(ready(b1, "n3"), "n3")},
+			eps:  []proxy.Endpoint{nodes(ready(a1, "n2"), "n2"), nodes(ready(b1, "n3"), "n3")},
 			want: []string{a1, b1},
 		},
 		{
 			name:     "node hints with the node name unknown: zone hints",
 			nodeName: "-",
-			eps: []serviceport.Endpoint{
+			eps: []proxy.Endpoint{
 				nodes(zones(ready(l1, ""), "zone-a"), thisNode),
 				nodes(zones(ready(b1, "n3"), "zone-b"), "n3"),
 			},
@@ -141,7 +141,7 @@ func TestTopology(t *testing.T) {
 		{
 			name: "node hints with the zone unknown",
 			zone: "-",
-			eps: []serviceport.Endpoint{
+			eps: []proxy.Endpoint{
 				nodes(zones(ready(l1, thisNode), "zone-a"), thisNode),
 				nodes(zones(ready(b1, "n3"), "zone-b"), "n3"),
 			},
@@ -149,40 +149,40 @@ func TestTopology(t *testing.T) {
 		},
 		{
 			name:   "internal Local: ClusterIP traffic ignores hints",
-			spOpts: []func(*serviceport.ServicePort){internalLocal},
-			eps:    []serviceport.Endpoint{zones(ready(l1, thisNode), "zone-b"), zones(ready(a1, "n2"), "zone-a")},
+			spOpts: []func(*proxy.ServicePort){internalLocal},
+			eps:    []proxy.Endpoint{zones(ready(l1, thisNode), "zone-b"), zones(ready(a1, "n2"), "zone-a")},
 			want:   []string{l1},
 		},
 		{
 			name:    "internal Local: no local endpoint is no endpoint, hints or not",
-			spOpts:  []func(*serviceport.ServicePort){internalLocal},
-			eps:     []serviceport.Endpoint{zones(ready(a1, "n2"), "zone-a")},
+			spOpts:  []func(*proxy.ServicePort){internalLocal},
+			eps:     []proxy.Endpoint{zones(ready(a1, "n2"), "zone-a")},
 			wantErr: ErrNoLocalEndpoints,
 		},
 		{
 			name:     "internal Local: external traffic follows hints",
-			spOpts:   []func(*serviceport.ServicePort){internalLocal},
-			eps:      []serviceport.Endpoint{zones(ready(l1, thisNode), "zone-b"), zones(ready(a1, "n2"), "zone-a")},
+			spOpts:   []func(*proxy.ServicePort){internalLocal},
+			eps:      []proxy.Endpoint{zones(ready(l1, thisNode), "zone-b"), zones(ready(a1, "n2"), "zone-a")},
 			external: true,
 			want:     []string{a1},
 		},
 		{
 			name:     "external Local: external traffic ignores hints",
-			spOpts:   []func(*serviceport.ServicePort){externalLocal},
-			eps:      []serviceport.Endpoint{zones(ready(l1, thisNode), "zone-b"), zones(ready(a1, "n2"), "zone-a")},
+			spOpts:   []func(*proxy.ServicePort){externalLocal},
+			eps:      []proxy.Endpoint{zones(ready(l1, thisNode), "zone-b"), zones(ready(a1, "n2"), "zone-a")},
 			external: true,
 			want:     []string{l1},
 		},
 		{
 			name:   "external Local: ClusterIP traffic follows hints",
-			spOpts: []func(*serviceport.ServicePort){externalLocal},
-			eps:    []serviceport.Endpoint{zones(ready(l1, thisNode), "zone-b"), zones(ready(a1, "n2"), "zone-a")},
+			spOpts: []func(*proxy.ServicePort){externalLocal},
+			eps:    []proxy.Endpoint{zones(ready(l1, thisNode), "zone-b"), zones(ready(a1, "n2"), "zone-a")},
 			want:   []string{a1},
 		},
 		{
 			name:     "external Local: local terminating fallback, hints irrelevant",
-			spOpts:   []func(*serviceport.ServicePort){externalLocal},
-			eps:      []serviceport.Endpoint{zones(terminating(l1, thisNode), "zone-b"), zones(ready(a1, "n2"), "zone-a")},
+			spOpts:   []func(*proxy.ServicePort){externalLocal},
+			eps:      []proxy.Endpoint{zones(terminating(l1, thisNode), "zone-b"), zones(ready(a1, "n2"), "zone-a")},
 			external: true,
 			want:     []string{l1},
 		},
@@ -240,7 +240,7 @@ func TestTopology(t *testing.T) {
 func TestSetZone(t *testing.T) {
 	svc, local := name("web", "http"), name("local", "http")
 	a1, b1, b2 := "10.0.0.1", "10.0.1.1", "10.0.1.2"
-	eps := []serviceport.Endpoint{zones(ready(a1, "n2"), "zone-a"), zones(ready(b1, "n3"), "zone-b"), zones(ready(b2, "n4"), "zone-b")}
+	eps := []proxy.Endpoint{zones(ready(a1, "n2"), "zone-a"), zones(ready(b1, "n3"), "zone-b"), zones(ready(b2, "n4"), "zone-b")}
 	h := newHarness(t, thisNode, 9)
 	h.set(svcPort(svc, withAffinity(time.Hour)), eps...)
 	h.set(svcPort(local, internalLocal), zones(ready(a1, thisNode), "zone-b"))
@@ -324,13 +324,13 @@ func TestTopologyLog(t *testing.T) {
 	}
 
 	plain := svcPort(name("plain", "http"))
-	lb.SetServicePort(plain, []serviceport.Endpoint{ready("10.0.9.1", "n2")})
+	lb.SetServicePort(plain, []proxy.Endpoint{ready("10.0.9.1", "n2")})
 	expect("plain service")
 
 	svc := name("web", "http")
-	asks := svcPort(svc, topologyRequest(serviceport.TopologyPreferSameZone))
-	hinted := []serviceport.Endpoint{zones(ready("10.0.0.1", "n2"), "zone-a"), zones(ready("10.0.1.1", "n3"), "zone-b")}
-	lb.SetServicePort(asks, []serviceport.Endpoint{ready("10.0.0.1", "n2")})
+	asks := svcPort(svc, topologyRequest(proxy.TopologyPreferSameZone))
+	hinted := []proxy.Endpoint{zones(ready("10.0.0.1", "n2"), "zone-a"), zones(ready("10.0.1.1", "n3"), "zone-b")}
+	lb.SetServicePort(asks, []proxy.Endpoint{ready("10.0.0.1", "n2")})
 	expect("asks, no hints yet", "no ready endpoint has hints")
 	lb.SetServicePort(asks, hinted)
 	expect("zone unknown", "zone is unknown")
@@ -342,11 +342,11 @@ func TestTopologyLog(t *testing.T) {
 	expect("zone-a", `"topology: using zone hints"`)
 	lb.SetServicePort(asks, append(slices.Clone(hinted), ready("10.0.2.1", "n4")))
 	expect("unhinted endpoint added", "some ready endpoints have none")
-	lb.SetServicePort(svcPort(svc, topologyRequest(serviceport.TopologyPreferSameNode)),
-		[]serviceport.Endpoint{nodes(hinted[0], "n2"), nodes(hinted[1], "n3")})
+	lb.SetServicePort(svcPort(svc, topologyRequest(proxy.TopologyPreferSameNode)),
+		[]proxy.Endpoint{nodes(hinted[0], "n2"), nodes(hinted[1], "n3")})
 	expect("node hints elsewhere", "using zone hints (ignored node hints: no endpoint is hinted for this node)")
 	lb.SetServicePort(svcPort(svc, internalLocal, externalLocal), hinted)
 	expect("both Local", "both traffic policies are Local")
-	lb.SetServicePort(svcPort(svc), []serviceport.Endpoint{ready("10.0.0.1", "n2")})
+	lb.SetServicePort(svcPort(svc), []proxy.Endpoint{ready("10.0.0.1", "n2")})
 	expect("neither asked nor hinted any more", "no topology hints: every endpoint used")
 }

@@ -1,6 +1,6 @@
 package loadbalancer
 
-import "github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/serviceport"
+import "github.com/kube-userspace-proxy/kube-userspace-proxy/proxy"
 
 // Usable returns the endpoints that new traffic of one class may use, in the order of eps: for
 // external traffic (arriving via a NodePort, an external IP or a load-balancer IP) when external
@@ -14,43 +14,16 @@ import "github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/serviceport"
 // its zone (see topologyFor); hints never apply under a Local policy, nor to the fallback. A nil
 // sp is treated as a service with no Local policy. The result is nil when nothing is usable; it
 // never aliases eps.
-func Usable(sp *serviceport.ServicePort, eps []serviceport.Endpoint, node Node, external bool) []serviceport.Endpoint {
+func Usable(sp *proxy.ServicePort, eps []proxy.Endpoint, node Node, external bool) []proxy.Endpoint {
 	if localClass(sp, external) {
 		return filter(nil, eps, node, true, topologyNone)
 	}
 	return filter(nil, eps, node, false, topologyFor(eps, node).mode)
 }
 
-// LocalEndpoints counts the endpoints on nodeName that external traffic under
-// externalTrafficPolicy: Local may use (ready local endpoints, or when there are none the serving
-// and terminating local ones); it is the kube_userspace_proxy_service_port_local_endpoints
-// metric. (The healthCheckNodePort server counts ready local endpoints only, as kube-proxy does,
-// so that a load balancer drains a node whose endpoints are all terminating.) The count does not
-// depend on whether sp actually has the Local policy; sp may be nil.
-func LocalEndpoints(sp *serviceport.ServicePort, eps []serviceport.Endpoint, nodeName string) int {
-	_ = sp
-	ready, fallback := 0, 0
-	for i := range eps {
-		e := &eps[i]
-		if !isLocal(e, nodeName) {
-			continue
-		}
-		switch {
-		case e.Ready:
-			ready++
-		case e.Serving && e.Terminating:
-			fallback++
-		}
-	}
-	if ready > 0 {
-		return ready
-	}
-	return fallback
-}
-
 // localClass reports whether the traffic class (external or ClusterIP) of sp is subject to a
 // Local traffic policy.
-func localClass(sp *serviceport.ServicePort, external bool) bool {
+func localClass(sp *proxy.ServicePort, external bool) bool {
 	if sp == nil {
 		return false
 	}
@@ -61,7 +34,7 @@ func localClass(sp *serviceport.ServicePort, external bool) bool {
 }
 
 // isLocal reports whether e runs on nodeName; an unknown node ("") is never local.
-func isLocal(e *serviceport.Endpoint, nodeName string) bool {
+func isLocal(e *proxy.Endpoint, nodeName string) bool {
 	return nodeName != "" && e.NodeName == nodeName
 }
 
@@ -69,7 +42,7 @@ func isLocal(e *serviceport.Endpoint, nodeName string) bool {
 // them to node.Name; mode restricts the ready ones to those available for topology) and returns
 // it. mode must leave at least one ready endpoint when any is ready (topologyFor guarantees it),
 // so the fallback to serving and terminating endpoints happens only when none is ready.
-func filter(dst, eps []serviceport.Endpoint, node Node, local bool, mode topologyMode) []serviceport.Endpoint {
+func filter(dst, eps []proxy.Endpoint, node Node, local bool, mode topologyMode) []proxy.Endpoint {
 	start := len(dst)
 	for i := range eps {
 		e := &eps[i]

@@ -3,6 +3,7 @@ package portal
 import (
 	"bufio"
 	"errors"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy"
 	"io"
 	"net"
 	"net/netip"
@@ -130,9 +131,9 @@ func (n *flowNet) portals() []Portal {
 		{Comment: "default/web:http", Protocol: "tcp", Port: 80, ClusterIP: n.clusterIP, NodePort: n.nodePort, ProxyPort: n.tcpPort,
 			LoadBalancerIPs: []netip.Addr{n.lbIP}, ExternalIPs: []netip.Addr{n.extIP}},
 		{Comment: "default/dns:dns", Protocol: "udp", Port: 53, ClusterIP: n.clusterIP, ProxyPort: n.udpPort},
-		{Comment: "default/empty:http", Protocol: "tcp", Port: 80, ClusterIP: n.rejectIP, NodePort: n.rejectNP, Internal: Reject, External: Reject},
-		{Comment: "default/empty-dns:dns", Protocol: "udp", Port: 53, ClusterIP: n.rejectUDP, Internal: Reject, External: Reject},
-		{Comment: "default/local:http", Protocol: "tcp", Port: 80, ClusterIP: n.dropIP, NodePort: n.dropNP, ProxyPort: n.tcpPort, External: Drop},
+		{Comment: "default/empty:http", Protocol: "tcp", Port: 80, ClusterIP: n.rejectIP, NodePort: n.rejectNP, Internal: proxy.Reject, External: proxy.Reject},
+		{Comment: "default/empty-dns:dns", Protocol: "udp", Port: 53, ClusterIP: n.rejectUDP, Internal: proxy.Reject, External: proxy.Reject},
+		{Comment: "default/local:http", Protocol: "tcp", Port: 80, ClusterIP: n.dropIP, NodePort: n.dropNP, ProxyPort: n.tcpPort, External: proxy.Drop},
 	}
 }
 
@@ -197,7 +198,7 @@ func TestPacketFlow(t *testing.T) {
 			var m *Manager
 			n.node.Do(t, func() {
 				m, _ = newTestManager(t, b, Config{Family: b.family, HostIP: n.nodeIP})
-				if err := m.Sync(n.portals()); err != nil {
+				if err := m.Sync(n.portals(), localIPs(t)); err != nil {
 					t.Fatalf("Sync: %v", err)
 				}
 			})

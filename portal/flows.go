@@ -1,63 +1,97 @@
 package portal
 
 import (
+	"fmt"
 	"net/netip"
 	"slices"
 	"strconv"
+	"time"
+
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy"
 )
 
 // FlowDeleter deletes connection-tracking entries (*conntrack.Tool).
 type FlowDeleter interface {
-	// DeleteUDP deletes the UDP flows whose original destination is dst:port (any address of
-	// dst's family when dst is unspecified) and returns how many it deleted.
-	DeleteUDP(dst netip.Addr, port int) (int, error)
+	// DeleteUDP deletes the UDP flows whose original destination is exactly one of dsts
+	// (address and port), in as few runs as it can and within a bounded time.
+	DeleteUDP(dsts []netip.AddrPort) error
 }
 
-// udpTarget is one UDP address and port clients send to: a ClusterIP, externalIP or LB IP with
-// the service port, or the unspecified address with a NodePort.
-type udpTarget struct {
-	addr netip.Addr
-	port int
-}
-
-// udpTargets maps every UDP target of the valid portals in family to what new flows to it meet
-// (action and proxy port): when that changes, flows tracked before lead somewhere stale.
-func udpTargets(cfg Config, portals []Portal) map[udpTarget]string {
-	out := map[udpTarget]string{}
+// udpTargets maps every UDP address and port clients send to, in the valid portals of the
+// family, to what new flows to it meet (action and proxy port, and for load-balancer IPs the
+// source ranges): when that changes, flows tracked before lead somewhere stale. A NodePort's
+// targets are the node addresses it is served on (nodeIPs, narrowed by --nodeport-addresses),
+// so that a deletion never touches flows to other hosts or other services that happen to use
+// the same port number.
+func udpTargets(cfg Config, portals []Portal, nodeIPs []netip.Addr) map[netip.AddrPort]string {
+	out := map[netip.AddrPort]string{}
+	var npIPs []netip.Addr
+	npIPsDone := false
 	for i := range portals {
 		p := &portals[i]
 		if p.Protocol != "udp" || p.Validate() != nil {
 			continue
 		}
-		what := func(a Action) string { return strconv.Itoa(int(a)) + ":" + strconv.Itoa(p.ProxyPort) }
+		what := func(a proxy.Action) string { return strconv.Itoa(int(a)) + ":" + strconv.Itoa(p.ProxyPort) }
+		target := func(ip netip.Addr, port int) netip.AddrPort { return netip.AddrPortFrom(ip, uint16(port)) }
 		if ip := p.ClusterIP.Unmap(); inFamily(cfg.Family, ip) {
-			out[udpTarget{ip, p.Port}] = what(p.Internal)
+			out[target(ip, p.Port)] = what(p.Internal)
 		}
-		for _, ip := range slices.Concat(p.ExternalIPs, p.LoadBalancerIPs) {
+		for _, ip := range p.ExternalIPs {
 			if ip = ip.Unmap(); inFamily(cfg.Family, ip) {
-				out[udpTarget{ip, p.Port}] = what(p.External)
+				out[target(ip, p.Port)] = what(p.External)
 			}
 		}
-		if p.NodePort != 0 {
-			unspec := netip.IPv4Unspecified()
-			if !inFamily(cfg.Family, unspec) {
-				unspec = netip.IPv6Unspecified()
+		// Who may send to a load-balancer IP is part of its handling: flows from a source that
+		// a new range list leaves out must meet the rules again.
+		lb := what(p.External) + fmt.Sprint(p.LoadBalancerSourceRanges)
+		for _, ip := range p.LoadBalancerIPs {
+			if ip = ip.Unmap(); inFamily(cfg.Family, ip) {
+				out[target(ip, p.Port)] = lb
 			}
-			out[udpTarget{unspec, p.NodePort}] = what(p.External)
+		}
+		if p.NodePort == 0 {
+			continue
+		}
+		if !npIPsDone {
+			npIPs = nodePortTargetIPs(cfg, nodeIPs)
+			npIPsDone = true
+		}
+		for _, ip := range npIPs {
+			out[target(ip, p.NodePort)] = what(p.External)
 		}
 	}
 	return out
 }
 
+// nodePortTargetIPs returns the node addresses of the family whose NodePorts the rules capture:
+// those --nodeport-addresses selects, or with none, every address of the family (loopback
+// included: the node's own traffic to 127.0.0.1:NodePort is captured too).
+func nodePortTargetIPs(cfg Config, nodeIPs []netip.Addr) []netip.Addr {
+	ips, all := NodePortIPs(cfg.Family, cfg.NodePortAddresses, nodeIPs)
+	if !all {
+		return ips
+	}
+	for _, a := range nodeIPs {
+		if a = a.Unmap(); inFamily(cfg.Family, a) && !a.IsUnspecified() {
+			ips = append(ips, a.WithZone(""))
+		}
+	}
+	slices.SortFunc(ips, netip.Addr.Compare)
+	return slices.Compact(ips)
+}
+
 // deleteStaleFlowsLocked deletes the tracked UDP flows of every target whose handling changed
-// since the last call (all of them on the first), including targets that went away. Failures
-// are logged: the flows then end on their own once their clients pause for conntrack's timeout.
-func (m *Manager) deleteStaleFlowsLocked(portals []Portal) {
+// since the last call (all of them on the first), including targets that went away, with one
+// call of the FlowDeleter. It runs on the calling goroutine, whose thread's network namespace
+// the rules were written in; the FlowDeleter bounds its time. Failures are logged: the flows
+// then end on their own once their clients pause for conntrack's timeout.
+func (m *Manager) deleteStaleFlowsLocked(portals []Portal, nodeIPs []netip.Addr) {
 	if m.flows == nil {
 		return
 	}
-	now := udpTargets(m.cfg, portals)
-	var stale []udpTarget
+	now := udpTargets(m.cfg, portals, nodeIPs)
+	var stale []netip.AddrPort
 	for t, v := range now {
 		if was, ok := m.udpTargets[t]; !ok || was != v {
 			stale = append(stale, t)
@@ -69,16 +103,14 @@ func (m *Manager) deleteStaleFlowsLocked(portals []Portal) {
 		}
 	}
 	m.udpTargets = now
-	total := 0
-	for _, t := range stale {
-		n, err := m.flows.DeleteUDP(t.addr, t.port)
-		if err != nil {
-			m.log.Warn().Err(err).Stringer("addr", t.addr).Int("port", t.port).Msg("cannot delete stale UDP flows")
-			continue
-		}
-		total += n
+	if len(stale) == 0 {
+		return
 	}
-	if total > 0 {
-		m.log.Info().Int("flows", total).Int("targets", len(stale)).Msg("deleted stale UDP flows")
+	slices.SortFunc(stale, netip.AddrPort.Compare)
+	start := time.Now()
+	if err := m.flows.DeleteUDP(stale); err != nil {
+		m.log.Warn().Err(err).Int("targets", len(stale)).Msg("cannot delete stale UDP flows")
+		return
 	}
+	m.log.Debug().Int("targets", len(stale)).Dur("took", time.Since(start)).Msg("deleted stale UDP flows")
 }

@@ -11,23 +11,23 @@ import (
 	"github.com/rs/zerolog"
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/iptables"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/portal/transparent"
 )
 
-// Runner is what a Manager needs from an iptables runner (*iptables.Runner).
+// Runner is what a Manager needs from an iptables runner (*iptables.Runner): what the reply
+// routing of transparent connections needs, and chains to create and list.
 type Runner interface {
-	Family() iptables.Family
+	transparent.Runner
 	// EnsureChain creates a chain unless it exists.
 	EnsureChain(table, chain string) error
 	// List returns a chain's rules as `iptables -S` prints them.
 	List(table, chain string) ([]string, error)
-	// EnsureRule adds the rule (first or last) unless it exists; added says whether it did.
-	EnsureRule(pos iptables.Position, table, chain string, rulespec ...string) (added bool, err error)
-	// DeleteJumps deletes every rule in table/chain that jumps to one of targets.
-	DeleteJumps(table, chain string, targets ...string) (int, error)
-	// DeleteChain flushes and deletes a chain; a missing chain is no error.
-	DeleteChain(table, chain string) error
-	// Restore applies one table's iptables-restore --noflush input in one exec.
-	Restore(table string, payload []byte) error
+	// Save returns a table as iptables-save prints it.
+	Save(table string) ([]byte, error)
+	// Mode is the backend: the cheapest check that our rules are intact differs.
+	Mode() iptables.Mode
+	// References returns how many rules jump to a chain.
+	References(table, chain string) (int, error)
 }
 
 var _ Runner = (*iptables.Runner)(nil)
@@ -40,22 +40,25 @@ type Options struct {
 	Runner Runner
 	// Logger receives the manager's logs. The zero value logs nothing.
 	Logger zerolog.Logger
-	// InterfaceAddrs lists the node's addresses for Config.NodePortAddresses, on every sync.
-	// Nil means InterfaceAddrs (net.InterfaceAddrs).
-	InterfaceAddrs func() ([]netip.Addr, error)
 	// Flows, if set, deletes the conntrack entries of UDP flows whose portal changed, after
-	// each successful sync (see package portal/conntrack). Nil leaves them alone.
+	// each successful sync, in one call per sync (see package portal/conntrack, whose Tool
+	// bounds the time a deletion may take). Nil leaves them alone.
 	Flows FlowDeleter
+	// RewritePeriod is the longest a Manager goes without rewriting every rule: a Sync in
+	// between that finds its rules unchanged and intact writes nothing (see Sync). Zero means
+	// DefaultRewritePeriod.
+	RewritePeriod time.Duration
 }
 
 // Manager programs the portal rules of one IP family. Its methods may be called from several
 // goroutines; calls are serialised.
 type Manager struct {
-	cfg    Config
-	run    Runner
-	log    zerolog.Logger
-	ifaddr func() ([]netip.Addr, error)
-	flows  FlowDeleter
+	cfg   Config
+	run   Runner
+	log   zerolog.Logger
+	flows FlowDeleter
+	// rewriteEvery is Options.RewritePeriod.
+	rewriteEvery time.Duration
 
 	mu sync.Mutex // guards the following fields
 	// physdevChecked and noPhysdev cache whether the kernel has the physdev match.
@@ -67,9 +70,14 @@ type Manager struct {
 	// written holds, per table, the rule lines the last successful Sync or Update left in our
 	// chains; nil when unknown.
 	written map[string][]string
+	// input is what Render was given for the rules in written; nil when unknown.
+	input *syncInput
+	// rewritten is when the last full write of every rule succeeded; zero when one failed or a
+	// partial write (Update) came since.
+	rewritten time.Time
 	// udpTargets is what the last successful sync did with each UDP target (see
 	// deleteStaleFlowsLocked); nil before the first.
-	udpTargets map[udpTarget]string
+	udpTargets map[netip.AddrPort]string
 }
 
 // NewManager checks opts and returns a Manager. It changes nothing on the host.
@@ -95,14 +103,14 @@ func NewManager(opts Options) (*Manager, error) {
 		}
 	}
 	m := &Manager{
-		cfg:    cfg,
-		run:    opts.Runner,
-		log:    opts.Logger.With().Str("component", "portal").Str("family", cfg.Family.String()).Logger(),
-		ifaddr: opts.InterfaceAddrs,
-		flows:  opts.Flows,
+		cfg:          cfg,
+		run:          opts.Runner,
+		log:          opts.Logger.With().Str("component", "portal").Str("family", cfg.Family.String()).Logger(),
+		flows:        opts.Flows,
+		rewriteEvery: opts.RewritePeriod,
 	}
-	if m.ifaddr == nil {
-		m.ifaddr = InterfaceAddrs
+	if m.rewriteEvery <= 0 {
+		m.rewriteEvery = DefaultRewritePeriod
 	}
 	return m, nil
 }
@@ -121,6 +129,7 @@ func jumps() []jump {
 	nodePorts := []string{"-m", "addrtype", "--dst-type", "LOCAL", "-m", "comment", "--comment", "handle service NodePorts; NOTE: this must be the last rule in the chain"}
 	nonLocal := []string{"-m", "comment", "--comment", "Ensure that non-local NodePort traffic can flow"}
 	filter := []string{"-m", "conntrack", "--ctstate", "NEW", "-m", "comment", "--comment", "reject or drop new traffic to service ports without usable endpoints"}
+	proxyPorts := []string{"-m", "conntrack", "--ctstate", "NEW", "-m", "comment", "--comment", "refuse new traffic to proxy ports that no portal redirected"}
 	j := func(table, from, to string, pos iptables.Position, matches []string) jump {
 		return jump{table: table, from: from, to: to, pos: pos, spec: append(append([]string(nil), matches...), "-j", to)}
 	}
@@ -133,21 +142,34 @@ func jumps() []jump {
 		j(tableFilter, "INPUT", ChainPortalsFilter, iptables.Prepend, filter),
 		j(tableFilter, "FORWARD", ChainPortalsFilter, iptables.Prepend, filter),
 		j(tableFilter, "OUTPUT", ChainPortalsFilter, iptables.Prepend, filter),
+		j(tableFilter, "INPUT", ChainProxyPorts, iptables.Prepend, proxyPorts),
 	}
 }
 
 // Sync makes our chains hold exactly the rules portals need, and makes sure our chains and the
-// jumps into them exist, on every call: jumps or chains someone else deleted come back on the
-// next sync. Jumps are checked first (while the chains may still be empty, inserting is cheap;
-// afterwards checking costs one `iptables -S <built-in chain>` per built-in chain). Then each table is
-// written with one iptables-restore, filter first so a NodePort's ACCEPT exists before nat sends
-// traffic to it; rules and chains that are not ours are left alone. Invalid portals are left out
-// and reported in the returned error together with any iptables failure; everything valid is
-// still programmed.
-func (m *Manager) Sync(portals []Portal) error {
+// jumps into them exist: jumps someone else deleted, and chains someone flushed or deleted, come
+// back on the next sync (a rule deleted inside a chain, with iptables-nft, at the next rewrite).
+//
+// It rewrites every rule when there is reason to: on the first sync, after a failed one or a
+// partial write (Update), when the rules differ from what it last wrote, when someone changed
+// ours (see intactLocked), and at least once per Options.RewritePeriod. A rewrite checks the
+// jumps first (one `iptables -S <built-in chain>` each; missing ones are inserted) and then
+// writes each table with one iptables-restore, filter first so a NodePort's ACCEPT exists
+// before nat sends traffic to it; rules and chains that are not ours are left alone. Otherwise,
+// the periodic case with nothing changed, it only checks that our rules are in place, a few
+// cheap listings, and writes nothing: at 10,000 services that is a small fraction of a
+// rewrite's cost. Each of our chains ends in a jump to the canary chain (KUBE-PORTALS-CANARY)
+// for that check.
+//
+// Invalid portals are left out and reported in the returned error together with any iptables
+// failure; everything valid is still programmed.
+//
+// nodeIPs are the node's addresses (any family), for Config.NodePortAddresses; the caller takes
+// one snapshot per sync and hands it to every family's Manager.
+func (m *Manager) Sync(portals []Portal, nodeIPs []netip.Addr) error {
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	return m.syncLocked(portals, true)
+	return m.syncLocked(portals, nodeIPs, true)
 }
 
 // Update is Sync for the syncs that changes trigger: it writes only the rules that differ from
@@ -156,66 +178,108 @@ func (m *Manager) Sync(portals []Portal) error {
 // the jump checks. It thus costs in proportion to the change, not to the number of services,
 // as kube-proxy's partial syncs do. It does a full Sync instead when no earlier one succeeded,
 // and when writing the difference fails (someone else changed our chains): the periodic Sync
-// repairs everything else.
+// repairs everything else. The next Sync after an Update that wrote something rewrites every
+// rule, in Render's order.
 //
 // Rules of different portals never match the same packets (each names its own address, port
 // and protocol), so appending a changed portal's rules after the others' is equivalent to the
 // sorted order Sync writes.
-func (m *Manager) Update(portals []Portal) error {
+func (m *Manager) Update(portals []Portal, nodeIPs []netip.Addr) error {
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	return m.syncLocked(portals, false)
+	return m.syncLocked(portals, nodeIPs, false)
 }
 
-func (m *Manager) syncLocked(portals []Portal, full bool) error {
+// table is one table's iptables-restore input.
+type table struct {
+	table   string
+	payload []byte
+}
+
+func (m *Manager) syncLocked(portals []Portal, nodeIPs []netip.Addr, full bool) error {
 	start := time.Now()
-	var invalid, errs []error
+	var invalid []error
 	for i := range portals {
 		if err := portals[i].Validate(); err != nil {
 			invalid = append(invalid, err)
 		}
 	}
-	host, err := m.hostLocked(portals)
-	if err != nil {
-		return errors.Join(append(invalid, err)...)
-	}
-	partial := !full && m.synced && m.written != nil
-	if !partial {
-		errs = append(errs, m.ensureJumpsLocked()...)
-	}
-	jumped := time.Now()
-
-	nat, filter := Render(m.cfg, host, portals)
-	rendered := time.Now()
-	tables := []struct {
-		table   string
-		payload []byte
-	}{{tableFilter, filter}, {tableNAT, nat}}
-	if partial {
-		written := map[string][]string{}
-		var deltaBytes int
-		for _, t := range tables {
-			rules := ruleLines(t.payload)
-			written[t.table] = rules
-			delta := diffRules(m.written[t.table], rules)
-			if len(delta) == 0 {
-				continue
-			}
-			deltaBytes += len(delta)
-			if err := m.run.Restore(t.table, delta); err != nil {
-				m.log.Warn().Err(err).Str("table", t.table).Msg("writing the changed portal rules failed; rewriting all of them")
-				m.synced = false
-				return m.syncLocked(portals, true)
-			}
-		}
-		m.written = written
-		m.deleteStaleFlowsLocked(portals)
-		m.log.Debug().Int("portals", len(portals)).Int("deltaBytes", deltaBytes).
-			Dur("render", rendered.Sub(jumped)).Dur("restore", time.Since(rendered)).
-			Dur("total", time.Since(start)).Msg("updated portal rules")
+	host := m.hostLocked(portals, nodeIPs)
+	// What Render was last given for the rules written: the same rules again, no need to render.
+	same := m.synced && m.written != nil && m.input.same(portals, host)
+	if same && !full {
+		m.log.Debug().Int("portals", len(portals)).Dur("total", time.Since(start)).Msg("portal rules unchanged")
 		return errors.Join(invalid...)
 	}
+	if same && m.keepLocked(portals, host, start) {
+		return errors.Join(invalid...)
+	}
+	nat, filter := Render(m.cfg, host, portals)
+	tables := []table{{tableFilter, withCanary(filter, filterChains())}, {tableNAT, withCanary(nat, natChains())}}
+	if !full && m.synced && m.written != nil {
+		return errors.Join(append(invalid, m.updateLocked(portals, host, tables, start))...)
+	}
+	if !same && full && m.sameRulesLocked(tables) && m.keepLocked(portals, host, start) {
+		return errors.Join(invalid...)
+	}
+	return errors.Join(append(invalid, m.rewriteLocked(portals, host, tables, start)...)...)
+}
 
+// keepLocked is the periodic Sync with nothing to write: when no rewrite is due (see Sync) and
+// our rules are intact, it remembers the input and returns true; otherwise the caller rewrites.
+func (m *Manager) keepLocked(portals []Portal, host Host, start time.Time) bool {
+	if m.rewriteDueLocked() {
+		return false
+	}
+	checked := time.Now()
+	ok, why := m.intactLocked()
+	if !ok {
+		m.log.Warn().Str("reason", why).Msg("portal rules were changed by someone else; rewriting all of them")
+		return false
+	}
+	if !m.input.same(portals, host) {
+		m.input = newSyncInput(portals, host)
+		m.deleteStaleFlowsLocked(portals, host.NodeIPs)
+	}
+	m.log.Debug().Int("portals", len(portals)).Dur("check", time.Since(checked)).
+		Dur("total", time.Since(start)).Msg("portal rules unchanged and in place")
+	return true
+}
+
+// updateLocked writes the difference between what was written and tables (see Update), or
+// everything when that fails.
+func (m *Manager) updateLocked(portals []Portal, host Host, tables []table, start time.Time) error {
+	rendered := time.Now()
+	written := map[string][]string{}
+	var deltaBytes int
+	for _, t := range tables {
+		rules := ruleLines(t.payload)
+		written[t.table] = rules
+		delta := diffRules(m.written[t.table], rules)
+		if len(delta) == 0 {
+			continue
+		}
+		deltaBytes += len(delta)
+		m.rewritten = time.Time{} // the next Sync rewrites, in Render's order
+		if err := m.run.Restore(t.table, delta); err != nil {
+			m.log.Warn().Err(err).Str("table", t.table).Msg("writing the changed portal rules failed; rewriting all of them")
+			m.synced = false
+			return errors.Join(m.rewriteLocked(portals, host, tables, start)...)
+		}
+	}
+	m.written = written
+	m.input = newSyncInput(portals, host)
+	m.deleteStaleFlowsLocked(portals, host.NodeIPs)
+	m.log.Debug().Int("portals", len(portals)).Int("deltaBytes", deltaBytes).
+		Dur("restore", time.Since(rendered)).Dur("total", time.Since(start)).Msg("updated portal rules")
+	return nil
+}
+
+// rewriteLocked checks the jumps and writes every rule of tables.
+func (m *Manager) rewriteLocked(portals []Portal, host Host, tables []table, start time.Time) []error {
+	rendered := time.Now()
+	errs := m.ensureJumpsLocked()
+	jumped := time.Now()
 	written := map[string][]string{}
 	for _, t := range tables {
 		if err := m.run.Restore(t.table, t.payload); err != nil {
@@ -226,15 +290,15 @@ func (m *Manager) syncLocked(portals []Portal, full bool) error {
 	}
 	// Until a sync succeeds, the next one checks every chain again and writes every rule.
 	m.synced = len(errs) == 0
-	m.written = nil
+	m.written, m.input, m.rewritten = nil, nil, time.Time{}
 	if m.synced {
-		m.written = written
-		m.deleteStaleFlowsLocked(portals)
+		m.written, m.input, m.rewritten = written, newSyncInput(portals, host), start
+		m.deleteStaleFlowsLocked(portals, host.NodeIPs)
 	}
-	m.log.Debug().Int("portals", len(portals)).Int("natBytes", len(nat)).Int("filterBytes", len(filter)).
-		Dur("jumps", jumped.Sub(start)).Dur("render", rendered.Sub(jumped)).Dur("restore", time.Since(rendered)).
+	m.log.Debug().Int("portals", len(portals)).Int("natBytes", len(tables[1].payload)).Int("filterBytes", len(tables[0].payload)).
+		Dur("render", rendered.Sub(start)).Dur("jumps", jumped.Sub(rendered)).Dur("restore", time.Since(jumped)).
 		Dur("total", time.Since(start)).Msg("synced portal rules")
-	return errors.Join(append(invalid, errs...)...)
+	return errs
 }
 
 // ruleLines returns the "-A chain ..." lines of a rendered payload.
@@ -296,28 +360,10 @@ func (m *Manager) ensureJumpsLocked() []error {
 			}
 		}
 	}
-	// One listing per built-in chain tells which jumps are there (cheap: with iptables-nft it
-	// reads that chain only); only missing ones take the slower EnsureRule path.
-	present := map[string]bool{}
-	listed := map[string]bool{}
+	// Only missing jumps take the slower EnsureRule path.
+	present := m.listJumpsLocked()
 	for _, j := range jumps() {
-		key := j.table + "/" + j.from
-		if listed[key] {
-			continue
-		}
-		listed[key] = true
-		lines, err := m.run.List(j.table, j.from)
-		if err != nil {
-			continue // EnsureRule below reports what is wrong
-		}
-		for _, line := range lines {
-			if args, err := iptables.SplitRule(line); err == nil && len(args) > 2 && args[0] == "-A" {
-				present[key+" "+strings.Join(args[2:], "\x00")] = true
-			}
-		}
-	}
-	for _, j := range jumps() {
-		if present[j.table+"/"+j.from+" "+strings.Join(j.spec, "\x00")] {
+		if present[jumpKey(j.table, j.from, j.spec)] {
 			continue
 		}
 		added, err := m.run.EnsureRule(j.pos, j.table, j.from, j.spec...)
@@ -337,22 +383,40 @@ func (m *Manager) ensureJumpsLocked() []error {
 	return errs
 }
 
-// hostLocked gathers the Host facts rendering needs.
-func (m *Manager) hostLocked(portals []Portal) (Host, error) {
-	var h Host
-	if _, all := NodePortIPs(m.cfg.Family, m.cfg.NodePortAddresses, nil); !all {
-		addrs, err := m.ifaddr()
-		if err != nil {
-			return h, fmt.Errorf("portal sync: node addresses for nodePortAddresses: %w", err)
+// listJumpsLocked returns the rules of the built-in chains we jump from, keyed by jumpKey: one
+// listing per chain (cheap: with iptables-nft it reads that chain only). A chain that cannot be
+// listed contributes nothing.
+func (m *Manager) listJumpsLocked() map[string]bool {
+	present := map[string]bool{}
+	listed := map[string]bool{}
+	for _, j := range jumps() {
+		key := j.table + "/" + j.from
+		if listed[key] {
+			continue
 		}
-		h.NodeIPs = addrs
+		listed[key] = true
+		lines, err := m.run.List(j.table, j.from)
+		if err != nil {
+			continue
+		}
+		for _, line := range lines {
+			if args, err := iptables.SplitRule(line); err == nil && len(args) > 2 && args[0] == "-A" {
+				present[jumpKey(j.table, j.from, args[2:])] = true
+			}
+		}
 	}
+	return present
+}
+
+// hostLocked gathers the Host facts rendering needs.
+func (m *Manager) hostLocked(portals []Portal, nodeIPs []netip.Addr) Host {
+	h := Host{NodeIPs: nodeIPs}
 	if !m.physdevChecked && hasExternalIPs(portals) {
 		m.noPhysdev = !m.probePhysdevLocked()
 		m.physdevChecked = true
 	}
 	h.NoPhysdev = m.noPhysdev
-	return h, nil
+	return h
 }
 
 func hasExternalIPs(portals []Portal) bool {
@@ -391,8 +455,8 @@ func (m *Manager) Cleanup() error {
 		hooks  []string
 		chains []string
 	}{
-		{tableNAT, []string{"PREROUTING", "INPUT", "OUTPUT", "POSTROUTING"}, append(natChains(), chainProbe)},
-		{tableFilter, []string{"INPUT", "FORWARD", "OUTPUT"}, filterChains()},
+		{tableNAT, hookChains(tableNAT), append(natChains(), chainProbe, chainCanary)},
+		{tableFilter, hookChains(tableFilter), append(filterChains(), chainCanary)},
 	} {
 		for _, hook := range t.hooks {
 			n, err := m.run.DeleteJumps(t.table, hook, t.chains...)
@@ -409,6 +473,6 @@ func (m *Manager) Cleanup() error {
 			}
 		}
 	}
-	m.synced, m.written, m.udpTargets = false, nil, nil
+	m.synced, m.written, m.input, m.rewritten, m.udpTargets = false, nil, nil, time.Time{}, nil
 	return errors.Join(errs...)
 }

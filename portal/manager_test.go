@@ -2,6 +2,7 @@ package portal
 
 import (
 	"errors"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy"
 	"net/netip"
 	"os/exec"
 	"slices"
@@ -155,11 +156,11 @@ func testManager(t *testing.T, b backend, ad addrs) {
 	portals := []Portal{
 		{Comment: "default/web:http", Protocol: "tcp", Port: 80, ClusterIP: ad.clusterIP, ProxyPort: 38023, NodePort: 30080,
 			ExternalIPs: []netip.Addr{ad.extIP}, LoadBalancerIPs: []netip.Addr{ad.lbIP}},
-		{Comment: "default/dns:dns", Protocol: "udp", Port: 53, ClusterIP: ad.clusterIP2, Internal: Reject, External: Reject, NodePort: 30053},
+		{Comment: "default/dns:dns", Protocol: "udp", Port: 53, ClusterIP: ad.clusterIP2, Internal: proxy.Reject, External: proxy.Reject, NodePort: 30053},
 	}
 	sync := func(ps []Portal) {
 		t.Helper()
-		if err := m.Sync(ps); err != nil {
+		if err := m.Sync(ps, localIPs(t)); err != nil {
 			t.Fatalf("Sync: %v", err)
 		}
 		nat, filter := Render(cfg, Host{}, ps)
@@ -177,7 +178,7 @@ func testManager(t *testing.T, b backend, ad addrs) {
 		t.Fatal(err)
 	}
 	mc.synced = true // as after an earlier successful sync of this manager
-	if err := mc.Sync(portals); err != nil {
+	if err := mc.Sync(portals, localIPs(t)); err != nil {
 		t.Fatalf("Sync (counting): %v", err)
 	}
 	if counting.ensureCalls != 0 {
@@ -210,7 +211,7 @@ func testManager(t *testing.T, b backend, ad addrs) {
 	// namespace's interfaces.
 	npCfg := Config{Family: b.family, HostIP: ad.host, NodePortAddresses: []netip.Prefix{netip.PrefixFrom(ad.node2, ad.node2.BitLen())}}
 	m2, _ := newTestManager(t, b, npCfg)
-	if err := m2.Sync(changed); err != nil {
+	if err := m2.Sync(changed, localIPs(t)); err != nil {
 		t.Fatalf("Sync with nodePortAddresses: %v", err)
 	}
 	nat := strings.Join(b.save(t, "nat"), "\n")
@@ -235,9 +236,10 @@ func testManager(t *testing.T, b backend, ad addrs) {
 }
 
 // checkProgrammed checks that every line Render produced is in iptables-save, verbatim, and that
-// our chains hold nothing else.
+// our chains hold nothing else but the jumps to the canary.
 func checkProgrammed(t *testing.T, b backend, table string, payload []byte) {
 	t.Helper()
+	payload = withCanary(payload, chainsOf(table))
 	want := strings.Split(strings.TrimSpace(string(payload)), "\n")
 	checkContains(t, b, table, want)
 	ours := map[string]bool{}
@@ -300,7 +302,7 @@ func checkJumps(t *testing.T, b backend) {
 		chain string
 		want  []string
 	}{
-		{"INPUT", []string{ChainPortalsFilter, ChainNodePortNonLocal}},
+		{"INPUT", []string{ChainProxyPorts, ChainPortalsFilter, ChainNodePortNonLocal}},
 		{"FORWARD", []string{ChainPortalsFilter}},
 		{"OUTPUT", []string{ChainPortalsFilter}},
 	} {
@@ -330,6 +332,11 @@ type fakeRunner struct {
 func (f *fakeRunner) Family() iptables.Family               { return iptables.IPv4 }
 func (f *fakeRunner) EnsureChain(string, string) error      { return nil }
 func (f *fakeRunner) List(string, string) ([]string, error) { return nil, nil }
+func (f *fakeRunner) Save(string) ([]byte, error)           { return nil, nil }
+func (f *fakeRunner) Mode() iptables.Mode                   { return iptables.ModeNFT }
+func (f *fakeRunner) References(string, string) (int, error) {
+	return 0, errors.New("fake: no canary")
+}
 func (f *fakeRunner) EnsureRule(_ iptables.Position, table, chain string, spec ...string) (bool, error) {
 	f.ensured = append(f.ensured, table+"/"+chain+"->"+spec[len(spec)-1])
 	return false, nil
@@ -368,7 +375,7 @@ func TestSyncErrors(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			err = m.Sync(tc.portals)
+			err = m.Sync(tc.portals, localIPs(t))
 			if len(tc.wantErr) == 0 && err != nil {
 				t.Fatalf("Sync = %v", err)
 			}
@@ -448,7 +455,7 @@ func testUpdate(t *testing.T, b backend, ad addrs) {
 	update := func(what string, ps []Portal, wantRestores int, wantIn, wantNotIn string) {
 		t.Helper()
 		rec.restores = nil
-		if err := m.Update(ps); err != nil {
+		if err := m.Update(ps, localIPs(t)); err != nil {
 			t.Fatalf("%s: Update: %v", what, err)
 		}
 		nat, filter := Render(cfg, Host{}, ps)
@@ -469,8 +476,9 @@ func testUpdate(t *testing.T, b backend, ad addrs) {
 
 	// The first Update has nothing to compare with: a full sync, chains declared.
 	update("first", []Portal{web}, 2, ":"+ChainPortalsContainer, "")
-	// A new portal: only its rules are written, in nat only (no NodePort, so filter is unchanged).
-	update("add dns", []Portal{web, dns}, 1, "-A "+ChainPortalsContainer, "default/web:http")
+	// A new portal: only its rules are written: its portals in nat, its proxy port's guard in
+	// filter.
+	update("add dns", []Portal{web, dns}, 2, "-A "+ChainProxyPorts, "default/web:http")
 	// No change: no restore at all.
 	update("no change", []Portal{web, dns}, 0, "", "")
 	// A changed proxy port: the old rules deleted, the new appended; dns untouched.
@@ -482,12 +490,23 @@ func testUpdate(t *testing.T, b backend, ad addrs) {
 	b.ipt(t, "-t", "nat", "-F", ChainPortalsHost)
 	update("fallback", []Portal{dns}, -1, ":"+ChainPortalsContainer, "")
 	// A periodic Sync, then Update keeps working from its state.
-	if err := m.Sync([]Portal{dns}); err != nil {
+	if err := m.Sync([]Portal{dns}, localIPs(t)); err != nil {
 		t.Fatalf("Sync: %v", err)
 	}
 	update("after sync", []Portal{dns, web}, 2, "default/web:http", "default/dns:dns")
 	// Local policy without a local endpoint: dropped from outside, redirected from pods.
 	webDrop := web
-	webDrop.External = Drop
+	webDrop.External = proxy.Drop
 	update("drop", []Portal{dns, webDrop}, 2, "-s ", "default/dns:dns")
+}
+
+// localIPs lists the addresses of the calling thread's network namespace, as a sync's snapshot
+// of the node's addresses.
+func localIPs(t testing.TB) []netip.Addr {
+	t.Helper()
+	a, err := proxy.ListNodeAddrs()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return a.List()
 }

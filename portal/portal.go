@@ -15,20 +15,54 @@
 //	nat    KUBE-PORTALS-HOST       from OUTPUT, first        same addresses -> DNAT to host IP:proxy port
 //	nat    KUBE-NODEPORT-CONTAINER from PREROUTING, last     NodePorts (dst-type LOCAL) -> REDIRECT
 //	nat    KUBE-NODEPORT-HOST      from OUTPUT, last         NodePorts (dst-type LOCAL) -> DNAT
-//	filter KUBE-NODEPORT-NON-LOCAL from INPUT, first         ACCEPT new connections to NodePorts' proxy ports
+//	filter KUBE-NODEPORT-NON-LOCAL from INPUT, first         ACCEPT what a NodePort rule redirected to its proxy port
 //	filter KUBE-PORTALS-FILTER     from INPUT, FORWARD, OUTPUT, first (ctstate NEW)
 //	                                                         REJECT / DROP for portals without usable endpoints
+//	filter KUBE-PORTALS-PROXY-PORTS from INPUT, first (ctstate NEW)
+//	                                                         REJECT what reaches a proxy port without a portal rule
+//	both   KUBE-PORTALS-CANARY     from each chain above, last   nothing (see below)
 //
 // and, beyond upstream, --nodeport-addresses (Config.NodePortAddresses), the reject/drop chain,
-// and redirects of pod traffic (Config.ClusterCIDRs) to Local services' external addresses.
+// redirects of pod traffic (Config.ClusterCIDRs) to Local services' external addresses, and
+// loadBalancerSourceRanges (Portal.LoadBalancerSourceRanges): load-balancer IP rules in the
+// CONTAINER and HOST chains match only sources inside the ranges (`-s`), and KUBE-PORTALS-FILTER
+// DROPs new traffic to the load-balancer IP that no rule redirected, as kube-proxy's
+// KUBE-PROXY-FIREWALL does.
+//
+// Only redirected traffic reaches a proxy port. Conntrack sets its DNAT status on every flow a
+// REDIRECT or DNAT rewrote, in PREROUTING as in OUTPUT, so KUBE-PORTALS-PROXY-PORTS refuses
+// (TCP reset, ICMP port unreachable) new flows to a proxy port without it: a client that
+// connects to node-IP:proxy-port directly, past externalTrafficPolicy and transparent mode, is
+// turned away as if nothing listened there (as with kube-proxy's iptables mode), and so is the
+// node itself on loopback (with Config.BindIP set, only that address is guarded: the port
+// number is free for other programs on the others). KUBE-NODEPORT-NON-LOCAL, upstream's hole for default-deny host
+// firewalls, accepts only flows whose original destination was the NodePort
+// (--ctorigdstport), on the node addresses --nodeport-addresses selects (--ctorigdst) when it
+// is set; it accepts nothing for ClusterIPs, externalIPs or load-balancer IPs (upstream's
+// port-only match accepted every new connection to the proxy port).
+//
+// Each chain of ours ends in a jump to KUBE-PORTALS-CANARY, an empty chain of the same table.
+// A Manager rewrites every rule only when there is reason to: the first sync, a failed or
+// partial write since the last, changed rules, a change someone else made to ours, and at least
+// once per Options.RewritePeriod (an hour). The periodic Sync of an idle proxy only checks that
+// its rules are in place and writes nothing. With iptables-nft the check is one listing per
+// built-in chain we jump from, and one of each canary chain, whose reference count drops when
+// someone flushes or deletes one of our chains (a rule deleted inside a chain is repaired by
+// the hourly rewrite); with iptables-legacy, where every listing reads a whole table, it is
+// one iptables-save per table, compared rule by rule with what was written.
+//
 // After each sync a Manager with Options.Flows deletes the conntrack entries of UDP flows whose
-// portal changed (portal/conntrack), so that they meet the new rules.
+// portal changed (portal/conntrack), so that they meet the new rules: exactly those whose
+// original destination is the changed address and port (for a NodePort, each node address it
+// is served on), all of a sync's in one run of the conntrack tool, which is killed when it
+// takes too long.
 package portal
 
 import (
 	"cmp"
+	"errors"
 	"fmt"
-	"net"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy"
 	"net/netip"
 	"slices"
 	"strings"
@@ -44,6 +78,7 @@ const (
 	ChainNodePortHost      = "KUBE-NODEPORT-HOST"
 	ChainNodePortNonLocal  = "KUBE-NODEPORT-NON-LOCAL"
 	ChainPortalsFilter     = "KUBE-PORTALS-FILTER"
+	ChainProxyPorts        = "KUBE-PORTALS-PROXY-PORTS"
 	// chainProbe is a short-lived chain used to find out whether the kernel has the physdev match.
 	chainProbe = "KUBE-PORTALS-PROBE"
 )
@@ -54,39 +89,10 @@ const (
 	tableFilter = "filter"
 )
 
-// Action says what happens to new traffic to a portal.
-type Action int
-
-// Actions.
-const (
-	// Redirect sends new traffic to the proxy's listener (the zero value).
-	Redirect Action = iota
-	// Reject refuses new traffic: TCP connections get a reset, UDP datagrams an ICMP port
-	// unreachable; the client sees "connection refused" at once. For service ports without any
-	// endpoint.
-	Reject
-	// Drop silently drops new traffic. For externalTrafficPolicy (or internalTrafficPolicy) Local
-	// with no endpoint on this node.
-	Drop
-)
-
-// String returns "redirect", "reject" or "drop".
-func (a Action) String() string {
-	switch a {
-	case Redirect:
-		return "redirect"
-	case Reject:
-		return "reject"
-	case Drop:
-		return "drop"
-	}
-	return fmt.Sprintf("Action(%d)", int(a))
-}
-
 // Portal is one service port in one IP family. Addresses of the other family are ignored.
 type Portal struct {
 	// Comment names the service port in every rule: "namespace/name:port"
-	// (serviceport.Name.String()).
+	// (proxy.Name.String()).
 	Comment string
 	// Protocol is "tcp" or "udp".
 	Protocol string
@@ -98,15 +104,23 @@ type Portal struct {
 	ExternalIPs []netip.Addr
 	// LoadBalancerIPs are the load balancer's ingress IPs.
 	LoadBalancerIPs []netip.Addr
+	// LoadBalancerSourceRanges, when not empty, are the only sources whose traffic to the
+	// LoadBalancerIPs is served (spec.loadBalancerSourceRanges); new traffic to them from other
+	// sources is dropped, as kube-proxy does. Only valid prefixes of the portal's family match
+	// anything: a list without one lets no source in. Nil: every source. The node's own traffic
+	// is a source like any other; when a range holds Config.HostIP (Config.BindIP when set),
+	// traffic from the load-balancer IPs themselves is let in too (a VIP the node holds is the
+	// source of the node's own packets to it).
+	LoadBalancerSourceRanges []netip.Prefix
 	// NodePort is the service's node port; 0 for none.
 	NodePort int
 	// ProxyPort is the port of the proxy's listener for this service port. It may be 0 only when
 	// neither Internal nor External is Redirect.
 	ProxyPort int
 	// Internal is what to do with new traffic to ClusterIP.
-	Internal Action
+	Internal proxy.Action
 	// External is what to do with new traffic to the NodePort, externalIPs and load-balancer IPs.
-	External Action
+	External proxy.Action
 }
 
 // Validate reports the first invalid field of p, naming the portal and the field.
@@ -121,11 +135,11 @@ func (p Portal) Validate() error {
 		return bad("port", "%d out of range 1..65535", p.Port)
 	case p.NodePort < 0 || p.NodePort > 65535:
 		return bad("nodePort", "%d out of range 0..65535", p.NodePort)
-	case p.Internal < Redirect || p.Internal > Drop:
+	case p.Internal < proxy.Redirect || p.Internal > proxy.Drop:
 		return bad("internal", "unknown action %d", int(p.Internal))
-	case p.External < Redirect || p.External > Drop:
+	case p.External < proxy.Redirect || p.External > proxy.Drop:
 		return bad("external", "unknown action %d", int(p.External))
-	case (p.Internal == Redirect || p.External == Redirect) && (p.ProxyPort < 1 || p.ProxyPort > 65535):
+	case (p.Internal == proxy.Redirect || p.External == proxy.Redirect) && (p.ProxyPort < 1 || p.ProxyPort > 65535):
 		return bad("proxyPort", "%d out of range 1..65535", p.ProxyPort)
 	}
 	return nil
@@ -171,8 +185,8 @@ type Host struct {
 func NodePortIPs(family iptables.Family, prefixes []netip.Prefix, addrs []netip.Addr) (ips []netip.Addr, all bool) {
 	var mine []netip.Prefix
 	for _, p := range prefixes {
-		p = netip.PrefixFrom(p.Addr().Unmap(), p.Bits()).Masked()
-		if !p.IsValid() || !inFamily(family, p.Addr()) {
+		p, ok := prefixIn(family, p)
+		if !ok {
 			continue
 		}
 		if p.Bits() == 0 {
@@ -199,28 +213,50 @@ func NodePortIPs(family iptables.Family, prefixes []netip.Prefix, addrs []netip.
 	return slices.Compact(ips), false
 }
 
-// InterfaceAddrs returns the addresses of all the node's interfaces (net.InterfaceAddrs).
-func InterfaceAddrs() ([]netip.Addr, error) {
-	addrs, err := net.InterfaceAddrs()
-	if err != nil {
-		return nil, fmt.Errorf("list interface addresses: %w", err)
+// NodePortListenAddrs returns where a server for NodePort traffic listens (healthCheckNodePort
+// servers): nil (every address) when prefixes is empty; otherwise, per family that has a prefix,
+// the unspecified address when the family's prefix is /0, else the addresses of node inside the
+// prefixes. It fails when no address matches.
+func NodePortListenAddrs(prefixes []netip.Prefix, node []netip.Addr) ([]netip.Addr, error) {
+	if len(prefixes) == 0 {
+		return nil, nil
 	}
-	out := make([]netip.Addr, 0, len(addrs))
-	for _, a := range addrs {
-		var ip net.IP
-		switch v := a.(type) {
-		case *net.IPNet:
-			ip = v.IP
-		case *net.IPAddr:
-			ip = v.IP
-		default:
+	var out []netip.Addr
+	for _, fam := range []iptables.Family{iptables.IPv4, iptables.IPv6} {
+		if !slices.ContainsFunc(prefixes, func(p netip.Prefix) bool { _, ok := prefixIn(fam, p); return ok }) {
 			continue
 		}
-		if addr, ok := netip.AddrFromSlice(ip); ok {
-			out = append(out, addr.Unmap())
+		ips, all := NodePortIPs(fam, prefixes, node)
+		switch {
+		case all && fam == iptables.IPv4:
+			out = append(out, netip.IPv4Unspecified())
+		case all:
+			out = append(out, netip.IPv6Unspecified())
+		default:
+			out = append(out, ips...)
 		}
 	}
+	if len(out) == 0 {
+		return nil, errors.New("no node address matches --nodeport-addresses")
+	}
 	return out, nil
+}
+
+// prefixIn returns p masked, as a prefix of family f, and whether it is one: an IPv4-mapped IPv6
+// prefix of at least 96 bits ("::ffff:10.244.0.0/112") is the IPv4 prefix it maps
+// (10.244.0.0/16), as addresses are unmapped everywhere.
+func prefixIn(f iptables.Family, p netip.Prefix) (netip.Prefix, bool) {
+	if !p.IsValid() {
+		return netip.Prefix{}, false
+	}
+	p = p.Masked()
+	if a := p.Addr(); a.Is4In6() && p.Bits() >= 96 {
+		p = netip.PrefixFrom(a.Unmap(), p.Bits()-96)
+	}
+	if a := p.Addr(); f == iptables.IPv6 && !a.Is6() || f == iptables.IPv4 && !a.Is4() {
+		return netip.Prefix{}, false
+	}
+	return p, true
 }
 
 func inFamily(f iptables.Family, a netip.Addr) bool {

@@ -1,11 +1,13 @@
 package portal
 
 import (
+	"cmp"
 	"net/netip"
 	"slices"
 	"strconv"
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/iptables"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy"
 )
 
 // natChains and filterChains list our chains per table.
@@ -13,7 +15,9 @@ func natChains() []string {
 	return []string{ChainPortalsContainer, ChainPortalsHost, ChainNodePortContainer, ChainNodePortHost}
 }
 
-func filterChains() []string { return []string{ChainNodePortNonLocal, ChainPortalsFilter} }
+func filterChains() []string {
+	return []string{ChainNodePortNonLocal, ChainPortalsFilter, ChainProxyPorts}
+}
 
 // Render returns the iptables-restore input (the lines between "*table" and "COMMIT") that sets
 // our nat and filter chains to exactly what portals need. Output is deterministic: portals are
@@ -43,13 +47,14 @@ func Render(cfg Config, host Host, portals []Portal) (nat, filter []byte) {
 	r.nh = make([]byte, 0, 170*nodePorts*perNodePort)
 	r.nl = make([]byte, 0, 170*nodePorts)
 	r.pf = make([]byte, 0, 1024)
+	r.pp = make([]byte, 0, 170*len(order))
 	for _, p := range order {
 		r.portal(p)
 	}
 	nat = declare(make([]byte, 0, len(r.pc)+len(r.ph)+len(r.nc)+len(r.nh)+256), natChains())
 	nat = append(append(append(append(nat, r.pc...), r.ph...), r.nc...), r.nh...)
-	filter = declare(make([]byte, 0, len(r.nl)+len(r.pf)+128), filterChains())
-	filter = append(append(filter, r.nl...), r.pf...)
+	filter = declare(make([]byte, 0, len(r.nl)+len(r.pf)+len(r.pp)+160), filterChains())
+	filter = append(append(append(filter, r.nl...), r.pf...), r.pp...)
 	return nat, filter
 }
 
@@ -80,6 +85,7 @@ type renderer struct {
 	pc, ph      []byte // KUBE-PORTALS-CONTAINER, KUBE-PORTALS-HOST
 	nc, nh      []byte // KUBE-NODEPORT-CONTAINER, KUBE-NODEPORT-HOST
 	nl, pf      []byte // KUBE-NODEPORT-NON-LOCAL, KUBE-PORTALS-FILTER
+	pp          []byte // KUBE-PORTALS-PROXY-PORTS
 	comment     string // per portal: the quoted comment
 	containerTg []byte // per portal: "-j REDIRECT --to-ports N" or "-j DNAT --to-destination bind:N"
 	hostTg      []byte // per portal: "-j DNAT --to-destination host:N"
@@ -94,8 +100,8 @@ func newRenderer(cfg Config, host Host) *renderer {
 	}
 	r.nodeIPs, r.allNodeIPs = NodePortIPs(cfg.Family, cfg.NodePortAddresses, host.NodeIPs)
 	for _, c := range cfg.ClusterCIDRs {
-		if inFamily(cfg.Family, c.Addr()) {
-			r.podCIDRs = append(r.podCIDRs, c.Masked())
+		if c, ok := prefixIn(cfg.Family, c); ok {
+			r.podCIDRs = append(r.podCIDRs, anySource(c))
 		}
 	}
 	r.reject = []byte("-j REJECT --reject-with icmp-port-unreachable")
@@ -190,9 +196,9 @@ func (r *renderer) setTargets(p *Portal) {
 // deny returns the filter target for a (non-redirect) action and protocol. TCP is refused with a
 // reset: ICMP errors are rate-limited per destination (and share their budget with ICMP
 // redirects), so under a burst of connections some would wait for a SYN timeout instead.
-func (r *renderer) deny(a Action, protocol string) []byte {
+func (r *renderer) deny(a proxy.Action, protocol string) []byte {
 	switch {
-	case a == Drop:
+	case a == proxy.Drop:
 		return r.drop
 	case protocol == "tcp":
 		return r.rejectTCP
@@ -208,14 +214,26 @@ func (r *renderer) portal(p *Portal) {
 	// locally generated packets, and their DNAT happens before the filter drop rules look. Traffic
 	// from pods (Config.ClusterCIDRs) is redirected in the CONTAINER chains likewise, before the
 	// filter table could drop it.
-	hostShortCircuit := p.External == Drop && p.ProxyPort > 0
-	if p.Internal == Redirect || p.External == Redirect || hostShortCircuit {
+	hostShortCircuit := p.External == proxy.Drop && p.ProxyPort > 0
+	if p.Internal == proxy.Redirect || p.External == proxy.Redirect || hostShortCircuit {
 		r.setTargets(p)
+	}
+
+	// The proxy port serves only traffic a portal rule sent there: conntrack marks what a
+	// REDIRECT or DNAT (in PREROUTING or OUTPUT) rewrote, and anything else, from elsewhere or
+	// from the node itself, is refused as if nothing listened. A listener bound to one address
+	// leaves the port free on the others, for other programs: only that address is guarded.
+	if p.ProxyPort > 0 {
+		var dst netip.Addr
+		if !r.bindAll {
+			dst = r.hostDst
+		}
+		r.pp = r.rule(r.pp, ChainProxyPorts, dst, p, p.ProxyPort, "-m conntrack ! --ctstate DNAT", r.deny(proxy.Reject, p.Protocol))
 	}
 
 	// ClusterIP.
 	if cip := p.ClusterIP.Unmap(); inFamily(r.cfg.Family, cip) {
-		if p.Internal == Redirect {
+		if p.Internal == proxy.Redirect {
 			r.pc = r.rule(r.pc, ChainPortalsContainer, cip, p, p.Port, "", r.containerTg)
 			r.ph = r.rule(r.ph, ChainPortalsHost, cip, p, p.Port, "", r.hostTg)
 		} else {
@@ -223,16 +241,47 @@ func (r *renderer) portal(p *Portal) {
 		}
 	}
 
-	// Load-balancer IPs: like the ClusterIP, but external traffic.
-	for _, ip := range r.addrs(p.LoadBalancerIPs) {
-		if p.External == Redirect {
-			r.pc = r.rule(r.pc, ChainPortalsContainer, ip, p, p.Port, "", r.containerTg)
-			r.ph = r.rule(r.ph, ChainPortalsHost, ip, p, p.Port, "", r.hostTg)
-		} else {
-			r.pf = r.rule(r.pf, ChainPortalsFilter, ip, p, p.Port, "", r.deny(p.External, p.Protocol))
-			if hostShortCircuit {
-				r.ph = r.rule(r.ph, ChainPortalsHost, ip, p, p.Port, "", r.hostTg)
-				r.pc = r.podRules(r.pc, ChainPortalsContainer, ip, p, p.Port, r.containerTg)
+	// Load-balancer IPs: like the ClusterIP, but external traffic, and only from the source
+	// ranges when there are any: traffic from elsewhere is not redirected and meets a DROP in
+	// the filter table, as in kube-proxy's KUBE-PROXY-FIREWALL.
+	lbIPs := r.addrs(p.LoadBalancerIPs)
+	var ranges []netip.Prefix
+	restricted := len(p.LoadBalancerSourceRanges) > 0 && len(lbIPs) > 0
+	if restricted {
+		ranges = r.sourceRanges(p.LoadBalancerSourceRanges)
+		restricted = len(ranges) != 1 || ranges[0].IsValid() // a /0 lets every source in
+	}
+	for _, ip := range lbIPs {
+		srcs := []netip.Prefix{{}} // any source
+		if restricted {
+			srcs = ranges
+			if r.allowFromNode(ranges) {
+				srcs = append(slices.Clip(srcs), netip.PrefixFrom(ip, ip.BitLen()))
+			}
+		}
+		if p.External == proxy.Redirect {
+			for _, src := range srcs {
+				r.pc = r.ruleFrom(r.pc, ChainPortalsContainer, src, ip, p, p.Port, "", r.containerTg)
+			}
+			for _, src := range srcs {
+				r.ph = r.ruleFrom(r.ph, ChainPortalsHost, src, ip, p, p.Port, "", r.hostTg)
+			}
+			if restricted {
+				r.pf = r.rule(r.pf, ChainPortalsFilter, ip, p, p.Port, "", r.drop)
+			}
+			continue
+		}
+		r.pf = r.rule(r.pf, ChainPortalsFilter, ip, p, p.Port, "", r.deny(p.External, p.Protocol))
+		if hostShortCircuit {
+			for _, src := range srcs {
+				r.ph = r.ruleFrom(r.ph, ChainPortalsHost, src, ip, p, p.Port, "", r.hostTg)
+			}
+			for _, pod := range r.podCIDRs {
+				for _, src := range srcs {
+					if both, ok := intersect(pod, src); ok {
+						r.pc = r.ruleFrom(r.pc, ChainPortalsContainer, both, ip, p, p.Port, "", r.containerTg)
+					}
+				}
 			}
 		}
 	}
@@ -240,7 +289,7 @@ func (r *renderer) portal(p *Portal) {
 	// External IPs: from containers, traffic not bridged in (physdev) and traffic to a local
 	// external IP; from the node, only to a local external IP (others reach the real address).
 	for _, ip := range r.addrs(p.ExternalIPs) {
-		if p.External != Redirect {
+		if p.External != proxy.Redirect {
 			r.pf = r.rule(r.pf, ChainPortalsFilter, ip, p, p.Port, "", r.deny(p.External, p.Protocol))
 			if hostShortCircuit {
 				r.ph = r.rule(r.ph, ChainPortalsHost, ip, p, p.Port, "-m addrtype --dst-type LOCAL", r.hostTg)
@@ -261,7 +310,7 @@ func (r *renderer) portal(p *Portal) {
 	if p.NodePort == 0 {
 		return
 	}
-	if p.External != Redirect {
+	if p.External != proxy.Redirect {
 		if r.allNodeIPs {
 			r.pf = r.rule(r.pf, ChainPortalsFilter, netip.Addr{}, p, p.NodePort, "-m addrtype --dst-type LOCAL", r.deny(p.External, p.Protocol))
 		}
@@ -272,26 +321,100 @@ func (r *renderer) portal(p *Portal) {
 			if r.allNodeIPs {
 				r.nh = r.rule(r.nh, ChainNodePortHost, netip.Addr{}, p, p.NodePort, "", r.hostTg)
 				r.nc = r.podRules(r.nc, ChainNodePortContainer, netip.Addr{}, p, p.NodePort, r.containerTg)
+				r.nl = r.podAccepts(r.nl, netip.Addr{}, p)
 			}
 			for _, ip := range r.nodeIPs {
 				r.nh = r.rule(r.nh, ChainNodePortHost, ip, p, p.NodePort, "", r.hostTg)
 				r.nc = r.podRules(r.nc, ChainNodePortContainer, ip, p, p.NodePort, r.containerTg)
+				r.nl = r.podAccepts(r.nl, ip, p)
 			}
 		}
-		return
-	}
-	if !r.allNodeIPs && len(r.nodeIPs) == 0 {
 		return
 	}
 	if r.allNodeIPs {
 		r.nc = r.rule(r.nc, ChainNodePortContainer, netip.Addr{}, p, p.NodePort, "", r.containerTg)
 		r.nh = r.rule(r.nh, ChainNodePortHost, netip.Addr{}, p, p.NodePort, "", r.hostTg)
+		r.nl = r.rule(r.nl, ChainNodePortNonLocal, netip.Addr{}, p, p.ProxyPort, r.fromNodePort(netip.Addr{}, p.NodePort), r.accept)
 	}
 	for _, ip := range r.nodeIPs {
 		r.nc = r.rule(r.nc, ChainNodePortContainer, ip, p, p.NodePort, "", r.containerTg)
 		r.nh = r.rule(r.nh, ChainNodePortHost, ip, p, p.NodePort, "", r.hostTg)
+		r.nl = r.rule(r.nl, ChainNodePortNonLocal, netip.Addr{}, p, p.ProxyPort, r.fromNodePort(ip, p.NodePort), r.accept)
 	}
-	r.nl = r.rule(r.nl, ChainNodePortNonLocal, netip.Addr{}, p, p.ProxyPort, "-m state --state NEW", r.accept)
+}
+
+// fromNodePort returns the conntrack match of KUBE-NODEPORT-NON-LOCAL: traffic a NodePort rule
+// redirected (REDIRECT and DNAT both set conntrack's DNAT status) from nodePort on nodeIP (on
+// any address when nodeIP is the zero Addr), whatever address it was redirected to.
+func (r *renderer) fromNodePort(nodeIP netip.Addr, nodePort int) string {
+	s := "-m conntrack --ctstate DNAT"
+	if nodeIP.IsValid() {
+		s += " --ctorigdst " + nodeIP.String()
+	}
+	return s + " --ctorigdstport " + strconv.Itoa(nodePort)
+}
+
+// podAccepts appends the KUBE-NODEPORT-NON-LOCAL rules for the pod traffic that a Drop portal's
+// NodePort still redirects (see Config.ClusterCIDRs).
+func (r *renderer) podAccepts(b []byte, nodeIP netip.Addr, p *Portal) []byte {
+	for _, src := range r.podCIDRs {
+		b = r.ruleFrom(b, ChainNodePortNonLocal, src, netip.Addr{}, p, p.ProxyPort, r.fromNodePort(nodeIP, p.NodePort), r.accept)
+	}
+	return b
+}
+
+// sourceRanges returns the valid prefixes of our family in ps (IPv4-mapped ones unmapped), masked,
+// sorted, without duplicates; just the zero Prefix (any source: no -s match) when one is a /0.
+func (r *renderer) sourceRanges(ps []netip.Prefix) []netip.Prefix {
+	var out []netip.Prefix
+	for _, p := range ps {
+		if p, ok := prefixIn(r.cfg.Family, p); ok {
+			if p.Bits() == 0 {
+				return []netip.Prefix{{}} // every source
+			}
+			out = append(out, p)
+		}
+	}
+	slices.SortFunc(out, func(a, b netip.Prefix) int {
+		return cmp.Or(a.Addr().Compare(b.Addr()), cmp.Compare(a.Bits(), b.Bits()))
+	})
+	return slices.Compact(out)
+}
+
+// anySource returns p, or the zero Prefix (no -s match) for a /0, which iptables-save would not
+// print.
+func anySource(p netip.Prefix) netip.Prefix {
+	if p.Bits() == 0 {
+		return netip.Prefix{}
+	}
+	return p
+}
+
+// allowFromNode reports whether one of the source ranges holds the node's address (kube-proxy's
+// nodeIP: the host IP, or the bind IP when set).
+func (r *renderer) allowFromNode(ranges []netip.Prefix) bool {
+	for _, p := range ranges {
+		if p.Contains(r.hostDst) {
+			return true
+		}
+	}
+	return false
+}
+
+// intersect returns the addresses two prefixes share, which is one of them or nothing; the zero
+// Prefix stands for every address.
+func intersect(a, b netip.Prefix) (netip.Prefix, bool) {
+	switch {
+	case !b.IsValid():
+		return a, true
+	case !a.IsValid():
+		return b, true
+	case a.Bits() <= b.Bits() && a.Contains(b.Addr()):
+		return b, true
+	case b.Bits() <= a.Bits() && b.Contains(a.Addr()):
+		return a, true
+	}
+	return netip.Prefix{}, false
 }
 
 // addrs returns the addresses of our family in ips, unmapped, sorted, without duplicates.

@@ -1,6 +1,7 @@
 package portal
 
 import (
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy"
 	"net/netip"
 	"slices"
 	"strings"
@@ -11,7 +12,7 @@ import (
 
 const (
 	natDecl    = ":KUBE-PORTALS-CONTAINER - [0:0]\n:KUBE-PORTALS-HOST - [0:0]\n:KUBE-NODEPORT-CONTAINER - [0:0]\n:KUBE-NODEPORT-HOST - [0:0]\n"
-	filterDecl = ":KUBE-NODEPORT-NON-LOCAL - [0:0]\n:KUBE-PORTALS-FILTER - [0:0]\n"
+	filterDecl = ":KUBE-NODEPORT-NON-LOCAL - [0:0]\n:KUBE-PORTALS-FILTER - [0:0]\n:KUBE-PORTALS-PROXY-PORTS - [0:0]\n"
 )
 
 var (
@@ -24,6 +25,8 @@ func v6Config() Config { return Config{Family: iptables.IPv6, HostIP: a("fd00::5
 
 func TestRender(t *testing.T) {
 	web := Portal{Comment: "default/web:http", Protocol: "tcp", Port: 80, ClusterIP: a("10.96.0.10"), ProxyPort: 38023}
+	// webGuard refuses what no portal redirected to web's proxy port.
+	webGuard := `-A KUBE-PORTALS-PROXY-PORTS -p tcp -m comment --comment "default/web:http" -m tcp --dport 38023 -m conntrack ! --ctstate DNAT -j REJECT --reject-with tcp-reset`
 	tests := []struct {
 		name    string
 		cfg     Config
@@ -43,6 +46,9 @@ func TestRender(t *testing.T) {
 			nat: []string{
 				`-A KUBE-PORTALS-CONTAINER -d 10.96.0.10/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -j REDIRECT --to-ports 38023`,
 				`-A KUBE-PORTALS-HOST -d 10.96.0.10/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -j DNAT --to-destination 10.0.0.5:38023`,
+			},
+			filter: []string{
+				webGuard,
 			},
 		},
 		{
@@ -64,6 +70,12 @@ func TestRender(t *testing.T) {
 				`-A KUBE-PORTALS-HOST -d 10.96.0.2/32 -p udp -m comment --comment "kube-system/dns:dns" -m udp --dport 53 -j DNAT --to-destination 10.0.0.5:40001`,
 				`-A KUBE-PORTALS-HOST -d 10.96.0.2/32 -p tcp -m comment --comment "kube-system/dns:dns-tcp" -m tcp --dport 53 -j DNAT --to-destination 10.0.0.5:40002`,
 			},
+			filter: []string{
+				webGuard,
+				`-A KUBE-PORTALS-PROXY-PORTS -p tcp -m comment --comment "default/web:https" -m tcp --dport 38024 -m conntrack ! --ctstate DNAT -j REJECT --reject-with tcp-reset`,
+				`-A KUBE-PORTALS-PROXY-PORTS -p udp -m comment --comment "kube-system/dns:dns" -m udp --dport 40001 -m conntrack ! --ctstate DNAT -j REJECT --reject-with icmp-port-unreachable`,
+				`-A KUBE-PORTALS-PROXY-PORTS -p tcp -m comment --comment "kube-system/dns:dns-tcp" -m tcp --dport 40002 -m conntrack ! --ctstate DNAT -j REJECT --reject-with tcp-reset`,
+			},
 		},
 		{
 			name:    "externalIPs with physdev",
@@ -79,6 +91,9 @@ func TestRender(t *testing.T) {
 				`-A KUBE-PORTALS-HOST -d 192.0.2.7/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -m addrtype --dst-type LOCAL -j DNAT --to-destination 10.0.0.5:38023`,
 				`-A KUBE-PORTALS-HOST -d 192.0.2.9/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -m addrtype --dst-type LOCAL -j DNAT --to-destination 10.0.0.5:38023`,
 			},
+			filter: []string{
+				webGuard,
+			},
 		},
 		{
 			name:    "externalIPs without physdev",
@@ -88,6 +103,9 @@ func TestRender(t *testing.T) {
 			nat: []string{
 				`-A KUBE-PORTALS-CONTAINER -d 192.0.2.7/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -j REDIRECT --to-ports 38023`,
 				`-A KUBE-PORTALS-HOST -d 192.0.2.7/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -m addrtype --dst-type LOCAL -j DNAT --to-destination 10.0.0.5:38023`,
+			},
+			filter: []string{
+				webGuard,
 			},
 		},
 		{
@@ -104,6 +122,149 @@ func TestRender(t *testing.T) {
 				`-A KUBE-PORTALS-HOST -d 203.0.113.1/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -j DNAT --to-destination 10.0.0.5:38023`,
 				`-A KUBE-PORTALS-HOST -d 203.0.113.2/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -j DNAT --to-destination 10.0.0.5:38023`,
 			},
+			filter: []string{
+				webGuard,
+			},
+		},
+		{
+			name: "load-balancer source ranges: LB traffic from the ranges redirected, the rest dropped; other family's ranges ignored",
+			cfg:  v4Config(),
+			portals: []Portal{with(web, func(p *Portal) {
+				p.LoadBalancerIPs = []netip.Addr{a("203.0.113.1")}
+				p.LoadBalancerSourceRanges = []netip.Prefix{pfx("198.51.100.0/24"), pfx("2001:db8::/32"), pfx("192.0.2.7/16"), {}}
+			})},
+			nat: []string{
+				`-A KUBE-PORTALS-CONTAINER -d 10.96.0.10/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -j REDIRECT --to-ports 38023`,
+				`-A KUBE-PORTALS-CONTAINER -s 192.0.0.0/16 -d 203.0.113.1/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -j REDIRECT --to-ports 38023`,
+				`-A KUBE-PORTALS-CONTAINER -s 198.51.100.0/24 -d 203.0.113.1/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -j REDIRECT --to-ports 38023`,
+				`-A KUBE-PORTALS-HOST -d 10.96.0.10/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -j DNAT --to-destination 10.0.0.5:38023`,
+				`-A KUBE-PORTALS-HOST -s 192.0.0.0/16 -d 203.0.113.1/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -j DNAT --to-destination 10.0.0.5:38023`,
+				`-A KUBE-PORTALS-HOST -s 198.51.100.0/24 -d 203.0.113.1/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -j DNAT --to-destination 10.0.0.5:38023`,
+			},
+			filter: []string{
+				`-A KUBE-PORTALS-FILTER -d 203.0.113.1/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -j DROP`,
+				webGuard,
+			},
+		},
+		{
+			name: "load-balancer source ranges holding the node's address: the LB IPs themselves are sources too (kube-proxy)",
+			cfg:  v4Config(),
+			portals: []Portal{with(web, func(p *Portal) {
+				p.LoadBalancerIPs = []netip.Addr{a("203.0.113.2"), a("203.0.113.1")}
+				p.LoadBalancerSourceRanges = []netip.Prefix{pfx("10.0.0.0/24")}
+			})},
+			nat: []string{
+				`-A KUBE-PORTALS-CONTAINER -d 10.96.0.10/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -j REDIRECT --to-ports 38023`,
+				`-A KUBE-PORTALS-CONTAINER -s 10.0.0.0/24 -d 203.0.113.1/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -j REDIRECT --to-ports 38023`,
+				`-A KUBE-PORTALS-CONTAINER -s 203.0.113.1/32 -d 203.0.113.1/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -j REDIRECT --to-ports 38023`,
+				`-A KUBE-PORTALS-CONTAINER -s 10.0.0.0/24 -d 203.0.113.2/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -j REDIRECT --to-ports 38023`,
+				`-A KUBE-PORTALS-CONTAINER -s 203.0.113.2/32 -d 203.0.113.2/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -j REDIRECT --to-ports 38023`,
+				`-A KUBE-PORTALS-HOST -d 10.96.0.10/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -j DNAT --to-destination 10.0.0.5:38023`,
+				`-A KUBE-PORTALS-HOST -s 10.0.0.0/24 -d 203.0.113.1/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -j DNAT --to-destination 10.0.0.5:38023`,
+				`-A KUBE-PORTALS-HOST -s 203.0.113.1/32 -d 203.0.113.1/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -j DNAT --to-destination 10.0.0.5:38023`,
+				`-A KUBE-PORTALS-HOST -s 10.0.0.0/24 -d 203.0.113.2/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -j DNAT --to-destination 10.0.0.5:38023`,
+				`-A KUBE-PORTALS-HOST -s 203.0.113.2/32 -d 203.0.113.2/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -j DNAT --to-destination 10.0.0.5:38023`,
+			},
+			filter: []string{
+				`-A KUBE-PORTALS-FILTER -d 203.0.113.1/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -j DROP`,
+				`-A KUBE-PORTALS-FILTER -d 203.0.113.2/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -j DROP`,
+				webGuard,
+			},
+		},
+		{
+			name: "load-balancer source ranges without a valid one of the family: no source let in",
+			cfg:  v4Config(),
+			portals: []Portal{with(web, func(p *Portal) {
+				p.ClusterIP = netip.Addr{}
+				p.LoadBalancerIPs = []netip.Addr{a("203.0.113.1")}
+				p.LoadBalancerSourceRanges = []netip.Prefix{{}, pfx("2001:db8::/32")}
+			})},
+			filter: []string{
+				`-A KUBE-PORTALS-FILTER -d 203.0.113.1/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -j DROP`,
+				webGuard,
+			},
+		},
+		{
+			name: "load-balancer source ranges with Local policy and no local endpoint: the node and pods in range still redirected",
+			cfg: with(v4Config(), func(c *Config) {
+				c.ClusterCIDRs = []netip.Prefix{pfx("10.244.0.0/16")}
+			}),
+			portals: []Portal{with(web, func(p *Portal) {
+				p.LoadBalancerIPs = []netip.Addr{a("203.0.113.1")}
+				p.LoadBalancerSourceRanges = []netip.Prefix{pfx("10.244.3.0/24"), pfx("10.0.0.0/8"), pfx("198.51.100.0/24")}
+				p.External = proxy.Drop
+			})},
+			nat: []string{
+				`-A KUBE-PORTALS-CONTAINER -d 10.96.0.10/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -j REDIRECT --to-ports 38023`,
+				// The pod CIDR meets each range: the smaller of the two where they overlap (the LB
+				// IP's own range, for the node, holds no pod).
+				`-A KUBE-PORTALS-CONTAINER -s 10.244.0.0/16 -d 203.0.113.1/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -j REDIRECT --to-ports 38023`,
+				`-A KUBE-PORTALS-CONTAINER -s 10.244.3.0/24 -d 203.0.113.1/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -j REDIRECT --to-ports 38023`,
+				`-A KUBE-PORTALS-HOST -d 10.96.0.10/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -j DNAT --to-destination 10.0.0.5:38023`,
+				`-A KUBE-PORTALS-HOST -s 10.0.0.0/8 -d 203.0.113.1/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -j DNAT --to-destination 10.0.0.5:38023`,
+				`-A KUBE-PORTALS-HOST -s 10.244.3.0/24 -d 203.0.113.1/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -j DNAT --to-destination 10.0.0.5:38023`,
+				`-A KUBE-PORTALS-HOST -s 198.51.100.0/24 -d 203.0.113.1/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -j DNAT --to-destination 10.0.0.5:38023`,
+				`-A KUBE-PORTALS-HOST -s 203.0.113.1/32 -d 203.0.113.1/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -j DNAT --to-destination 10.0.0.5:38023`,
+			},
+			filter: []string{
+				`-A KUBE-PORTALS-FILTER -d 203.0.113.1/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -j DROP`,
+				webGuard,
+			},
+		},
+		{
+			// Found by FuzzRender: IPv6 text in IPv4 rules, which iptables-restore refuses, and
+			// with them the whole table.
+			name: "IPv4-mapped cluster CIDRs and source ranges are IPv4 prefixes",
+			cfg: with(v4Config(), func(c *Config) {
+				c.ClusterCIDRs = []netip.Prefix{pfx("::ffff:10.244.0.0/112"), pfx("::ffff:0:0/90")}
+			}),
+			portals: []Portal{with(web, func(p *Portal) {
+				p.ClusterIP = netip.Addr{}
+				p.LoadBalancerIPs = []netip.Addr{a("203.0.113.1")}
+				p.LoadBalancerSourceRanges = []netip.Prefix{pfx("::ffff:10.244.3.0/120")}
+				p.External = proxy.Drop
+			})},
+			nat: []string{
+				`-A KUBE-PORTALS-CONTAINER -s 10.244.3.0/24 -d 203.0.113.1/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -j REDIRECT --to-ports 38023`,
+				`-A KUBE-PORTALS-HOST -s 10.244.3.0/24 -d 203.0.113.1/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -j DNAT --to-destination 10.0.0.5:38023`,
+			},
+			filter: []string{
+				`-A KUBE-PORTALS-FILTER -d 203.0.113.1/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -j DROP`,
+				webGuard,
+			},
+		},
+		{
+			// Found by FuzzRender: "-s 0.0.0.0/0" loads, but iptables-save prints the rule
+			// without it.
+			name: "a /0 source range or cluster CIDR is no source match",
+			cfg: with(v4Config(), func(c *Config) {
+				c.ClusterCIDRs = []netip.Prefix{pfx("0.0.0.0/0")}
+			}),
+			portals: []Portal{
+				with(web, func(p *Portal) {
+					p.LoadBalancerIPs = []netip.Addr{a("203.0.113.1")}
+					p.LoadBalancerSourceRanges = []netip.Prefix{pfx("198.51.100.0/24"), pfx("0.0.0.0/0")}
+				}),
+				with(web, func(p *Portal) {
+					p.Comment = "default/www:http"
+					p.ClusterIP = netip.Addr{}
+					p.LoadBalancerIPs = []netip.Addr{a("203.0.113.2")}
+					p.External = proxy.Drop
+				}),
+			},
+			nat: []string{
+				`-A KUBE-PORTALS-CONTAINER -d 10.96.0.10/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -j REDIRECT --to-ports 38023`,
+				`-A KUBE-PORTALS-CONTAINER -d 203.0.113.1/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -j REDIRECT --to-ports 38023`,
+				`-A KUBE-PORTALS-CONTAINER -d 203.0.113.2/32 -p tcp -m comment --comment "default/www:http" -m tcp --dport 80 -j REDIRECT --to-ports 38023`,
+				`-A KUBE-PORTALS-HOST -d 10.96.0.10/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -j DNAT --to-destination 10.0.0.5:38023`,
+				`-A KUBE-PORTALS-HOST -d 203.0.113.1/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -j DNAT --to-destination 10.0.0.5:38023`,
+				`-A KUBE-PORTALS-HOST -d 203.0.113.2/32 -p tcp -m comment --comment "default/www:http" -m tcp --dport 80 -j DNAT --to-destination 10.0.0.5:38023`,
+			},
+			filter: []string{
+				`-A KUBE-PORTALS-FILTER -d 203.0.113.2/32 -p tcp -m comment --comment "default/www:http" -m tcp --dport 80 -j DROP`,
+				webGuard,
+				`-A KUBE-PORTALS-PROXY-PORTS -p tcp -m comment --comment "default/www:http" -m tcp --dport 38023 -m conntrack ! --ctstate DNAT -j REJECT --reject-with tcp-reset`,
+			},
 		},
 		{
 			name:    "NodePort on all local addresses",
@@ -116,7 +277,8 @@ func TestRender(t *testing.T) {
 				`-A KUBE-NODEPORT-HOST -p tcp -m comment --comment "default/web:http" -m tcp --dport 30080 -j DNAT --to-destination 10.0.0.5:38023`,
 			},
 			filter: []string{
-				`-A KUBE-NODEPORT-NON-LOCAL -p tcp -m comment --comment "default/web:http" -m tcp --dport 38023 -m state --state NEW -j ACCEPT`,
+				`-A KUBE-NODEPORT-NON-LOCAL -p tcp -m comment --comment "default/web:http" -m tcp --dport 38023 -m conntrack --ctstate DNAT --ctorigdstport 30080 -j ACCEPT`,
+				webGuard,
 			},
 		},
 		{
@@ -135,7 +297,10 @@ func TestRender(t *testing.T) {
 				`-A KUBE-NODEPORT-HOST -d 172.16.3.4/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 30080 -j DNAT --to-destination 10.0.0.5:38023`,
 			},
 			filter: []string{
-				`-A KUBE-NODEPORT-NON-LOCAL -p tcp -m comment --comment "default/web:http" -m tcp --dport 38023 -m state --state NEW -j ACCEPT`,
+				`-A KUBE-NODEPORT-NON-LOCAL -p tcp -m comment --comment "default/web:http" -m tcp --dport 38023 -m conntrack --ctstate DNAT --ctorigdst 10.0.0.5 --ctorigdstport 30080 -j ACCEPT`,
+				`-A KUBE-NODEPORT-NON-LOCAL -p tcp -m comment --comment "default/web:http" -m tcp --dport 38023 -m conntrack --ctstate DNAT --ctorigdst 10.0.0.7 --ctorigdstport 30080 -j ACCEPT`,
+				`-A KUBE-NODEPORT-NON-LOCAL -p tcp -m comment --comment "default/web:http" -m tcp --dport 38023 -m conntrack --ctstate DNAT --ctorigdst 172.16.3.4 --ctorigdstport 30080 -j ACCEPT`,
+				webGuard,
 			},
 		},
 		{
@@ -143,6 +308,9 @@ func TestRender(t *testing.T) {
 			cfg:     with(v4Config(), func(c *Config) { c.NodePortAddresses = []netip.Prefix{pfx("10.9.0.0/16")} }),
 			host:    Host{NodeIPs: []netip.Addr{a("10.0.0.5")}},
 			portals: []Portal{with(web, func(p *Portal) { p.ClusterIP = netip.Addr{}; p.NodePort = 30080 })},
+			filter: []string{
+				webGuard,
+			},
 		},
 		{
 			name:    "nodePortAddresses of the other family only: all local addresses",
@@ -153,7 +321,8 @@ func TestRender(t *testing.T) {
 				`-A KUBE-NODEPORT-HOST -p tcp -m comment --comment "default/web:http" -m tcp --dport 30080 -j DNAT --to-destination 10.0.0.5:38023`,
 			},
 			filter: []string{
-				`-A KUBE-NODEPORT-NON-LOCAL -p tcp -m comment --comment "default/web:http" -m tcp --dport 38023 -m state --state NEW -j ACCEPT`,
+				`-A KUBE-NODEPORT-NON-LOCAL -p tcp -m comment --comment "default/web:http" -m tcp --dport 38023 -m conntrack --ctstate DNAT --ctorigdstport 30080 -j ACCEPT`,
+				webGuard,
 			},
 		},
 		{
@@ -167,7 +336,9 @@ func TestRender(t *testing.T) {
 				`-A KUBE-NODEPORT-HOST -p tcp -m comment --comment "default/web:http" -m tcp --dport 30080 -j DNAT --to-destination 10.0.0.6:38023`,
 			},
 			filter: []string{
-				`-A KUBE-NODEPORT-NON-LOCAL -p tcp -m comment --comment "default/web:http" -m tcp --dport 38023 -m state --state NEW -j ACCEPT`,
+				`-A KUBE-NODEPORT-NON-LOCAL -p tcp -m comment --comment "default/web:http" -m tcp --dport 38023 -m conntrack --ctstate DNAT --ctorigdstport 30080 -j ACCEPT`,
+				// Only the bound address is guarded: the port is free on the others.
+				`-A KUBE-PORTALS-PROXY-PORTS -d 10.0.0.6/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 38023 -m conntrack ! --ctstate DNAT -j REJECT --reject-with tcp-reset`,
 			},
 		},
 		{
@@ -178,6 +349,9 @@ func TestRender(t *testing.T) {
 				`-A KUBE-PORTALS-CONTAINER -d 10.96.0.10/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -j REDIRECT --to-ports 38023`,
 				`-A KUBE-PORTALS-HOST -d 10.96.0.10/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -j DNAT --to-destination 10.0.0.5:38023`,
 			},
+			filter: []string{
+				webGuard,
+			},
 		},
 		{
 			name: "reject: no endpoints at all, every address and the NodePort",
@@ -187,7 +361,7 @@ func TestRender(t *testing.T) {
 				p.NodePort = 30053
 				p.ExternalIPs = []netip.Addr{a("192.0.2.7")}
 				p.LoadBalancerIPs = []netip.Addr{a("203.0.113.1")}
-				p.Internal, p.External = Reject, Reject
+				p.Internal, p.External = proxy.Reject, proxy.Reject
 				p.ProxyPort = 0
 			})},
 			filter: []string{
@@ -203,7 +377,7 @@ func TestRender(t *testing.T) {
 			portals: []Portal{with(web, func(p *Portal) {
 				p.NodePort = 30080
 				p.LoadBalancerIPs = []netip.Addr{a("203.0.113.1")}
-				p.External = Drop
+				p.External = proxy.Drop
 			})},
 			nat: []string{
 				`-A KUBE-PORTALS-CONTAINER -d 10.96.0.10/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -j REDIRECT --to-ports 38023`,
@@ -215,6 +389,7 @@ func TestRender(t *testing.T) {
 			filter: []string{
 				`-A KUBE-PORTALS-FILTER -d 203.0.113.1/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -j DROP`,
 				`-A KUBE-PORTALS-FILTER -p tcp -m comment --comment "default/web:http" -m tcp --dport 30080 -m addrtype --dst-type LOCAL -j DROP`,
+				webGuard,
 			},
 		},
 		{
@@ -226,7 +401,7 @@ func TestRender(t *testing.T) {
 				p.NodePort = 30080
 				p.LoadBalancerIPs = []netip.Addr{a("203.0.113.1")}
 				p.ExternalIPs = []netip.Addr{a("192.0.2.7")}
-				p.External = Drop
+				p.External = proxy.Drop
 			})},
 			nat: []string{
 				`-A KUBE-PORTALS-CONTAINER -d 10.96.0.10/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -j REDIRECT --to-ports 38023`,
@@ -239,9 +414,12 @@ func TestRender(t *testing.T) {
 				`-A KUBE-NODEPORT-HOST -p tcp -m comment --comment "default/web:http" -m tcp --dport 30080 -j DNAT --to-destination 10.0.0.5:38023`,
 			},
 			filter: []string{
+				// Pods' NodePort traffic, redirected, passes default-deny firewalls.
+				`-A KUBE-NODEPORT-NON-LOCAL -s 10.244.0.0/16 -p tcp -m comment --comment "default/web:http" -m tcp --dport 38023 -m conntrack --ctstate DNAT --ctorigdstport 30080 -j ACCEPT`,
 				`-A KUBE-PORTALS-FILTER -d 203.0.113.1/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -j DROP`,
 				`-A KUBE-PORTALS-FILTER -d 192.0.2.7/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -j DROP`,
 				`-A KUBE-PORTALS-FILTER -p tcp -m comment --comment "default/web:http" -m tcp --dport 30080 -m addrtype --dst-type LOCAL -j DROP`,
+				webGuard,
 			},
 		},
 		{
@@ -250,7 +428,7 @@ func TestRender(t *testing.T) {
 			host: Host{NodeIPs: []netip.Addr{a("10.0.0.5"), a("192.168.1.1")}},
 			portals: []Portal{with(web, func(p *Portal) {
 				p.NodePort = 30080
-				p.Internal, p.External = Redirect, Drop
+				p.Internal, p.External = proxy.Redirect, proxy.Drop
 			})},
 			nat: []string{
 				`-A KUBE-PORTALS-CONTAINER -d 10.96.0.10/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -j REDIRECT --to-ports 38023`,
@@ -259,6 +437,7 @@ func TestRender(t *testing.T) {
 			},
 			filter: []string{
 				`-A KUBE-PORTALS-FILTER -d 10.0.0.5/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 30080 -j DROP`,
+				webGuard,
 			},
 		},
 		{
@@ -266,15 +445,16 @@ func TestRender(t *testing.T) {
 			cfg:  v4Config(),
 			portals: []Portal{with(web, func(p *Portal) {
 				p.NodePort = 30080
-				p.Internal = Reject
+				p.Internal = proxy.Reject
 			})},
 			nat: []string{
 				`-A KUBE-NODEPORT-CONTAINER -p tcp -m comment --comment "default/web:http" -m tcp --dport 30080 -j REDIRECT --to-ports 38023`,
 				`-A KUBE-NODEPORT-HOST -p tcp -m comment --comment "default/web:http" -m tcp --dport 30080 -j DNAT --to-destination 10.0.0.5:38023`,
 			},
 			filter: []string{
-				`-A KUBE-NODEPORT-NON-LOCAL -p tcp -m comment --comment "default/web:http" -m tcp --dport 38023 -m state --state NEW -j ACCEPT`,
+				`-A KUBE-NODEPORT-NON-LOCAL -p tcp -m comment --comment "default/web:http" -m tcp --dport 38023 -m conntrack --ctstate DNAT --ctorigdstport 30080 -j ACCEPT`,
 				`-A KUBE-PORTALS-FILTER -d 10.96.0.10/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -j REJECT --reject-with tcp-reset`,
+				webGuard,
 			},
 		},
 		{
@@ -283,7 +463,7 @@ func TestRender(t *testing.T) {
 			portals: []Portal{
 				{Comment: "default/web:http", Protocol: "tcp", Port: 80, ClusterIP: a("fd00:96::10"), ProxyPort: 38023, NodePort: 30080,
 					ExternalIPs: []netip.Addr{a("2001:db8::7"), a("192.0.2.7")}},
-				{Comment: "default/dns:dns", Protocol: "udp", Port: 53, ClusterIP: a("fd00:96::2"), Internal: Reject, External: Reject},
+				{Comment: "default/dns:dns", Protocol: "udp", Port: 53, ClusterIP: a("fd00:96::2"), Internal: proxy.Reject, External: proxy.Reject},
 				{Comment: "default/v4only:x", Protocol: "tcp", Port: 1, ClusterIP: a("10.96.0.1"), ProxyPort: 1000},
 			},
 			nat: []string{
@@ -296,8 +476,10 @@ func TestRender(t *testing.T) {
 				`-A KUBE-NODEPORT-HOST -p tcp -m comment --comment "default/web:http" -m tcp --dport 30080 -j DNAT --to-destination [fd00::5]:38023`,
 			},
 			filter: []string{
-				`-A KUBE-NODEPORT-NON-LOCAL -p tcp -m comment --comment "default/web:http" -m tcp --dport 38023 -m state --state NEW -j ACCEPT`,
+				`-A KUBE-NODEPORT-NON-LOCAL -p tcp -m comment --comment "default/web:http" -m tcp --dport 38023 -m conntrack --ctstate DNAT --ctorigdstport 30080 -j ACCEPT`,
 				`-A KUBE-PORTALS-FILTER -d fd00:96::2/128 -p udp -m comment --comment "default/dns:dns" -m udp --dport 53 -j REJECT --reject-with icmp6-port-unreachable`,
+				`-A KUBE-PORTALS-PROXY-PORTS -p tcp -m comment --comment "default/v4only:x" -m tcp --dport 1000 -m conntrack ! --ctstate DNAT -j REJECT --reject-with tcp-reset`,
+				webGuard,
 			},
 		},
 		{
@@ -309,6 +491,10 @@ func TestRender(t *testing.T) {
 			nat: []string{
 				`-A KUBE-PORTALS-CONTAINER -d fd00:96::10/128 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -j DNAT --to-destination [fd00::6]:38023`,
 				`-A KUBE-PORTALS-HOST -d fd00:96::10/128 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -j DNAT --to-destination [fd00::6]:38023`,
+			},
+			filter: []string{
+				// Only the bound address is guarded: the port is free on the others.
+				`-A KUBE-PORTALS-PROXY-PORTS -d fd00::6/128 -p tcp -m comment --comment "default/web:http" -m tcp --dport 38023 -m conntrack ! --ctstate DNAT -j REJECT --reject-with tcp-reset`,
 			},
 		},
 		{
@@ -323,6 +509,9 @@ func TestRender(t *testing.T) {
 			nat: []string{
 				`-A KUBE-PORTALS-CONTAINER -d 10.96.0.10/32 -p tcp -m comment --comment "ok/svc:p" -m tcp --dport 80 -j REDIRECT --to-ports 38023`,
 				`-A KUBE-PORTALS-HOST -d 10.96.0.10/32 -p tcp -m comment --comment "ok/svc:p" -m tcp --dport 80 -j DNAT --to-destination 10.0.0.5:38023`,
+			},
+			filter: []string{
+				`-A KUBE-PORTALS-PROXY-PORTS -p tcp -m comment --comment "ok/svc:p" -m tcp --dport 38023 -m conntrack ! --ctstate DNAT -j REJECT --reject-with tcp-reset`,
 			},
 		},
 	}
@@ -354,6 +543,7 @@ func with[T any](v T, f func(*T)) T {
 func portalEqual(x, y Portal) bool {
 	return x.Comment == y.Comment && x.Protocol == y.Protocol && x.Port == y.Port && x.ClusterIP == y.ClusterIP &&
 		slices.Equal(x.ExternalIPs, y.ExternalIPs) && slices.Equal(x.LoadBalancerIPs, y.LoadBalancerIPs) &&
+		slices.Equal(x.LoadBalancerSourceRanges, y.LoadBalancerSourceRanges) &&
 		x.NodePort == y.NodePort && x.ProxyPort == y.ProxyPort && x.Internal == y.Internal && x.External == y.External
 }
 
@@ -403,6 +593,10 @@ func TestNodePortIPs(t *testing.T) {
 		{name: "matches nothing", family: iptables.IPv4, prefixes: []netip.Prefix{pfx("172.16.0.0/12")}},
 		{name: "v6", family: iptables.IPv6, prefixes: []netip.Prefix{pfx("10.0.0.0/8"), pfx("fd00::/64")}, want: []netip.Addr{a("fd00::5")}},
 		{name: "v6 zero prefix", family: iptables.IPv6, prefixes: []netip.Prefix{pfx("::/0")}, wantAll: true},
+		// Found by FuzzRender's generator: an IPv4-mapped prefix was dropped, selecting every address.
+		{name: "IPv4-mapped prefix is the IPv4 prefix", family: iptables.IPv4, prefixes: []netip.Prefix{pfx("::ffff:10.0.0.0/120")},
+			want: []netip.Addr{a("10.0.0.5"), a("10.0.0.9")}},
+		{name: "IPv4-mapped prefix is not IPv6", family: iptables.IPv6, prefixes: []netip.Prefix{pfx("::ffff:10.0.0.0/120")}, wantAll: true},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
@@ -422,13 +616,13 @@ func TestPortalValidate(t *testing.T) {
 		field string // "" = valid
 	}{
 		{name: "valid", p: ok},
-		{name: "reject needs no proxy port", p: with(ok, func(p *Portal) { p.ProxyPort = 0; p.Internal, p.External = Reject, Drop })},
+		{name: "reject needs no proxy port", p: with(ok, func(p *Portal) { p.ProxyPort = 0; p.Internal, p.External = proxy.Reject, proxy.Drop })},
 		{name: "sctp", p: with(ok, func(p *Portal) { p.Protocol = "sctp" }), field: "protocol"},
 		{name: "upper-case protocol", p: with(ok, func(p *Portal) { p.Protocol = "TCP" }), field: "protocol"},
 		{name: "port 0", p: with(ok, func(p *Portal) { p.Port = 0 }), field: "port"},
 		{name: "nodePort too big", p: with(ok, func(p *Portal) { p.NodePort = 65536 }), field: "nodePort"},
-		{name: "redirect needs proxy port", p: with(ok, func(p *Portal) { p.ProxyPort = 0; p.Internal = Reject }), field: "proxyPort"},
-		{name: "unknown action", p: with(ok, func(p *Portal) { p.External = Action(7) }), field: "external"},
+		{name: "redirect needs proxy port", p: with(ok, func(p *Portal) { p.ProxyPort = 0; p.Internal = proxy.Reject }), field: "proxyPort"},
+		{name: "unknown action", p: with(ok, func(p *Portal) { p.External = proxy.Action(7) }), field: "external"},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {

@@ -8,9 +8,18 @@
 // sent to a proxy port that no longer exists (after a restart, or a protocol change), or past
 // the rules entirely (its first datagram came before the rules existed), for as long as it keeps
 // asking. Deleting the entries makes the next datagram a new flow that meets the current rules.
+//
+// Deletions are exact, batched and bounded: every filter names the protocol (UDP), the original
+// destination address and the original destination port, so no flow of another service, another
+// address or another protocol goes; all of a call's filters go to one conntrack run (`conntrack
+// -R -`, conntrack-tools 1.4.7 and later, reading one `-D` command per line), or, with an older
+// tool, to one run per filter; and every run is killed when it exceeds Tool.Timeout. The tool
+// runs in the network namespace of the calling thread.
 package conntrack
 
 import (
+	"bytes"
+	"context"
 	"errors"
 	"fmt"
 	"net/netip"
@@ -18,41 +27,128 @@ import (
 	"regexp"
 	"strconv"
 	"strings"
+	"sync"
+	"time"
 )
 
-// Tool runs the conntrack command-line tool. The zero value uses "conntrack" from PATH.
+// Defaults of Tool.
+const (
+	// DefaultTimeout bounds one conntrack run.
+	DefaultTimeout = 5 * time.Second
+)
+
+// Tool runs the conntrack command-line tool. The zero value uses "conntrack" from PATH. A Tool
+// must not be copied after first use; its methods may be called concurrently.
 type Tool struct {
 	// Path is the conntrack binary; empty means "conntrack".
 	Path string
+	// Timeout bounds each run of the tool (it is killed then); zero means DefaultTimeout.
+	Timeout time.Duration
+
+	mu      sync.Mutex
+	noBatch bool // the tool does not know -R: one run per filter
 }
 
 var deletedRE = regexp.MustCompile(`(\d+) flow entries have been deleted`)
 
-// DeleteUDP deletes the UDP flows whose original destination is dst (any address of dst's family
-// when dst is the unspecified address) and port, and returns how many it deleted.
-func (t Tool) DeleteUDP(dst netip.Addr, port int) (int, error) {
-	dst = dst.Unmap()
-	family := "ipv4"
-	if dst.Is6() {
-		family = "ipv6"
+// DeleteUDP deletes the UDP flows whose original destination is exactly one of dsts (address and
+// port; IPv4-mapped addresses count as IPv4) in as few runs of the tool as it can. A run that
+// fails or times out is reported in the error; the other filters are still applied.
+func (t *Tool) DeleteUDP(dsts []netip.AddrPort) error {
+	if len(dsts) == 0 {
+		return nil
 	}
-	args := []string{"-D", "-p", "udp", "-f", family, "--orig-port-dst", strconv.Itoa(port)}
-	if !dst.IsUnspecified() {
-		args = append(args, "--orig-dst", dst.String())
+	filters := make([][]string, 0, len(dsts))
+	for _, d := range dsts {
+		addr := d.Addr().Unmap()
+		if !addr.IsValid() || addr.IsUnspecified() || d.Port() == 0 {
+			return fmt.Errorf("conntrack: delete UDP flows: %v is not an address and port", d)
+		}
+		family := "ipv4"
+		if addr.Is6() {
+			family = "ipv6"
+		}
+		filters = append(filters, []string{"-D", "-p", "udp", "-f", family, "--orig-dst", addr.WithZone("").String(),
+			"--orig-port-dst", strconv.Itoa(int(d.Port()))})
+	}
+	t.mu.Lock()
+	batch := !t.noBatch
+	t.mu.Unlock()
+	if batch {
+		err := t.batch(filters)
+		if !errors.Is(err, errNoBatch) {
+			return err
+		}
+		t.mu.Lock()
+		t.noBatch = true
+		t.mu.Unlock()
+	}
+	return t.each(filters)
+}
+
+var errNoBatch = errors.New("conntrack cannot read commands from a file (-R): older than conntrack-tools 1.4.7")
+
+// batch runs every filter in one `conntrack -R -`.
+func (t *Tool) batch(filters [][]string) error {
+	var in bytes.Buffer
+	for _, f := range filters {
+		in.WriteString(strings.Join(f, " "))
+		in.WriteByte('\n')
+	}
+	out, err := t.run(&in, "-R", "-")
+	if err == nil {
+		return nil
+	}
+	var ee *exec.ExitError
+	if errors.As(err, &ee) && strings.Contains(out, "option") && (strings.Contains(out, "`-R'") || strings.Contains(out, "'-R'") || strings.Contains(out, "-- 'R'")) {
+		return errNoBatch
+	}
+	return fmt.Errorf("conntrack -R - (%d filters, first %q): %w: %s", len(filters), strings.Join(filters[0], " "), err, out)
+}
+
+// each runs one `conntrack -D` per filter, one after the other. Not concurrently: a child
+// process runs in the network namespace of the thread that starts it, which only the calling
+// goroutine's is known to be (tests run the tool inside namespaces).
+func (t *Tool) each(filters [][]string) error {
+	var errs []error
+	for _, f := range filters {
+		out, err := t.run(nil, f...)
+		// It exits with status 1 when nothing matched: that is not a failure here.
+		if deletedRE.MatchString(out) {
+			continue
+		}
+		if err == nil {
+			err = errors.New("no count of deleted entries in its output")
+		}
+		errs = append(errs, fmt.Errorf("conntrack %s: %w: %s", strings.Join(f, " "), err, out))
+	}
+	return errors.Join(errs...)
+}
+
+// run runs the tool with args (and stdin, if not nil) within Timeout and returns its output,
+// trimmed.
+func (t *Tool) run(stdin *bytes.Buffer, args ...string) (string, error) {
+	timeout := t.Timeout
+	if timeout <= 0 {
+		timeout = DefaultTimeout
 	}
 	path := t.Path
 	if path == "" {
 		path = "conntrack"
 	}
-	out, err := exec.Command(path, args...).CombinedOutput()
-	m := deletedRE.FindSubmatch(out)
-	if m == nil {
-		if err == nil {
-			err = errors.New("no count of deleted entries in its output")
-		}
-		return 0, fmt.Errorf("conntrack %s: %w: %s", strings.Join(args, " "), err, strings.TrimSpace(string(out)))
+	ctx, cancel := context.WithTimeout(context.Background(), timeout)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, path, args...)
+	if stdin != nil {
+		cmd.Stdin = stdin
 	}
-	// It exits with status 1 when nothing matched: that is not a failure here.
-	n, _ := strconv.Atoi(string(m[1]))
-	return n, nil
+	var out bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &out, &out
+	// A killed run's children may hold its output open: stop waiting for them soon after.
+	cmd.WaitDelay = time.Second
+	err := cmd.Run()
+	if ctx.Err() != nil {
+		err = fmt.Errorf("timed out after %v: %w", timeout, errors.Join(ctx.Err(), err))
+	}
+	return strings.TrimSpace(out.String()), err
 }

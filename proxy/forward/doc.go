@@ -24,5 +24,11 @@
 // lookup once per new UDP session (UDP has no SO_ORIGINAL_DST, and IP_RECVORIGDSTADDR reports
 // the NATed destination, not the original one, except under TPROXY).
 //
+// Hand-over (handover.go, handover_udp.go): Freeze stops a proxy at a safe point and exports
+// its listening socket and every connection or session as plain data plus duplicated
+// descriptors, including the bytes a copier had read but not yet written (drained from the
+// splice pipe); Adopt, on a fresh proxy of this process or another, carries on from there, and
+// Release lets the frozen proxy close its own descriptors without touching the sockets.
+//
 // The package is Linux-only (splice, SO_ORIGINAL_DST, IP_ORIGDSTADDR).
 package forward

@@ -57,6 +57,9 @@ type Metrics interface {
 	// ConnFailed: a TCP connection ended without reaching an endpoint (no endpoint, every
 	// dial failed, or the proxy was shut down while dialling).
 	ConnFailed()
+	// ConnRefused: a TCP connection was reset at once, because the port was at its connection
+	// limit or the data path's descriptor budget was spent. It is not counted as accepted.
+	ConnRefused()
 	// DialFailed: connecting to endpoint failed (TCP dial, or a UDP endpoint that answered
 	// with ICMP port unreachable).
 	DialFailed(endpoint netip.AddrPort)
@@ -69,6 +72,9 @@ type Metrics interface {
 	// DatagramDropped: a UDP datagram from a client could not be forwarded (no endpoint, or
 	// the session's socket could not be created or written).
 	DatagramDropped()
+	// UDPSessionEvicted: the longest-idle session was ended early to make room for a new one
+	// (the port's session limit or the descriptor budget). UDPSessionClosed follows.
+	UDPSessionEvicted()
 }
 
 // noMetrics is the Metrics used when none is configured.
@@ -77,6 +83,8 @@ type noMetrics struct{}
 func (noMetrics) ConnAccepted()              {}
 func (noMetrics) ConnClosed()                {}
 func (noMetrics) ConnFailed()                {}
+func (noMetrics) ConnRefused()               {}
+func (noMetrics) UDPSessionEvicted()         {}
 func (noMetrics) DialFailed(netip.AddrPort)  {}
 func (noMetrics) BytesCopied(to, from int64) {}
 func (noMetrics) UDPSessionOpened()          {}

@@ -32,6 +32,8 @@ func TestMain(m *testing.M) {
 		os.Exit(spliceChild())
 	case "emfile":
 		os.Exit(emfileChild())
+	case "adopt":
+		os.Exit(adoptChild())
 	default:
 		fmt.Fprintf(os.Stderr, "unknown %s=%q\n", childEnv, helper)
 		os.Exit(2)
@@ -170,6 +172,7 @@ type metricsSnapshot struct {
 	dialFailed                              []netip.AddrPort
 	toEndpoint, fromEndpoint                int64
 	sessionsOpened, sessionsClosed, dropped int
+	refused, evicted                        int
 }
 
 // fakeMetrics counts the events it receives.
@@ -192,6 +195,10 @@ func (m *fakeMetrics) ConnFailed()       { m.update(func(s *metricsSnapshot) { s
 func (m *fakeMetrics) UDPSessionOpened() { m.update(func(s *metricsSnapshot) { s.sessionsOpened++ }) }
 func (m *fakeMetrics) UDPSessionClosed() { m.update(func(s *metricsSnapshot) { s.sessionsClosed++ }) }
 func (m *fakeMetrics) DatagramDropped()  { m.update(func(s *metricsSnapshot) { s.dropped++ }) }
+func (m *fakeMetrics) ConnRefused()      { m.update(func(s *metricsSnapshot) { s.refused++ }) }
+func (m *fakeMetrics) UDPSessionEvicted() {
+	m.update(func(s *metricsSnapshot) { s.evicted++ })
+}
 func (m *fakeMetrics) DialFailed(ep netip.AddrPort) {
 	m.update(func(s *metricsSnapshot) { s.dialFailed = append(s.dialFailed, ep) })
 }

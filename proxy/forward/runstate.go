@@ -8,28 +8,37 @@ import (
 	"sync"
 )
 
-// runState is the Serve/Close life cycle that TCPProxy and UDPProxy share. Its fields are
-// guarded by the owner's mutex.
+// runState is the Serve/Close life cycle that TCPProxy and UDPProxy share: Serve may run once,
+// Close may come before, during or after it, and Close returns only once Serve's loop has
+// returned. Freeze (a hand-over) stops Serve's loop like Close but keeps the socket open. The
+// zero value is ready; it owns its lock.
 type runState struct {
-	started, closed bool
-	stop            chan struct{} // closed by Close; wakes a pausing loop
-	done            chan struct{} // closed when Serve's loop returns; nil until it starts
+	mu                      sync.Mutex // guards the following fields
+	started, closed, frozen bool
+	stop                    chan struct{} // closed by Close or freeze; wakes a pausing loop
+	done                    chan struct{} // closed when Serve's loop returns; nil until it starts
 }
 
+// initLocked creates stop; s.mu must be held.
 func (s *runState) initLocked() {
 	if s.stop == nil {
 		s.stop = make(chan struct{})
 	}
 }
 
-// startLocked is Serve's admission: an error when Serve was called before, ok=false (and no
-// error) when Close came first. When ok, the caller closes done as its loop returns.
-func (s *runState) startLocked(what string) (done chan struct{}, ok bool, err error) {
+// start is Serve's admission: an error when Serve was called before, ok=false (and no error)
+// when Close came first. When ok, the caller closes done as its loop returns.
+func (s *runState) start(what string) (done chan struct{}, ok bool, err error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
 	if s.started {
 		return nil, false, fmt.Errorf("serve %s: Serve called twice", what)
 	}
 	s.started = true
 	s.initLocked()
+	if s.frozen {
+		return nil, false, fmt.Errorf("serve %s: %w", what, ErrFrozen)
+	}
 	if s.closed {
 		return nil, false, nil
 	}
@@ -37,19 +46,20 @@ func (s *runState) startLocked(what string) (done chan struct{}, ok bool, err er
 	return s.done, true, nil
 }
 
-// close marks the state closed (calling initLocked under mu first), closes sock on the first
-// call, waits for Serve's loop to return, and reports whether this call was the first. sock may
-// be nil.
-func (s *runState) close(mu *sync.Mutex, initLocked func(), sock io.Closer, what string) (first bool, err error) {
-	mu.Lock()
-	initLocked()
+// close marks the state closed, closes sock on the first call, waits for Serve's loop to return,
+// and reports whether this call was the first. sock may be nil.
+func (s *runState) close(sock io.Closer, what string) (first bool, err error) {
+	s.mu.Lock()
+	s.initLocked()
 	first = !s.closed
 	if first {
 		s.closed = true
-		close(s.stop)
+		if !s.frozen {
+			close(s.stop)
+		}
 	}
 	done := s.done
-	mu.Unlock()
+	s.mu.Unlock()
 	if first && sock != nil {
 		if cerr := sock.Close(); cerr != nil && !errors.Is(cerr, net.ErrClosed) {
 			err = fmt.Errorf("close %s: %w", what, cerr)
@@ -61,10 +71,62 @@ func (s *runState) close(mu *sync.Mutex, initLocked func(), sock io.Closer, what
 	return first, err
 }
 
-// stopping reports whether Close was called; s.stop must exist (after initLocked).
+// freeze stops Serve's loop for a hand-over without closing the socket: it marks the state
+// frozen, calls wake (which makes the loop's blocking call return, e.g. with a deadline in the
+// past) and waits for the loop to return. It fails when the proxy was closed or frozen before.
+func (s *runState) freeze(what string, wake func()) error {
+	s.mu.Lock()
+	s.initLocked()
+	switch {
+	case s.closed:
+		s.mu.Unlock()
+		return fmt.Errorf("freeze %s: %w", what, ErrClosed)
+	case s.frozen:
+		s.mu.Unlock()
+		return fmt.Errorf("freeze %s: %w", what, ErrFrozen)
+	}
+	s.frozen = true
+	close(s.stop)
+	done := s.done
+	s.mu.Unlock()
+	if done != nil {
+		wake()
+		<-done
+	}
+	return nil
+}
+
+// release marks a frozen state closed and reports whether it did: false when the state is not
+// frozen or was closed before.
+func (s *runState) release() bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if !s.frozen || s.closed {
+		return false
+	}
+	s.closed = true
+	return true
+}
+
+// state reports whether the proxy was closed and whether it was frozen.
+func (s *runState) state() (closed, frozen bool) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.closed, s.frozen
+}
+
+// stopChan returns the channel Close closes.
+func (s *runState) stopChan() <-chan struct{} {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.initLocked()
+	return s.stop
+}
+
+// stopping reports whether Close was called.
 func (s *runState) stopping() bool {
 	select {
-	case <-s.stop:
+	case <-s.stopChan():
 		return true
 	default:
 		return false

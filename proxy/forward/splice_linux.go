@@ -7,6 +7,7 @@ import (
 	"net"
 	"os"
 	"sync"
+	"sync/atomic"
 	"syscall"
 )
 
@@ -49,10 +50,12 @@ func (p *pipe) close() {
 }
 
 // pipePool keeps up to pipePoolMax empty pipes for reuse. Its zero value is ready; after
-// closeAll it still hands out new pipes but keeps none.
+// closeAll it still hands out new pipes but keeps none. Every pipe it creates is taken from
+// budget (nil: unlimited) until it is closed.
 type pipePool struct {
 	// testHookNewPipe, if set, replaces newPipe.
 	testHookNewPipe func() (*pipe, error)
+	budget          *Budget
 
 	mu     sync.Mutex
 	free   []*pipe
@@ -68,10 +71,24 @@ func (pp *pipePool) get() (*pipe, error) {
 		return p, nil
 	}
 	pp.mu.Unlock()
-	if h := pp.testHookNewPipe; h != nil {
-		return h()
+	if !pp.budget.take(pipeFDs) {
+		return nil, errBudgetSpent
 	}
-	return newPipe()
+	newPipe := newPipe
+	if h := pp.testHookNewPipe; h != nil {
+		newPipe = h
+	}
+	p, err := newPipe()
+	if err != nil {
+		pp.budget.give(pipeFDs)
+	}
+	return p, err
+}
+
+// discard closes a pipe of the pool's and returns its descriptors to the budget.
+func (pp *pipePool) discard(p *pipe) {
+	p.close()
+	pp.budget.give(pipeFDs)
 }
 
 // put returns an empty pipe to the pool (or closes it).
@@ -83,31 +100,51 @@ func (pp *pipePool) put(p *pipe) {
 	}
 	pp.mu.Unlock()
 	if p != nil {
-		p.close()
+		pp.discard(p)
 	}
+}
+
+// dropIdle closes the idle pipes and returns how many it closed; the pool goes on.
+func (pp *pipePool) dropIdle() int {
+	pp.mu.Lock()
+	free := pp.free
+	pp.free = nil
+	pp.mu.Unlock()
+	for _, p := range free {
+		pp.discard(p)
+	}
+	return len(free)
 }
 
 // closeAll closes the idle pipes; pipes returned later are closed too.
 func (pp *pipePool) closeAll() {
 	pp.mu.Lock()
-	free := pp.free
-	pp.free, pp.closed = nil, true
+	pp.closed = true
 	pp.mu.Unlock()
-	for _, p := range free {
-		p.close()
-	}
+	pp.dropIdle()
 }
 
 // spliceCopy moves everything src sends to dst with splice(2) until src's EOF (nil error) or a
 // failure of either socket, and returns the bytes moved. A pipe is held only between src
-// becoming readable and it running dry.
-func spliceCopy(pool *pipePool, dst, src *net.TCPConn) (int64, error) {
+// becoming readable and it running dry. With a non-nil idle, it fails with errIdle once the
+// connection has moved no byte either way for idle's timeout.
+//
+// Once frozen is set and a deadline in the past is set on src (read) and dst (write), it stops
+// at the next wakeup with errFrozen and returns the bytes it had read from src but not yet
+// written to dst (the pipe's content, copied out): nothing is lost. frozen is read only on
+// wakeups and errors, never per chunk.
+func spliceCopy(pool *pipePool, dst, src *net.TCPConn, idle *idleClock, frozen *atomic.Bool) (int64, []byte, error) {
 	s, err := newSplicer(pool, dst, src)
 	if err != nil {
-		return 0, err
+		return 0, nil, err
 	}
-	return s.run()
+	s.idle, s.frozen = idle, frozen
+	n, err := s.run()
+	return n, s.pending, err
 }
+
+// errFrozen: a copy stopped because its connection is being frozen for a hand-over.
+var errFrozen = errors.New("connection frozen for a hand-over")
 
 // splicer is the state of one spliceCopy. It lives on the heap so that the goroutine waiting in
 // run for src to become readable parks with a shallow stack: an idle connection's goroutines
@@ -121,11 +158,14 @@ type splicer struct {
 	fillFn       func(fd uintptr) bool // s.fill, bound once
 	drainFn      func(fd uintptr) bool // s.drain, bound once
 
-	p      *pipe // held only while data flows; always empty when returned to the pool
-	total  int64 // bytes moved to dst
-	filled int64 // bytes in the pipe after the last fill
-	noPipe bool  // the last fill found no pipe to be had: copy the chunk through user space
-	err    error // the last fill's or drain's splice error
+	p       *pipe // held only while data flows; always empty when returned to the pool
+	total   int64 // bytes moved to dst
+	filled  int64 // bytes in the pipe after the last fill
+	noPipe  bool  // the last fill found no pipe to be had: copy the chunk through user space
+	err     error // the last fill's or drain's splice error
+	idle    *idleClock
+	frozen  *atomic.Bool // set when the connection is being frozen; nil: never
+	pending []byte       // read from src, not written to dst, when run stopped with errFrozen
 }
 
 func newSplicer(pool *pipePool, dst, src *net.TCPConn) (*splicer, error) {
@@ -142,14 +182,34 @@ func newSplicer(pool *pipePool, dst, src *net.TCPConn) (*splicer, error) {
 	return s, nil
 }
 
+// isFrozen reports whether the connection is being frozen.
+func (s *splicer) isFrozen() bool { return s.frozen != nil && s.frozen.Load() }
+
+// frozenBy reports whether err is the deadline a freeze set.
+func (s *splicer) frozenBy(err error) bool {
+	return errors.Is(err, os.ErrDeadlineExceeded) && s.isFrozen()
+}
+
 // run is spliceCopy's loop. Its frame is small on purpose: see splicer.
 func (s *splicer) run() (int64, error) {
 	defer s.releasePipe()
+	if err := s.armIdle(); err != nil {
+		return 0, err
+	}
 	for {
 		// The splice runs inside RawConn.Read, so a readiness event that comes after its
 		// EAGAIN wakes the wait; while waiting, no pipe is held.
 		s.filled, s.noPipe, s.err = 0, false, nil
 		if err := s.srcRC.Read(s.fillFn); err != nil {
+			if s.frozenBy(err) {
+				return s.total, errFrozen
+			}
+			if err = s.idle.expired(s.src, err); err == nil {
+				err = s.checkFrozen() // the re-armed deadline may have replaced the freeze's
+			}
+			if err == nil {
+				continue // the other direction moved data: wait again
+			}
 			return s.total, err
 		}
 		if s.err != nil {
@@ -164,15 +224,47 @@ func (s *splicer) run() (int64, error) {
 		if s.filled == 0 {
 			return s.total, nil // EOF
 		}
+		s.idle.touch()
 		if err := s.dstRC.Write(s.drainFn); err != nil || s.err != nil {
-			s.p.close() // it may still hold data
-			s.p = nil
-			if err == nil {
-				err = os.NewSyscallError("splice", s.err)
-			}
-			return s.total, err
+			return s.total, s.drainFailed(err)
 		}
 	}
+}
+
+// armIdle sets src's idle deadline, then checks for a freeze: a freeze that set its deadline
+// before armIdle replaced it is seen here, one that comes after wakes the wait.
+func (s *splicer) armIdle() error {
+	if err := s.idle.arm(s.src); err != nil {
+		return err
+	}
+	return s.checkFrozen()
+}
+
+func (s *splicer) checkFrozen() error {
+	if s.isFrozen() {
+		return errFrozen
+	}
+	return nil
+}
+
+// drainFailed handles a failed write of the pipe to dst (err from RawConn.Write, or s.err): on
+// a freeze's deadline the pipe's content becomes s.pending; otherwise the pipe, which may
+// still hold data, is discarded.
+func (s *splicer) drainFailed(err error) error {
+	if err != nil && s.frozenBy(err) {
+		pending, rerr := s.p.readAll(int(s.filled))
+		if rerr == nil {
+			s.pending = pending
+			return errFrozen // the pipe is empty again: releasePipe returns it to the pool
+		}
+		err = rerr
+	}
+	s.pool.discard(s.p)
+	s.p = nil
+	if err == nil {
+		err = os.NewSyscallError("splice", s.err)
+	}
+	return err
 }
 
 // fill splices what src has ready into the pipe, taking one from the pool first. On EAGAIN it
@@ -232,19 +324,45 @@ func (s *splicer) releasePipe() {
 const copyChunkSize = 32 << 10
 
 // copyChunk copies what src has ready to dst through a buffer (src is readable), and reports
-// src's EOF.
+// src's EOF. On a freeze's deadline it keeps what it read but did not write in s.pending.
 func (s *splicer) copyChunk() (eof bool, err error) {
 	buf := make([]byte, copyChunkSize)
 	r, err := s.src.Read(buf)
 	if r > 0 {
+		s.idle.touch()
 		w, werr := s.dst.Write(buf[:r])
 		s.total += int64(w)
 		if werr != nil {
+			if s.frozenBy(werr) {
+				s.pending = buf[w:r]
+				return false, errFrozen
+			}
 			return false, werr
 		}
 	}
-	if errors.Is(err, io.EOF) {
+	switch {
+	case errors.Is(err, io.EOF):
 		return true, nil
+	case err != nil && s.frozenBy(err):
+		return false, errFrozen
 	}
 	return false, err
+}
+
+// readAll reads the n bytes the pipe holds.
+func (p *pipe) readAll(n int) ([]byte, error) {
+	buf := make([]byte, n)
+	for got := 0; got < n; {
+		m, err := syscall.Read(p.r, buf[got:])
+		switch {
+		case err == syscall.EINTR:
+			continue
+		case err != nil:
+			return nil, os.NewSyscallError("read pipe", err)
+		case m == 0:
+			return nil, fmt.Errorf("read pipe: %d of %d bytes", got, n)
+		}
+		got += m
+	}
+	return buf, nil
 }

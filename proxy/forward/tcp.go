@@ -7,6 +7,7 @@ import (
 	"io"
 	"net"
 	"net/netip"
+	"os"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -49,23 +50,38 @@ type TCPProxy struct {
 	DialTimeouts []time.Duration
 	// Metrics receives traffic events; nil means none.
 	Metrics Metrics
+	// Budget is the descriptor budget shared with the other service ports; nil means
+	// unlimited. A connection that would exceed it is reset at once (Metrics.ConnRefused).
+	Budget *Budget
+	// MaxConns bounds the connections of this service port open at once (accepted and not yet
+	// ended); 0 means no bound but the Budget's. A connection above it is reset at once.
+	MaxConns int
+	// IdleTimeout ends (resets both sides of) a connection that has moved no byte either way
+	// for that long, as iptables mode's conntrack established timeout would; 0 means never.
+	IdleTimeout time.Duration
 
 	// testHookAcceptPause, if set, is called before each pause of the accept loop.
 	testHookAcceptPause func(attempt int, delay time.Duration)
 
-	// Resolved from the fields above by Serve, before any connection goroutine starts.
+	// Resolved from the fields above by Serve or Adopt (prepare), before any connection
+	// goroutine starts.
+	prepared sync.Once
 	metrics  Metrics
 	timeouts []time.Duration
 
 	connWG sync.WaitGroup // one count per connection goroutine
 
-	pipes pipePool // splice pipes of the connections, idle ones only
+	pipes pipePool  // splice pipes of the connections, idle ones only, when there is no Budget
+	pool  *pipePool // the pool connections use: the Budget's (shared by every port) or pipes
 
 	transparentWarned atomic.Bool // a failed transparent dial was logged at warning level
+	refusedWarned     atomic.Bool // a refused connection was logged at warning level
 
-	mu    sync.Mutex // guards the following fields
-	run   runState
-	conns map[*tcpConn]struct{}
+	run runState
+
+	mu       sync.Mutex // guards the following fields
+	conns    map[*tcpConn]struct{}
+	freezing bool // Freeze has marked every connection: Adopt admits no more
 }
 
 // Serve accepts connections until Close or Shutdown, handing each to its own goroutine. It
@@ -75,39 +91,46 @@ func (p *TCPProxy) Serve() error {
 	if p.Listener == nil || p.Chooser == nil {
 		return errors.New("serve TCP proxy: Listener and Chooser are required")
 	}
-	p.mu.Lock()
-	p.initLocked()
-	done, ok, err := p.run.startLocked("TCP proxy")
+	done, ok, err := p.run.start("TCP proxy")
 	if !ok {
-		p.mu.Unlock()
 		return err
 	}
-	p.metrics = metricsOrNone(p.Metrics)
-	p.timeouts = p.DialTimeouts
-	if len(p.timeouts) == 0 {
-		p.timeouts = defaultDialTimeouts()
-	}
-	p.mu.Unlock()
 	defer close(done)
+	p.prepare()
 	return p.acceptLoop()
 }
 
-func (p *TCPProxy) initLocked() {
-	p.run.initLocked()
-	if p.conns == nil {
+// prepare resolves the configuration once, for Serve and Adopt alike.
+func (p *TCPProxy) prepare() {
+	p.prepared.Do(func() {
+		p.metrics = metricsOrNone(p.Metrics)
+		p.timeouts = p.DialTimeouts
+		if len(p.timeouts) == 0 {
+			p.timeouts = defaultDialTimeouts()
+		}
+		p.pool = &p.pipes
+		if p.Budget != nil {
+			p.pool = &p.Budget.pipes
+		}
+		p.mu.Lock()
 		p.conns = make(map[*tcpConn]struct{})
-	}
+		p.mu.Unlock()
+	})
 }
 
 // Close stops accepting: it closes the Listener and returns once the accept loop is gone.
 // Established connections, and connections still dialling, go on. Close may be called more
-// than once, and before Serve.
+// than once, and before Serve. On a frozen proxy it is Release.
 func (p *TCPProxy) Close() error {
+	if _, frozen := p.run.state(); frozen {
+		p.Release()
+		return nil
+	}
 	var sock io.Closer
 	if p.Listener != nil {
 		sock = p.Listener
 	}
-	first, err := p.run.close(&p.mu, p.initLocked, sock, "TCP proxy listener")
+	first, err := p.run.close(sock, "TCP proxy listener")
 	if first {
 		p.pipes.closeAll() // connections still running close their pipes when done
 	}
@@ -116,8 +139,13 @@ func (p *TCPProxy) Close() error {
 
 // Shutdown closes the proxy like Close, then waits for its connections to end. When ctx ends
 // first, it cuts the remaining connections (resetting both sides), waits for their goroutines
-// and returns ctx's error.
+// and returns ctx's error. On a frozen proxy it is Release: the frozen connections belong to
+// whoever adopts them, and are not cut.
 func (p *TCPProxy) Shutdown(ctx context.Context) error {
+	if _, frozen := p.run.state(); frozen {
+		p.Release()
+		return nil
+	}
 	err := p.Close()
 	drained := make(chan struct{})
 	go p.awaitConns(drained)
@@ -141,22 +169,6 @@ func (p *TCPProxy) Shutdown(ctx context.Context) error {
 func (p *TCPProxy) awaitConns(drained chan<- struct{}) {
 	p.connWG.Wait()
 	close(drained)
-}
-
-// CloseConnectionsTo cuts (resets both sides of) every connection whose endpoint keep rejects,
-// including connections still dialling it, and returns how many it cut. The proxy never does
-// this on its own: established connections to a terminating endpoint are left to finish.
-func (p *TCPProxy) CloseConnectionsTo(keep func(endpoint netip.AddrPort) bool) int {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	n := 0
-	for c := range p.conns {
-		if c.endpoint.IsValid() && !c.cut && !keep(c.endpoint) {
-			c.cutLocked()
-			n++
-		}
-	}
-	return n
 }
 
 // acceptLoop is Serve's loop.
@@ -198,7 +210,7 @@ func (p *TCPProxy) pauseAccepting(pause *resourcePause, err error) bool {
 	if h := p.testHookAcceptPause; h != nil {
 		h(pause.attempts, d)
 	}
-	return sleepUnlessStopped(d, p.run.stop)
+	return sleepUnlessStopped(d, p.run.stopChan())
 }
 
 // isPendingConnError reports whether an accept error belongs to the one pending connection that
@@ -215,94 +227,156 @@ func isPendingConnError(err error) bool {
 	return false
 }
 
-// startConn registers an accepted connection and starts its goroutine.
+// startConn admits an accepted connection and starts its goroutine, or resets it at once when
+// this port is at MaxConns or the Budget is spent.
 func (p *TCPProxy) startConn(client *net.TCPConn) {
-	ctx, cancel := context.WithCancel(context.Background())
-	c := &tcpConn{p: p, client: client, ctx: ctx, cancel: cancel}
+	c := p.newConn(client)
 	p.mu.Lock()
-	p.conns[c] = struct{}{}
+	admitted := (p.MaxConns <= 0 || len(p.conns) < p.MaxConns) && p.Budget.take(tcpConnFDs)
+	if admitted {
+		p.conns[c] = struct{}{}
+	}
 	p.mu.Unlock()
+	if !admitted {
+		c.cancel()
+		p.metrics.ConnRefused() // counted before the client can see the reset
+		resetConn(client)
+		if p.refusedWarned.CompareAndSwap(false, true) {
+			p.Log.Warn().Int("maxConns", p.MaxConns).Int("budget", p.Budget.Limit()).Int("budgetInUse", p.Budget.InUse()).
+				Msg("connection refused: this port's connection limit or the data path's descriptor budget is reached (logged once)")
+		}
+		return
+	}
 	p.metrics.ConnAccepted()
 	p.connWG.Add(1)
-	go c.serve()
+	go c.handle()
 }
 
-// tcpConn is one proxied connection. Its goroutines own it: serve while connecting, then the two
-// copy goroutines, the last of which finishes it.
+// newConn returns the state of a connection from client, not yet admitted.
+func (p *TCPProxy) newConn(client *net.TCPConn) *tcpConn {
+	ctx, cancel := context.WithCancel(context.Background())
+	return &tcpConn{p: p, client: client, clientAddr: tcpAddrPort(client.RemoteAddr()), ctx: ctx, cancel: cancel,
+		idle: newIdleClock(p.IdleTimeout), stopped: make(chan struct{})}
+}
+
+// tcpConn is one proxied connection; handle runs it from accept to close.
 type tcpConn struct {
-	p      *TCPProxy
-	client *net.TCPConn
-	ctx    context.Context // cancelled when the connection is cut; ends a dial in progress
-	cancel context.CancelFunc
+	p          *TCPProxy
+	client     *net.TCPConn
+	clientAddr netip.AddrPort
+	ctx        context.Context // cancelled when the connection is cut; ends a dial in progress
+	cancel     context.CancelFunc
+	idle       *idleClock    // nil without IdleTimeout
+	frozen     atomic.Bool   // Freeze asks the connection to stop at a safe point (see handover.go)
+	stopped    chan struct{} // closed when the connection's goroutines have ended or parked
 
 	// Guarded by p.mu.
 	endpoint netip.AddrPort // the endpoint being dialled, then the connected one
-	backend  *net.TCPConn   // set once connected
-	cut      bool           // cut by Shutdown or CloseConnectionsTo
-
-	// Set by serve before the copy goroutines start; fixed from then on.
-	backend0 *net.TCPConn
-	// Each direction's result, written by its goroutine before it decrements copying; the
-	// goroutine that brings copying to zero reads both.
-	toEndpoint, fromEndpoint copyResult
-	copying                  atomic.Int32
+	backend  *net.TCPConn   // published once connected, so that cutLocked can reset it
+	cut      bool           // cut by Shutdown
+	relaying bool           // the copiers run: a freeze must wake them with deadlines
+	parked   *parkedConn    // frozen: what the adopter needs to carry on
 }
 
-// serve runs the connection: it connects to an endpoint, then hands the two directions to
-// goroutines of their own (copyToEndpoint, copyToClient) and returns; the last of them to
-// finish closes both sides.
-//
-// The copies get fresh goroutines, rather than this one, because of memory: dialling grows a
-// goroutine's stack past the runtime's smallest size, and a goroutine parked in the network
-// poller never shrinks back to it. An idle connection thus costs two minimal stacks.
-func (c *tcpConn) serve() {
-	backend := c.open()
+// handle is the life of one connection, top to bottom: connect to an endpoint (with failover
+// and the PROXY protocol header), then relay. A connection that reaches no endpoint is reset,
+// unless it is being frozen: then it is handed over undialled.
+func (c *tcpConn) handle() {
+	backend := c.connect(c.clientAddr)
 	if backend == nil {
-		return
-	}
-	c.backend0 = backend
-	c.copying.Store(2)
-	go c.copyToClient()
-	go c.copyToEndpoint()
-}
-
-// open connects the connection to an endpoint. When it cannot, it resets the client, ends the
-// connection and returns nil.
-func (c *tcpConn) open() *net.TCPConn {
-	backend := c.connect(tcpAddrPort(c.client.RemoteAddr()))
-	if backend == nil {
+		if c.parkUndialled() {
+			return
+		}
 		resetConn(c.client)
 		c.p.metrics.ConnFailed()
 		c.end()
+		return
 	}
-	return backend
+	// A fresh goroutine relays: dialling grew this one's stack, and a goroutine parked in the
+	// network poller keeps what it grew, so an idle connection would cost more.
+	go c.relay(backend, relayStart{})
 }
 
-// finish closes both sides of a connection that reached its endpoint, reports it and ends it.
+// relayStart is where the relay of a connection starts: at nothing for a new connection, with
+// the pending bytes and half-closes of an adopted one.
+type relayStart struct {
+	toEndpoint, toClient         []byte
+	toEndpointDone, toClientDone bool
+}
+
+// relay copies both ways (copyToClient on a goroutine of its own, copyToEndpoint on this one),
+// waits for both directions, and closes both sides, or parks the connection when a freeze
+// stopped it.
+func (c *tcpConn) relay(backend *net.TCPConn, start relayStart) {
+	if !c.startRelaying() {
+		c.park(backend, start, 0, 0)
+		return
+	}
+	fromEndpoint := make(chan copyResult, 1)
+	go c.copyToClient(backend, start.toClient, start.toClientDone, fromEndpoint)
+	toEndpoint := c.copyToEndpoint(backend, start.toEndpoint, start.toEndpointDone)
+	fromResult := <-fromEndpoint
+	if frozen, st := frozenAt(toEndpoint, fromResult); frozen {
+		c.park(backend, st, toEndpoint.n, fromResult.n)
+		return
+	}
+	defer c.end()
+	c.finish(backend, toEndpoint, fromResult)
+}
+
+// startRelaying marks the copiers as running, unless the connection is being frozen.
+func (c *tcpConn) startRelaying() bool {
+	c.p.mu.Lock()
+	defer c.p.mu.Unlock()
+	if c.frozen.Load() {
+		return false
+	}
+	c.relaying = true
+	return true
+}
+
+// copyToEndpoint copies client→endpoint (pending first) until the client's EOF, then
+// half-closes the endpoint.
+func (c *tcpConn) copyToEndpoint(backend *net.TCPConn, pending []byte, done bool) copyResult {
+	return c.pump(backend, c.client, pending, done)
+}
+
+// copyToClient copies endpoint→client (pending first) until the endpoint's EOF, then
+// half-closes the client, and sends its result on result.
+func (c *tcpConn) copyToClient(backend *net.TCPConn, pending []byte, done bool, result chan<- copyResult) {
+	result <- c.pump(c.client, backend, pending, done)
+}
+
+// finish closes both sides of a connection that reached its endpoint and reports it.
 func (c *tcpConn) finish(backend *net.TCPConn, toEndpoint, fromEndpoint copyResult) {
-	p := c.p
+	p, clientAddr := c.p, c.clientAddr
 	c.client.Close()
 	backend.Close()
 	p.metrics.BytesCopied(toEndpoint.n, fromEndpoint.n)
 	p.metrics.ConnClosed()
 	if e := p.Log.Debug(); e.Enabled() {
-		e.Stringer("client", tcpAddrPort(c.client.RemoteAddr())).Stringer("endpoint", c.endpointNow()).
+		e.Stringer("client", clientAddr).Stringer("endpoint", c.endpointNow()).
 			Int64("toEndpoint", toEndpoint.n).Int64("fromEndpoint", fromEndpoint.n).
 			AnErr("toEndpointErr", toEndpoint.err).AnErr("fromEndpointErr", fromEndpoint.err).
 			Msg("connection closed")
 	}
-	c.end()
 }
 
-// end forgets the connection, releases its context and lets Shutdown know it is gone.
+// end forgets the connection, returns its descriptors to the budget, releases its context and
+// lets Shutdown know it is gone.
 func (c *tcpConn) end() {
-	c.p.forget(c)
+	c.p.mu.Lock()
+	delete(c.p.conns, c)
+	c.p.mu.Unlock()
+	c.p.Budget.give(tcpConnFDs)
 	c.cancel()
+	close(c.stopped)
 	c.p.connWG.Done()
 }
 
 // connect dials an endpoint for the connection, asking Choose again (reset=true) after each
-// failure, one attempt per dial timeout. It returns nil when no endpoint could be reached.
+// failure, one attempt per dial timeout, and sends the PROXY protocol header when the target
+// asks for one. It returns nil when no endpoint could be reached (or the connection was cut).
 func (c *tcpConn) connect(clientAddr netip.AddrPort) *net.TCPConn {
 	p := c.p
 	dst := tcpOriginalDst(c.client)
@@ -419,52 +493,75 @@ func (c *tcpConn) endpointNow() netip.AddrPort {
 	return c.endpoint
 }
 
-// copyResult is the outcome of one direction of a connection.
+// copyResult is the outcome of one direction of a connection: it ended with src's EOF passed
+// on (done), or was stopped by a freeze (frozen, with the bytes read but not written), or
+// failed (err).
 type copyResult struct {
-	n   int64
-	err error
+	n       int64
+	err     error
+	done    bool
+	frozen  bool
+	pending []byte
 }
 
-// copyToEndpoint copies client→endpoint until the client's EOF, then half-closes the endpoint.
-func (c *tcpConn) copyToEndpoint() {
-	c.toEndpoint = c.pump(c.backend0, c.client)
-	c.copyDone()
-}
-
-// copyToClient copies endpoint→client until the endpoint's EOF, then half-closes the client.
-func (c *tcpConn) copyToClient() {
-	c.fromEndpoint = c.pump(c.client, c.backend0)
-	c.copyDone()
-}
-
-// copyDone is called by each direction when it ends; the second call finishes the connection.
-func (c *tcpConn) copyDone() {
-	if c.copying.Add(-1) == 0 {
-		c.finish(c.backend0, c.toEndpoint, c.fromEndpoint)
+// frozenAt reports whether a freeze stopped the connection whose directions ended with to and
+// from (neither failed, at least one frozen), and where an adopter must start again.
+func frozenAt(to, from copyResult) (bool, relayStart) {
+	if to.err != nil || from.err != nil || !(to.frozen || from.frozen) {
+		return false, relayStart{}
 	}
+	return true, relayStart{toEndpoint: to.pending, toClient: from.pending, toEndpointDone: to.done, toClientDone: from.done}
 }
 
-// pump copies src to dst and passes src's EOF on to dst with CloseWrite. The bytes move with
-// splice(2) through a pipe taken from the proxy's pool only while data flows (see spliceCopy):
-// no user-space copy, and no pipe held by an idle connection. On an error in either direction
-// both sockets are reset, which also ends the other direction.
-func (c *tcpConn) pump(dst, src *net.TCPConn) copyResult {
-	n, err := spliceCopy(&c.p.pipes, dst, src)
+// pump writes pending to dst, then copies src to dst and passes src's EOF on to dst with
+// CloseWrite; a direction already done does nothing. The bytes move with splice(2) through a
+// pipe taken from the proxy's pool only while data flows (see spliceCopy): no user-space copy,
+// and no pipe held by an idle connection. On an error in either direction both sockets are
+// reset, which also ends the other direction. A freeze stops it with what it has not written.
+func (c *tcpConn) pump(dst, src *net.TCPConn, pending []byte, done bool) copyResult {
+	if done {
+		return copyResult{done: true}
+	}
+	var r copyResult
+	if len(pending) > 0 {
+		w, err := dst.Write(pending)
+		r.n = int64(w)
+		if err != nil {
+			r.pending = pending[w:]
+			return c.pumpFailed(r, err)
+		}
+		c.idle.touch()
+	}
+	n, rest, err := spliceCopy(c.p.pool, dst, src, c.idle, &c.frozen)
+	r.n += n
+	r.pending = rest
 	if err == nil {
-		err = dst.CloseWrite()
+		if err = dst.CloseWrite(); err == nil {
+			r.done = true
+			return r
+		}
 	}
-	if err != nil {
-		c.p.mu.Lock()
-		c.resetBothLocked()
-		c.p.mu.Unlock()
+	return c.pumpFailed(r, err)
+}
+
+// pumpFailed ends a direction stopped by err: frozen when err is the freeze's doing, else
+// failed, resetting both sockets.
+func (c *tcpConn) pumpFailed(r copyResult, err error) copyResult {
+	if errors.Is(err, errFrozen) || (errors.Is(err, os.ErrDeadlineExceeded) && c.frozen.Load()) {
+		r.frozen = true
+		return r
 	}
-	return copyResult{n: n, err: err}
+	r.err, r.pending = err, nil
+	c.p.mu.Lock()
+	c.resetBothLocked()
+	c.p.mu.Unlock()
+	return r
 }
 
 // cutLocked ends the connection on the proxy's behalf: it cancels a dial in progress and resets
 // both sides.
 func (c *tcpConn) cutLocked() {
-	if c.cut {
+	if c.cut || c.parked != nil {
 		return
 	}
 	c.cut = true
@@ -484,10 +581,4 @@ func (c *tcpConn) resetBothLocked() {
 func resetConn(conn *net.TCPConn) {
 	_ = conn.SetLinger(0)
 	_ = conn.Close()
-}
-
-func (p *TCPProxy) forget(c *tcpConn) {
-	p.mu.Lock()
-	delete(p.conns, c)
-	p.mu.Unlock()
 }

@@ -489,30 +489,6 @@ func TestTCPShutdown(t *testing.T) {
 	}
 }
 
-func TestTCPCloseConnectionsTo(t *testing.T) {
-	checkNoLeaks(t)
-	keep, drop := startTCPEcho(t, loopback("4")), startTCPEcho(t, loopback("4"))
-	p := startTCPProxy(t, "4", &fakeChooser{endpoints: []netip.AddrPort{keep, drop}}, nil)
-	// One after the other, so that the chooser's round robin gives the first keep and the
-	// second drop (connections dialled together are connected in either order).
-	var kept, dropped *net.TCPConn
-	for _, c := range []**net.TCPConn{&kept, &dropped} {
-		*c = dialTCPTest(t, p.addr)
-		if _, err := roundTrip(*c, []byte("x")); err != nil {
-			t.Fatal(err)
-		}
-	}
-	if n := p.CloseConnectionsTo(func(ep netip.AddrPort) bool { return ep == keep }); n != 1 {
-		t.Errorf("CloseConnectionsTo cut %d connections, want 1", n)
-	}
-	if _, err := io.ReadAll(dropped); !errors.Is(err, syscall.ECONNRESET) {
-		t.Errorf("read on the cut connection: %v, want ECONNRESET", err)
-	}
-	if got, err := roundTrip(kept, []byte("y")); err != nil || string(got) != "y" {
-		t.Errorf("kept connection: %q, %v", got, err)
-	}
-}
-
 // TestTCPSocketOptions: both proxy sockets keep Go's defaults, TCP_NODELAY and SO_KEEPALIVE.
 func TestTCPSocketOptions(t *testing.T) {
 	checkNoLeaks(t)

@@ -64,32 +64,52 @@ type UDPProxy struct {
 	Log zerolog.Logger
 	// Metrics receives traffic events; nil means none.
 	Metrics Metrics
+	// Budget is the descriptor budget shared with the other service ports; nil means
+	// unlimited. Each session takes one descriptor.
+	Budget *Budget
+	// MaxSessions bounds the sessions of this service port open at once; 0 means no bound but
+	// the Budget's. A new client beyond either limit ends this port's longest-idle session
+	// (Metrics.UDPSessionEvicted); when the port has none, its datagram is dropped.
+	MaxSessions int
 
-	// Resolved by Serve before the first session starts.
-	metrics Metrics
-	timeout time.Duration
-	epoch   time.Time // session activity is kept as the monotonic time since epoch
-	bufs    sync.Pool // *[]byte of udpBufSize
+	// Resolved by Serve or Adopt (prepare) before the first session starts.
+	prepared sync.Once
+	metrics  Metrics
+	timeout  time.Duration
+	epoch    time.Time       // session activity is kept as the monotonic time since epoch
+	connRC   syscall.RawConn // Conn's, for the replies' sends
+
+	connStats    udpBatchStats           // Conn's receives and the sends to endpoints
+	replyStats   udpBatchStats           // the sessions' receives and the replies' sends
+	testHookRecv func(fd int, conn bool) // when set, called before every batched receive (Conn's or a session's)
 
 	sessionWG sync.WaitGroup // one count per session goroutine
 
 	transparentWarned atomic.Bool // a failed transparent socket was logged at warning level
+	refusedWarned     atomic.Bool // a datagram dropped for want of room was logged at warning level
 
-	mu       sync.Mutex // guards the following fields
-	run      runState
-	sessions map[netip.AddrPort]*udpSession
+	run    runState
+	frozen atomic.Bool // Freeze asks the sessions' goroutines to stop (see handover_udp.go)
+
+	mu       sync.Mutex                     // guards the following field
+	sessions map[netip.AddrPort]*udpSession // nil until Serve
 }
 
 // udpSession is one client address's flow to one endpoint. Its goroutine (relayReplies) owns it.
 type udpSession struct {
-	p        *UDPProxy
-	client   netip.AddrPort // as received on Conn (an IPv4 client of an AF_INET6 socket is mapped)
-	endpoint netip.AddrPort
-	backend  *net.UDPConn // connected to endpoint
-	replyOOB []byte       // IP_PKTINFO setting the replies' source; nil when unknown
+	p         *UDPProxy
+	client    netip.AddrPort // as received on Conn (an IPv4 client of an AF_INET6 socket is mapped)
+	endpoint  netip.AddrPort
+	backend   *net.UDPConn    // connected to endpoint
+	rc        syscall.RawConn // backend's
+	clientSA  []byte          // client as a struct sockaddr, for the replies' sends
+	replyFrom netip.Addr      // the replies' source; invalid when unknown
+	replyOOB  []byte          // IP_PKTINFO setting replyFrom; nil when unknown
 
 	lastActive   atomic.Int64 // p.now() of the last datagram either way
 	refused      atomic.Bool  // the endpoint answered with an ICMP error
+	released     atomic.Bool  // backend closed and its descriptor returned to the budget
+	parked       atomic.Bool  // stopped by a freeze: its goroutine is gone, its socket open
 	toEndpoint   atomic.Int64 // payload bytes
 	fromEndpoint atomic.Int64
 }
@@ -101,24 +121,11 @@ func (p *UDPProxy) Serve() error {
 	if p.Conn == nil || p.Chooser == nil {
 		return errors.New("serve UDP proxy: Conn and Chooser are required")
 	}
-	p.mu.Lock()
-	p.initLocked()
-	done, ok, err := p.run.startLocked("UDP proxy")
+	done, ok, err := p.run.start("UDP proxy")
 	if !ok {
-		p.mu.Unlock()
 		return err
 	}
-	p.metrics = metricsOrNone(p.Metrics)
-	p.timeout = p.Timeout
-	if p.timeout <= 0 {
-		p.timeout = DefaultUDPTimeout
-	}
-	p.epoch = time.Now()
-	p.bufs.New = func() any {
-		b := make([]byte, udpBufSize)
-		return &b
-	}
-	p.mu.Unlock()
+	p.prepare()
 	defer close(done)
 
 	var ct *conntrackConn
@@ -132,22 +139,38 @@ func (p *UDPProxy) Serve() error {
 	return p.readLoop(ct)
 }
 
-func (p *UDPProxy) initLocked() {
-	p.run.initLocked()
-	if p.sessions == nil {
+// prepare resolves the configuration once, for Serve and Adopt alike.
+func (p *UDPProxy) prepare() {
+	p.prepared.Do(func() {
+		p.mu.Lock()
+		defer p.mu.Unlock()
 		p.sessions = make(map[netip.AddrPort]*udpSession)
-	}
+		p.metrics = metricsOrNone(p.Metrics)
+		p.timeout = p.Timeout
+		if p.timeout <= 0 {
+			p.timeout = DefaultUDPTimeout
+		}
+		p.epoch = time.Now()
+		if p.Conn != nil {
+			p.connRC, _ = p.Conn.SyscallConn() // fails only on a nil Conn
+		}
+	})
 }
 
 // Close closes Conn, waits for Serve's loop to return, then ends every session and waits for
 // their goroutines. Unlike TCP connections, sessions cannot outlive the proxy: their replies
-// leave through Conn. Close may be called more than once, and before Serve.
+// leave through Conn. Close may be called more than once, and before Serve. On a frozen proxy
+// it is Release.
 func (p *UDPProxy) Close() error {
+	if _, frozen := p.run.state(); frozen {
+		p.Release()
+		return nil
+	}
 	var sock io.Closer
 	if p.Conn != nil {
 		sock = p.Conn
 	}
-	_, err := p.run.close(&p.mu, p.initLocked, sock, "UDP proxy socket")
+	_, err := p.run.close(sock, "UDP proxy socket")
 	p.DropSessions(func(netip.AddrPort) bool { return false })
 	p.sessionWG.Wait()
 	return err
@@ -163,7 +186,7 @@ func (p *UDPProxy) DropSessions(keep func(endpoint netip.AddrPort) bool) int {
 	for client, s := range p.sessions {
 		if !keep(s.endpoint) {
 			delete(p.sessions, client)
-			s.backend.Close() // its goroutine sees the close and finishes the session
+			s.release() // its goroutine sees the close and finishes the session
 			n++
 		}
 	}
@@ -173,32 +196,81 @@ func (p *UDPProxy) DropSessions(keep func(endpoint netip.AddrPort) bool) int {
 // now is the monotonic time since Serve started, for session activity stamps.
 func (p *UDPProxy) now() int64 { return int64(time.Since(p.epoch)) }
 
-// readLoop is Serve's loop: one buffer, reused for every datagram. ct is nil when conntrack
-// cannot be asked.
+// readLoop is Serve's loop. It stays in one wait on Conn: each time Conn is readable it reads
+// and forwards batches of datagrams until Conn is empty (readBatches), then waits again. ct is
+// nil when conntrack cannot be asked.
 func (p *UDPProxy) readLoop(ct *conntrackConn) error {
 	local := p.Conn.LocalAddr()
-	buf := make([]byte, udpBufSize)
-	oob := make([]byte, origDstOOBSize)
+	stop := p.run.stopChan()
 	var pause resourcePause
 	for {
-		n, oobn, _, src, err := p.Conn.ReadMsgUDPAddrPort(buf, oob)
-		if err != nil {
-			if p.run.stopping() {
+		var rerr error
+		err := p.connRC.Read(func(fd uintptr) bool {
+			rerr = p.readBatches(int(fd), ct, stop, &pause)
+			return rerr != nil
+		})
+		if err == nil {
+			err = rerr
+		}
+		if p.run.stopping() {
+			return nil
+		}
+		if isResourceExhausted(err) {
+			if pause.attempts == 0 {
+				p.Log.Warn().Err(err).Msg("receive: out of memory; pausing")
+			}
+			if !sleepUnlessStopped(pause.next(), stop) {
 				return nil
 			}
-			if isResourceExhausted(err) {
-				if pause.attempts == 0 {
-					p.Log.Warn().Err(err).Msg("receive: out of memory; pausing")
-				}
-				if !sleepUnlessStopped(pause.next(), p.run.stop) {
-					return nil
-				}
-				continue
-			}
-			return fmt.Errorf("read from UDP proxy socket %s: %w", local, err)
+			continue
 		}
-		pause = resourcePause{}
-		p.forward(ct, buf[:n], src, origDstFromOOB(oob[:oobn]))
+		return fmt.Errorf("read from UDP proxy socket %s: %w", local, err)
+	}
+}
+
+// readBatches reads batches of datagrams from the service port's socket fd and forwards them,
+// until the socket is empty (it returns nil: wait until it is readable) or reading fails.
+//
+// A batch shorter than udpBatchLen means that the socket was empty: the caller waits without
+// the read that would find it so. A datagram arriving after that read wakes the wait.
+func (p *UDPProxy) readBatches(fd int, ct *conntrackConn, stop <-chan struct{}, pause *resourcePause) error {
+	for {
+		b, n, err := p.recvBatch(fd, true)
+		if b == nil {
+			return err // nil: the socket is empty
+		}
+		*pause = resourcePause{}
+		p.connStats.received(n)
+		p.forwardBatch(ct, b, n)
+		putUDPBatch(b)
+		if n < len(b.in) || isClosed(stop) {
+			return nil
+		}
+	}
+}
+
+// isClosed reports whether ch is closed.
+func isClosed(ch <-chan struct{}) bool {
+	select {
+	case <-ch:
+		return true
+	default:
+		return false
+	}
+}
+
+// forwardBatch forwards the n datagrams received in b: each run of consecutive datagrams from
+// one client goes to its session in one send.
+func (p *UDPProxy) forwardBatch(ct *conntrackConn, b *udpBatch, n int) {
+	for i := 0; i < n; {
+		client := b.source(i)
+		b.setOut(i, i, nil, nil)
+		j := i + 1
+		for ; j < n && b.source(j) == client; j++ {
+			b.setOut(j, j, nil, nil)
+		}
+		p.forward(ct, b, i, j, client, origDstFromOOB(b.control(i)))
+		i = j
 	}
 }
 
@@ -222,33 +294,53 @@ func (p *UDPProxy) originalDst(ct *conntrackConn, client, to netip.AddrPort) net
 	return dst
 }
 
-// forward sends one client datagram, which reached the proxy at to, to the client's session,
-// opening one if needed. A session found closed or refused is replaced once.
-func (p *UDPProxy) forward(ct *conntrackConn, payload []byte, client, to netip.AddrPort) {
-	for range 2 {
-		s := p.session(ct, client, to)
-		if s == nil {
+// forward sends the datagrams of b's sends [from, to), all from client and received at dst,
+// to the client's session, opening one if needed. A session found closed or refused is
+// replaced; a datagram that two sessions failed to take is dropped.
+func (p *UDPProxy) forward(ct *conntrackConn, b *udpBatch, from, to int, client, dst netip.AddrPort) {
+	tries := 0
+	for from < to {
+		if tries == 2 {
 			p.metrics.DatagramDropped()
-			return
-		}
-		n, err := s.backend.Write(payload)
-		if err == nil {
-			s.toEndpoint.Add(int64(n))
-			return
-		}
-		if errors.Is(err, net.ErrClosed) {
-			continue // dropped or expired meanwhile: open a new session
-		}
-		if isUnreachable(err) {
-			// An earlier datagram drew an ICMP error: this one was not sent. Choose again.
-			s.markRefused(err)
+			from, tries = from+1, 0
 			continue
 		}
-		p.Log.Debug().Err(err).Stringer("client", client).Stringer("endpoint", s.endpoint).
-			Msg("sending datagram to endpoint failed; dropped")
-		break
+		s := p.session(ct, client, dst)
+		if s == nil {
+			p.metrics.DatagramDropped()
+			from, tries = from+1, 0
+			continue
+		}
+		sent, err := 0, error(nil)
+		if segmented := false; b.segmentable(from, to) {
+			if segmented, err = b.sendSegmented(s.rc, from, to, &p.connStats); segmented && err == nil {
+				sent = to - from
+			}
+			if !segmented {
+				sent, err = b.sendOut(s.rc, from, to, &p.connStats)
+			}
+		} else {
+			sent, err = b.sendOut(s.rc, from, to, &p.connStats)
+		}
+		s.toEndpoint.Add(b.outBytes(from, from+sent))
+		if from += sent; sent > 0 {
+			tries = 0
+		}
+		switch {
+		case err == nil:
+		case errors.Is(err, net.ErrClosed): // dropped or expired meanwhile: open a new session
+			tries++
+		case isUnreachable(err):
+			// An earlier datagram drew an ICMP error: this one was not sent. Choose again.
+			s.markRefused(err)
+			tries++
+		default:
+			p.Log.Debug().Err(err).Stringer("client", client).Stringer("endpoint", s.endpoint).
+				Msg("sending datagram to endpoint failed; dropped")
+			p.metrics.DatagramDropped()
+			from, tries = from+1, 0
+		}
 	}
-	p.metrics.DatagramDropped()
 }
 
 // session returns client's live session, opening one if there is none or the current one was
@@ -265,7 +357,7 @@ func (p *UDPProxy) session(ct *conntrackConn, client, to netip.AddrPort) *udpSes
 	reset := s != nil
 	if s != nil {
 		delete(p.sessions, client)
-		s.backend.Close()
+		s.release()
 	}
 	p.mu.Unlock()
 
@@ -278,21 +370,25 @@ func (p *UDPProxy) session(ct *conntrackConn, client, to netip.AddrPort) *udpSes
 		return nil
 	}
 	ep := target.Endpoint
+	if !p.admitSession() {
+		p.Log.Debug().Stringer("client", clientAddr).Msg("no room for a new UDP session; datagram dropped")
+		return nil
+	}
 	backend, err := p.dialEndpoint(target, clientAddr)
 	if err != nil {
+		p.Budget.give(udpSessionFDs)
 		p.metrics.DialFailed(ep)
 		p.Log.Debug().Err(err).Stringer("client", clientAddr).Stringer("endpoint", ep).
 			Msg("cannot open a socket to the endpoint; datagram dropped")
 		return nil
 	}
-	s = &udpSession{p: p, client: client, endpoint: ep, backend: backend, replyOOB: sourceAddrOOB(to.Addr())}
+	s = p.newSession(client, ep, backend, to.Addr())
 	s.lastActive.Store(p.now())
-	p.mu.Lock()
-	if p.run.closed {
-		p.mu.Unlock()
-		backend.Close()
+	if p.run.stopping() { // sessions are opened by the read loop only, which Close waits for
+		s.release()
 		return nil
 	}
+	p.mu.Lock()
 	p.sessions[client] = s
 	p.sessionWG.Add(1)
 	p.mu.Unlock()
@@ -301,6 +397,69 @@ func (p *UDPProxy) session(ct *conntrackConn, client, to netip.AddrPort) *udpSes
 		Bool("reset", reset).Msg("UDP session opened")
 	go s.relayReplies()
 	return s
+}
+
+// newSession returns the session of client to ep through backend, whose replies leave from
+// replyFrom when valid.
+func (p *UDPProxy) newSession(client, ep netip.AddrPort, backend *net.UDPConn, replyFrom netip.Addr) *udpSession {
+	s := &udpSession{p: p, client: client, endpoint: ep, backend: backend, clientSA: encodeSockaddr(client)}
+	s.rc, _ = backend.SyscallConn() // fails only on a nil conn
+	if replyFrom.IsValid() {
+		s.replyFrom, s.replyOOB = replyFrom, sourceAddrOOB(replyFrom)
+	}
+	return s
+}
+
+// admitSession takes the descriptor of a new session, making room first when this port is at
+// MaxSessions or the Budget is spent: it ends the port's longest-idle session. It reports false
+// (and takes nothing) when there is no room to be made.
+func (p *UDPProxy) admitSession() bool {
+	for range 2 {
+		p.mu.Lock()
+		full := p.MaxSessions > 0 && len(p.sessions) >= p.MaxSessions
+		p.mu.Unlock()
+		if !full && p.Budget.take(udpSessionFDs) {
+			return true
+		}
+		if !p.evictIdlest() {
+			break
+		}
+	}
+	if p.refusedWarned.CompareAndSwap(false, true) {
+		p.Log.Warn().Int("maxSessions", p.MaxSessions).Int("budget", p.Budget.Limit()).Int("budgetInUse", p.Budget.InUse()).
+			Msg("UDP datagram dropped: no room for a new session (logged once)")
+	}
+	return false
+}
+
+// evictIdlest ends the session that has been idle longest and reports whether there was one.
+// It scans the port's sessions: eviction happens only at a limit, and the limit bounds the scan.
+func (p *UDPProxy) evictIdlest() bool {
+	p.mu.Lock()
+	var idlest *udpSession
+	for _, s := range p.sessions {
+		if idlest == nil || s.lastActive.Load() < idlest.lastActive.Load() {
+			idlest = s
+		}
+	}
+	if idlest != nil {
+		delete(p.sessions, idlest.client)
+	}
+	p.mu.Unlock()
+	if idlest == nil {
+		return false
+	}
+	idlest.release()
+	p.metrics.UDPSessionEvicted()
+	return true
+}
+
+// release closes the session's socket and returns its descriptor to the budget, once.
+func (s *udpSession) release() {
+	if s.released.CompareAndSwap(false, true) {
+		s.backend.Close()
+		s.p.Budget.give(udpSessionFDs)
+	}
 }
 
 // dialEndpoint opens the session's socket to target's endpoint, from the client's address when
@@ -331,44 +490,35 @@ func (s *udpSession) markRefused(err error) {
 // relayReplies reads the endpoint's datagrams and sends them to the client from the proxy's
 // socket, until the session is idle for the timeout or its socket is closed.
 //
-// While waiting it holds no buffer: it polls the socket for readability and takes a buffer from
-// the pool only to read a datagram that is there, so idle sessions cost a socket and a
-// goroutine, not 64 KiB each.
+// While waiting it holds no buffer: it waits for the socket to be readable and takes a batch
+// from the pool only to read the datagrams that are there, so idle sessions cost a socket and
+// a goroutine, not 64 KiB each.
 func (s *udpSession) relayReplies() {
-	p := s.p
-	defer p.sessionWG.Done()
-	defer s.finish()
-
-	rc, err := s.backend.SyscallConn()
-	if err != nil {
+	defer s.p.sessionWG.Done()
+	if s.relay() {
+		s.park()
 		return
 	}
-	var (
-		got  *[]byte
-		n    int
-		rerr error
-	)
+	s.finish()
+}
+
+// relay is relayReplies' loop. It returns true when a freeze stopped it.
+func (s *udpSession) relay() (frozen bool) {
+	p := s.p
+	if s.rc == nil {
+		return false
+	}
+	var rerr error
 	read := func(fd uintptr) bool {
-		b := p.bufs.Get().(*[]byte)
-		for {
-			n, rerr = unix.Read(int(fd), *b)
-			if rerr != unix.EINTR {
-				break
-			}
-		}
-		if rerr == unix.EAGAIN {
-			p.bufs.Put(b)
-			return false // wait until readable
-		}
-		got = b
-		return true
+		rerr = s.readReplies(int(fd))
+		return rerr != nil
 	}
 	var deadline time.Time
 	for {
 		expiry := p.epoch.Add(time.Duration(s.lastActive.Load()) + p.timeout)
 		if !time.Now().Before(expiry) {
 			if s.expire() {
-				return
+				return false
 			}
 			continue
 		}
@@ -377,39 +527,99 @@ func (s *udpSession) relayReplies() {
 		// that. Resetting the timer on every datagram would cost more than the datagram.
 		if deadline.IsZero() {
 			if err := s.backend.SetReadDeadline(expiry); err != nil {
-				return // closed
+				return false // closed
 			}
 			deadline = expiry
+			if p.frozen.Load() {
+				return true // this deadline may have replaced the freeze's
+			}
 		}
-		if err := rc.Read(read); err != nil {
+		if err := s.rc.Read(read); err != nil {
 			if errors.Is(err, os.ErrDeadlineExceeded) {
+				if p.frozen.Load() {
+					return true
+				}
 				deadline = time.Time{}
 				continue // check activity: the client may have kept the session alive
 			}
-			return // closed: dropped, replaced, or the proxy is closing
+			return false // closed: dropped, replaced, or the proxy is closing
 		}
-		b := got
-		got = nil
-		if rerr != nil {
-			p.bufs.Put(b)
-			if isUnreachable(rerr) {
-				s.markRefused(rerr)
-				continue
-			}
+		switch {
+		case isUnreachable(rerr):
+			s.markRefused(rerr)
+		case errors.Is(rerr, net.ErrClosed): // Conn: the proxy is closing
+			return false
+		default:
 			p.Log.Debug().Err(rerr).Stringer("endpoint", s.endpoint).Msg("reading from endpoint failed; session ended")
-			return
-		}
-		s.lastActive.Store(p.now())
-		s.fromEndpoint.Add(int64(n))
-		_, _, werr := p.Conn.WriteMsgUDPAddrPort((*b)[:n], s.replyOOB, s.client)
-		p.bufs.Put(b)
-		if werr != nil {
-			if errors.Is(werr, net.ErrClosed) {
-				return
-			}
-			p.Log.Debug().Err(werr).Stringer("client", s.client).Msg("sending reply to client failed; dropped")
+			return false
 		}
 	}
+}
+
+// recvBatch reads up to a batch of datagrams from fd (the service port's socket when listener is
+// set, else a session's) into a pooled batch. It returns a nil batch when fd is empty (a nil
+// error) or reading failed.
+func (p *UDPProxy) recvBatch(fd int, listener bool) (*udpBatch, int, error) {
+	if p.testHookRecv != nil {
+		p.testHookRecv(fd, listener)
+	}
+	b := getUDPBatch()
+	b.prepareRecv(listener)
+	n, err := recvmmsg(fd, b.in[:])
+	if err != nil {
+		putUDPBatch(b)
+		if err == unix.EAGAIN {
+			return nil, 0, nil
+		}
+		return nil, 0, err
+	}
+	return b, n, nil
+}
+
+// readReplies reads the endpoint's datagrams from the session's socket fd in batches and sends
+// each batch to the client from Conn, until the socket is empty (it returns nil: wait until it
+// is readable) or reading fails. Like readBatches, it takes a short batch for an empty socket.
+func (s *udpSession) readReplies(fd int) error {
+	p := s.p
+	for {
+		b, n, err := p.recvBatch(fd, false)
+		if b == nil {
+			return err // nil: the socket is empty
+		}
+		p.replyStats.received(n)
+		s.lastActive.Store(p.now())
+		for i := range n {
+			b.setOut(i, i, s.clientSA, s.replyOOB)
+		}
+		s.fromEndpoint.Add(b.outBytes(0, n))
+		err = s.sendReplies(b, n)
+		putUDPBatch(b)
+		if err != nil {
+			return err
+		}
+		if n < len(b.in) || p.frozen.Load() {
+			return nil
+		}
+	}
+}
+
+// sendReplies sends the first n sends of b from Conn. A reply that cannot be sent is dropped;
+// the error is net.ErrClosed's when Conn is closed.
+func (s *udpSession) sendReplies(b *udpBatch, n int) error {
+	p := s.p
+	for from := 0; from < n; {
+		sent, err := b.sendOut(p.connRC, from, n, &p.replyStats)
+		from += sent
+		if err == nil {
+			break
+		}
+		if errors.Is(err, net.ErrClosed) {
+			return err
+		}
+		p.Log.Debug().Err(err).Stringer("client", s.client).Msg("sending reply to client failed; dropped")
+		from++
+	}
+	return nil
 }
 
 // expire removes the session if it is still idle, and reports whether it did.
@@ -435,7 +645,7 @@ func (s *udpSession) finish() {
 		delete(p.sessions, s.client)
 	}
 	p.mu.Unlock()
-	s.backend.Close()
+	s.release()
 	p.metrics.BytesCopied(s.toEndpoint.Load(), s.fromEndpoint.Load())
 	p.metrics.UDPSessionClosed()
 	p.Log.Debug().Stringer("client", s.client).Stringer("endpoint", s.endpoint).

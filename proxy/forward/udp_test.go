@@ -98,8 +98,7 @@ func TestUDPExpire(t *testing.T) {
 		{"idle for the timeout ends it", time.Minute, true},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			p := &UDPProxy{timeout: time.Minute, epoch: time.Now().Add(-time.Hour)}
-			p.initLocked()
+			p := &UDPProxy{timeout: time.Minute, epoch: time.Now().Add(-time.Hour), sessions: map[netip.AddrPort]*udpSession{}}
 			client := netip.MustParseAddrPort("192.0.2.1:5353")
 			s := &udpSession{p: p, client: client}
 			p.sessions[client] = s

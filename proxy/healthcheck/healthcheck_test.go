@@ -19,7 +19,6 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy"
-	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/serviceport"
 )
 
 type fakeClock struct {
@@ -57,28 +56,28 @@ func TestProxyHealth(t *testing.T) {
 	}{
 		{"starting, nothing queued", func(*ProxyHealth, *fakeClock) {}, 200},
 		{"queued change younger than the timeout", func(h *ProxyHealth, c *fakeClock) {
-			h.ChangeQueued(c.Now())
+			h.Queued(c.Now())
 			c.Step(timeout - time.Second)
 		}, 200},
 		{"queued change older than the timeout", func(h *ProxyHealth, c *fakeClock) {
-			h.ChangeQueued(c.Now())
+			h.Queued(c.Now())
 			c.Step(timeout)
 		}, 503},
 		{"only the oldest queued change counts", func(h *ProxyHealth, c *fakeClock) {
-			h.ChangeQueued(c.Now())
+			h.Queued(c.Now())
 			c.Step(timeout / 2)
-			h.ChangeQueued(c.Now())
+			h.Queued(c.Now())
 			c.Step(timeout / 2)
 		}, 503},
 		{"sync applied the change", func(h *ProxyHealth, c *fakeClock) {
-			h.ChangeQueued(c.Now())
+			h.Queued(c.Now())
 			c.Step(time.Second)
-			h.SyncDone(c.Now(), time.Millisecond, c.Now(), nil)
+			h.Synced(proxy.SyncResult{Start: c.Now(), Took: time.Millisecond})
 			c.Step(2 * timeout)
 		}, 200},
 		{"failed sync leaves the change pending", func(h *ProxyHealth, c *fakeClock) {
-			h.ChangeQueued(c.Now())
-			h.SyncDone(c.Now(), time.Millisecond, c.Now(), errors.New("restore failed"))
+			h.Queued(c.Now())
+			h.Synced(proxy.SyncResult{Start: c.Now(), Took: time.Millisecond, Err: errors.New("restore failed")})
 			c.Step(timeout)
 		}, 503},
 	}
@@ -225,8 +224,8 @@ func TestServicesLifecycle(t *testing.T) {
 func TestWanted(t *testing.T) {
 	ip := netip.MustParseAddr
 	port := func(svc, portName string, local bool, hc int, ready ...string) proxy.PortState {
-		st := proxy.PortState{ServicePort: &serviceport.ServicePort{
-			Name: serviceport.Name{Namespace: "ns", Name: svc, Port: portName}, Protocol: v1.ProtocolTCP,
+		st := proxy.PortState{ServicePort: &proxy.ServicePort{
+			Name: proxy.Name{Namespace: "ns", Name: svc, Port: portName}, Protocol: v1.ProtocolTCP,
 			ExternalPolicyLocal: local, HealthCheckNodePort: hc,
 		}}
 		for _, r := range ready {
@@ -263,9 +262,8 @@ func TestWanted(t *testing.T) {
 // TestProxyHealthReportsSourceError: while the API server is unreachable the proxy keeps serving
 // (200) and says why in the body; once it is back the field is gone.
 func TestProxyHealthReportsSourceError(t *testing.T) {
-	var mu sync.Mutex
-	var srcErr error
-	h := NewProxyHealth(ProxyHealthOptions{SourceErr: func() error { mu.Lock(); defer mu.Unlock(); return srcErr }})
+	src := &fakeSource{eligible: true}
+	h := NewProxyHealth(ProxyHealthOptions{Source: src})
 	srv := httptest.NewServer(h.Handler())
 	defer srv.Close()
 
@@ -274,9 +272,8 @@ func TestProxyHealthReportsSourceError(t *testing.T) {
 			t.Errorf("%s while connected: %s", path, body)
 		}
 	}
-	mu.Lock()
-	srcErr = errors.New(`services: API server unreachable since 2026-11-22T04:00:00Z: dial tcp 10.0.0.1:6443: connect: "refused"`)
-	mu.Unlock()
+	srcErr := errors.New(`services: API server unreachable since 2026-11-22T04:00:00Z: dial tcp 10.0.0.1:6443: connect: "refused"`)
+	src.set(srcErr, true)
 	for _, path := range []string{"/healthz", "/livez"} {
 		code, _, body := get(t, srv.URL+path)
 		if code != http.StatusOK {
@@ -295,8 +292,8 @@ func TestProxyHealthReportsSourceError(t *testing.T) {
 // A node that is not eligible (being deleted, or tainted by the autoscaler) fails /healthz with
 // "nodeEligible": false, so load balancers drain it; /livez stays 200.
 func TestProxyHealthNodeEligible(t *testing.T) {
-	eligible := false
-	h := NewProxyHealth(ProxyHealthOptions{NodeEligible: func() bool { return eligible }})
+	src := &fakeSource{}
+	h := NewProxyHealth(ProxyHealthOptions{Source: src})
 	srv := httptest.NewServer(h.Handler())
 	defer srv.Close()
 	for _, tc := range []struct {
@@ -304,7 +301,7 @@ func TestProxyHealthNodeEligible(t *testing.T) {
 		healthz  int
 		body     string
 	}{{false, 503, `"nodeEligible": false}`}, {true, 200, `"nodeEligible": true}`}} {
-		eligible = tc.eligible
+		src.set(nil, tc.eligible)
 		code, _, body := get(t, srv.URL+"/healthz")
 		if code != tc.healthz || !strings.HasSuffix(body, tc.body) {
 			t.Errorf("eligible=%v: /healthz %d %s, want %d and a body ending in %s", tc.eligible, code, body, tc.healthz, tc.body)
@@ -313,4 +310,29 @@ func TestProxyHealthNodeEligible(t *testing.T) {
 			t.Errorf("eligible=%v: /livez %d %s, want 200 without nodeEligible", tc.eligible, code, body)
 		}
 	}
+}
+
+// fakeSource is a SourceStatus whose answers the test sets.
+type fakeSource struct {
+	mu       sync.Mutex
+	err      error
+	eligible bool
+}
+
+func (f *fakeSource) set(err error, eligible bool) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.err, f.eligible = err, eligible
+}
+
+func (f *fakeSource) Err() error {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return f.err
+}
+
+func (f *fakeSource) NodeEligible() bool {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return f.eligible
 }

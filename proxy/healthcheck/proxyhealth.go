@@ -7,9 +7,12 @@
 //   - Services: one HTTP server per healthCheckNodePort of the externalTrafficPolicy: Local
 //     load-balancer services, answering 200 when this node has at least one ready endpoint of
 //     the service and 503 otherwise, so that load balancers send traffic only to nodes that
-//     serve it.
+//     serve it. They run on package httpserve: timeouts on every phase of a connection, and one
+//     cap on the open connections of all of them together (DefaultServicesMaxConns).
 //
-// Both implement proxy.SyncObserver and are fed by the proxier after every sync.
+// Both are fed each sync's proxy.SyncResult (Synced); ProxyHealth is also told when a change
+// starts waiting (Queued). The package knows nothing of the proxier, sockets of the data path or
+// iptables: it reads only the model (package proxy).
 package healthcheck
 
 import (
@@ -29,25 +32,30 @@ type ProxyHealthOptions struct {
 	Timeout time.Duration
 	// Now returns the current time; nil means time.Now.
 	Now func() time.Time
-	// SourceErr, if set, returns the API server failure the source is retrying after (nil when
-	// connected). It is reported in the body as "sourceError" and does not change the status:
-	// the proxy keeps serving its last state, and probes must not restart it for an outage of
-	// the API server.
-	SourceErr func() error
-	// NodeEligible, if set, reports whether this node should get load-balancer traffic (false
-	// while its Node is being deleted or is tainted ToBeDeletedByClusterAutoscaler). /healthz
-	// then answers 503 with "nodeEligible": false, as kube-proxy's does, so that load balancers
-	// drain the node; /livez is not affected. Nil means always eligible.
-	NodeEligible func() bool
+	// Source, if set, reports on the source's connection to the API server (package
+	// proxy/source/kubeapi). Nil (a manifests directory) means always connected and eligible.
+	Source SourceStatus
+}
+
+// SourceStatus is what ProxyHealth reports of a source that watches an API server.
+type SourceStatus interface {
+	// Err returns the API server failure the source is retrying after (nil when connected). It
+	// is reported in the body as "sourceError" and does not change the status: the proxy keeps
+	// serving its last state, and probes must not restart it for an outage of the API server.
+	Err() error
+	// NodeEligible reports whether this node should get load-balancer traffic (false while its
+	// Node is being deleted or is tainted ToBeDeletedByClusterAutoscaler). /healthz then
+	// answers 503 with "nodeEligible": false, as kube-proxy's does, so that load balancers drain
+	// the node; /livez is not affected.
+	NodeEligible() bool
 }
 
 // ProxyHealth tracks whether the proxy keeps its rules up to date and serves /healthz and /livez.
 // Its methods are safe for concurrent use.
 type ProxyHealth struct {
-	timeout      time.Duration
-	now          func() time.Time
-	sourceErr    func() error
-	nodeEligible func() bool
+	timeout time.Duration
+	now     func() time.Time
+	source  SourceStatus
 
 	mu sync.Mutex // guards the following fields
 	// lastUpdated is when the last successful sync ended (zero before the first).
@@ -56,8 +64,6 @@ type ProxyHealth struct {
 	// (zero when none is pending).
 	oldestQueued time.Time
 }
-
-var _ proxy.SyncObserver = (*ProxyHealth)(nil)
 
 // NewProxyHealth returns a ProxyHealth; the proxy counts as healthy until a change waits longer
 // than the timeout (a proxy that is starting is healthy, as in kube-proxy).
@@ -68,13 +74,13 @@ func NewProxyHealth(opts ProxyHealthOptions) *ProxyHealth {
 	if opts.Now == nil {
 		opts.Now = time.Now
 	}
-	return &ProxyHealth{timeout: opts.Timeout, now: opts.Now, sourceErr: opts.SourceErr, nodeEligible: opts.NodeEligible}
+	return &ProxyHealth{timeout: opts.Timeout, now: opts.Now, source: opts.Source}
 }
 
-// SyncDone marks the rules up to date when the sync succeeded (proxy.SyncObserver). A failed
-// sync leaves pending changes pending, so a proxy that keeps failing turns unhealthy.
-func (h *ProxyHealth) SyncDone(_ time.Time, _ time.Duration, _ time.Time, err error) {
-	if err != nil {
+// Synced marks the rules up to date when the sync succeeded. A failed sync leaves pending
+// changes pending, so a proxy that keeps failing turns unhealthy.
+func (h *ProxyHealth) Synced(r proxy.SyncResult) {
+	if r.Err != nil {
 		return
 	}
 	h.mu.Lock()
@@ -83,18 +89,14 @@ func (h *ProxyHealth) SyncDone(_ time.Time, _ time.Duration, _ time.Time, err er
 	h.lastUpdated = h.now()
 }
 
-// ChangeQueued records a change waiting for a sync (proxy.SyncObserver). Only the oldest
-// pending change counts.
-func (h *ProxyHealth) ChangeQueued(time.Time) {
+// Queued records a change waiting for a sync. Only the oldest pending change counts.
+func (h *ProxyHealth) Queued(time.Time) {
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	if h.oldestQueued.IsZero() {
 		h.oldestQueued = h.now()
 	}
 }
-
-// PortsSynced does nothing (proxy.SyncObserver).
-func (h *ProxyHealth) PortsSynced([]proxy.PortState) {}
 
 // IsHealthy reports whether no change has waited longer than the timeout.
 func (h *ProxyHealth) IsHealthy() bool {
@@ -124,7 +126,7 @@ func (h *ProxyHealth) Handler() http.Handler {
 
 func (h *ProxyHealth) serve(w http.ResponseWriter, withNode bool) {
 	healthy, lastUpdated, now := h.state()
-	nodeEligible := h.nodeEligible == nil || h.nodeEligible()
+	nodeEligible := h.source == nil || h.source.NodeEligible()
 	if withNode {
 		healthy = healthy && nodeEligible
 	}
@@ -137,8 +139,8 @@ func (h *ProxyHealth) serve(w http.ResponseWriter, withNode bool) {
 		w.WriteHeader(http.StatusServiceUnavailable)
 	}
 	extra := ""
-	if h.sourceErr != nil {
-		if err := h.sourceErr(); err != nil {
+	if h.source != nil {
+		if err := h.source.Err(); err != nil {
 			msg, _ := json.Marshal(err.Error())
 			extra = `, "sourceError": ` + string(msg)
 		}

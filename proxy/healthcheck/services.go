@@ -1,21 +1,26 @@
 package healthcheck
 
 import (
-	"errors"
 	"fmt"
 	"net"
 	"net/http"
 	"net/netip"
+	"os"
 	"slices"
 	"strconv"
 	"sync"
-	"time"
 
 	"github.com/rs/zerolog"
 	"k8s.io/apimachinery/pkg/types"
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/httpserve"
 )
+
+// DefaultServicesMaxConns caps the open connections of all the healthCheckNodePort servers
+// together: one cap for all, so that what a flood of them costs (file descriptors above all)
+// does not grow with the number of services.
+const DefaultServicesMaxConns = 4 * httpserve.DefaultMaxConns
 
 // Service is what the health check server of one service needs.
 type Service struct {
@@ -43,27 +48,31 @@ type ServicesOptions struct {
 	Health Checker
 	// Listen opens a listener; nil means net.Listen. For tests.
 	Listen func(network, address string) (net.Listener, error)
+	// Limits bound the servers' connections (zero fields: httpserve's defaults), except that
+	// MaxConns caps the connections of all the servers together (zero:
+	// DefaultServicesMaxConns).
+	Limits httpserve.Limits
 }
 
-// Services runs the healthCheckNodePort servers. Feed it with Sync or PortsSynced; Close stops
+// Services runs the healthCheckNodePort servers. Feed it with Sync or Synced; Close stops
 // every server. Its methods are safe for concurrent use.
 type Services struct {
-	opts ServicesOptions
-	log  zerolog.Logger
+	opts  ServicesOptions
+	log   zerolog.Logger
+	conns *httpserve.ConnLimit // shared by every server
 
 	mu       sync.Mutex // guards the following fields
 	services map[types.NamespacedName]*instance
 	closed   bool
 }
 
-var _ proxy.SyncObserver = (*Services)(nil)
-
-// instance is the server of one service: one http.Server per listen address.
+// instance is the server of one service: one httpserve.Server per listen address.
 type instance struct {
 	name    types.NamespacedName
 	port    int
-	servers []*http.Server
-	served  sync.WaitGroup // the Serve goroutines
+	servers []*httpserve.Server
+	// listeners are the servers' sockets, by "network address" (as Listen was called).
+	listeners map[string]net.Listener
 
 	mu        sync.Mutex // guards endpoints
 	endpoints int
@@ -74,21 +83,22 @@ func NewServices(opts ServicesOptions) *Services {
 	if opts.Listen == nil {
 		opts.Listen = net.Listen
 	}
-	return &Services{opts: opts, log: opts.Log, services: map[types.NamespacedName]*instance{}}
+	if opts.Limits.MaxConns <= 0 {
+		opts.Limits.MaxConns = DefaultServicesMaxConns
+	}
+	return &Services{
+		opts:     opts,
+		log:      opts.Log,
+		conns:    httpserve.NewConnLimit(opts.Limits.MaxConns, opts.Log.With().Str("servers", "healthCheckNodePort").Logger()),
+		services: map[types.NamespacedName]*instance{},
+	}
 }
 
-// SyncDone does nothing (proxy.SyncObserver).
-func (s *Services) SyncDone(time.Time, time.Duration, time.Time, error) {}
-
-// ChangeQueued does nothing (proxy.SyncObserver).
-func (s *Services) ChangeQueued(time.Time) {}
-
-// PortsSynced derives the wanted servers from the proxier's port states and applies them
-// (proxy.SyncObserver): every service with externalTrafficPolicy: Local and a
-// healthCheckNodePort gets a server, reporting the distinct IPs of the service's ready local
-// endpoints over all its ports (kube-proxy's count).
-func (s *Services) PortsSynced(ports []proxy.PortState) {
-	s.Sync(Wanted(ports))
+// Synced derives the wanted servers from a sync's port states and applies them: every service
+// with externalTrafficPolicy: Local and a healthCheckNodePort gets a server, reporting the
+// distinct IPs of the service's ready local endpoints over all its ports (kube-proxy's count).
+func (s *Services) Synced(r proxy.SyncResult) {
+	s.Sync(Wanted(r.Ports))
 }
 
 // Wanted returns the health check servers ports need, per service.
@@ -123,7 +133,7 @@ func (s *Services) Sync(want map[types.NamespacedName]Service) {
 	for name, inst := range s.services {
 		if w, ok := want[name]; !ok || w.Port != inst.port {
 			s.log.Info().Str("service", name.String()).Int("port", inst.port).Msg("closing health check server")
-			inst.close()
+			inst.close(s.log)
 			delete(s.services, name)
 		}
 	}
@@ -146,7 +156,7 @@ func (s *Services) Sync(want map[types.NamespacedName]Service) {
 
 // open listens on every address and serves the service's health check.
 func (s *Services) open(name types.NamespacedName, port int) (*instance, error) {
-	inst := &instance{name: name, port: port}
+	inst := &instance{name: name, port: port, listeners: map[string]net.Listener{}}
 	addrs := s.opts.Addrs
 	if addrs == nil {
 		addrs = []netip.Addr{{}}
@@ -155,18 +165,16 @@ func (s *Services) open(name types.NamespacedName, port int) (*instance, error) 
 		network, address := listenAddress(a, port)
 		ln, err := s.opts.Listen(network, address)
 		if err != nil {
-			inst.close()
+			inst.close(s.log)
 			return nil, fmt.Errorf("listen for the health check of service %s on %s: %w", name, address, err)
 		}
-		srv := &http.Server{Handler: s.handler(inst), ReadHeaderTimeout: 10 * time.Second}
-		inst.servers = append(inst.servers, srv)
-		inst.served.Add(1)
-		go func() {
-			defer inst.served.Done()
-			if err := srv.Serve(ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
-				s.log.Error().Err(err).Str("service", name.String()).Msg("health check server stopped")
-			}
-		}()
+		inst.listeners[ListenKey(network, address)] = ln
+		inst.servers = append(inst.servers, httpserve.Serve(ln, httpserve.Options{
+			Handler: s.handler(inst),
+			Limits:  s.opts.Limits,
+			Conns:   s.conns,
+			Log:     s.log.With().Str("service", name.String()).Logger(),
+		}))
 	}
 	return inst, nil
 }
@@ -201,11 +209,40 @@ func (s *Services) handler(inst *instance) http.Handler {
 }
 
 // close stops the instance's servers and waits for their goroutines.
-func (inst *instance) close() {
+func (inst *instance) close(log zerolog.Logger) {
 	for _, srv := range inst.servers {
-		_ = srv.Close()
+		if err := srv.Close(); err != nil {
+			log.Warn().Err(err).Str("service", inst.name.String()).Msg("closing health check server")
+		}
 	}
-	inst.served.Wait()
+}
+
+// ListenKey names a listener as Services opened it, for ListenerFiles and the Listen option.
+func ListenKey(network, address string) string { return network + " " + address }
+
+// ListenerFiles returns duplicates of every server's listening socket, by ListenKey, for a
+// successor to serve on (its Listen option then returns them instead of binding).
+func (s *Services) ListenerFiles() (map[string]*os.File, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	out := map[string]*os.File{}
+	for _, inst := range s.services {
+		for k, ln := range inst.listeners {
+			fl, ok := ln.(interface{ File() (*os.File, error) })
+			if !ok {
+				continue
+			}
+			f, err := fl.File()
+			if err != nil {
+				for _, f := range out {
+					f.Close()
+				}
+				return nil, fmt.Errorf("health check server %s of %s: %w", k, inst.name, err)
+			}
+			out[k] = f
+		}
+	}
+	return out, nil
 }
 
 // Ports returns the ports of the running servers, by service (for tests and logs).
@@ -225,7 +262,7 @@ func (s *Services) Close() {
 	defer s.mu.Unlock()
 	s.closed = true
 	for name, inst := range s.services {
-		inst.close()
+		inst.close(s.log)
 		delete(s.services, name)
 	}
 }

@@ -2,13 +2,20 @@
 // types and buckets, so dashboards and alerts written for kube-proxy keep working) and per
 // service port traffic metrics that only a proxy in the data path can count.
 //
-// A Metrics owns its own prometheus.Registry (never the global one). Hand it to the proxier as
-// both proxy.Options.Observer and proxy.Options.Metrics, and serve Handler on
-// --metrics-bind-address:
+// A Metrics owns its own prometheus.Registry (never the global one). Feed it each sync's
+// proxy.SyncResult (Synced) and each queued change (Queued), hand it to the proxier as the
+// per-port traffic sink (ForPort, Forget), and serve Handler on --metrics-bind-address:
 //
 //	m := metrics.New(metrics.Options{})
-//	px := proxy.New(proxy.Options{Observer: m, Metrics: m, ...})
+//	px := userspace.New(userspace.Options{OnSynced: m.Synced, OnQueued: m.Queued, Metrics: m, ...})
 //	http.Handle("/metrics", m.Handler())
+//
+// The load balancer reports the ClientIP affinity entries it evicts at its bound to
+// AffinityEvicted, which has the signature of loadbalancer.Options.OnAffinityEvicted:
+//
+//	lb := loadbalancer.New(loadbalancer.Options{OnAffinityEvicted: m.AffinityEvicted, ...})
+//
+// It reads only the model (package proxy) and package forward's Metrics interface.
 //
 // Traffic series are labelled namespace, service, port (the port's name) and protocol; dial
 // failures also carry the endpoint ("ip:port"). A deleted service port's series are removed
@@ -18,6 +25,8 @@ package metrics
 import (
 	"net/http"
 	"net/netip"
+	"strings"
+	"sync"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -27,7 +36,6 @@ import (
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward"
-	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/serviceport"
 )
 
 // Metric names. The kubeproxy_ ones are kube-proxy's.
@@ -50,8 +58,12 @@ const (
 	UDPSessionsOpenedTotal     = "kube_userspace_proxy_udp_sessions_opened_total"
 	UDPSessionsActive          = "kube_userspace_proxy_udp_sessions_active"
 	UDPDatagramsDroppedTotal   = "kube_userspace_proxy_udp_datagrams_dropped_total"
+	ConnectionsRefusedTotal    = "kube_userspace_proxy_connections_refused_total"
+	UDPSessionsEvictedTotal    = "kube_userspace_proxy_udp_sessions_evicted_total"
 	ServicePortsLocalEndpoints = "kube_userspace_proxy_service_port_local_endpoints"
+	ServicePortsUnservable     = "kube_userspace_proxy_service_ports_unservable"
 	ServicePortsTotal          = "kube_userspace_proxy_service_ports"
+	AffinityEvictedTotal       = "kube_userspace_proxy_affinity_entries_evicted_total"
 )
 
 // portLabels are the labels of every traffic series.
@@ -66,8 +78,7 @@ type Options struct {
 	NoRuntimeCollectors bool
 }
 
-// Metrics is the proxy's metric set and the registry serving it. It implements
-// proxy.SyncObserver, proxy.ChangeCounter and proxy.TrafficMetrics; all methods are safe for
+// Metrics is the proxy's metric set and the registry serving it. All methods are safe for
 // concurrent use.
 type Metrics struct {
 	reg *prometheus.Registry
@@ -91,14 +102,19 @@ type Metrics struct {
 	udpOpened           *prometheus.CounterVec
 	udpActive           *prometheus.GaugeVec
 	dropped             *prometheus.CounterVec
+	refused, evicted    *prometheus.CounterVec
 	localEndpointsGauge *prometheus.GaugeVec
-}
+	affinityEvicted     *prometheus.CounterVec
 
-var (
-	_ proxy.SyncObserver   = (*Metrics)(nil)
-	_ proxy.ChangeCounter  = (*Metrics)(nil)
-	_ proxy.TrafficMetrics = (*Metrics)(nil)
-)
+	unservable prometheus.Gauge
+
+	mu sync.Mutex // guards dialed and local
+	// local holds the service ports (label values joined) that have a local-endpoints series.
+	local map[string]bool
+	// dialed holds, per service port (its label values joined), the endpoints that have a
+	// dial-failure series, so that KeepEndpoints can drop those of departed endpoints.
+	dialed map[string]map[netip.AddrPort]struct{}
+}
 
 // New creates the metrics and registers them on a new registry.
 func New(opts Options) *Metrics {
@@ -106,38 +122,17 @@ func New(opts Options) *Metrics {
 	if now == nil {
 		now = time.Now
 	}
-	m := &Metrics{reg: prometheus.NewRegistry(), now: now}
-	m.syncDuration = prometheus.NewHistogram(prometheus.HistogramOpts{
-		Name:    SyncDuration,
-		Help:    "SyncProxyRules latency in seconds",
-		Buckets: prometheus.ExponentialBuckets(0.001, 2, 15),
-	})
-	m.syncFull = prometheus.NewHistogram(prometheus.HistogramOpts{
-		Name:    SyncFullDuration,
-		Help:    "SyncProxyRules latency in seconds for full resyncs",
-		Buckets: prometheus.ExponentialBuckets(0.001, 2, 15),
-	})
-	m.syncPartial = prometheus.NewHistogram(prometheus.HistogramOpts{
-		Name:    SyncPartialDuration,
-		Help:    "SyncProxyRules latency in seconds for partial resyncs",
-		Buckets: prometheus.ExponentialBuckets(0.001, 2, 15),
-	})
-	m.syncLast = prometheus.NewGauge(prometheus.GaugeOpts{
-		Name: SyncLastTimestamp,
-		Help: "The last time proxy rules were successfully synced",
-	})
-	m.queuedLast = prometheus.NewGauge(prometheus.GaugeOpts{
-		Name: SyncLastQueuedTimestamp,
-		Help: "The last time a sync of proxy rules was queued",
-	})
-	m.serviceChanges = prometheus.NewCounter(prometheus.CounterOpts{
-		Name: ServiceChangesTotal,
-		Help: "Cumulative proxy rules Service changes",
-	})
-	m.endpointChanges = prometheus.NewCounter(prometheus.CounterOpts{
-		Name: EndpointChangesTotal,
-		Help: "Cumulative proxy rules Endpoint changes",
-	})
+	m := &Metrics{reg: prometheus.NewRegistry(), now: now, dialed: map[string]map[netip.AddrPort]struct{}{}, local: map[string]bool{}}
+	syncHistogram := func(name, help string) prometheus.Histogram {
+		return prometheus.NewHistogram(prometheus.HistogramOpts{Name: name, Help: help, Buckets: prometheus.ExponentialBuckets(0.001, 2, 15)})
+	}
+	m.syncDuration = syncHistogram(SyncDuration, "SyncProxyRules latency in seconds")
+	m.syncFull = syncHistogram(SyncFullDuration, "SyncProxyRules latency in seconds for full resyncs")
+	m.syncPartial = syncHistogram(SyncPartialDuration, "SyncProxyRules latency in seconds for partial resyncs")
+	m.syncLast = prometheus.NewGauge(prometheus.GaugeOpts{Name: SyncLastTimestamp, Help: "The last time proxy rules were successfully synced"})
+	m.queuedLast = prometheus.NewGauge(prometheus.GaugeOpts{Name: SyncLastQueuedTimestamp, Help: "The last time a sync of proxy rules was queued"})
+	m.serviceChanges = prometheus.NewCounter(prometheus.CounterOpts{Name: ServiceChangesTotal, Help: "Cumulative proxy rules Service changes"})
+	m.endpointChanges = prometheus.NewCounter(prometheus.CounterOpts{Name: EndpointChangesTotal, Help: "Cumulative proxy rules Endpoint changes"})
 	// kube-proxy's buckets: 0.25s steps to 0.5s, 1s steps to 59s, 5s steps to 115s, 30s steps to 570s.
 	var netBuckets []float64
 	netBuckets = append(netBuckets, prometheus.LinearBuckets(0.25, 0.25, 2)...)
@@ -157,6 +152,10 @@ func New(opts Options) *Metrics {
 		Name: ServicePortsTotal,
 		Help: "Number of service ports the proxy serves (one listener each)",
 	})
+	m.unservable = prometheus.NewGauge(prometheus.GaugeOpts{
+		Name: ServicePortsUnservable,
+		Help: "Service ports without a listener because the open-files limit leaves no descriptor for it (their portals reject)",
+	})
 	counter := func(name, help string, extra ...string) *prometheus.CounterVec {
 		return prometheus.NewCounterVec(prometheus.CounterOpts{Name: name, Help: help}, append(append([]string{}, portLabels...), extra...))
 	}
@@ -172,16 +171,37 @@ func New(opts Options) *Metrics {
 	m.udpOpened = counter(UDPSessionsOpenedTotal, "UDP sessions opened, per service port")
 	m.udpActive = gauge(UDPSessionsActive, "UDP sessions open now, per service port")
 	m.dropped = counter(UDPDatagramsDroppedTotal, "UDP datagrams from clients that could not be forwarded, per service port")
+	m.refused = counter(ConnectionsRefusedTotal, "TCP connections reset at once because the service port was at its connection limit or the data path's descriptor budget was spent, per service port")
+	m.evicted = counter(UDPSessionsEvictedTotal, "UDP sessions ended early (longest idle first) to make room for new clients, per service port")
 	m.localEndpointsGauge = gauge(ServicePortsLocalEndpoints, "Endpoints on this node that Local external traffic may use, per service port")
+	m.affinityEvicted = counter(AffinityEvictedTotal, "ClientIP session affinity entries evicted because the service port had as many as it may keep (the least recently used client forgets its endpoint), per service port")
 
 	m.reg.MustRegister(m.syncDuration, m.syncFull, m.syncPartial, m.syncLast, m.queuedLast, m.serviceChanges, m.endpointChanges,
-		m.netProg, m.syncFailures, m.ports,
+		m.netProg, m.syncFailures, m.ports, m.unservable,
 		m.accepted, m.active, m.failed, m.bytesTo, m.bytesFrom, m.dialFailures, m.udpOpened, m.udpActive,
-		m.dropped, m.localEndpointsGauge)
+		m.dropped, m.refused, m.evicted, m.localEndpointsGauge, m.affinityEvicted)
 	if !opts.NoRuntimeCollectors {
 		m.reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	}
 	return m
+}
+
+// DataPathDescriptors is the gauge of the data path's descriptor budget.
+const DataPathDescriptors = "kube_userspace_proxy_data_path_descriptors"
+
+// WatchBudget exposes the data path's descriptor budget as DataPathDescriptors{state="limit"}
+// and {state="in_use"}, read at each scrape from budget (the proxier's forward.Budget).
+func (m *Metrics) WatchBudget(budget interface {
+	Limit() int
+	InUse() int
+}) {
+	for state, f := range map[string]func() int{"limit": budget.Limit, "in_use": budget.InUse} {
+		m.reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+			Name:        DataPathDescriptors,
+			Help:        "File descriptors the data path (TCP connections, UDP sessions, splice pipes) may hold (state=limit) and holds (state=in_use)",
+			ConstLabels: prometheus.Labels{"state": state},
+		}, func() float64 { return float64(f()) }))
+	}
 }
 
 // Registry returns the registry the metrics are registered on (to add more collectors).
@@ -192,87 +212,132 @@ func (m *Metrics) Handler() http.Handler {
 	return promhttp.HandlerFor(m.reg, promhttp.HandlerOpts{Registry: m.reg})
 }
 
-// SyncDone records a finished sync (proxy.SyncObserver): its duration always; on success the
-// last-sync timestamp and, when it applied changes, the network programming latency measured
-// from the oldest change it applied (kube-proxy measures from the EndpointSlice's
-// last-change-trigger-time; we measure from when the proxy saw the change, which leaves out the
-// control plane's share). A failed sync counts in the failures counter.
-func (m *Metrics) SyncDone(start time.Time, took time.Duration, oldestChange time.Time, err error) {
-	m.syncDuration.Observe(took.Seconds())
-	if err != nil {
+// Synced records a finished sync: its duration always, in the full or partial histogram too
+// when it programmed portals; the changes it applied (kube-proxy counts every update event; we
+// count per service per sync, so several updates of one service between two syncs count once);
+// the service ports and each one's local endpoints. On success also the last-sync timestamp
+// and, when it applied changes, the network programming latency measured from the oldest change
+// (kube-proxy measures from the EndpointSlice's last-change-trigger-time; we measure from when
+// the proxy saw the change, which leaves out the control plane's share). A failed sync counts
+// in the failures counter.
+func (m *Metrics) Synced(r proxy.SyncResult) {
+	m.serviceChanges.Add(float64(r.ServiceChanges))
+	m.endpointChanges.Add(float64(r.EndpointChanges))
+	m.ports.Set(float64(len(r.Ports)))
+	m.unservable.Set(float64(r.Unservable))
+	// A port's local-endpoints series appears once it has a local endpoint, and stays (at 0
+	// when they are gone) until the port is forgotten: no series for the ports that never had one.
+	m.mu.Lock()
+	for _, st := range r.Ports {
+		lv := labelValues(st.ServicePort.Name, st.ServicePort.Protocol)
+		key := strings.Join(lv, "\x00")
+		if st.LocalEndpoints == 0 && !m.local[key] {
+			continue
+		}
+		m.local[key] = true
+		m.localEndpointsGauge.WithLabelValues(lv...).Set(float64(st.LocalEndpoints))
+	}
+	m.mu.Unlock()
+	switch r.Kind {
+	case proxy.SyncFull:
+		m.syncFull.Observe(r.Took.Seconds())
+	case proxy.SyncPartial:
+		m.syncPartial.Observe(r.Took.Seconds())
+	}
+	m.syncDuration.Observe(r.Took.Seconds())
+	if r.Err != nil {
 		m.syncFailures.Inc()
 		return
 	}
-	end := start.Add(took)
+	end := r.Start.Add(r.Took)
 	m.syncLast.Set(float64(end.UnixNano()) / 1e9)
-	if !oldestChange.IsZero() {
-		m.netProg.Observe(end.Sub(oldestChange).Seconds())
+	if !r.OldestChange.IsZero() {
+		m.netProg.Observe(end.Sub(r.OldestChange).Seconds())
 	}
 }
 
-// SyncModeDone records a sync's duration in the full or the partial histogram
-// (proxy.SyncModeObserver).
-func (m *Metrics) SyncModeDone(full bool, took time.Duration) {
-	if full {
-		m.syncFull.Observe(took.Seconds())
-	} else {
-		m.syncPartial.Observe(took.Seconds())
-	}
-}
-
-// ChangeQueued records when a change was queued (proxy.SyncObserver).
-func (m *Metrics) ChangeQueued(at time.Time) {
+// Queued records when a change was queued.
+func (m *Metrics) Queued(at time.Time) {
 	m.queuedLast.Set(float64(at.UnixNano()) / 1e9)
 }
 
-// ChangesApplied counts the services and endpoint sets a sync applied (proxy.ChangeCounter).
-// kube-proxy counts every update event; we count per service per sync, so several updates of one
-// service between two syncs count once.
-func (m *Metrics) ChangesApplied(services, endpoints int) {
-	m.serviceChanges.Add(float64(services))
-	m.endpointChanges.Add(float64(endpoints))
-}
-
-// PortsSynced records the number of service ports and each one's local endpoints
-// (proxy.SyncObserver).
-func (m *Metrics) PortsSynced(ports []proxy.PortState) {
-	m.ports.Set(float64(len(ports)))
-	for _, st := range ports {
-		m.localEndpointsGauge.WithLabelValues(labelValues(st.ServicePort.Name, st.ServicePort.Protocol)...).Set(float64(st.LocalEndpoints))
-	}
-}
-
-// ForPort returns the traffic sink of one service port (proxy.TrafficMetrics). Its series
+// ForPort returns the traffic sink of one service port (the proxier's TrafficMetrics). Its series
 // appear with their first event.
-func (m *Metrics) ForPort(name serviceport.Name, protocol v1.Protocol) forward.Metrics {
+func (m *Metrics) ForPort(name proxy.Name, protocol v1.Protocol) forward.Metrics {
 	lv := labelValues(name, protocol)
+	// Bound at the first event of each series (then the per-event cost is an atomic add): a
+	// port that never sees traffic has no series, so 10,000 idle service ports cost no memory
+	// and no scrape time.
 	return &portMetrics{
-		m:      m,
-		labels: lv,
-		// Bound once: the per-event cost is an atomic add.
-		accepted:  m.accepted.WithLabelValues(lv...),
-		active:    m.active.WithLabelValues(lv...),
-		failed:    m.failed.WithLabelValues(lv...),
-		bytesTo:   m.bytesTo.WithLabelValues(lv...),
-		bytesFrom: m.bytesFrom.WithLabelValues(lv...),
-		udpOpened: m.udpOpened.WithLabelValues(lv...),
-		udpActive: m.udpActive.WithLabelValues(lv...),
-		dropped:   m.dropped.WithLabelValues(lv...),
+		m:         m,
+		labels:    lv,
+		accepted:  lazy[prometheus.Counter]{vec: m.accepted, lv: lv},
+		active:    lazy[prometheus.Gauge]{vec: m.active, lv: lv},
+		failed:    lazy[prometheus.Counter]{vec: m.failed, lv: lv},
+		bytesTo:   lazy[prometheus.Counter]{vec: m.bytesTo, lv: lv},
+		bytesFrom: lazy[prometheus.Counter]{vec: m.bytesFrom, lv: lv},
+		udpOpened: lazy[prometheus.Counter]{vec: m.udpOpened, lv: lv},
+		udpActive: lazy[prometheus.Gauge]{vec: m.udpActive, lv: lv},
+		dropped:   lazy[prometheus.Counter]{vec: m.dropped, lv: lv},
+		refused:   lazy[prometheus.Counter]{vec: m.refused, lv: lv},
+		evicted:   lazy[prometheus.Counter]{vec: m.evicted, lv: lv},
 	}
 }
 
-// Forget removes every series of a deleted service port (proxy.TrafficMetrics).
-func (m *Metrics) Forget(name serviceport.Name, protocol v1.Protocol) {
+// lazy is one series of a port, created with its first use.
+type lazy[T any] struct {
+	once sync.Once
+	v    T
+	vec  interface{ WithLabelValues(...string) T }
+	lv   []string
+}
+
+func (l *lazy[T]) get() T {
+	l.once.Do(func() { l.v = l.vec.WithLabelValues(l.lv...) })
+	return l.v
+}
+
+// Forget removes every series of a deleted service port (the proxier's TrafficMetrics).
+func (m *Metrics) Forget(name proxy.Name, protocol v1.Protocol) {
 	match := prometheus.Labels{"namespace": name.Namespace, "service": name.Name, "port": name.Port, "protocol": string(protocol)}
+	m.mu.Lock()
+	delete(m.dialed, strings.Join(labelValues(name, protocol), "\x00"))
+	delete(m.local, strings.Join(labelValues(name, protocol), "\x00"))
+	m.mu.Unlock()
 	for _, v := range []interface{ DeletePartialMatch(prometheus.Labels) int }{
 		m.accepted, m.active, m.failed, m.bytesTo, m.bytesFrom, m.dialFailures, m.udpOpened,
-		m.udpActive, m.dropped, m.localEndpointsGauge,
+		m.udpActive, m.dropped, m.refused, m.evicted, m.localEndpointsGauge, m.affinityEvicted,
 	} {
 		v.DeletePartialMatch(match)
 	}
 }
 
-func labelValues(name serviceport.Name, protocol v1.Protocol) []string {
+// KeepEndpoints removes the dial-failure series of the service port's endpoints that keep
+// rejects (endpoints that left it), so that the series do not outlive their endpoints.
+func (m *Metrics) KeepEndpoints(name proxy.Name, protocol v1.Protocol, keep func(netip.AddrPort) bool) {
+	lv := labelValues(name, protocol)
+	key := strings.Join(lv, "\x00")
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	for ep := range m.dialed[key] {
+		if !keep(ep) {
+			m.dialFailures.DeleteLabelValues(append(append([]string{}, lv...), ep.String())...)
+			delete(m.dialed[key], ep)
+		}
+	}
+	if len(m.dialed[key]) == 0 {
+		delete(m.dialed, key)
+	}
+}
+
+// AffinityEvicted counts one ClientIP affinity entry of a service port evicted at the load
+// balancer's bound: pass it as loadbalancer.Options.OnAffinityEvicted. The series appears with
+// the first eviction and goes with Forget.
+func (m *Metrics) AffinityEvicted(name proxy.Name, protocol v1.Protocol) {
+	m.affinityEvicted.WithLabelValues(name.Namespace, name.Name, name.Port, string(protocol)).Inc()
+}
+
+func labelValues(name proxy.Name, protocol v1.Protocol) []string {
 	return []string{name.Namespace, name.Name, name.Port, string(protocol)}
 }
 
@@ -280,31 +345,51 @@ func labelValues(name serviceport.Name, protocol v1.Protocol) []string {
 type portMetrics struct {
 	m         *Metrics
 	labels    []string
-	accepted  prometheus.Counter
-	active    prometheus.Gauge
-	failed    prometheus.Counter
-	bytesTo   prometheus.Counter
-	bytesFrom prometheus.Counter
-	udpOpened prometheus.Counter
-	udpActive prometheus.Gauge
-	dropped   prometheus.Counter
+	accepted  lazy[prometheus.Counter]
+	active    lazy[prometheus.Gauge]
+	failed    lazy[prometheus.Counter]
+	bytesTo   lazy[prometheus.Counter]
+	bytesFrom lazy[prometheus.Counter]
+	udpOpened lazy[prometheus.Counter]
+	udpActive lazy[prometheus.Gauge]
+	dropped   lazy[prometheus.Counter]
+	refused   lazy[prometheus.Counter]
+	evicted   lazy[prometheus.Counter]
 }
 
 var _ forward.Metrics = (*portMetrics)(nil)
 
-func (p *portMetrics) ConnAccepted() { p.accepted.Inc(); p.active.Inc() }
-func (p *portMetrics) ConnClosed()   { p.active.Dec() }
-func (p *portMetrics) ConnFailed()   { p.active.Dec(); p.failed.Inc() }
+func (p *portMetrics) ConnAccepted() { p.accepted.get().Inc(); p.active.get().Inc() }
+func (p *portMetrics) ConnClosed()   { p.active.get().Dec() }
+func (p *portMetrics) ConnFailed()   { p.active.get().Dec(); p.failed.get().Inc() }
 
 func (p *portMetrics) DialFailed(endpoint netip.AddrPort) {
 	p.m.dialFailures.WithLabelValues(append(append([]string{}, p.labels...), endpoint.String())...).Inc()
+	key := strings.Join(p.labels, "\x00")
+	p.m.mu.Lock()
+	if p.m.dialed[key] == nil {
+		p.m.dialed[key] = map[netip.AddrPort]struct{}{}
+	}
+	p.m.dialed[key][endpoint] = struct{}{}
+	p.m.mu.Unlock()
 }
 
 func (p *portMetrics) BytesCopied(toEndpoint, fromEndpoint int64) {
-	p.bytesTo.Add(float64(max(toEndpoint, 0)))
-	p.bytesFrom.Add(float64(max(fromEndpoint, 0)))
+	if toEndpoint > 0 {
+		p.bytesTo.get().Add(float64(toEndpoint))
+	}
+	if fromEndpoint > 0 {
+		p.bytesFrom.get().Add(float64(fromEndpoint))
+	}
 }
 
-func (p *portMetrics) UDPSessionOpened() { p.udpOpened.Inc(); p.udpActive.Inc() }
-func (p *portMetrics) UDPSessionClosed() { p.udpActive.Dec() }
-func (p *portMetrics) DatagramDropped()  { p.dropped.Inc() }
+func (p *portMetrics) UDPSessionOpened()  { p.udpOpened.get().Inc(); p.udpActive.get().Inc() }
+func (p *portMetrics) UDPSessionClosed()  { p.udpActive.get().Dec() }
+func (p *portMetrics) DatagramDropped()   { p.dropped.get().Inc() }
+func (p *portMetrics) ConnRefused()       { p.refused.get().Inc() }
+func (p *portMetrics) UDPSessionEvicted() { p.evicted.get().Inc() }
+
+// ConnReleased and UDPSessionReleased (forward.HandoverMetrics): a connection or session handed
+// over to a successor leaves this process's gauges.
+func (p *portMetrics) ConnReleased()       { p.active.get().Dec() }
+func (p *portMetrics) UDPSessionReleased() { p.udpActive.get().Dec() }

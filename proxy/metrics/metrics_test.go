@@ -10,9 +10,10 @@ import (
 
 	v1 "k8s.io/api/core/v1"
 
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/loadbalancer"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/metrics/metricstest"
-	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/serviceport"
 )
 
 // scrape fetches /metrics over real HTTP and parses the text exposition.
@@ -41,8 +42,8 @@ func scrape(t *testing.T, m *Metrics) metricstest.Families {
 }
 
 var (
-	webName = serviceport.Name{Namespace: "ns", Name: "web", Port: "http"}
-	dnsName = serviceport.Name{Namespace: "kube-system", Name: "dns", Port: "dns"}
+	webName = proxy.Name{Namespace: "ns", Name: "web", Port: "http"}
+	dnsName = proxy.Name{Namespace: "kube-system", Name: "dns", Port: "dns"}
 	webLbl  = map[string]string{"namespace": "ns", "service": "web", "port": "http", "protocol": "TCP"}
 	dnsLbl  = map[string]string{"namespace": "kube-system", "service": "dns", "port": "dns", "protocol": "UDP"}
 )
@@ -115,16 +116,16 @@ func TestTrafficMetrics(t *testing.T) {
 func TestSyncMetrics(t *testing.T) {
 	now := time.Date(2026, 1, 2, 3, 4, 5, 0, time.UTC)
 	m := New(Options{Now: func() time.Time { return now }})
-	var obs proxy.SyncObserver = m
-	obs.ChangeQueued(now.Add(-3 * time.Second))
-	m.ChangesApplied(2, 5)
-	sp := &serviceport.ServicePort{Name: webName, Protocol: v1.ProtocolTCP}
-	obs.PortsSynced([]proxy.PortState{{ServicePort: sp, LocalEndpoints: 2}})
-	m.SyncModeDone(true, 500*time.Millisecond)
-	obs.SyncDone(now.Add(-time.Second), 500*time.Millisecond, now.Add(-3*time.Second), nil)
-	m.SyncModeDone(false, 20*time.Millisecond)
+	m.Queued(now.Add(-3 * time.Second))
+	sp := &proxy.ServicePort{Name: webName, Protocol: v1.ProtocolTCP}
+	m.Synced(proxy.SyncResult{
+		Start: now.Add(-time.Second), Took: 500 * time.Millisecond, Kind: proxy.SyncFull,
+		OldestChange: now.Add(-3 * time.Second), ServiceChanges: 2, EndpointChanges: 5,
+		Ports: []proxy.PortState{{ServicePort: sp, LocalEndpoints: 2}},
+	})
 	// A failed sync counts its duration but does not move the last-success timestamp.
-	obs.SyncDone(now, 20*time.Millisecond, now, errors.New("restore failed"))
+	m.Synced(proxy.SyncResult{Start: now, Took: 20 * time.Millisecond, Kind: proxy.SyncPartial, OldestChange: now,
+		Ports: []proxy.PortState{{ServicePort: sp, LocalEndpoints: 2}}, Err: errors.New("restore failed")})
 
 	fams := scrape(t, m)
 	tests := []struct {
@@ -181,5 +182,123 @@ func TestRegistryIsPrivate(t *testing.T) {
 	}
 	if _, ok := scrape(t, a).Value(ConnectionsAcceptedTotal, webLbl); !ok {
 		t.Fatal("a's series missing from a's registry")
+	}
+}
+
+// TestDialFailureSeriesFollowEndpoints: the dial-failure series of an endpoint that left its
+// service port are removed; those of endpoints still there stay.
+func TestDialFailureSeriesFollowEndpoints(t *testing.T) {
+	m := New(Options{NoRuntimeCollectors: true})
+	stay, gone := netip.MustParseAddrPort("10.244.1.2:8080"), netip.MustParseAddrPort("10.244.2.2:8080")
+	pm := m.ForPort(webName, v1.ProtocolTCP)
+	pm.DialFailed(stay)
+	pm.DialFailed(gone)
+	m.KeepEndpoints(webName, v1.ProtocolTCP, func(ep netip.AddrPort) bool { return ep == stay })
+	fams := scrape(t, m)
+	with := func(ep netip.AddrPort) map[string]string {
+		l := map[string]string{"endpoint": ep.String()}
+		for k, v := range webLbl {
+			l[k] = v
+		}
+		return l
+	}
+	if _, ok := fams.Value(EndpointDialFailuresTotal, with(gone)); ok {
+		t.Errorf("the departed endpoint %s still has a dial-failure series", gone)
+	}
+	if v, ok := fams.Value(EndpointDialFailuresTotal, with(stay)); !ok || v != 1 {
+		t.Errorf("the remaining endpoint's series: %v, %v; want 1", v, ok)
+	}
+}
+
+// TestAffinityEvicted wires AffinityEvicted into a load balancer that keeps two affinity entries
+// per service port and sends five clients to one port: three evictions, counted on that port's
+// series, which Forget removes.
+func TestAffinityEvicted(t *testing.T) {
+	m := New(Options{NoRuntimeCollectors: true})
+	lb := loadbalancer.New(loadbalancer.Options{MaxAffinityEntries: 2, OnAffinityEvicted: m.AffinityEvicted})
+	sp := &proxy.ServicePort{Name: webName, Protocol: v1.ProtocolTCP, SessionAffinity: true, AffinityTimeout: time.Hour}
+	lb.SetServicePort(sp, []proxy.Endpoint{{Addr: netip.MustParseAddrPort("10.244.1.5:8080"), Ready: true, Serving: true}})
+	for i := range 5 {
+		if _, err := lb.Next(webName, netip.AddrFrom4([4]byte{192, 168, 0, byte(i)}), false, false); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if got, ok := scrape(t, m).Value(AffinityEvictedTotal, webLbl); !ok || got != 3 {
+		t.Errorf("%s%v = %v (present %v), want 3", AffinityEvictedTotal, webLbl, got, ok)
+	}
+	m.Forget(webName, v1.ProtocolTCP)
+	if _, ok := scrape(t, m).Value(AffinityEvictedTotal, webLbl); ok {
+		t.Errorf("%s still has a series for the forgotten port", AffinityEvictedTotal)
+	}
+}
+
+// TestWatchBudget: the budget's limit and use are read at each scrape.
+func TestWatchBudget(t *testing.T) {
+	m := New(Options{NoRuntimeCollectors: true})
+	b := &fakeBudget{limit: 768, inUse: 10}
+	m.WatchBudget(b)
+	b.inUse = 42
+	fams := scrape(t, m)
+	for state, want := range map[string]float64{"limit": 768, "in_use": 42} {
+		if got, ok := fams.Value(DataPathDescriptors, map[string]string{"state": state}); !ok || got != want {
+			t.Errorf("%s{state=%q} = %v (present %v), want %v", DataPathDescriptors, state, got, ok, want)
+		}
+	}
+}
+
+type fakeBudget struct{ limit, inUse int }
+
+func (f *fakeBudget) Limit() int { return f.limit }
+func (f *fakeBudget) InUse() int { return f.inUse }
+
+// TestSeriesAppearWithFirstEvent: a service port without traffic, or without local endpoints,
+// has no series at all.
+func TestSeriesAppearWithFirstEvent(t *testing.T) {
+	m := New(Options{NoRuntimeCollectors: true})
+	pm := m.ForPort(webName, v1.ProtocolTCP)
+	sp := &proxy.ServicePort{Name: webName, Protocol: v1.ProtocolTCP}
+	m.Synced(proxy.SyncResult{Ports: []proxy.PortState{{ServicePort: sp}}, Unservable: 3})
+	fams := scrape(t, m)
+	for _, name := range []string{ConnectionsAcceptedTotal, ConnectionsActive, BytesToEndpointsTotal, ServicePortsLocalEndpoints} {
+		if _, ok := fams.Value(name, webLbl); ok {
+			t.Errorf("%s has a series before any event", name)
+		}
+	}
+	if v, _ := fams.Value(ServicePortsUnservable, nil); v != 3 {
+		t.Errorf("%s = %v, want 3", ServicePortsUnservable, v)
+	}
+	pm.ConnAccepted()
+	m.Synced(proxy.SyncResult{Ports: []proxy.PortState{{ServicePort: sp, LocalEndpoints: 1}}})
+	m.Synced(proxy.SyncResult{Ports: []proxy.PortState{{ServicePort: sp}}})
+	fams = scrape(t, m)
+	if v, ok := fams.Value(ConnectionsAcceptedTotal, webLbl); !ok || v != 1 {
+		t.Errorf("accepted = %v, %v after one connection", v, ok)
+	}
+	if v, ok := fams.Value(ServicePortsLocalEndpoints, webLbl); !ok || v != 0 {
+		t.Errorf("local endpoints = %v, %v: want a series at 0 once it had one", v, ok)
+	}
+}
+
+// A connection or session handed over leaves the gauges: the per-port sink is a
+// forward.HandoverMetrics.
+func TestReleasedLeaveGauges(t *testing.T) {
+	m := New(Options{NoRuntimeCollectors: true})
+	tcp, udp := m.ForPort(webName, v1.ProtocolTCP), m.ForPort(dnsName, v1.ProtocolUDP)
+	for _, sink := range []forward.Metrics{tcp, udp} {
+		if _, ok := sink.(forward.HandoverMetrics); !ok {
+			t.Fatalf("%T is not a forward.HandoverMetrics", sink)
+		}
+	}
+	tcp.ConnAccepted()
+	tcp.ConnAccepted()
+	udp.UDPSessionOpened()
+	tcp.(forward.HandoverMetrics).ConnReleased()
+	udp.(forward.HandoverMetrics).UDPSessionReleased()
+	fams := scrape(t, m)
+	if v, ok := fams.Value(ConnectionsActive, webLbl); !ok || v != 1 {
+		t.Errorf("%s = %v (%v), want 1", ConnectionsActive, v, ok)
+	}
+	if v, ok := fams.Value(UDPSessionsActive, dnsLbl); !ok || v != 0 {
+		t.Errorf("%s = %v (%v), want 0", UDPSessionsActive, v, ok)
 	}
 }

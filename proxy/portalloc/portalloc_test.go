@@ -3,6 +3,7 @@ package portalloc
 import (
 	"errors"
 	"math/rand/v2"
+	"os"
 	"testing"
 )
 
@@ -108,4 +109,88 @@ func FuzzParseRange(f *testing.F) {
 			t.Fatalf("ParseRange(%q) = %+v out of bounds", s, r)
 		}
 	})
+}
+
+func TestLocalPortRange(t *testing.T) {
+	dir := t.TempDir() + "/"
+	if err := os.WriteFile(dir+"ip_local_port_range", []byte("32768\t32777\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(dir+"ip_local_reserved_ports", []byte("80,32770-32772,40000\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	r, skip, err := localPortRange(dir)
+	if err != nil || r != (Range{Base: 32768, Size: 10}) || len(skip) != 3 || !skip[32771] {
+		t.Fatalf("got %v %v %v", r, skip, err)
+	}
+	a := NewAllocator(r, nil)
+	a.skip = skip
+	for range 7 {
+		p, err := a.Allocate()
+		if err != nil || skip[p] || !r.Contains(p) {
+			t.Fatalf("got %d, %v", p, err)
+		}
+	}
+	if _, err := a.Allocate(); !errors.Is(err, ErrExhausted) {
+		t.Fatalf("want ErrExhausted, got %v", err)
+	}
+	if a := NewLocalAllocator(nil); a.Range().Size == 0 {
+		t.Error("NewLocalAllocator: no range read from /proc")
+	}
+}
+
+// Reserve takes a given free port of the range, and nothing else; Release gives it back.
+func TestReserve(t *testing.T) {
+	a := NewAllocator(Range{Base: 100, Size: 3}, rand.New(rand.NewPCG(5, 6)))
+	a.skip = map[int]bool{102: true}
+	for _, tc := range []struct {
+		port int
+		want bool
+	}{{101, true}, {101, false}, {99, false}, {103, false}, {102, false}, {0, false}} {
+		if got := a.Reserve(tc.port); got != tc.want {
+			t.Errorf("Reserve(%d) = %v, want %v", tc.port, got, tc.want)
+		}
+	}
+	if p, err := a.Allocate(); err != nil || p != 100 {
+		t.Errorf("Allocate = %d, %v; want 100, the only port left", p, err)
+	}
+	a.Release(101)
+	if !a.Reserve(101) {
+		t.Error("Reserve(101) after Release = false")
+	}
+	z := NewAllocator(Range{}, nil)
+	if !z.Reserve(40000) || !z.Reserve(40000) || z.Reserve(0) || z.Reserve(65536) {
+		t.Error("the zero Range: Reserve should say yes to every port 1..65535 (the bind decides)")
+	}
+}
+
+// Allocate hands out ports set aside only when no other port is free; Reserve takes them.
+func TestSetAside(t *testing.T) {
+	a := NewAllocator(Range{Base: 100, Size: 10}, rand.New(rand.NewPCG(7, 8)))
+	aside := []int{100, 103, 105, 109, 4000}
+	a.SetAside(aside)
+	got := map[int]bool{}
+	for range 6 {
+		p, err := a.Allocate()
+		if err != nil {
+			t.Fatal(err)
+		}
+		got[p] = true
+	}
+	for _, p := range aside {
+		if got[p] {
+			t.Errorf("port %d, set aside, handed out while others were free (got %v)", p, got)
+		}
+	}
+	if !a.Reserve(103) {
+		t.Error("Reserve(103), set aside and free, = false")
+	}
+	for range 3 {
+		if _, err := a.Allocate(); err != nil {
+			t.Errorf("Allocate with only ports set aside left: %v", err)
+		}
+	}
+	if _, err := a.Allocate(); !errors.Is(err, ErrExhausted) {
+		t.Errorf("want ErrExhausted, got %v", err)
+	}
 }

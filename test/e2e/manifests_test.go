@@ -98,7 +98,7 @@ func TestManifests(t *testing.T) {
 	defer cancel()
 	webTCP, webUDP := "10.96.7.7:80", "10.96.7.7:53"
 	nodePort := netip.AddrPortFrom(node.IP, 30080).String()
-	harness.StartProxy(t, node.NS, harness.ProxyConfig{
+	first := harness.StartProxy(t, node.NS, harness.ProxyConfig{
 		NodeName:  nodeName,
 		Manifests: dir,
 		Args:      []string{"--iptables-sync-period=" + syncPeriod.String(), "--iptables-min-sync-period=100ms"},
@@ -119,6 +119,30 @@ func TestManifests(t *testing.T) {
 		}
 	}
 	t.Run("ClusterIP and NodePort", func(t *testing.T) { check(t, "p1") })
+	t.Run("a second instance without hand-over leaves the first serving", func(t *testing.T) {
+		// What a DaemonSet rolling update with maxSurge, or an operator by mistake, does: it
+		// used to remove the running proxy's rules, then exit on the health port in use.
+		before := harness.RulesFor(harness.IPTablesSave(t, node.NS), harness.Namespace, "web")
+		if len(before) == 0 {
+			t.Fatal("no rules of web: the case proves nothing")
+		}
+		sctx, scancel := context.WithTimeout(ctx, 30*time.Second)
+		defer scancel()
+		// Without a hand-over socket (TestHandover covers the hand-over).
+		out, err := node.NS.Exec(sctx, append(first.Args, "--handover-socket=none")...)
+		if err == nil || !strings.Contains(out, "another kube-userspace-proxy") {
+			t.Fatalf("the second instance: %v, want it to exit naming the running one; output:\n%s", err, out)
+		}
+		if after := harness.RulesFor(harness.IPTablesSave(t, node.NS), harness.Namespace, "web"); len(after) != len(before) {
+			t.Errorf("%d rules of web before the second instance, %d after it", len(before), len(after))
+		}
+		select {
+		case <-first.Done():
+			t.Fatalf("the first proxy exited: %v", first.Err())
+		default:
+		}
+		check(t, "p1")
+	})
 	t.Run("directory changed while running", func(t *testing.T) {
 		writeManifests(t, dir, pods[1])
 		changed := time.Now()

@@ -473,11 +473,17 @@ func TestProxy(t *testing.T) {
 		if len(proxyPorts) == 0 {
 			t.Fatalf("no proxy port found in the rules of the service:\n%s", strings.Join(before, "\n"))
 		}
-		ports := append(proxyPorts, int(svc.Spec.Ports[0].NodePort), int(svc.Spec.Ports[1].NodePort))
+		ports := proxyPorts
 		socks := harness.Sockets(t, f.node.NS)
 		for _, p := range ports {
 			if !hasPort(socks, p) {
-				t.Errorf("port %d (proxy listener or held node port) not open before the delete:\n%s", p, socks)
+				t.Errorf("proxy listener port %d not open before the delete:\n%s", p, socks)
+			}
+		}
+		nodePorts := map[string]int{"tcp": int(svc.Spec.Ports[0].NodePort), "udp": int(svc.Spec.Ports[1].NodePort)}
+		for network, p := range nodePorts {
+			if !harness.PortHeld(t, f.node.NS, network, p) {
+				t.Errorf("%s NodePort %d not held before the delete", network, p)
 			}
 		}
 		harness.DeleteService(ctx, t, f.c.Client, svc.Namespace, svc.Name)
@@ -489,6 +495,11 @@ func TestProxy(t *testing.T) {
 			for _, p := range ports {
 				if hasPort(socks, p) {
 					return fmt.Errorf("port %d still open:\n%s", p, socks)
+				}
+			}
+			for network, p := range nodePorts {
+				if harness.PortHeld(t, f.node.NS, network, p) {
+					return fmt.Errorf("%s NodePort %d still held", network, p)
 				}
 			}
 			return nil

@@ -16,7 +16,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/portal/transparent"
-	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/serviceport"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/test/e2e/harness"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/test/netns"
 )
@@ -169,7 +169,7 @@ func TestTransparent(t *testing.T) {
 		for _, v := range []string{"v1", "v2"} {
 			t.Run(v, func(t *testing.T) {
 				s := harness.NodePortService("pp-"+v, harness.TCPPort("http", 80, haproxyPort))
-				s.Annotations = map[string]string{serviceport.ProxyProtocolAnnotation: v}
+				s.Annotations = map[string]string{proxy.ProxyProtocolAnnotation: v}
 				svc := f.serve(ctx, t, s, 0)
 				var body string
 				harness.WaitFor(t, converge, func() error {

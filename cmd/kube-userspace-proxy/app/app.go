@@ -16,12 +16,14 @@ import (
 	"github.com/spf13/pflag"
 	"k8s.io/client-go/kubernetes"
 
-	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/portal"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/handover"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/healthcheck"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/source"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/source/kubeapi"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/source/manifests"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/userspace"
 )
 
 // Main parses args and runs the proxy; it returns the process exit code.
@@ -80,17 +82,27 @@ func Main(args []string, stdout, stderr io.Writer) int {
 // the process. Run is meant to be called once per process, from Main.
 func Run(ctx context.Context, opts *Options, v *Validated, log zerolog.Logger) error {
 	if opts.Cleanup {
-		if err := cleanupPortals(ctx, log); err != nil {
+		if err := portal.CleanupAll(ctx, log); err != nil {
 			return fmt.Errorf("cleanup: %w", err)
 		}
 		log.Info().Msg("removed every rule and chain of ours")
 		return nil
 	}
-	if n, err := forward.RaiseFileLimit(); err != nil {
+	fileLimit, err := forward.RaiseFileLimit()
+	if err != nil {
 		log.Warn().Err(err).Msg("cannot raise RLIMIT_NOFILE")
-	} else {
-		log.Debug().Uint64("limit", n).Msg("RLIMIT_NOFILE")
 	}
+	limits := userspace.Limits{
+		FileLimit:          int(min(fileLimit, 1<<30)),
+		Reserve:            opts.FDReserve,
+		MaxConnsPerPort:    opts.MaxConnectionsPerPort,
+		MaxSessionsPerPort: opts.MaxUDPSessionsPerPort,
+		MaxAffinityEntries: opts.MaxAffinityEntries,
+		TCPIdleTimeout:     opts.TCPIdleTimeout,
+	}
+	log.Info().Uint64("openFilesLimit", fileLimit).Int("reserve", limits.ReserveFDs()).
+		Int("maxConnectionsPerPort", limits.ConnsPerPort()).Int("maxUDPSessionsPerPort", limits.SessionsPerPort()).
+		Msg("descriptor budget of the data path")
 	if err := setOOMScoreAdj(oomScoreAdjPath, opts.OOMScoreAdj); err != nil {
 		log.Warn().Err(err).Msg("cannot set the OOM score adjustment")
 	}
@@ -99,12 +111,12 @@ func Run(ctx context.Context, opts *Options, v *Validated, log zerolog.Logger) e
 		log.Warn().Err(err).Msg("conntrack sysctl left alone")
 	}
 
-	src, err := newSource(opts, v, log)
+	src, status, err := newSource(opts, v, log)
 	if err != nil {
 		return err
 	}
 
-	pOpts := proxy.Options{
+	pOpts := userspace.Options{
 		Log:           log.With().Str("component", "proxier").Logger(),
 		NodeName:      v.NodeName,
 		BindAddress:   v.BindAddress,
@@ -113,43 +125,85 @@ func Run(ctx context.Context, opts *Options, v *Validated, log zerolog.Logger) e
 		MinSyncPeriod: opts.MinSyncPeriod,
 		SyncPeriod:    opts.SyncPeriod,
 		ClusterCIDRs:  v.ClusterCIDRs,
+		Limits:        limits,
 	}
-	var portals *portalSet
+	var portals *portal.Set
+	release := func() {}
+	hoPath, successor := "", false
 	if opts.PortalMode == PortalModeIPTables {
-		portals, err = newPortals(ctx, v, log.With().Str("component", "portal").Logger())
+		if hoPath, err = handoverSocket(opts); err != nil {
+			return err
+		}
+		// Before any rule is touched: a second proxy must not remove the running one's portals.
+		// With a hand-over socket it prepares to take over instead (nothing it does before
+		// that writes a rule or binds a port the running one holds).
+		r, err := lockInstance(InstanceLockDir)
+		switch {
+		case errors.Is(err, errInstanceRunning) && hoPath != "":
+			successor = true
+			log.Info().Err(err).Str("socket", hoPath).Msg("another proxy serves this node: preparing to take over")
+		case err != nil:
+			return err
+		default:
+			release = onceFunc(r)
+		}
+		defer func() { release() }()
+		portals, err = portal.NewSet(ctx, portal.SetOptions{
+			BindAddress:       v.BindAddress,
+			NodePortAddresses: v.NodePortAddresses,
+			ClusterCIDRs:      v.ClusterCIDRs,
+			Log:               log.With().Str("component", "portal").Logger(),
+			Successor:         successor,
+		})
 		if err != nil {
 			return err
 		}
 		pOpts.Portals = portals
+		pOpts.PreferredPorts = survivingPorts(ctx, portals, log)
 		pOpts.HoldPorts = true
 		if opts.TransparentLocal {
-			pOpts.TransparentLocal = enableTransparent(ctx, portals, log)
+			pOpts.TransparentLocal = portals.TryTransparent(ctx)
 		}
 	}
-	health := healthcheck.ProxyHealthOptions{Timeout: 2 * opts.SyncPeriod}
-	if e, ok := src.(interface{ Err() error }); ok {
-		health.SourceErr = e.Err // the API server source: /healthz reports an outage
-	}
-	if n, ok := src.(interface{ NodeEligible() bool }); ok {
-		health.NodeEligible = n.NodeEligible // and drains the node while it is being removed
-	}
+	health := healthcheck.ProxyHealthOptions{Timeout: 2 * opts.SyncPeriod, Source: status}
 	srv, err := newServers(opts, v, health, log.With().Str("component", "servers").Logger())
 	if err != nil {
 		return err
 	}
-	pOpts.Observer, pOpts.Metrics = srv.observer(), srv.metrics
-	px := proxy.New(pOpts)
+	pOpts.OnQueued, pOpts.OnSynced, pOpts.Metrics = srv.queued, srv.synced, srv.metrics
+	px := userspace.New(pOpts)
+	if b := px.Budget(); b != nil {
+		srv.metrics.WatchBudget(b)
+	}
 	log.Info().Str("node", v.NodeName).Str("portalMode", opts.PortalMode).Str("proxyPortRange", v.PortRange.String()).
 		Str("version", Version).Msg("starting kube-userspace-proxy")
 
-	proxyCtx, stopProxy := context.WithCancel(context.Background())
-	defer stopProxy()
 	// The source runs until ctx is done; it is stopped (and waited for, bounded) after the proxy
 	// has shut down, so that a source slow to stop never delays the shutdown.
 	srcCtx, stopSource := context.WithCancel(ctx)
 	defer stopSource()
 	srcDone := make(chan error, 1)
 	go func() { srcDone <- src.Run(srcCtx, px.Tracker()) }()
+
+	var pkg *handover.Package
+	if successor {
+		var r func()
+		pkg, r, err = takeOver(ctx, hoPath, px, log.With().Str("component", "handover").Logger())
+		if err != nil {
+			stopSource()
+			_ = waitSource(srcDone, sourceStopTimeout, log)
+			return err
+		}
+		release = r
+	}
+	err = srv.listen(inheritedServers(pkg))
+	pkg.Close() // what neither the proxier nor the servers took
+	if err != nil {
+		return err
+	}
+
+	proxyCtx, stopProxy := context.WithCancel(context.Background())
+	defer stopProxy()
 	proxyDone := make(chan struct{})
 	go func() { px.Run(proxyCtx); close(proxyDone) }()
 	// The health, metrics and health check node port servers run until the drain is over.
@@ -158,7 +212,19 @@ func Run(ctx context.Context, opts *Options, v *Validated, log zerolog.Logger) e
 	go func() { srv.run(serversCtx); close(serversDone) }()
 	defer func() { stopServers(); <-serversDone }()
 
+	handedOver := make(chan struct{})
+	if hoPath != "" {
+		g := &giver{px: px, srv: srv, release: func() { release() }}
+		stopHandovers, err := serveHandovers(ctx, hoPath, g, handedOver, log.With().Str("component", "handover").Logger())
+		if err != nil {
+			log.Warn().Err(err).Msg("no hand-over socket: a successor will restart instead of taking over")
+		} else {
+			defer stopHandovers()
+		}
+	}
+
 	var runErr error
+	handed := false
 	select {
 	case <-ctx.Done():
 	case runErr = <-srcDone: // the source failed (or ended) on its own
@@ -166,11 +232,28 @@ func Run(ctx context.Context, opts *Options, v *Validated, log zerolog.Logger) e
 		if runErr != nil {
 			runErr = fmt.Errorf("source: %w", runErr)
 		}
+	case <-handedOver:
+		handed = true
 	}
 	stopSource()
-	// Shutdown: stop accepting, remove portals, let connections finish, exit.
 	stopProxy()
 	<-proxyDone
+	if handed {
+		// Everything lives on in the successor: no portal is removed, no connection cut. The
+		// servers' sockets are the successor's now: stop answering on them.
+		stopServers()
+		<-serversDone
+		if !opts.HandoverExit && ctx.Err() == nil {
+			log.Info().Msg("handed over to the successor; waiting for SIGTERM, serving nothing (--handover-exit=false)")
+			<-ctx.Done()
+		}
+		log.Info().Msg("handed over to the successor; exiting")
+		if srcDone != nil {
+			_ = waitSource(srcDone, sourceStopTimeout, log)
+		}
+		return nil
+	}
+	// Shutdown: stop accepting, remove portals, let connections finish, exit.
 	log.Info().Msg("stopped accepting; removing portals")
 	if portals != nil {
 		if cerr := portals.Cleanup(context.Background()); cerr != nil {
@@ -227,22 +310,25 @@ type runner interface {
 	Run(ctx context.Context, h source.Handler) error
 }
 
-func newSource(opts *Options, v *Validated, log zerolog.Logger) (runner, error) {
+// newSource builds the source the options name, and what /healthz reports of it (nil for a
+// manifests directory, which has no API server to lose).
+func newSource(opts *Options, v *Validated, log zerolog.Logger) (runner, healthcheck.SourceStatus, error) {
 	if opts.Manifests != "" {
 		return manifests.New(opts.Manifests, manifests.Options{
 			ServiceCIDRs: v.ServiceCIDRs,
 			Log:          log.With().Str("component", "manifests").Logger(),
-		}), nil
+		}), nil, nil
 	}
 	cfg, err := kubeapi.BuildConfig(opts.Kubeconfig, opts.Master)
 	if err != nil {
-		return nil, fmt.Errorf("API server configuration: %w", err)
+		return nil, nil, fmt.Errorf("API server configuration: %w", err)
 	}
 	client, err := kubernetes.NewForConfig(cfg)
 	if err != nil {
-		return nil, fmt.Errorf("API client for %s: %w", cfg.Host, err)
+		return nil, nil, fmt.Errorf("API client for %s: %w", cfg.Host, err)
 	}
-	return kubeapi.New(client, kubeapi.Options{Log: log.With().Str("component", "kubeapi").Logger(), NodeName: v.NodeName}), nil
+	src := kubeapi.New(client, kubeapi.Options{Log: log.With().Str("component", "kubeapi").Logger(), NodeName: v.NodeName})
+	return src, src, nil
 }
 
 func parseLevel(s string) (zerolog.Level, error) {

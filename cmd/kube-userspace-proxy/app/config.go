@@ -42,36 +42,21 @@ type configField struct {
 // configFields lists every setting that exists both as one of our flags and as a
 // KubeProxyConfiguration field.
 var configFields = []configField{
-	{"kubeconfig", "clientConnection.kubeconfig",
-		func(o *Options, c *kpconfig.KubeProxyConfiguration) bool {
-			o.Kubeconfig = c.ClientConnection.Kubeconfig
-			return c.ClientConnection.Kubeconfig != ""
-		},
-		func(o *Options, c *kpconfig.KubeProxyConfiguration) { c.ClientConnection.Kubeconfig = o.Kubeconfig }},
-	{"hostname-override", "hostnameOverride",
-		func(o *Options, c *kpconfig.KubeProxyConfiguration) bool {
-			o.HostnameOverride = c.HostnameOverride
-			return c.HostnameOverride != ""
-		},
-		func(o *Options, c *kpconfig.KubeProxyConfiguration) { c.HostnameOverride = o.HostnameOverride }},
-	{"bind-address", "bindAddress",
-		func(o *Options, c *kpconfig.KubeProxyConfiguration) bool {
-			o.BindAddress = c.BindAddress
-			return c.BindAddress != ""
-		},
-		func(o *Options, c *kpconfig.KubeProxyConfiguration) { c.BindAddress = o.BindAddress }},
-	{"healthz-bind-address", "healthzBindAddress",
-		func(o *Options, c *kpconfig.KubeProxyConfiguration) bool {
-			o.HealthzBindAddress = c.HealthzBindAddress
-			return c.HealthzBindAddress != ""
-		},
-		func(o *Options, c *kpconfig.KubeProxyConfiguration) { c.HealthzBindAddress = o.HealthzBindAddress }},
-	{"metrics-bind-address", "metricsBindAddress",
-		func(o *Options, c *kpconfig.KubeProxyConfiguration) bool {
-			o.MetricsBindAddress = c.MetricsBindAddress
-			return c.MetricsBindAddress != ""
-		},
-		func(o *Options, c *kpconfig.KubeProxyConfiguration) { c.MetricsBindAddress = o.MetricsBindAddress }},
+	valueField("kubeconfig", "clientConnection.kubeconfig",
+		func(c *kpconfig.KubeProxyConfiguration) *string { return &c.ClientConnection.Kubeconfig },
+		func(o *Options) *string { return &o.Kubeconfig }, same[string], same[string]),
+	valueField("hostname-override", "hostnameOverride",
+		func(c *kpconfig.KubeProxyConfiguration) *string { return &c.HostnameOverride },
+		func(o *Options) *string { return &o.HostnameOverride }, same[string], same[string]),
+	valueField("bind-address", "bindAddress",
+		func(c *kpconfig.KubeProxyConfiguration) *string { return &c.BindAddress },
+		func(o *Options) *string { return &o.BindAddress }, same[string], same[string]),
+	valueField("healthz-bind-address", "healthzBindAddress",
+		func(c *kpconfig.KubeProxyConfiguration) *string { return &c.HealthzBindAddress },
+		func(o *Options) *string { return &o.HealthzBindAddress }, same[string], same[string]),
+	valueField("metrics-bind-address", "metricsBindAddress",
+		func(c *kpconfig.KubeProxyConfiguration) *string { return &c.MetricsBindAddress },
+		func(o *Options) *string { return &o.MetricsBindAddress }, same[string], same[string]),
 	{"nodeport-addresses", "nodePortAddresses",
 		func(o *Options, c *kpconfig.KubeProxyConfiguration) bool {
 			o.NodePortAddresses = append([]string(nil), c.NodePortAddresses...)
@@ -80,46 +65,21 @@ var configFields = []configField{
 		func(o *Options, c *kpconfig.KubeProxyConfiguration) {
 			c.NodePortAddresses = append([]string(nil), o.NodePortAddresses...)
 		}},
-	{"cluster-cidr", "clusterCIDR",
-		func(o *Options, c *kpconfig.KubeProxyConfiguration) bool {
-			o.ClusterCIDR = c.ClusterCIDR
-			return c.ClusterCIDR != ""
-		},
-		func(o *Options, c *kpconfig.KubeProxyConfiguration) { c.ClusterCIDR = o.ClusterCIDR }},
-	{"iptables-sync-period", "iptables.syncPeriod",
-		func(o *Options, c *kpconfig.KubeProxyConfiguration) bool {
-			o.SyncPeriod = c.IPTables.SyncPeriod.Duration
-			return c.IPTables.SyncPeriod.Duration != 0
-		},
-		func(o *Options, c *kpconfig.KubeProxyConfiguration) {
-			c.IPTables.SyncPeriod = metav1.Duration{Duration: o.SyncPeriod}
-		}},
-	{"iptables-min-sync-period", "iptables.minSyncPeriod",
-		func(o *Options, c *kpconfig.KubeProxyConfiguration) bool {
-			o.MinSyncPeriod = c.IPTables.MinSyncPeriod.Duration
-			return c.IPTables.MinSyncPeriod.Duration != 0
-		},
-		func(o *Options, c *kpconfig.KubeProxyConfiguration) {
-			c.IPTables.MinSyncPeriod = metav1.Duration{Duration: o.MinSyncPeriod}
-		}},
-	{"oom-score-adj", "oomScoreAdj",
-		func(o *Options, c *kpconfig.KubeProxyConfiguration) bool {
-			if c.OOMScoreAdj == nil {
-				return false
-			}
-			o.OOMScoreAdj = *c.OOMScoreAdj
-			return true
-		},
-		func(o *Options, c *kpconfig.KubeProxyConfiguration) {
-			v := o.OOMScoreAdj
-			c.OOMScoreAdj = &v
-		}},
-	{"proxy-port-range", "portRange",
-		func(o *Options, c *kpconfig.KubeProxyConfiguration) bool {
-			o.ProxyPortRange = c.PortRange
-			return c.PortRange != ""
-		},
-		func(o *Options, c *kpconfig.KubeProxyConfiguration) { c.PortRange = o.ProxyPortRange }},
+	valueField("cluster-cidr", "clusterCIDR",
+		func(c *kpconfig.KubeProxyConfiguration) *string { return &c.ClusterCIDR },
+		func(o *Options) *string { return &o.ClusterCIDR }, same[string], same[string]),
+	valueField("iptables-sync-period", "iptables.syncPeriod",
+		func(c *kpconfig.KubeProxyConfiguration) *metav1.Duration { return &c.IPTables.SyncPeriod },
+		func(o *Options) *time.Duration { return &o.SyncPeriod }, fromDuration, toDuration),
+	valueField("iptables-min-sync-period", "iptables.minSyncPeriod",
+		func(c *kpconfig.KubeProxyConfiguration) *metav1.Duration { return &c.IPTables.MinSyncPeriod },
+		func(o *Options) *time.Duration { return &o.MinSyncPeriod }, fromDuration, toDuration),
+	pointerField("oom-score-adj", "oomScoreAdj",
+		func(c *kpconfig.KubeProxyConfiguration) **int32 { return &c.OOMScoreAdj },
+		func(o *Options) *int32 { return &o.OOMScoreAdj }, same[int32], same[int32]),
+	valueField("proxy-port-range", "portRange",
+		func(c *kpconfig.KubeProxyConfiguration) *string { return &c.PortRange },
+		func(o *Options) *string { return &o.ProxyPortRange }, same[string], same[string]),
 	pointerField("conntrack-max-per-core", "conntrack.maxPerCore",
 		func(c *kpconfig.KubeProxyConfiguration) **int32 { return &c.Conntrack.MaxPerCore },
 		func(o *Options) *int32 { return &o.ConntrackMaxPerCore }, same[int32], same[int32]),
@@ -132,30 +92,30 @@ var configFields = []configField{
 	pointerField("conntrack-tcp-timeout-close-wait", "conntrack.tcpCloseWaitTimeout",
 		func(c *kpconfig.KubeProxyConfiguration) **metav1.Duration { return &c.Conntrack.TCPCloseWaitTimeout },
 		func(o *Options) *time.Duration { return &o.ConntrackTCPCloseWaitTimeout }, fromDuration, toDuration),
-	{"conntrack-tcp-be-liberal", "conntrack.tcpBeLiberal",
-		func(o *Options, c *kpconfig.KubeProxyConfiguration) bool {
-			o.ConntrackTCPBeLiberal = c.Conntrack.TCPBeLiberal
-			return c.Conntrack.TCPBeLiberal
+	valueField("conntrack-tcp-be-liberal", "conntrack.tcpBeLiberal",
+		func(c *kpconfig.KubeProxyConfiguration) *bool { return &c.Conntrack.TCPBeLiberal },
+		func(o *Options) *bool { return &o.ConntrackTCPBeLiberal }, same[bool], same[bool]),
+	valueField("conntrack-udp-timeout", "conntrack.udpTimeout",
+		func(c *kpconfig.KubeProxyConfiguration) *metav1.Duration { return &c.Conntrack.UDPTimeout },
+		func(o *Options) *time.Duration { return &o.ConntrackUDPTimeout }, fromDuration, toDuration),
+	valueField("conntrack-udp-timeout-stream", "conntrack.udpStreamTimeout",
+		func(c *kpconfig.KubeProxyConfiguration) *metav1.Duration { return &c.Conntrack.UDPStreamTimeout },
+		func(o *Options) *time.Duration { return &o.ConntrackUDPStreamTimeout }, fromDuration, toDuration),
+}
+
+// valueField is the configField of a flag whose configuration field is a value whose zero value
+// means unset; toOpt and toFile convert the value between the file's type and the option's.
+func valueField[F, O comparable](flag, field string, ptr func(*kpconfig.KubeProxyConfiguration) *F, opt func(*Options) *O,
+	toOpt func(F) O, toFile func(O) F) configField {
+	return configField{flag: flag, field: field,
+		set: func(o *Options, c *kpconfig.KubeProxyConfiguration) bool {
+			v := toOpt(*ptr(c))
+			*opt(o) = v
+			var zero O
+			return v != zero
 		},
-		func(o *Options, c *kpconfig.KubeProxyConfiguration) {
-			c.Conntrack.TCPBeLiberal = o.ConntrackTCPBeLiberal
-		}},
-	{"conntrack-udp-timeout", "conntrack.udpTimeout",
-		func(o *Options, c *kpconfig.KubeProxyConfiguration) bool {
-			o.ConntrackUDPTimeout = c.Conntrack.UDPTimeout.Duration
-			return c.Conntrack.UDPTimeout.Duration != 0
-		},
-		func(o *Options, c *kpconfig.KubeProxyConfiguration) {
-			c.Conntrack.UDPTimeout = metav1.Duration{Duration: o.ConntrackUDPTimeout}
-		}},
-	{"conntrack-udp-timeout-stream", "conntrack.udpStreamTimeout",
-		func(o *Options, c *kpconfig.KubeProxyConfiguration) bool {
-			o.ConntrackUDPStreamTimeout = c.Conntrack.UDPStreamTimeout.Duration
-			return c.Conntrack.UDPStreamTimeout.Duration != 0
-		},
-		func(o *Options, c *kpconfig.KubeProxyConfiguration) {
-			c.Conntrack.UDPStreamTimeout = metav1.Duration{Duration: o.ConntrackUDPStreamTimeout}
-		}},
+		get: func(o *Options, c *kpconfig.KubeProxyConfiguration) { *ptr(c) = toFile(*opt(o)) },
+	}
 }
 
 // pointerField is the configField of a flag whose configuration field is a pointer (nil: unset);
@@ -376,6 +336,21 @@ func (o *Options) OwnFlags() []string {
 		"shutdown-grace-period": o.ShutdownGracePeriod.String(),
 		"log-level":             o.LogLevel,
 		"transparent-local":     strconv.FormatBool(o.TransparentLocal),
+	}
+	for flag, v := range map[string]int{"fd-reserve": o.FDReserve, "max-connections-per-port": o.MaxConnectionsPerPort,
+		"max-udp-sessions-per-port": o.MaxUDPSessionsPerPort, "max-affinity-entries-per-port": o.MaxAffinityEntries} {
+		if v != 0 {
+			own[flag] = strconv.Itoa(v)
+		}
+	}
+	if o.TCPIdleTimeout != 0 {
+		own["tcp-idle-timeout"] = o.TCPIdleTimeout.String()
+	}
+	if !o.HandoverExit {
+		own["handover-exit"] = "false"
+	}
+	if o.HandoverSocket != "" {
+		own["handover-socket"] = o.HandoverSocket
 	}
 	if o.Master != "" {
 		own["master"] = o.Master

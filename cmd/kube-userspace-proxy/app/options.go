@@ -42,6 +42,13 @@ type Options struct {
 	MinSyncPeriod         time.Duration
 	ServiceClusterIPRange string
 	ShutdownGracePeriod   time.Duration
+	// HandoverSocket is where a running proxy hands everything over to its successor: "" for
+	// this network namespace's socket in InstanceLockDir, HandoverNone for no hand-over.
+	HandoverSocket string
+	// HandoverExit: a proxy that handed everything over exits at once; false waits for
+	// SIGTERM, serving nothing (in a pod, an exit would make the kubelet restart the container,
+	// which would take everything back).
+	HandoverExit bool
 	// TransparentLocal: external traffic of externalTrafficPolicy: Local services reaches
 	// endpoints on this node from the client's own address (needs --portal-mode iptables).
 	TransparentLocal bool
@@ -55,6 +62,13 @@ type Options struct {
 	ConntrackTCPBeLiberal          bool
 	ConntrackUDPTimeout            time.Duration
 	ConntrackUDPStreamTimeout      time.Duration
+
+	// Limits of the data path (see userspace.Limits): 0 means the default, -1 no bound.
+	FDReserve             int
+	MaxConnectionsPerPort int
+	MaxUDPSessionsPerPort int
+	MaxAffinityEntries    int
+	TCPIdleTimeout        time.Duration
 
 	// Servers.
 	HealthzBindAddress string
@@ -99,6 +113,7 @@ func NewOptions() *Options {
 		MinSyncPeriod:         time.Second,
 		ServiceClusterIPRange: "10.96.0.0/16",
 		ShutdownGracePeriod:   30 * time.Second,
+		HandoverExit:          true,
 		HealthzBindAddress:    "0.0.0.0:10256",
 		MetricsBindAddress:    "127.0.0.1:10249",
 		LogLevel:              "info",
@@ -155,12 +170,21 @@ func (o *Options) FlagGroups() []FlagGroup {
 			fs.DurationVar(&o.ConntrackUDPTimeout, "conntrack-udp-timeout", o.ConntrackUDPTimeout, "Set net.netfilter.nf_conntrack_udp_timeout (whole seconds). 0: leave it alone. [config: conntrack.udpTimeout]")
 			fs.DurationVar(&o.ConntrackUDPStreamTimeout, "conntrack-udp-timeout-stream", o.ConntrackUDPStreamTimeout, "Set net.netfilter.nf_conntrack_udp_timeout_stream (whole seconds). 0: leave it alone. [config: conntrack.udpStreamTimeout]")
 		}),
+		group("Limits (a flood against one service must not reach another)", func(fs *pflag.FlagSet) {
+			fs.IntVar(&o.FDReserve, "fd-reserve", o.FDReserve, "File descriptors below the open-files limit that the data path leaves to the proxy's control work (manifests, iptables-restore, conntrack, the API watch, the health servers). 0: a quarter of the limit, at most 256.")
+			fs.IntVar(&o.MaxConnectionsPerPort, "max-connections-per-port", o.MaxConnectionsPerPort, "The most TCP connections one service port may have open; more are reset at once. 0: half of the data path's descriptor budget; -1: no bound but the budget.")
+			fs.IntVar(&o.MaxUDPSessionsPerPort, "max-udp-sessions-per-port", o.MaxUDPSessionsPerPort, "The most UDP sessions (client addresses) one service port may have; a new client beyond it ends the port's longest-idle session. 0: half of the data path's descriptor budget; -1: no bound but the budget.")
+			fs.IntVar(&o.MaxAffinityEntries, "max-affinity-entries-per-port", o.MaxAffinityEntries, "The most ClientIP session-affinity entries one service port keeps; beyond it the least recently used client is forgotten. 0: 10000.")
+			fs.DurationVar(&o.TCPIdleTimeout, "tcp-idle-timeout", o.TCPIdleTimeout, "Reset proxied TCP connections that moved no byte either way for this long. 0: never (iptables mode's conntrack established timeout is 24h).")
+		}),
 		group("Health and metrics", func(fs *pflag.FlagSet) {
 			fs.StringVar(&o.HealthzBindAddress, "healthz-bind-address", o.HealthzBindAddress, "IP:port of the /healthz and /livez server; empty disables it. [config: healthzBindAddress]")
 			fs.StringVar(&o.MetricsBindAddress, "metrics-bind-address", o.MetricsBindAddress, "IP:port of the Prometheus /metrics server; empty disables it. [config: metricsBindAddress]")
 		}),
 		group("Process", func(fs *pflag.FlagSet) {
 			fs.DurationVar(&o.ShutdownGracePeriod, "shutdown-grace-period", o.ShutdownGracePeriod, "On SIGTERM/SIGINT, how long established connections may continue before they are cut (a second signal exits at once).")
+			fs.BoolVar(&o.HandoverExit, "handover-exit", o.HandoverExit, "Exit once everything is handed over to a successor. false: wait for SIGTERM, holding and serving nothing (for pods: an exit would make the kubelet restart the container, which would take everything back).")
+			fs.StringVar(&o.HandoverSocket, "handover-socket", o.HandoverSocket, "Unix socket through which a proxy started while another runs on the node takes over its listeners, connections, UDP sessions and affinity (nothing is dropped; the old one exits). Empty: /run/kube-userspace-proxy/handover-netns-<inode>.sock; 'none': no hand-over (a second proxy exits).")
 			fs.Int32Var(&o.OOMScoreAdj, "oom-score-adj", o.OOMScoreAdj, "The oom_score_adj of the process, in [-1000, 1000]; failing to set it is only a warning. [config: oomScoreAdj]")
 			fs.StringVar(&o.LogLevel, "log-level", o.LogLevel, "Log level: debug, info, warn or error.")
 			fs.BoolVar(&o.Cleanup, "cleanup", o.Cleanup, "Remove every rule and chain this proxy owns, then exit.")
@@ -248,6 +272,20 @@ func (o *Options) Validate() (*Validated, error) {
 	}
 	if o.ShutdownGracePeriod < 0 {
 		bad("shutdown-grace-period", "%v: must not be negative", o.ShutdownGracePeriod)
+	}
+	if o.FDReserve < 0 {
+		bad("fd-reserve", "%d: must not be negative", o.FDReserve)
+	}
+	if o.MaxAffinityEntries < 0 {
+		bad("max-affinity-entries-per-port", "%d: must not be negative", o.MaxAffinityEntries)
+	}
+	for flag, n := range map[string]int{"max-connections-per-port": o.MaxConnectionsPerPort, "max-udp-sessions-per-port": o.MaxUDPSessionsPerPort} {
+		if n < -1 {
+			bad(flag, "%d: must be -1 (no bound), 0 (the default) or positive", n)
+		}
+	}
+	if o.TCPIdleTimeout < 0 {
+		bad("tcp-idle-timeout", "%v: must not be negative", o.TCPIdleTimeout)
 	}
 	for flag, s := range map[string]string{"healthz-bind-address": o.HealthzBindAddress, "metrics-bind-address": o.MetricsBindAddress} {
 		if s == "" {

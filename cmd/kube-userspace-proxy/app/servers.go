@@ -2,28 +2,38 @@ package app
 
 import (
 	"context"
-	"errors"
+	"encoding/json"
 	"fmt"
 	"net"
 	"net/http"
 	"net/netip"
+	"os"
+	"strconv"
 	"sync"
 	"time"
 
 	"github.com/rs/zerolog"
 
-	"github.com/kube-userspace-proxy/kube-userspace-proxy/iptables"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/portal"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/handover"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/healthcheck"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/httpserve"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/metrics"
 )
 
 // ProxyMode is what /proxyMode on the metrics server answers (kube-proxy answers its mode there).
 const ProxyMode = "userspace"
 
-// servers are the proxy's HTTP servers and the sync observers that feed them: /healthz and
-// /livez, /metrics and /proxyMode, and the healthCheckNodePort servers.
+// serverLimits bound the connections of every HTTP server; zero fields take httpserve's
+// defaults (and healthcheck.DefaultServicesMaxConns for the healthCheckNodePort servers
+// together). Tests shorten them.
+var serverLimits httpserve.Limits
+
+// servers are the proxy's HTTP servers, fed with every sync's result: /healthz and
+// /livez, /metrics and /proxyMode, and the healthCheckNodePort servers. Each runs on
+// httpserve: /healthz and /metrics have a connection cap each (a flood of one does not close the
+// other's connections), the healthCheckNodePort servers share one.
 type servers struct {
 	log      zerolog.Logger
 	metrics  *metrics.Metrics
@@ -31,12 +41,16 @@ type servers struct {
 	services *healthcheck.Services
 
 	healthzAddr, metricsAddr string
-	// Listeners opened by newServers, so bind errors are reported at startup; nil when disabled.
+	// Listeners opened by listen, so bind errors are reported at startup; nil when disabled.
 	healthzLn, metricsLn net.Listener
+
+	dropInherited sync.Once
+	mu            sync.Mutex // guards inherited
+	// inherited are the server sockets a predecessor handed over, until a server takes its own.
+	inherited map[string]*os.File
 }
 
-// newServers builds the servers and opens the /healthz and /metrics listeners (empty addresses
-// disable them).
+// newServers builds the servers; listen opens their listeners.
 func newServers(opts *Options, v *Validated, health healthcheck.ProxyHealthOptions, log zerolog.Logger) (*servers, error) {
 	s := &servers{
 		log:         log,
@@ -44,6 +58,7 @@ func newServers(opts *Options, v *Validated, health healthcheck.ProxyHealthOptio
 		health:      healthcheck.NewProxyHealth(health),
 		healthzAddr: opts.HealthzBindAddress,
 		metricsAddr: opts.MetricsBindAddress,
+		inherited:   map[string]*os.File{},
 	}
 	addrs, err := healthCheckAddrs(v.NodePortAddresses)
 	if err != nil {
@@ -53,7 +68,19 @@ func newServers(opts *Options, v *Validated, health healthcheck.ProxyHealthOptio
 		Log:    log.With().Str("component", "healthcheck").Logger(),
 		Addrs:  addrs,
 		Health: s.health,
+		Limits: serverLimits,
+		Listen: s.listenHealthCheck,
 	})
+	return s, nil
+}
+
+// listen opens the /healthz and /metrics listeners (empty addresses disable them), on the
+// sockets a predecessor handed over where it did (inherited, by name ("healthz", "metrics", "healthcheck <network> <address>"); listen owns them),
+// so bind errors are reported at startup.
+func (s *servers) listen(inherited map[string]*os.File) error {
+	s.mu.Lock()
+	s.inherited = inherited
+	s.mu.Unlock()
 	for _, l := range []struct {
 		addr string
 		ln   *net.Listener
@@ -62,77 +89,163 @@ func newServers(opts *Options, v *Validated, health healthcheck.ProxyHealthOptio
 		if l.addr == "" {
 			continue
 		}
-		ln, err := net.Listen("tcp", l.addr)
+		ln, err := s.listenOn(l.what, "tcp", l.addr)
 		if err != nil {
 			s.closeListeners()
-			return nil, fmt.Errorf("%s server: %w", l.what, err)
+			return fmt.Errorf("%s server: %w", l.what, err)
 		}
 		*l.ln = ln
 	}
-	return s, nil
+	return nil
 }
 
-// healthCheckAddrs returns where healthCheckNodePort servers listen: nil (every address) without
-// --nodeport-addresses, else the node's addresses inside the prefixes (an unspecified address
-// for a family whose prefix is /0).
-func healthCheckAddrs(prefixes []netip.Prefix) ([]netip.Addr, error) {
-	if len(prefixes) == 0 {
-		return nil, nil
+// listenHealthCheck is the healthCheckNodePort servers' Listen: a handed-over socket for the
+// address when there is one.
+func (s *servers) listenHealthCheck(network, address string) (net.Listener, error) {
+	return s.listenOn("healthcheck "+healthcheck.ListenKey(network, address), network, address)
+}
+
+// listenOn returns the inherited socket of key when its address is address, or a new listener.
+func (s *servers) listenOn(key, network, address string) (net.Listener, error) {
+	s.mu.Lock()
+	f := s.inherited[key]
+	delete(s.inherited, key)
+	s.mu.Unlock()
+	if f != nil {
+		ln, err := net.FileListener(f)
+		f.Close()
+		if err == nil && sameAddr(ln.Addr(), address) {
+			s.log.Info().Str("address", address).Str("server", key).Msg("serving on the socket the predecessor handed over")
+			return ln, nil
+		}
+		if ln != nil {
+			ln.Close()
+		}
 	}
-	local, err := portal.InterfaceAddrs()
+	return net.Listen(network, address)
+}
+
+// sameAddr reports whether a listener's address is what address (host:port) asks for.
+func sameAddr(a net.Addr, address string) bool {
+	host, port, err := net.SplitHostPort(address)
+	ta, ok := a.(*net.TCPAddr)
+	if err != nil || !ok || strconv.Itoa(ta.Port) != port {
+		return false
+	}
+	if host == "" {
+		return ta.IP.IsUnspecified()
+	}
+	ip := net.ParseIP(host)
+	return ip != nil && ip.Equal(ta.IP)
+}
+
+// handoverRecords returns duplicates of every server's listening socket, for a successor.
+func (s *servers) handoverRecords() ([]handover.Record, error) {
+	files := map[string]*os.File{}
+	for _, l := range []struct {
+		ln   net.Listener
+		what string
+	}{{s.healthzLn, "healthz"}, {s.metricsLn, "metrics"}} {
+		if tl, ok := l.ln.(*net.TCPListener); ok {
+			f, err := tl.File()
+			if err != nil {
+				return nil, fmt.Errorf("%s server: %w", l.what, err)
+			}
+			files[l.what] = f
+		}
+	}
+	hc, err := s.services.ListenerFiles()
+	if err != nil {
+		for _, f := range files {
+			f.Close()
+		}
+		return nil, err
+	}
+	for k, f := range hc {
+		files["healthcheck "+k] = f
+	}
+	var recs []handover.Record
+	for k, f := range files {
+		r, err := handover.NewRecord(kindServer, k, f)
+		if err != nil {
+			f.Close()
+			continue
+		}
+		recs = append(recs, r)
+	}
+	return recs, nil
+}
+
+// kindServer is the hand-over record of an HTTP server's listening socket; its meta is the
+// server's name ("healthz", "metrics", "healthcheck <network> <address>").
+const kindServer = "server"
+
+// inheritedServers takes the server sockets out of a hand-over package, by name ("healthz", "metrics", "healthcheck <network> <address>").
+func inheritedServers(pkg *handover.Package) map[string]*os.File {
+	out := map[string]*os.File{}
+	if pkg == nil {
+		return out
+	}
+	for i := range pkg.Records {
+		r := &pkg.Records[i]
+		var key string
+		if r.Kind != kindServer || len(r.Files) != 1 || json.Unmarshal(r.Meta, &key) != nil {
+			continue
+		}
+		out[key] = r.Files[0]
+		r.Files = nil
+	}
+	return out
+}
+
+// healthCheckAddrs returns where healthCheckNodePort servers listen: where NodePorts are
+// served (portal.NodePortListenAddrs) on this node's current addresses.
+func healthCheckAddrs(prefixes []netip.Prefix) ([]netip.Addr, error) {
+	node, err := proxy.ListNodeAddrs()
 	if err != nil {
 		return nil, fmt.Errorf("health check addresses: %w", err)
 	}
-	var out []netip.Addr
-	for _, fam := range []iptables.Family{iptables.IPv4, iptables.IPv6} {
-		hasFamily := false
-		for _, p := range prefixes {
-			hasFamily = hasFamily || p.Addr().Unmap().Is4() == (fam == iptables.IPv4)
-		}
-		if !hasFamily {
-			continue
-		}
-		ips, all := portal.NodePortIPs(fam, prefixes, local)
-		if all {
-			if fam == iptables.IPv4 {
-				out = append(out, netip.IPv4Unspecified())
-			} else {
-				out = append(out, netip.IPv6Unspecified())
-			}
-			continue
-		}
-		out = append(out, ips...)
+	addrs, err := portal.NodePortListenAddrs(prefixes, node.List())
+	if err != nil {
+		return nil, fmt.Errorf("health check addresses: %w", err)
 	}
-	if len(out) == 0 {
-		return nil, errors.New("health check addresses: no node address matches --nodeport-addresses")
-	}
-	return out, nil
+	return addrs, nil
 }
 
-// observer returns the proxy.SyncObserver feeding every server.
-func (s *servers) observer() proxy.SyncObserver {
-	return observers{s.metrics, s.health, s.services}
+// queued tells the servers that a change is waiting for the next sync.
+func (s *servers) queued(at time.Time) {
+	s.metrics.Queued(at)
+	s.health.Queued(at)
+}
+
+// synced hands a sync's result to every server.
+func (s *servers) synced(r proxy.SyncResult) {
+	s.metrics.Synced(r)
+	s.health.Synced(r)
+	s.services.Synced(r)
+	// The first sync has opened every health check server that is still wanted: a socket handed
+	// over for one that is not would otherwise accept connections nobody answers.
+	s.dropInherited.Do(func() {
+		s.mu.Lock()
+		defer s.mu.Unlock()
+		for k, f := range s.inherited {
+			f.Close()
+			delete(s.inherited, k)
+		}
+	})
 }
 
 // run serves /healthz and /metrics until ctx is done, then stops every server (the
 // healthCheckNodePort ones too) and returns.
 func (s *servers) run(ctx context.Context) {
-	var wg sync.WaitGroup
-	var hs []*http.Server
+	var hs []*httpserve.Server
 	serve := func(ln net.Listener, h http.Handler, what string) {
 		if ln == nil {
 			return
 		}
-		srv := &http.Server{Handler: h, ReadHeaderTimeout: 10 * time.Second}
-		hs = append(hs, srv)
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			s.log.Info().Str("address", ln.Addr().String()).Msg("serving " + what)
-			if err := srv.Serve(ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
-				s.log.Error().Err(err).Msg(what + " server stopped")
-			}
-		}()
+		s.log.Info().Str("address", ln.Addr().String()).Msg("serving " + what)
+		log := s.log.With().Str("server", what).Logger()
+		hs = append(hs, httpserve.Serve(ln, httpserve.Options{Handler: h, Limits: serverLimits, Log: log}))
 	}
 	serve(s.healthzLn, s.health.Handler(), "healthz")
 	mux := http.NewServeMux()
@@ -146,59 +259,23 @@ func (s *servers) run(ctx context.Context) {
 
 	<-ctx.Done()
 	for _, srv := range hs {
-		_ = srv.Close()
+		if err := srv.Close(); err != nil {
+			s.log.Warn().Err(err).Msg("closing a server")
+		}
 	}
-	wg.Wait()
 	s.services.Close()
 }
 
 func (s *servers) closeListeners() {
+	s.mu.Lock()
+	for k, f := range s.inherited {
+		f.Close()
+		delete(s.inherited, k)
+	}
+	s.mu.Unlock()
 	for _, ln := range []net.Listener{s.healthzLn, s.metricsLn} {
 		if ln != nil {
 			_ = ln.Close()
-		}
-	}
-}
-
-// observers fans one proxy.SyncObserver out to several, including the optional
-// proxy.ChangeCounter and proxy.SyncModeObserver.
-type observers []proxy.SyncObserver
-
-var (
-	_ proxy.ChangeCounter    = observers(nil)
-	_ proxy.SyncModeObserver = observers(nil)
-)
-
-func (o observers) SyncDone(start time.Time, took time.Duration, oldest time.Time, err error) {
-	for _, ob := range o {
-		ob.SyncDone(start, took, oldest, err)
-	}
-}
-
-func (o observers) ChangeQueued(at time.Time) {
-	for _, ob := range o {
-		ob.ChangeQueued(at)
-	}
-}
-
-func (o observers) PortsSynced(ports []proxy.PortState) {
-	for _, ob := range o {
-		ob.PortsSynced(ports)
-	}
-}
-
-func (o observers) SyncModeDone(full bool, took time.Duration) {
-	for _, ob := range o {
-		if sm, ok := ob.(proxy.SyncModeObserver); ok {
-			sm.SyncModeDone(full, took)
-		}
-	}
-}
-
-func (o observers) ChangesApplied(services, endpoints int) {
-	for _, ob := range o {
-		if cc, ok := ob.(proxy.ChangeCounter); ok {
-			cc.ChangesApplied(services, endpoints)
 		}
 	}
 }

@@ -14,7 +14,7 @@
 // for the Node: until it is seen, the zone is unknown and hints are ignored.
 //
 // Everything else is passed through unchanged; in particular ExternalName Services reach the
-// Handler and are skipped by the model (serviceport.FromService), as are headless Services on a
+// Handler and are skipped by the model (proxy.FromService), as are headless Services on a
 // server or fake that ignores the field selector.
 //
 // Use:
@@ -47,7 +47,7 @@ import (
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/cache"
 
-	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/serviceport"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/source"
 )
 
@@ -84,8 +84,7 @@ type Source struct {
 	// nodeIneligible is the negation of NodeEligible (so that the zero value means eligible).
 	nodeIneligible atomic.Bool
 
-	mu      sync.Mutex // guards following fields
-	started bool
+	started atomic.Bool // Run was called
 }
 
 // New returns a Source that watches through client. Nothing happens until Run.
@@ -113,7 +112,7 @@ func (s *Source) Err() error {
 // ServiceSelectors returns the label and field selectors the Service informer lists and watches
 // with: no service.kubernetes.io/service-proxy-name label, and spec.clusterIP!=None.
 func ServiceSelectors() (labelSelector, fieldSelector string) {
-	return mustNotExist(serviceport.ServiceProxyNameLabel).String(),
+	return mustNotExist(proxy.ServiceProxyNameLabel).String(),
 		fields.OneTermNotEqualSelector("spec.clusterIP", v1.ClusterIPNone).String()
 }
 
@@ -148,13 +147,9 @@ func mustNotExist(key string) labels.Selector {
 // watching for cancellation, and Run waits for the informers. A caller that must not wait that
 // long (a process shutting down) bounds its wait and leaves the goroutine to end with the process.
 func (s *Source) Run(ctx context.Context, h source.Handler) error {
-	s.mu.Lock()
-	if s.started {
-		s.mu.Unlock()
+	if !s.started.CompareAndSwap(false, true) {
 		return errors.New("kubeapi: Run called more than once")
 	}
-	s.started = true
-	s.mu.Unlock()
 
 	svcLabels, svcFields := ServiceSelectors()
 	sliceLabels := EndpointSliceSelector()

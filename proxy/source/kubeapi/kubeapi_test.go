@@ -28,7 +28,7 @@ import (
 	clienttesting "k8s.io/client-go/testing"
 	"k8s.io/client-go/tools/cache"
 
-	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/serviceport"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/source"
 )
 
@@ -201,7 +201,7 @@ func waitWatches(t *testing.T, watches chan string, want ...string) {
 }
 
 func TestEventMapping(t *testing.T) {
-	proxyName := map[string]string{serviceport.ServiceProxyNameLabel: "other"}
+	proxyName := map[string]string{proxy.ServiceProxyNameLabel: "other"}
 	headless := map[string]string{v1.IsHeadlessService: ""}
 	client, watches := fakeClient(
 		svc("ns", "a", "1", nil),

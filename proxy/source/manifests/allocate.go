@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"hash/fnv"
 	"net/netip"
+	"slices"
 	"sort"
 
 	v1 "k8s.io/api/core/v1"
@@ -36,6 +37,10 @@ const (
 type allocation struct {
 	ips   map[string]map[v1.IPFamily]netip.Addr // "ns/name" → family → address
 	ports map[string]int32                      // node port key → port
+	// done maps each service given to allocate (the decoded object) to its completed copy. A
+	// service of type ClusterIP given again, and given the same addresses, gets the same copy:
+	// no copy per service and scan, and an unchanged service stays the same object.
+	done map[*v1.Service]*v1.Service
 }
 
 // allocProblem is a problem allocating for one service. fatal problems leave the service out
@@ -179,14 +184,18 @@ type svcPlan struct {
 	explicit []netip.Addr
 	policy   v1.IPFamilyPolicy
 	fatal    string
+	got      familyAddrs // allocated addresses
 }
+
+// familyAddrs holds an address per IP family.
+type familyAddrs map[v1.IPFamily]netip.Addr
 
 // allocate fills in cluster IPs, IP families and node ports of services (sorted by key, already
 // defaulted and validated) and returns the completed copies (nil for services with a fatal
 // problem), the allocation to carry over, and the problems found.
 func (a *allocator) allocate(svcs []*v1.Service, prev allocation) ([]*v1.Service, allocation, []allocProblem) {
 	var problems []allocProblem
-	next := allocation{ips: map[string]map[v1.IPFamily]netip.Addr{}, ports: map[string]int32{}}
+	next := allocation{ips: map[string]map[v1.IPFamily]netip.Addr{}, ports: map[string]int32{}, done: make(map[*v1.Service]*v1.Service, len(svcs))}
 	plans := make([]*svcPlan, len(svcs))
 	used := map[netip.Addr]string{}
 	for i, svc := range svcs {
@@ -207,13 +216,11 @@ func (a *allocator) allocate(svcs []*v1.Service, prev allocation) ([]*v1.Service
 		}
 	}
 	want := func(p *svcPlan) []v1.IPFamily { return p.families[len(p.explicit):] }
-	got := map[*svcPlan]map[v1.IPFamily]netip.Addr{}
 	// Keep last scan's addresses.
 	for _, p := range plans {
 		if p.fatal != "" {
 			continue
 		}
-		got[p] = map[v1.IPFamily]netip.Addr{}
 		for _, f := range want(p) {
 			ip, ok := prev.ips[p.name][f]
 			if !ok || !a.ranges[f].allocatable(ip) {
@@ -223,7 +230,7 @@ func (a *allocator) allocate(svcs []*v1.Service, prev allocation) ([]*v1.Service
 				continue
 			}
 			used[ip] = p.name
-			got[p][f] = ip
+			p.got[f] = ip
 		}
 	}
 	// Allocate the rest, in key order.
@@ -232,7 +239,7 @@ func (a *allocator) allocate(svcs []*v1.Service, prev allocation) ([]*v1.Service
 			continue
 		}
 		for _, f := range want(p) {
-			if _, ok := got[p][f]; ok {
+			if _, ok := p.got[f]; ok {
 				continue
 			}
 			r := a.ranges[f]
@@ -246,7 +253,7 @@ func (a *allocator) allocate(svcs []*v1.Service, prev allocation) ([]*v1.Service
 			}
 			ip := r.addr(off)
 			used[ip] = p.name
-			got[p][f] = ip
+			p.got[f] = ip
 		}
 	}
 
@@ -257,32 +264,56 @@ func (a *allocator) allocate(svcs []*v1.Service, prev allocation) ([]*v1.Service
 			problems = append(problems, allocProblem{key: p.key, fatal: true, msg: p.fatal})
 			continue
 		}
-		svc := p.svc.DeepCopy()
-		if len(p.families) > 0 {
-			ips := make([]string, 0, len(p.families))
-			for j, f := range p.families {
-				var ip netip.Addr
-				if j < len(p.explicit) {
-					ip = p.explicit[j]
-				} else {
-					ip = got[p][f]
-					if next.ips[p.name] == nil {
-						next.ips[p.name] = map[v1.IPFamily]netip.Addr{}
-					}
-					next.ips[p.name][f] = ip
-				}
-				ips = append(ips, ip.String())
+		addrs := make([]netip.Addr, len(p.families))
+		for j, f := range p.families {
+			addrs[j] = p.got[f]
+			if j < len(p.explicit) {
+				addrs[j] = p.explicit[j]
 			}
-			svc.Spec.ClusterIP = ips[0]
-			svc.Spec.ClusterIPs = ips
-			svc.Spec.IPFamilies = append([]v1.IPFamily(nil), p.families...)
-			policy := p.policy
-			svc.Spec.IPFamilyPolicy = &policy
 		}
-		out[i] = svc
+		if len(p.got) > 0 {
+			next.ips[p.name] = p.got
+		}
+		out[i] = complete(p, addrs, prev.done[p.svc])
+		next.done[p.svc] = out[i]
 	}
 	problems = append(problems, a.allocateNodePorts(out, plans, prev, next)...)
 	return out, next, problems
+}
+
+// complete returns the copy of p.svc with the cluster IPs addrs: last, the copy made by the
+// previous allocation, when it has them and the service needs no node ports (which are
+// allocated on the copies afterwards); else a new copy.
+func complete(p *svcPlan, addrs []netip.Addr, last *v1.Service) *v1.Service {
+	if last != nil && p.svc.Spec.Type == v1.ServiceTypeClusterIP && len(p.families) > 0 && sameAddrs(last.Spec.ClusterIPs, addrs) {
+		return last
+	}
+	svc := p.svc.DeepCopy()
+	if len(p.families) > 0 {
+		ips := make([]string, len(addrs))
+		for i, a := range addrs {
+			ips[i] = a.String()
+		}
+		svc.Spec.ClusterIP = ips[0]
+		svc.Spec.ClusterIPs = ips
+		svc.Spec.IPFamilies = append([]v1.IPFamily(nil), p.families...)
+		policy := p.policy
+		svc.Spec.IPFamilyPolicy = &policy
+	}
+	return svc
+}
+
+// sameAddrs reports whether the cluster IPs ips are addrs.
+func sameAddrs(ips []string, addrs []netip.Addr) bool {
+	if len(ips) != len(addrs) {
+		return false
+	}
+	for i, s := range ips {
+		if a, err := netip.ParseAddr(s); err != nil || a != addrs[i] {
+			return false
+		}
+	}
+	return true
 }
 
 func (a *allocator) cidrList() string {
@@ -306,7 +337,7 @@ func other(f v1.IPFamily) v1.IPFamily {
 // the families of the given cluster IPs, else the primary family; dual-stack policies add the
 // other family when the cluster has it.
 func (a *allocator) plan(svc *v1.Service) *svcPlan {
-	p := &svcPlan{key: objKey{Kind: kindService, Namespace: svc.Namespace, Name: svc.Name}, name: svc.Namespace + "/" + svc.Name, svc: svc}
+	p := &svcPlan{key: objKey{Kind: kindService, Namespace: svc.Namespace, Name: svc.Name}, name: svc.Namespace + "/" + svc.Name, svc: svc, got: familyAddrs{}}
 	if svc.Spec.Type == v1.ServiceTypeExternalName || svc.Spec.ClusterIP == v1.ClusterIPNone {
 		return p // no cluster IP
 	}
@@ -446,4 +477,22 @@ func (a *allocator) allocateNodePorts(out []*v1.Service, plans []*svcPlan, prev,
 		next.ports[n.key] = v
 	}
 	return problems
+}
+
+// sameAllocation reports whether a and b, two completed copies of the same service (as allocate
+// returns them), were given the same cluster IPs, IP families and node ports: the only fields
+// allocate sets, so then they are equal.
+func sameAllocation(a, b *v1.Service) bool {
+	sa, sb := &a.Spec, &b.Spec
+	if sa.ClusterIP != sb.ClusterIP || !slices.Equal(sa.ClusterIPs, sb.ClusterIPs) || !slices.Equal(sa.IPFamilies, sb.IPFamilies) ||
+		(sa.IPFamilyPolicy == nil) != (sb.IPFamilyPolicy == nil) || (sa.IPFamilyPolicy != nil && *sa.IPFamilyPolicy != *sb.IPFamilyPolicy) ||
+		sa.HealthCheckNodePort != sb.HealthCheckNodePort || len(sa.Ports) != len(sb.Ports) {
+		return false
+	}
+	for i := range sa.Ports {
+		if sa.Ports[i].NodePort != sb.Ports[i].NodePort {
+			return false
+		}
+	}
+	return true
 }

@@ -443,3 +443,29 @@ func TestNodePortsUniqueProperty(t *testing.T) {
 		t.Errorf("%d ports allocated, %d reported exhausted", len(used), exhausted)
 	}
 }
+
+// TestAllocationReusesCopies: a ClusterIP service allocated again with the same addresses is the
+// same completed copy; one whose address moves, and a NodePort service, get new copies, and
+// the copies handed out before are not modified.
+func TestAllocationReusesCopies(t *testing.T) {
+	a := mustAllocator(t, "10.96.0.0/16")
+	b, np := testSvc("default", "b"), testSvc("default", "np", func(s *v1.Service) { s.Spec.Type = v1.ServiceTypeNodePort })
+	first, alloc, _ := a.allocate([]*v1.Service{b, np}, emptyAlloc())
+	again, alloc, _ := a.allocate([]*v1.Service{b, np}, alloc)
+	if again[0] != first[0] {
+		t.Error("service b: a new copy although nothing changed")
+	}
+	if again[1] == first[1] || !sameAllocation(again[1], first[1]) {
+		t.Error("NodePort service np: the same copy, or a different allocation")
+	}
+	// A manifest now claims b's address: b moves, in a new copy.
+	ip := first[0].Spec.ClusterIP
+	claim := testSvc("default", "a", func(s *v1.Service) { s.Spec.ClusterIP, s.Spec.ClusterIPs = ip, []string{ip} })
+	moved, _, _ := a.allocate([]*v1.Service{claim, b, np}, alloc)
+	if moved[1] == first[0] || moved[1].Spec.ClusterIP == ip {
+		t.Errorf("service b: copy reused (%v) or address kept (%s) though a claims %s", moved[1] == first[0], moved[1].Spec.ClusterIP, ip)
+	}
+	if first[0].Spec.ClusterIP != ip {
+		t.Errorf("the copy handed out before was modified: %s", first[0].Spec.ClusterIP)
+	}
+}

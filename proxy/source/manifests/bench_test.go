@@ -8,63 +8,140 @@ import (
 	"testing"
 )
 
+// servicesFile returns the content of a file of perFile services s<file>-<j>, each with an
+// EndpointSlice; extra more services are appended.
+func servicesFile(file, perFile, extra int) string {
+	var sb strings.Builder
+	for j := 0; j < perFile+extra; j++ {
+		name := fmt.Sprintf("s%d-%d", file, j)
+		fmt.Fprintf(&sb, "---\n%s---\n%s", service(name, 80, ""),
+			strings.NewReplacer("name: a-1", "name: "+name+"-1", "service-name: a", "service-name: "+name).Replace(sliceA))
+	}
+	return sb.String()
+}
+
 // writeServices writes files×perFile services, each with an EndpointSlice, into dir.
 func writeServices(b *testing.B, dir string, files, perFile int) {
 	b.Helper()
 	for i := 0; i < files; i++ {
-		var sb strings.Builder
-		for j := 0; j < perFile; j++ {
-			name := fmt.Sprintf("s%d-%d", i, j)
-			fmt.Fprintf(&sb, "---\n%s---\n%s", service(name, 80, ""),
-				strings.NewReplacer("name: a-1", "name: "+name+"-1", "service-name: a", "service-name: "+name).Replace(sliceA))
-		}
-		if err := os.WriteFile(filepath.Join(dir, fmt.Sprintf("f%d.yaml", i)), []byte(sb.String()), 0o644); err != nil {
+		if err := os.WriteFile(filepath.Join(dir, fmt.Sprintf("f%d.yaml", i)), []byte(servicesFile(i, perFile, 0)), 0o644); err != nil {
 			b.Fatal(err)
 		}
 	}
 }
 
-// BenchmarkIdleScan is the cost of one rescan when nothing changed (the steady state, once a
-// second by default) over 1,000 services and 1,000 EndpointSlices in 10 files.
-func BenchmarkIdleScan(b *testing.B) {
-	dir := b.TempDir()
-	writeServices(b, dir, 10, 100)
+// scales are the sizes of the benchmarks: files × services per file.
+var scales = []struct{ files, perFile int }{{10, 100}, {10, 1000}}
+
+func scaleName(files, perFile int) string {
+	return fmt.Sprintf("services=%d", files*perFile)
+}
+
+// loadedSource returns a Source that has read and delivered dir, its files settled.
+func loadedSource(b *testing.B, dir string) (*Source, *fakeClock, *rec) {
 	s := New(dir, Options{})
+	clock := newFakeClock()
+	s.now = clock.now
 	if err := s.prepare(); err != nil {
 		b.Fatal(err)
 	}
 	r := newRec(b)
-	if err := s.scan(r, true); err != nil {
-		b.Fatal(err)
-	}
-	if len(r.objects) != 2000 {
-		b.Fatalf("%d objects", len(r.objects))
-	}
-	// Let the files settle so that they are not re-read as racy.
+	settledScan(b, s, clock, r, true)
 	for _, st := range s.files {
-		st.racy = false
+		st.racy = false // not re-read as written too recently
 	}
-	b.ResetTimer()
-	for i := 0; i < b.N; i++ {
-		if err := s.scan(r, false); err != nil {
-			b.Fatal(err)
-		}
+	return s, clock, r
+}
+
+// BenchmarkIdleScan is the cost of one rescan when nothing changed (the steady state, once a
+// second by default): services and as many EndpointSlices in 10 files.
+func BenchmarkIdleScan(b *testing.B) {
+	for _, sc := range scales {
+		b.Run(scaleName(sc.files, sc.perFile), func(b *testing.B) {
+			dir := b.TempDir()
+			writeServices(b, dir, sc.files, sc.perFile)
+			s, _, r := loadedSource(b, dir)
+			if len(r.objects) != 2*sc.files*sc.perFile {
+				b.Fatalf("%d objects", len(r.objects))
+			}
+			b.ResetTimer()
+			for i := 0; i < b.N; i++ {
+				if _, err := s.scan(r, false); err != nil {
+					b.Fatal(err)
+				}
+			}
+		})
 	}
 }
 
 // BenchmarkFullScan is the cost of the first scan: read, decode, validate, allocate and
-// deliver 1,000 services and 1,000 EndpointSlices.
+// deliver the services and as many EndpointSlices in 10 files.
 func BenchmarkFullScan(b *testing.B) {
-	dir := b.TempDir()
-	writeServices(b, dir, 10, 100)
-	b.ResetTimer()
-	for i := 0; i < b.N; i++ {
-		s := New(dir, Options{})
-		if err := s.prepare(); err != nil {
-			b.Fatal(err)
+	for _, sc := range scales {
+		b.Run(scaleName(sc.files, sc.perFile), func(b *testing.B) {
+			dir := b.TempDir()
+			writeServices(b, dir, sc.files, sc.perFile)
+			b.ResetTimer()
+			for i := 0; i < b.N; i++ {
+				loadedSource(b, dir)
+			}
+		})
+	}
+}
+
+// BenchmarkDecode is the cost of decoding the content of 10 files of services and their
+// EndpointSlices, in parallel (GOMAXPROCS workers) and on one goroutine.
+func BenchmarkDecode(b *testing.B) {
+	for _, sc := range scales {
+		var jobs []*fileJob
+		for i := range sc.files {
+			jobs = append(jobs, &fileJob{path: fmt.Sprintf("f%d.yaml", i), data: []byte(servicesFile(i, sc.perFile, 0)), track: trackAll})
 		}
-		if err := s.scan(newRec(b), true); err != nil {
-			b.Fatal(err)
+		for _, workers := range []int{0, 1} {
+			b.Run(fmt.Sprintf("%s/workers=%d", scaleName(sc.files, sc.perFile), workers), func(b *testing.B) {
+				d := newDecoder()
+				for i := 0; i < b.N; i++ {
+					for _, res := range d.decodeFiles(jobs, workers) {
+						if len(res.objects) != 2*sc.perFile {
+							b.Fatalf("%d objects", len(res.objects))
+						}
+					}
+				}
+			})
 		}
+	}
+}
+
+// BenchmarkOneFileChange is the cost of one more service in one of 10 files, from the scan
+// that finds the file changed to the delivery of the service and its EndpointSlice: read,
+// decode (the file's other documents come from the cache), merge, allocate, deliver.
+func BenchmarkOneFileChange(b *testing.B) {
+	for _, sc := range scales {
+		b.Run(scaleName(sc.files, sc.perFile), func(b *testing.B) {
+			dir := b.TempDir()
+			writeServices(b, dir, sc.files, sc.perFile)
+			s, clock, r := loadedSource(b, dir)
+			contents := [2][]byte{[]byte(servicesFile(0, sc.perFile, 1)), []byte(servicesFile(0, sc.perFile, 0))}
+			path := filepath.Join(dir, "f0.yaml")
+			r.take()
+			b.ResetTimer()
+			for i := 0; i < b.N; i++ {
+				b.StopTimer()
+				if err := os.WriteFile(path, contents[i%2], 0o644); err != nil {
+					b.Fatal(err)
+				}
+				if _, err := s.scan(r, false); err != nil { // sees the change
+					b.Fatal(err)
+				}
+				clock.advance(s.opts.debounce())
+				b.StartTimer()
+				if _, err := s.scan(r, false); err != nil { // reads it
+					b.Fatal(err)
+				}
+				if got := r.take(); len(got) != 2 {
+					b.Fatalf("delivered %v, want the add or delete of one service and its slice", got)
+				}
+			}
+		})
 	}
 }

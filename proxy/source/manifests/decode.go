@@ -2,10 +2,13 @@ package manifests
 
 import (
 	"bytes"
+	"crypto/sha256"
 	"encoding/json"
 	"errors"
 	"fmt"
+	"iter"
 	"regexp"
+	"slices"
 	"strconv"
 	"strings"
 
@@ -16,7 +19,7 @@ import (
 	"k8s.io/apimachinery/pkg/runtime/serializer"
 	"sigs.k8s.io/yaml"
 
-	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/serviceport"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy"
 )
 
 // Kinds this source serves, and the list kinds it unpacks.
@@ -40,7 +43,7 @@ type objKey struct {
 	Name      string
 }
 
-// String returns "Kind namespace/name", the form used in logs and serviceport.FieldError.
+// String returns "Kind namespace/name", the form used in logs and proxy.FieldError.
 func (k objKey) String() string { return k.Kind + " " + k.Namespace + "/" + k.Name }
 
 // entry is one decoded, defaulted and validated object of one file.
@@ -48,10 +51,22 @@ type entry struct {
 	key   objKey
 	svc   *v1.Service              // set for kind Service
 	slice *discovery.EndpointSlice // set for kind EndpointSlice
-	where string                   // "document 2 (line 14)" or "document 1 (line 1) items[3]"
+	pos   docPos                   // where in its file
 	// stale is true when the object is the last good version kept from an earlier content of
 	// the file, because the current content failed to decode where the object may be.
 	stale bool
+}
+
+// docPos is where an object is in its file: document doc (1-based) starting at line, and item of
+// the document's List (-1 when the document is not a List).
+type docPos struct {
+	doc, line, item int
+}
+
+// where returns "document 2 (line 14)" or "document 1 (line 1) items[3]".
+func (p docPos) where() string {
+	e := DocError{Doc: p.doc, Line: p.line, Item: p.item}
+	return e.Where()
 }
 
 // DocError is a problem with one document (or one List item) of one manifest file. The object
@@ -94,18 +109,41 @@ func (e *DocError) Error() string {
 	return b.String()
 }
 
+// maxErrorsKept is how many errors (and how many ignored documents) of one file's content are
+// kept, and so logged, per read; the rest are only counted. A file of a million broken documents
+// must not cost a million log lines, nor the memory to hold them.
+const maxErrorsKept = 20
+
 // fileResult is what decoding one file's content produced.
 type fileResult struct {
 	objects []*entry
-	// failed lists the objects whose document was identified but failed; their last good
-	// versions keep serving.
+	// failed lists the objects whose document was identified but failed, among those the caller
+	// asked about (see decodeFile); their last good versions keep serving.
 	failed []objKey
 	// unidentified is true when some document failed before its object could be identified;
 	// then every object of the file's previous content that is not in objects keeps serving.
 	unidentified bool
-	errs         []*DocError
+	// errs holds the first maxErrorsKept errors; errCount counts them all.
+	errs     []*DocError
+	errCount int
+	// skipped holds the first maxErrorsKept documents of other kinds; skippedCount counts them all.
 	skipped      []skippedDoc
+	skippedCount int
+	// cache holds the documents that can be served from a cache when the file changes (see
+	// docCache).
+	cache docCache
 }
+
+// addErr records an error, keeping it if fewer than maxErrorsKept are kept.
+func (r *fileResult) addErr(e *DocError) {
+	r.errCount++
+	if len(r.errs) < maxErrorsKept {
+		r.errs = append(r.errs, e)
+	}
+}
+
+// full reports whether no more errors are kept: the next ones need not even be formatted.
+func (r *fileResult) full() bool { return len(r.errs) >= maxErrorsKept }
 
 // skippedDoc is a document of a kind this source does not serve.
 type skippedDoc struct {
@@ -116,6 +154,9 @@ type skippedDoc struct {
 // mistyped fields are errors.
 type decoder struct {
 	codec runtime.Decoder
+	// minSpan is the least size of a span decoded in parallel (see spans); 0 means minSpanBytes.
+	// Tests lower it.
+	minSpan int
 }
 
 func newDecoder() *decoder {
@@ -136,33 +177,38 @@ type document struct {
 	line int // 1-based line of the file where it starts
 }
 
-// splitDocuments splits a YAML stream at lines that start with "---" followed only by blanks or
-// a comment, the way kubectl does. Documents holding nothing but blanks and comments are dropped.
+// documents yields the documents of a YAML stream, split at lines that start with "---"
+// followed only by blanks or a comment, the way kubectl does. Documents holding nothing but
+// blanks and comments are left out. The documents are slices of data, produced one at a time.
+func documents(data []byte) iter.Seq[document] {
+	return func(yield func(document) bool) {
+		start, startLine, line := 0, 1, 1
+		for pos := 0; pos < len(data); line++ {
+			end := bytes.IndexByte(data[pos:], '\n')
+			next := len(data)
+			if end >= 0 {
+				end += pos
+				next = end + 1
+			} else {
+				end = len(data)
+			}
+			if isSeparator(data[pos:end]) {
+				if d := data[start:pos]; !blank(d) && !yield(document{data: d, line: startLine}) {
+					return
+				}
+				start, startLine = next, line+1
+			}
+			pos = next
+		}
+		if d := data[start:]; !blank(d) {
+			yield(document{data: d, line: startLine})
+		}
+	}
+}
+
+// splitDocuments returns all the documents of a YAML stream (see documents).
 func splitDocuments(data []byte) []document {
-	var docs []document
-	start, startLine, line := 0, 1, 1
-	flush := func(end int) {
-		if d := data[start:end]; !blank(d) {
-			docs = append(docs, document{data: d, line: startLine})
-		}
-	}
-	for pos := 0; pos < len(data); line++ {
-		end := bytes.IndexByte(data[pos:], '\n')
-		next := len(data)
-		if end >= 0 {
-			end += pos
-			next = end + 1
-		} else {
-			end = len(data)
-		}
-		if isSeparator(data[pos:end]) {
-			flush(pos)
-			start, startLine = next, line+1
-		}
-		pos = next
-	}
-	flush(len(data))
-	return docs
+	return slices.Collect(documents(data))
 }
 
 func isSeparator(line []byte) bool {
@@ -173,9 +219,15 @@ func isSeparator(line []byte) bool {
 	return len(rest) == 0 || rest[0] == '#'
 }
 
-// blank reports whether a YAML document holds only blanks, comments and a "..." end marker.
+// blank reports whether a YAML document holds only blanks, comments and "..." end markers.
 func blank(d []byte) bool {
-	for _, l := range bytes.Split(d, []byte("\n")) {
+	for len(d) > 0 {
+		l := d
+		if i := bytes.IndexByte(d, '\n'); i >= 0 {
+			l, d = d[:i], d[i+1:]
+		} else {
+			d = nil
+		}
 		l = bytes.TrimSpace(l)
 		if len(l) != 0 && l[0] != '#' && !bytes.Equal(l, []byte("...")) {
 			return false
@@ -184,45 +236,148 @@ func blank(d []byte) bool {
 	return true
 }
 
-// decodeFile decodes the content of one manifest file. JSON files (by name) hold one object or
-// List; YAML files hold any number of documents. It never panics: a panic in a decoding library
-// is turned into an error for that document.
-func (d *decoder) decodeFile(path string, isJSON bool, data []byte) *fileResult {
+// secondDocument returns the 1-based line of d (one document as split by documents, or a whole
+// JSON-named file) where a second YAML document starts, 0 if none does: a "---" marker with
+// content after it, or content after a "..." end marker. The YAML library would silently read
+// the first document only.
+func secondDocument(d []byte) int {
+	content, ended := false, false
+	for line := 1; len(d) > 0; line++ {
+		l := d
+		if i := bytes.IndexByte(d, '\n'); i >= 0 {
+			l, d = d[:i], d[i+1:]
+		} else {
+			d = nil
+		}
+		l = bytes.TrimRight(l, " \t\r")
+		marker := func(m string) bool {
+			return bytes.HasPrefix(l, []byte(m)) && (len(l) == len(m) || l[len(m)] == ' ' || l[len(m)] == '\t')
+		}
+		switch {
+		case marker("---"):
+			if content {
+				return line
+			}
+			content = true // "--- value" starts the first document explicitly
+		case marker("..."):
+			ended = true
+		case len(bytes.TrimSpace(l)) == 0 || bytes.TrimSpace(l)[0] == '#':
+		default:
+			if ended {
+				return line
+			}
+			content = true
+		}
+	}
+	return 0
+}
+
+// decodeFile decodes the content of one manifest file, sequentially and without a cache (see
+// decodeFiles for the parallel form the source uses). JSON files (by name) hold one object or
+// List; YAML files hold any number of documents, decoded one at a time. It never panics: a panic
+// in a decoding library is turned into an error for that document. Of the objects whose document
+// fails, only those for which track returns true are listed in failed (the objects of the file's
+// previous content: only those can be kept), so that a file of many broken documents costs no
+// more memory than its content and maxErrorsKept errors.
+func (d *decoder) decodeFile(path string, isJSON bool, data []byte, track func(objKey) bool) *fileResult {
+	return d.decodeFiles([]*fileJob{{path: path, isJSON: isJSON, data: data, track: track}}, 1)[0]
+}
+
+// decodeSpan decodes the documents of one span of a file's content into a result of its own,
+// with the duplicates inside the span already found (assemble finds those across spans).
+func (d *decoder) decodeSpan(job *fileJob, sp span) *fileResult {
 	res := &fileResult{}
-	if len(data) > maxFileSize {
+	if len(job.data) > maxFileSize {
 		res.unidentified = true
-		res.errs = append(res.errs, &DocError{File: path, Item: -1, Detail: fmt.Sprintf("file is larger than %d bytes", maxFileSize)})
+		res.addErr(&DocError{File: job.path, Item: -1, Detail: fmt.Sprintf("file is larger than %d bytes", maxFileSize)})
 		return res
 	}
-	var docs []document
-	if isJSON {
-		if len(bytes.TrimSpace(data)) != 0 {
-			docs = []document{{data: data, line: 1}}
+	docs := documents(sp.data)
+	if job.isJSON {
+		docs = func(yield func(document) bool) {
+			if len(bytes.TrimSpace(sp.data)) != 0 {
+				yield(document{data: sp.data, line: 1})
+			}
 		}
-	} else {
-		docs = splitDocuments(data)
 	}
-	seen := map[objKey]string{}
-	for i, doc := range docs {
-		d.decodeDocument(res, seen, &DocError{File: path, Doc: i + 1, Line: doc.line, Item: -1}, doc.data, true)
+	seen := map[objKey]docPos{}
+	i := sp.firstDoc - 1
+	for doc := range docs {
+		i++
+		d.decodeTop(res, seen, job, &DocError{File: job.path, Doc: i, Line: doc.line + sp.line - 1, Item: -1}, doc.data)
 	}
 	return res
 }
 
+// decodeTop decodes one document of a file, from the cache of the file's previous content when
+// it holds the same bytes. It records in res.cache the documents of this content that can be
+// served from the cache next time: those that decoded into one object (not a List item)
+// without errors. Decoding is deterministic, so a cached object is what decoding would give.
+func (d *decoder) decodeTop(res *fileResult, seen map[objKey]docPos, job *fileJob, pos *DocError, data []byte) {
+	sum := sha256.Sum256(data)
+	if e := job.cache[sum]; e != nil {
+		at := docPos{doc: pos.Doc, line: pos.Line, item: -1}
+		if first, dup := seen[e.key]; dup {
+			d.duplicate(res, job.track, pos, e.key, first)
+			return
+		}
+		seen[e.key] = at
+		if e.pos != at {
+			c := *e
+			c.pos = at
+			e = &c
+		}
+		res.objects = append(res.objects, e)
+		res.remember(sum, e)
+		return
+	}
+	before, errs, skipped := len(res.objects), res.errCount, res.skippedCount
+	d.decodeDocument(res, seen, job.track, pos, data, true)
+	if res.errCount == errs && res.skippedCount == skipped && len(res.objects) == before+1 && res.objects[before].pos.item < 0 {
+		res.remember(sum, res.objects[before])
+	}
+}
+
+// duplicate records an object defined again in the same file (first at first): it is ignored.
+func (d *decoder) duplicate(res *fileResult, track func(objKey) bool, pos *DocError, key objKey, first docPos) {
+	if track(key) {
+		res.failed = append(res.failed, key)
+	}
+	if res.full() {
+		res.errCount++
+		return
+	}
+	res.addErr(duplicateError(pos.File, docPos{doc: pos.Doc, line: pos.Line, item: pos.Item}, key, first))
+}
+
+// duplicateError is the error for an object of file at at, defined first at first.
+func duplicateError(file string, at docPos, key objKey, first docPos) *DocError {
+	return &DocError{File: file, Doc: at.doc, Line: at.line, Item: at.item, Object: key.String(), Field: "metadata.name",
+		Detail: fmt.Sprintf("%s is defined again (first in %s); this one is ignored", key, first.where())}
+}
+
 // decodeDocument decodes one document, or one List item when top is false. pos carries the
 // position for errors.
-func (d *decoder) decodeDocument(res *fileResult, seen map[objKey]string, pos *DocError, data []byte, top bool) {
+func (d *decoder) decodeDocument(res *fileResult, seen map[objKey]docPos, track func(objKey) bool, pos *DocError, data []byte, top bool) {
 	fail := func(key *objKey, field, format string, args ...any) {
+		if key != nil {
+			if track(*key) {
+				res.failed = append(res.failed, *key)
+			}
+		} else {
+			res.unidentified = true
+		}
+		if res.full() {
+			res.errCount++
+			return
+		}
 		e := *pos
 		e.Field = field
 		e.Detail = fmt.Sprintf(format, args...)
 		if key != nil {
 			e.Object = key.String()
-			res.failed = append(res.failed, *key)
-		} else {
-			res.unidentified = true
 		}
-		res.errs = append(res.errs, &e)
+		res.addErr(&e)
 	}
 	defer func() {
 		if r := recover(); r != nil {
@@ -235,25 +390,25 @@ func (d *decoder) decodeDocument(res *fileResult, seen map[objKey]string, pos *D
 		fail(nil, "", "%s", fileLines(err.Error(), pos.Line))
 		return
 	}
-	if bytes.Equal(bytes.TrimSpace(js), []byte("null")) {
+	js = bytes.TrimSpace(js)
+	if bytes.Equal(js, []byte("null")) {
 		return // an empty document
 	}
-	var head struct {
-		APIVersion string `json:"apiVersion"`
-		Kind       string `json:"kind"`
-	}
-	var fields map[string]json.RawMessage
-	if err := json.Unmarshal(js, &fields); err != nil {
+	if len(js) == 0 || js[0] != '{' {
 		fail(nil, "", "document is not a mapping of fields")
 		return
 	}
 	// Lenient look at the identity, so that a document failing strict decoding is still known.
-	_ = json.Unmarshal(js, &head)
-	var meta struct {
-		Name      string `json:"name"`
-		Namespace string `json:"namespace"`
+	var head struct {
+		APIVersion string `json:"apiVersion"`
+		Kind       string `json:"kind"`
+		Metadata   struct {
+			Name      string `json:"name"`
+			Namespace string `json:"namespace"`
+		} `json:"metadata"`
 	}
-	_ = json.Unmarshal(fields["metadata"], &meta)
+	_ = json.Unmarshal(js, &head)
+	meta := &head.Metadata
 	if meta.Namespace == "" {
 		meta.Namespace = metav1.NamespaceDefault
 	}
@@ -262,7 +417,6 @@ func (d *decoder) decodeDocument(res *fileResult, seen map[objKey]string, pos *D
 	if meta.Name != "" {
 		keyp = &key
 	}
-
 	known := head.Kind == kindService || head.Kind == kindEndpointSlice
 	isList := head.Kind == kindList || head.Kind == kindServiceList || head.Kind == kindEndpointSliceList
 	if strictErr != nil && (known || isList) {
@@ -282,7 +436,12 @@ func (d *decoder) decodeDocument(res *fileResult, seen map[objKey]string, pos *D
 			fail(nil, "kind", "a %s inside a List is not supported", head.Kind)
 			return
 		}
-		d.decodeList(res, seen, pos, head.APIVersion, head.Kind, fields)
+		var fields map[string]json.RawMessage
+		if err := json.Unmarshal(js, &fields); err != nil {
+			fail(nil, "", "document is not a mapping of fields")
+			return
+		}
+		d.decodeList(res, seen, track, pos, head.APIVersion, head.Kind, fields)
 	case head.Kind == kindService && head.APIVersion != coreV1:
 		fail(keyp, "apiVersion", "%q is not supported for a Service, want %q", head.APIVersion, coreV1)
 	case head.Kind == kindEndpointSlice && head.APIVersion != discoveryV1:
@@ -298,7 +457,7 @@ func (d *decoder) decodeDocument(res *fileResult, seen map[objKey]string, pos *D
 			fail(keyp, field, "%s", fileLines(err.Error(), pos.Line))
 			return
 		}
-		e := &entry{key: key, where: pos.Where()}
+		e := &entry{key: key, pos: docPos{doc: pos.Doc, line: pos.Line, item: pos.Item}}
 		var errs []error
 		switch o := obj.(type) {
 		case *v1.Service:
@@ -316,33 +475,38 @@ func (d *decoder) decodeDocument(res *fileResult, seen map[objKey]string, pos *D
 				ce := *pos
 				ce.Object = key.String()
 				ce.Detail = err.Error()
-				if fe, ok := err.(*serviceport.FieldError); ok {
+				if fe, ok := err.(*proxy.FieldError); ok {
 					ce.Field, ce.Detail = fe.Field, fe.Detail
 				}
-				res.errs = append(res.errs, &ce)
+				res.addErr(&ce)
 			}
-			res.failed = append(res.failed, key)
+			if track(key) {
+				res.failed = append(res.failed, key)
+			}
 			return
 		}
 		if first, dup := seen[key]; dup {
-			fail(keyp, "metadata.name", "%s is defined again (first in %s); this one is ignored", key, first)
+			d.duplicate(res, track, pos, key, first)
 			return
 		}
-		seen[key] = e.where
+		seen[key] = e.pos
 		res.objects = append(res.objects, e)
 	default:
-		res.skipped = append(res.skipped, skippedDoc{where: pos.Where(), apiVersion: head.APIVersion, kind: head.Kind, name: meta.Name})
+		res.skippedCount++
+		if len(res.skipped) < maxErrorsKept {
+			res.skipped = append(res.skipped, skippedDoc{where: pos.Where(), apiVersion: head.APIVersion, kind: head.Kind, name: meta.Name})
+		}
 	}
 }
 
 // decodeList decodes the items of a v1 List, ServiceList or EndpointSliceList. Items of typed
 // lists may leave out apiVersion and kind.
-func (d *decoder) decodeList(res *fileResult, seen map[objKey]string, pos *DocError, apiVersion, kind string, fields map[string]json.RawMessage) {
+func (d *decoder) decodeList(res *fileResult, seen map[objKey]docPos, track func(objKey) bool, pos *DocError, apiVersion, kind string, fields map[string]json.RawMessage) {
 	listErr := func(field, format string, args ...any) {
 		e := *pos
 		e.Field = field
 		e.Detail = fmt.Sprintf(format, args...)
-		res.errs = append(res.errs, &e)
+		res.addErr(&e)
 		res.unidentified = true
 	}
 	itemVersion, itemKind := "", ""
@@ -370,7 +534,7 @@ func (d *decoder) decodeList(res *fileResult, seen map[objKey]string, pos *DocEr
 			e := *pos
 			e.Field = name
 			e.Detail = "unknown field in " + kind
-			res.errs = append(res.errs, &e)
+			res.addErr(&e)
 		}
 	}
 	var items []json.RawMessage
@@ -397,7 +561,7 @@ func (d *decoder) decodeList(res *fileResult, seen map[objKey]string, pos *DocEr
 				}
 			}
 		}
-		d.decodeDocument(res, seen, &ipos, item, false)
+		d.decodeDocument(res, seen, track, &ipos, item, false)
 	}
 }
 
@@ -408,6 +572,9 @@ func (d *decoder) decodeList(res *fileResult, seen map[objKey]string, pos *DocEr
 func toJSON(data []byte) (js []byte, strictErr, err error) {
 	trimmed := bytes.TrimSpace(data)
 	if len(trimmed) > 0 && (trimmed[0] == '{' || trimmed[0] == '[') {
+		if json.Valid(trimmed) {
+			return trimmed, nil, nil
+		}
 		var v any
 		if err := json.Unmarshal(trimmed, &v); err != nil {
 			var se *json.SyntaxError
@@ -421,6 +588,9 @@ func toJSON(data []byte) (js []byte, strictErr, err error) {
 			}
 		}
 		return trimmed, nil, nil
+	}
+	if line := secondDocument(data); line > 0 {
+		return nil, nil, fmt.Errorf("line %d: a second YAML document starts here, which would be ignored; start each document after a line holding only \"---\"", line)
 	}
 	js, strictErr = yaml.YAMLToJSONStrict(data)
 	if strictErr == nil {

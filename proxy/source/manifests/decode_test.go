@@ -28,6 +28,9 @@ ports: [{port: 8080}]
 endpoints: [{addresses: [10.0.0.1]}]
 `
 
+// trackAll asks decodeFile to list every failed object.
+func trackAll(objKey) bool { return true }
+
 func keys(es []*entry) []string {
 	var out []string
 	for _, e := range es {
@@ -120,12 +123,32 @@ func TestDecodeFile(t *testing.T) {
 		{name: "slice without addressType", data: strings.Replace(sliceA, "addressType: IPv4\n", "", 1), wantFailed: []string{"EndpointSlice default/a-1"}, wantErrs: []string{"addressType: missing"}},
 		{name: "slice port out of range", data: strings.Replace(sliceA, "8080", "0", 1), wantFailed: []string{"EndpointSlice default/a-1"}, wantErrs: []string{"ports[0].port: 0 out of range"}},
 		{name: "slice address of wrong family", data: strings.Replace(sliceA, "10.0.0.1", "fd00::1", 1), wantFailed: []string{"EndpointSlice default/a-1"}, wantErrs: []string{`endpoints[0].addresses[0]: "fd00::1" is not an IPv4 address`}},
+		{name: "second document after an end marker", data: svcA + "...\n" + strings.Replace(svcA, "name: a", "name: b", 1), unidentified: true,
+			wantErrs: []string{"document 1 (line 1): line 9: a second YAML document starts here"}},
+		{name: "second document on its separator line", data: "# c\n---\n" + svcA + "--- {kind: Service}\n", unidentified: true,
+			wantErrs: []string{"document 1 (line 3): line 10: a second YAML document starts here"}},
+		{name: "end marker followed by comments only", data: svcA + "...\n# the end\n...\n", wantObjects: []string{"Service default/a"}},
+		{name: "first document on its start marker", data: "--- {apiVersion: v1, kind: Service, metadata: {name: a}, spec: {ports: [{port: 1}]}}\n",
+			wantObjects: []string{"Service default/a"}},
+		{name: "JSON file holding YAML documents", json: true, data: svcA + "---\n" + strings.Replace(svcA, "name: a", "name: b", 1), unidentified: true,
+			wantErrs: []string{"document 1 (line 1): line 8: a second YAML document starts here"}},
+		// Found by FuzzDecode: valid for the source, rejected by the model.
+		{name: "external IP with a zone", data: strings.Replace(svcA, "spec:\n", "spec:\n  externalIPs: ['fe80::1%eth0']\n", 1), wantFailed: []string{"Service default/a"},
+			wantErrs: []string{`spec.externalIPs[0]: invalid IP "fe80::1%eth0"`}},
+		{name: "load balancer ingress IP invalid", data: svcA + "status: {loadBalancer: {ingress: [{ip: 10.0.0.1}, {ip: nope, ipMode: Tunnel}]}}\n", wantFailed: []string{"Service default/a"},
+			wantErrs: []string{`status.loadBalancer.ingress[1].ip: invalid IP "nope"`, `status.loadBalancer.ingress[1].ipMode: unsupported value "Tunnel"`}},
+		{name: "unknown trafficDistribution", data: strings.Replace(svcA, "spec:\n", "spec:\n  trafficDistribution: Anywhere\n", 1), wantFailed: []string{"Service default/a"},
+			wantErrs: []string{`spec.trafficDistribution: unsupported value "Anywhere"`}},
+		{name: "invalid PROXY protocol annotation", data: strings.Replace(svcA, "  name: a\n", "  name: a\n  annotations: {kube-userspace-proxy.io/proxy-protocol: v3}\n", 1), wantFailed: []string{"Service default/a"},
+			wantErrs: []string{`metadata.annotations[kube-userspace-proxy.io/proxy-protocol]: invalid value "v3"`}},
+		{name: "slice hints with invalid names", data: strings.Replace(sliceA, "[{addresses: [10.0.0.1]}]", "[{addresses: [10.0.0.1], hints: {forZones: [{name: 'a b'}], forNodes: [{name: N_1}]}}]", 1),
+			wantFailed: []string{"EndpointSlice default/a-1"}, wantErrs: []string{`endpoints[0].hints.forZones[0].name: invalid zone name "a b"`, `endpoints[0].hints.forNodes[0].name: invalid node name "N_1"`}},
 		{name: "slice endpoint without addresses", data: strings.Replace(sliceA, "[10.0.0.1]", "[]", 1), wantFailed: []string{"EndpointSlice default/a-1"}, wantErrs: []string{"endpoints[0].addresses: must hold 1..100"}},
 	}
 	d := newDecoder()
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
-			res := d.decodeFile("/m/f.yaml", tc.json, []byte(tc.data))
+			res := d.decodeFile("/m/f.yaml", tc.json, []byte(tc.data), trackAll)
 			if got := keys(res.objects); !slices.Equal(got, tc.wantObjects) {
 				t.Errorf("objects %q, want %q", got, tc.wantObjects)
 			}
@@ -175,7 +198,7 @@ metadata: {name: plain}
 spec:
   ports: [{port: 1}]
 `
-	res := newDecoder().decodeFile("f.yaml", false, []byte(data))
+	res := newDecoder().decodeFile("f.yaml", false, []byte(data), trackAll)
 	if len(res.errs) != 0 || len(res.objects) != 3 {
 		t.Fatalf("errors %v, objects %v", res.errs, keys(res.objects))
 	}

@@ -1,15 +1,17 @@
 package manifests
 
 import (
+	"net/netip"
 	"os"
 	"path/filepath"
 	"strings"
 	"testing"
 
+	v1 "k8s.io/api/core/v1"
 	discovery "k8s.io/api/discovery/v1"
 	"k8s.io/apimachinery/pkg/types"
 
-	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/serviceport"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy"
 )
 
 // FuzzDecode feeds arbitrary file content to the decoder. It must never panic (a panic inside
@@ -37,6 +39,15 @@ func FuzzDecode(f *testing.F) {
 		"a: &a [*a, *a]\nb: *a\n",
 		"- 1\n- 2\n", "null", "---\n---\n", "kind: 5\n", "metadata: {name: {x: 1}}\nkind: Service\napiVersion: v1\n",
 		"apiVersion: v1\nkind: Service\nmetadata: {name: a}\nspec: {clusterIPs: [None, 10.0.0.1], ports: [{port: 1, targetPort: -1}]}\n",
+		// Valid for the source, but is it for the model?
+		"apiVersion: v1\nkind: Service\nmetadata: {name: a}\nspec: {externalIPs: ['fe80::1%eth0'], ports: [{port: 1}]}\n",
+		"apiVersion: v1\nkind: Service\nmetadata: {name: a}\nspec: {type: LoadBalancer, ports: [{port: 1}]}\nstatus: {loadBalancer: {ingress: [{ip: 'not an IP'}]}}\n",
+		"apiVersion: v1\nkind: Service\nmetadata: {name: a, annotations: {kube-userspace-proxy.io/proxy-protocol: v3}}\nspec: {ports: [{port: 1}]}\n",
+		"apiVersion: v1\nkind: Service\nmetadata: {name: a}\nspec: {trafficDistribution: Anywhere, ports: [{port: 1}]}\n",
+		"apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {name: a-1, labels: {kubernetes.io/service-name: a}}\naddressType: IPv6\nports: [{port: 1}]\n" +
+			"endpoints: [{addresses: ['fe80::1%eth0']}]\n",
+		"apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {name: a-1, labels: {kubernetes.io/service-name: a}}\naddressType: IPv6\nports: [{port: 1}]\n" +
+			"endpoints: [{addresses: ['fd00::1'], hints: {forZones: [{name: 'a b'}], forNodes: [{name: 'N_1'}]}}]\n",
 	} {
 		f.Add([]byte(seed), false)
 	}
@@ -44,10 +55,15 @@ func FuzzDecode(f *testing.F) {
 	f.Add([]byte(`{"apiVersion":"v1",`), true)
 
 	d := newDecoder()
+	alloc, err := newAllocator([]netip.Prefix{DefaultServiceCIDR, netip.MustParsePrefix("fd00::/108")})
+	if err != nil {
+		f.Fatal(err)
+	}
 	f.Fuzz(func(t *testing.T, data []byte, isJSON bool) {
-		res := d.decodeFile("/fuzz/f.yaml", isJSON, data)
+		res := d.decodeFile("/fuzz/f.yaml", isJSON, data, trackAll)
 		seen := map[objKey]bool{}
-		var slices []*discovery.EndpointSlice
+		var svcs []*v1.Service
+		slicesOf := map[types.NamespacedName][]*discovery.EndpointSlice{}
 		for _, e := range res.objects {
 			if (e.svc == nil) == (e.slice == nil) {
 				t.Fatalf("entry %s holds %v and %v", e.key, e.svc, e.slice)
@@ -57,23 +73,63 @@ func FuzzDecode(f *testing.F) {
 			}
 			seen[e.key] = true
 			if e.svc != nil {
-				// The model must cope with whatever validated.
-				_, _ = serviceport.FromService(e.svc)
-			} else {
-				slices = append(slices, e.slice)
+				if e.key != (objKey{kindService, e.svc.Namespace, e.svc.Name}) {
+					t.Fatalf("key %s for Service %s/%s", e.key, e.svc.Namespace, e.svc.Name)
+				}
+				svcs = append(svcs, e.svc)
+				continue
+			}
+			if e.key != (objKey{kindEndpointSlice, e.slice.Namespace, e.slice.Name}) {
+				t.Fatalf("key %s for EndpointSlice %s/%s", e.key, e.slice.Namespace, e.slice.Name)
+			}
+			n, ok := proxy.SliceServiceName(e.slice)
+			if !ok {
+				t.Fatalf("%s: no service name, yet valid", e.key)
+			}
+			slicesOf[n] = append(slicesOf[n], e.slice)
+		}
+		// What the source delivers (validated, then allocated) the model takes without a word.
+		done, _, _ := alloc.allocate(svcs, emptyAlloc())
+		for _, svc := range done {
+			if svc == nil {
+				continue
+			}
+			sps, err := proxy.FromService(svc)
+			if err != nil {
+				t.Fatalf("the model rejects a Service the source delivers: %v", err)
+			}
+			for _, sp := range sps {
+				if sp.Name.Namespace != svc.Namespace || sp.Name.Name != svc.Name || sp.Port < 1 || sp.Port > 65535 || len(sp.ClusterIPs) == 0 {
+					t.Fatalf("ServicePort %s port %d cluster IPs %v from Service %s/%s", sp, sp.Port, sp.ClusterIPs, svc.Namespace, svc.Name)
+				}
 			}
 		}
-		_, _ = serviceport.EndpointsFromSlices(types.NamespacedName{}, slices)
+		for n, list := range slicesOf {
+			if _, err := proxy.EndpointsFromSlices(n, list); err != nil {
+				t.Fatalf("the model rejects EndpointSlices the source delivers: %v", err)
+			}
+		}
+
+		if len(res.errs) > maxErrorsKept || res.errCount < len(res.errs) || (res.errCount > len(res.errs) && len(res.errs) < maxErrorsKept) {
+			t.Fatalf("%d errors kept of %d", len(res.errs), res.errCount)
+		}
+		if len(res.skipped) > maxErrorsKept || res.skippedCount < len(res.skipped) || (res.skippedCount > len(res.skipped) && len(res.skipped) < maxErrorsKept) {
+			t.Fatalf("%d ignored documents kept of %d", len(res.skipped), res.skippedCount)
+		}
 		for _, e := range res.errs {
-			if e.File != "/fuzz/f.yaml" || e.Detail == "" {
-				t.Fatalf("error without file or detail: %#v", e)
+			if e.File != "/fuzz/f.yaml" || e.Detail == "" || e.Doc < 0 || (e.Doc > 0 && e.Line < 1) {
+				t.Fatalf("error without file, position or detail: %#v", e)
+			}
+			if e.Object != "" && !strings.HasPrefix(e.Object, kindService+" ") && !strings.HasPrefix(e.Object, kindEndpointSlice+" ") {
+				t.Fatalf("error naming %q, not a Service or an EndpointSlice", e.Object)
 			}
 			if strings.Contains(e.Detail, "internal error: panic") {
 				t.Fatalf("decoder panicked: %s", e.Detail)
 			}
 		}
-		if len(res.errs) == 0 && (res.unidentified || len(res.failed) > 0) {
+		if res.errCount == 0 && (res.unidentified || len(res.failed) > 0) {
 			t.Fatalf("failures without an error: %+v", res)
 		}
+		checkParallel(t, data, isJSON)
 	})
 }

@@ -20,7 +20,7 @@ import (
 	discovery "k8s.io/api/discovery/v1"
 	"k8s.io/apimachinery/pkg/types"
 
-	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/serviceport"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/source"
 )
 
@@ -207,30 +207,75 @@ func (l *logBuf) take(t testing.TB, level zerolog.Level) []map[string]any {
 }
 
 type fixture struct {
-	dir  string
-	src  *Source
-	rec  *rec
-	logs *logBuf
-	scan func(t *testing.T)
+	dir   string
+	src   *Source
+	rec   *rec
+	logs  *logBuf
+	clock *fakeClock
+	first bool
+}
+
+// fakeClock is the clock of a Source's debounce in tests: it moves only when told to.
+type fakeClock struct {
+	mu sync.Mutex
+	t  time.Time
+}
+
+func newFakeClock() *fakeClock { return &fakeClock{t: time.Unix(1_700_000_000, 0)} }
+
+func (c *fakeClock) now() time.Time {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.t
+}
+
+func (c *fakeClock) advance(d time.Duration) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.t = c.t.Add(d)
+}
+
+// settledScan scans, lets the debounce pass on s's clock (a fakeClock), and scans again: what
+// was written before it is read, as once the writer has finished and Debounce has passed.
+func settledScan(tb testing.TB, s *Source, clock *fakeClock, h source.Handler, first bool) {
+	tb.Helper()
+	if _, err := s.scan(h, first); err != nil {
+		tb.Fatal(err)
+	}
+	clock.advance(s.opts.debounce())
+	if _, err := s.scan(h, false); err != nil {
+		tb.Fatal(err)
+	}
 }
 
 func newFixture(t *testing.T, opts Options) *fixture {
 	t.Helper()
-	f := &fixture{dir: t.TempDir(), rec: newRec(t), logs: &logBuf{}}
+	f := &fixture{dir: t.TempDir(), rec: newRec(t), logs: &logBuf{}, clock: newFakeClock(), first: true}
 	opts.Log = zerolog.New(f.logs).Level(zerolog.DebugLevel)
 	f.src = New(f.dir, opts)
+	f.src.now = f.clock.now
 	if err := f.src.prepare(); err != nil {
 		t.Fatal(err)
 	}
-	first := true
-	f.scan = func(t *testing.T) {
-		t.Helper()
-		if err := f.src.scan(f.rec, first); err != nil {
-			t.Fatal(err)
-		}
-		first = false
-	}
 	return f
+}
+
+// scan is one scan and another once Debounce has passed: everything written before is read.
+func (f *fixture) scan(t *testing.T) {
+	t.Helper()
+	settledScan(t, f.src, f.clock, f.rec, f.first)
+	f.first = false
+}
+
+// scanOnce is one scan, without moving the clock; it returns when the next file is due.
+func (f *fixture) scanOnce(t *testing.T) time.Time {
+	t.Helper()
+	due, err := f.src.scan(f.rec, f.first)
+	if err != nil {
+		t.Fatal(err)
+	}
+	f.first = false
+	return due
 }
 
 func (f *fixture) write(t *testing.T, name, content string) {
@@ -314,7 +359,7 @@ func TestExampleManifests(t *testing.T) {
 	for k, o := range f.rec.objects {
 		switch o := o.(type) {
 		case *v1.Service:
-			sps, err := serviceport.FromService(o)
+			sps, err := proxy.FromService(o)
 			if err != nil {
 				t.Errorf("%s: model rejects: %v", k, err)
 			}
@@ -322,7 +367,7 @@ func TestExampleManifests(t *testing.T) {
 				ports = append(ports, fmt.Sprintf("%s port %d nodePort %v affinity %v local %v", sp, sp.Port, sp.NodePort != 0, sp.SessionAffinity, sp.ExternalPolicyLocal))
 			}
 		case *discovery.EndpointSlice:
-			n, ok := serviceport.SliceServiceName(o)
+			n, ok := proxy.SliceServiceName(o)
 			if !ok {
 				t.Errorf("%s: no service name", k)
 			}
@@ -341,7 +386,7 @@ func TestExampleManifests(t *testing.T) {
 	if !slices.Equal(ports, wantPorts) {
 		t.Errorf("service ports\n%s\nwant\n%s", strings.Join(ports, "\n"), strings.Join(wantPorts, "\n"))
 	}
-	eps, err := serviceport.EndpointsFromSlices(types.NamespacedName{Namespace: "shop", Name: "web"}, slicesBySvc[types.NamespacedName{Namespace: "shop", Name: "web"}])
+	eps, err := proxy.EndpointsFromSlices(types.NamespacedName{Namespace: "shop", Name: "web"}, slicesBySvc[types.NamespacedName{Namespace: "shop", Name: "web"}])
 	if err != nil || len(eps["http"]) != 2 || len(eps["https"]) != 2 || !eps["http"][1].Terminating {
 		t.Errorf("web endpoints %v, %v", eps, err)
 	}
@@ -459,9 +504,12 @@ func TestUnparsableFileKeepsItsObjects(t *testing.T) {
 	if got := f.rec.served(); !slices.Equal(got, []string{"Service default/a", "Service default/b", "Service default/c"}) {
 		t.Errorf("served %q", got)
 	}
+	// One error names the file and the line, one sums up: the file's objects keep serving.
 	errs := f.logs.take(t, zerolog.ErrorLevel)
-	if len(errs) != 1 || errs[0]["file"] != filepath.Join(f.dir, "svc.yaml") || !strings.Contains(fmt.Sprint(errs[0]["message"]), "line 3") {
-		t.Errorf("errors %v, want one naming the file and line", errs)
+	if len(errs) != 2 || errs[0]["file"] != filepath.Join(f.dir, "svc.yaml") || !strings.Contains(fmt.Sprint(errs[0]["message"]), "line 3") ||
+		errs[1]["file"] != filepath.Join(f.dir, "svc.yaml") || errs[1]["keptFromBefore"] != 2.0 ||
+		!strings.Contains(fmt.Sprint(errs[1]["message"]), "cannot be decoded in full") {
+		t.Errorf("errors %v, want one naming the file and line, and one saying the file's 2 objects keep serving", errs)
 	}
 
 	// Partly fixed: b is back but a's document is still unreadable, so a keeps serving.
@@ -622,7 +670,7 @@ func TestDualStackServiceCIDRs(t *testing.T) {
 				t.Errorf("%s: clusterIPs[%d] = %s, want prefix %s", tc.name, i, s.Spec.ClusterIPs[i], p)
 			}
 		}
-		sps, err := serviceport.FromService(s)
+		sps, err := proxy.FromService(s)
 		if err != nil || len(sps) != 1 || len(sps[0].ClusterIPs) != len(tc.prefixes) {
 			t.Errorf("%s: model gives %v, %v", tc.name, sps, err)
 		}
@@ -670,13 +718,13 @@ func TestClusterIPStableAcrossRestarts(t *testing.T) {
 	}
 	ips := func() map[string]string {
 		s := New(dir, Options{})
+		clock := newFakeClock()
+		s.now = clock.now
 		if err := s.prepare(); err != nil {
 			t.Fatal(err)
 		}
 		r := newRec(t)
-		if err := s.scan(r, true); err != nil {
-			t.Fatal(err)
-		}
+		settledScan(t, s, clock, r, true)
 		out := map[string]string{}
 		for k, o := range r.objects {
 			out[k] = o.(*v1.Service).Spec.ClusterIP
@@ -751,7 +799,8 @@ func TestRunErrors(t *testing.T) {
 		{"missing directory", filepath.Join(t.TempDir(), "nope"), Options{}, "read directory"},
 		{"two IPv4 ranges", t.TempDir(), Options{ServiceCIDRs: []netip.Prefix{netip.MustParsePrefix("10.0.0.0/16"), netip.MustParsePrefix("10.1.0.0/16")}}, "same IP family"},
 		{"range too small", t.TempDir(), Options{ServiceCIDRs: []netip.Prefix{netip.MustParsePrefix("10.0.0.0/31")}}, "too small"},
-		{"negative interval", t.TempDir(), Options{Interval: -time.Second}, "negative"},
+		{"negative interval", t.TempDir(), Options{Interval: -time.Second}, "interval -1s is negative"},
+		{"negative debounce", t.TempDir(), Options{Debounce: -time.Second}, "debounce -1s is negative"},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {

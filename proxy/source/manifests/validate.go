@@ -11,7 +11,7 @@ import (
 	"k8s.io/apimachinery/pkg/util/intstr"
 	"k8s.io/apimachinery/pkg/util/validation"
 
-	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/serviceport"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy"
 )
 
 // maxAffinityTimeout is the largest sessionAffinityConfig.clientIP.timeoutSeconds the API server
@@ -25,7 +25,7 @@ func defaultAndValidateService(svc *v1.Service) []error {
 	obj := "Service " + svc.Namespace + "/" + svc.Name
 	var errs []error
 	bad := func(field, format string, args ...any) {
-		errs = append(errs, &serviceport.FieldError{Object: obj, Field: field, Detail: fmt.Sprintf(format, args...)})
+		errs = append(errs, &proxy.FieldError{Object: obj, Field: field, Detail: fmt.Sprintf(format, args...)})
 	}
 	if svc.Namespace == "" {
 		svc.Namespace = metav1.NamespaceDefault
@@ -101,9 +101,29 @@ func defaultAndValidateService(svc *v1.Service) []error {
 
 	validateClusterIPs(spec, bad)
 	for i, s := range spec.ExternalIPs {
-		if _, err := netip.ParseAddr(s); err != nil {
+		if ip, err := netip.ParseAddr(s); err != nil || ip.Zone() != "" {
 			bad(fmt.Sprintf("spec.externalIPs[%d]", i), "invalid IP %q", s)
 		}
+	}
+	for i, ing := range svc.Status.LoadBalancer.Ingress {
+		field := fmt.Sprintf("status.loadBalancer.ingress[%d]", i)
+		if ip, err := netip.ParseAddr(ing.IP); ing.IP != "" && (err != nil || ip.Zone() != "") {
+			bad(field+".ip", "invalid IP %q", ing.IP)
+		}
+		if m := ing.IPMode; m != nil && *m != v1.LoadBalancerIPModeVIP && *m != v1.LoadBalancerIPModeProxy {
+			bad(field+".ipMode", "unsupported value %q (want VIP or Proxy)", *m)
+		}
+	}
+	if td := spec.TrafficDistribution; td != nil {
+		switch *td {
+		case v1.ServiceTrafficDistributionPreferClose, v1.ServiceTrafficDistributionPreferSameZone, v1.ServiceTrafficDistributionPreferSameNode:
+		default:
+			bad("spec.trafficDistribution", "unsupported value %q (want %s, %s or %s)", *td,
+				v1.ServiceTrafficDistributionPreferClose, v1.ServiceTrafficDistributionPreferSameZone, v1.ServiceTrafficDistributionPreferSameNode)
+		}
+	}
+	if v, ok := svc.Annotations[proxy.ProxyProtocolAnnotation]; ok && v != string(proxy.ProxyProtocolV1) && v != string(proxy.ProxyProtocolV2) {
+		bad("metadata.annotations["+proxy.ProxyProtocolAnnotation+"]", "invalid value %q (want v1 or v2)", v)
 	}
 	if len(spec.IPFamilies) > 2 {
 		bad("spec.ipFamilies", "at most 2 families, got %d", len(spec.IPFamilies))
@@ -232,7 +252,7 @@ func defaultAndValidateSlice(s *discovery.EndpointSlice) []error {
 	obj := "EndpointSlice " + s.Namespace + "/" + s.Name
 	var errs []error
 	bad := func(field, format string, args ...any) {
-		errs = append(errs, &serviceport.FieldError{Object: obj, Field: field, Detail: fmt.Sprintf(format, args...)})
+		errs = append(errs, &proxy.FieldError{Object: obj, Field: field, Detail: fmt.Sprintf(format, args...)})
 	}
 	for _, msg := range validation.IsDNS1123Subdomain(s.Name) {
 		bad("metadata.name", "%q: %s", s.Name, msg)
@@ -302,6 +322,21 @@ func defaultAndValidateSlice(s *discovery.EndpointSlice) []error {
 				bad(fmt.Sprintf("%s[%d]", field, j), "invalid IP %q", a)
 			case ip.Is4() != (s.AddressType == discovery.AddressTypeIPv4):
 				bad(fmt.Sprintf("%s[%d]", field, j), "%q is not an %s address", a, s.AddressType)
+			}
+		}
+		if e.Hints == nil {
+			continue
+		}
+		// Zone hints are ignored (see the package documentation), but held to the API server's
+		// rules all the same, as node hints are.
+		for j, z := range e.Hints.ForZones {
+			if z.Name == "" || len(validation.IsValidLabelValue(z.Name)) > 0 {
+				bad(fmt.Sprintf("endpoints[%d].hints.forZones[%d].name", i, j), "invalid zone name %q", z.Name)
+			}
+		}
+		for j, n := range e.Hints.ForNodes {
+			if len(validation.IsDNS1123Subdomain(n.Name)) > 0 {
+				bad(fmt.Sprintf("endpoints[%d].hints.forNodes[%d].name", i, j), "invalid node name %q", n.Name)
 			}
 		}
 	}

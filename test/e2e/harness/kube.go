@@ -2,10 +2,13 @@ package harness
 
 import (
 	"context"
+	"errors"
 	"fmt"
+	"io"
 	"net/netip"
 	"os/exec"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -228,4 +231,28 @@ func Sockets(t testing.TB, ns *netns.NS) string {
 		t.Fatalf("harness: %v", err)
 	}
 	return out
+}
+
+// PortHeld reports whether some socket in ns holds port for network ("tcp" or "udp"): binding
+// the port on every address fails with EADDRINUSE. The proxy holds TCP NodePorts with sockets
+// that are bound but do not listen, which `ss -l` does not show.
+func PortHeld(t testing.TB, ns *netns.NS, network string, port int) bool {
+	t.Helper()
+	addr := fmt.Sprintf(":%d", port)
+	var c io.Closer
+	var err error
+	if network == "udp" {
+		c, err = ns.ListenPacket("udp", addr)
+	} else {
+		c, err = ns.Listen("tcp", addr)
+	}
+	if err == nil {
+		c.Close()
+		return false
+	}
+	if errors.Is(err, syscall.EADDRINUSE) {
+		return true
+	}
+	t.Fatalf("harness: probing %s port %d in %s: %v", network, port, ns, err)
+	return false
 }

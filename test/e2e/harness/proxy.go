@@ -33,6 +33,10 @@ type ProxyConfig struct {
 	LogLevel string
 	// Args are appended last (later flags win).
 	Args []string
+	// Wrapper, if set, is a command line the proxy is run under: the proxy's command line is
+	// appended to it, so it must exec its arguments in the same process (prlimit, setpriv, env
+	// do), which keeps [netns.Process.Pid] the proxy's.
+	Wrapper []string
 	// Ready, if set, is polled (every 100ms) until it returns nil: StartProxy returns only then.
 	// Typically it asks a service port (see [Ask]). If nil, StartProxy waits until the proxy has
 	// completed a sync with the source's initial state (its debug log says "synced"), which needs
@@ -60,12 +64,12 @@ func ProxyArgs(t testing.TB, cfg ProxyConfig) []string {
 	if level == "" {
 		level = "debug"
 	}
-	args := []string{ProxyBinary(t),
-		"--hostname-override=" + cfg.NodeName,
-		"--healthz-bind-address=" + cfg.HealthzBindAddress,
-		"--metrics-bind-address=" + cfg.MetricsBindAddress,
-		"--log-level=" + level,
-	}
+	args := append(append([]string(nil), cfg.Wrapper...), ProxyBinary(t),
+		"--hostname-override="+cfg.NodeName,
+		"--healthz-bind-address="+cfg.HealthzBindAddress,
+		"--metrics-bind-address="+cfg.MetricsBindAddress,
+		"--log-level="+level,
+	)
 	if cfg.Kubeconfig != "" {
 		args = append(args, "--kubeconfig="+cfg.Kubeconfig)
 	}

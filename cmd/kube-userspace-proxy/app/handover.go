@@ -1,0 +1,156 @@
+package app
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"time"
+
+	"github.com/rs/zerolog"
+
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/handover"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/userspace"
+)
+
+// HandoverNone as --handover-socket turns hand-overs off: a proxy started while another runs
+// exits, and this one answers no successor.
+const HandoverNone = "none"
+
+// handoverTimeout bounds one hand-over exchange, from hello to released.
+const handoverTimeout = 30 * time.Second
+
+// handoverSocket returns the hand-over socket's path: --handover-socket, or this network
+// namespace's socket in InstanceLockDir; "" when hand-overs are off.
+func handoverSocket(opts *Options) (string, error) {
+	switch opts.HandoverSocket {
+	case HandoverNone:
+		return "", nil
+	case "":
+		return handover.Path(InstanceLockDir)
+	}
+	return opts.HandoverSocket, nil
+}
+
+// onceFunc makes a release function safe to call more than once.
+func onceFunc(f func()) func() {
+	var once sync.Once
+	return func() { once.Do(f) }
+}
+
+// takeOver is a successor's start: once its source has delivered the initial state (so that it
+// can serve at once), it asks the running proxy for everything and adopts it. When the running
+// proxy refuses or the hand-over fails, it falls back to a restart: it waits for the running
+// proxy to exit (its instance lock to be free). It returns the package (what the proxier did not
+// adopt is the caller's: the servers' sockets) and the instance lock's release.
+func takeOver(ctx context.Context, path string, px *userspace.Proxier, log zerolog.Logger) (*handover.Package, func(), error) {
+	select {
+	case <-px.Synced():
+	case <-ctx.Done():
+		return nil, nil, ctx.Err()
+	}
+	var release func()
+	claim := func() error {
+		r, err := lockInstance(InstanceLockDir)
+		if err == nil {
+			release = onceFunc(r)
+		}
+		return err
+	}
+	tctx, cancel := context.WithTimeout(ctx, handoverTimeout)
+	pkg, err := handover.Take(tctx, path, Version, claim, log)
+	cancel()
+	if err == nil {
+		px.Adopt(pkg.Records)
+		return pkg, release, nil
+	}
+	if release != nil { // claimed, yet Take failed: cannot happen, but never hold the lock twice
+		release()
+	}
+	what := "hand-over failed"
+	if errors.Is(err, handover.ErrRefused) {
+		what = "hand-over refused"
+	}
+	log.Warn().Err(err).Msg(what + "; falling back to a restart: waiting for the running proxy to exit")
+	release, err = waitForLock(ctx, log)
+	return nil, release, err
+}
+
+// waitForLock takes the instance lock once the running proxy frees it, or fails when ctx ends.
+func waitForLock(ctx context.Context, log zerolog.Logger) (func(), error) {
+	t := time.NewTicker(250 * time.Millisecond)
+	defer t.Stop()
+	logged := time.Now()
+	for {
+		release, err := lockInstance(InstanceLockDir)
+		if err == nil {
+			log.Info().Msg("the running proxy exited; starting")
+			return onceFunc(release), nil
+		}
+		if !errors.Is(err, errInstanceRunning) {
+			return nil, err
+		}
+		if time.Since(logged) > time.Minute {
+			log.Info().Err(err).Msg("still waiting for the running proxy to exit")
+			logged = time.Now()
+		}
+		select {
+		case <-ctx.Done():
+			return nil, fmt.Errorf("waiting for the running proxy to exit: %w", ctx.Err())
+		case <-t.C:
+		}
+	}
+}
+
+// giver hands the running proxy over to a successor (handover.Giver).
+type giver struct {
+	px      *userspace.Proxier
+	srv     *servers
+	release func() // the instance lock's
+}
+
+func (g *giver) Freeze(ctx context.Context) (*handover.Package, error) {
+	recs, err := g.px.Freeze(ctx)
+	if err != nil {
+		return nil, err
+	}
+	srvRecs, err := g.srv.handoverRecords()
+	if err != nil {
+		g.px.Resume(recs)
+		return nil, err
+	}
+	return &handover.Package{Records: append(recs, srvRecs...)}, nil
+}
+
+func (g *giver) Release() {
+	g.px.Release()
+	g.release()
+}
+
+func (g *giver) Resume(pkg *handover.Package) {
+	g.px.Resume(pkg.Records)
+	pkg.Close() // the servers' duplicates: they still serve on their own sockets
+}
+
+// serveHandovers answers successors on path until ctx ends; handedOver is closed when one took
+// everything over.
+func serveHandovers(ctx context.Context, path string, g *giver, handedOver chan<- struct{}, log zerolog.Logger) (stop func(), err error) {
+	ln, err := handover.Listen(path, log)
+	if err != nil {
+		return nil, err
+	}
+	log.Info().Str("socket", path).Msg("a successor can take over through the hand-over socket")
+	sctx, cancel := context.WithCancel(ctx)
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		if ln.Serve(sctx, g, handoverTimeout) {
+			close(handedOver)
+		}
+	}()
+	return func() {
+		cancel()
+		<-done
+		_ = ln.Close()
+	}, nil
+}

@@ -1,0 +1,419 @@
+package portal
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"net/netip"
+	"os/exec"
+	"strings"
+	"sync"
+
+	"github.com/rs/zerolog"
+
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/iptables"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/portal/conntrack"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/portal/transparent"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy"
+)
+
+// Set programs the portals of every IP family the node has: it turns the proxier's port states
+// into each family's Portals and hands them to that family's Manager, and owns the reply
+// routing of transparent connections (package portal/transparent).
+type Set struct {
+	log      zerolog.Logger
+	families []familyPortals
+
+	mu        sync.Mutex                 // guards conflicts
+	conflicts map[iptables.Family]string // the last sync's address conflicts, logged once
+}
+
+type familyPortals struct {
+	family  iptables.Family
+	manager *Manager
+	// transparent delivers replies to transparent sockets; always set (to clean up), programmed
+	// only when ensureTransparent.
+	transparent       *transparent.Rules
+	ensureTransparent bool
+}
+
+// SetOptions configures a Set.
+type SetOptions struct {
+	// BindAddress is the proxy listeners' bind address (--bind-address); unspecified or the
+	// zero value: every address, portals in both families.
+	BindAddress netip.Addr
+	// NodePortAddresses and ClusterCIDRs are Config's.
+	NodePortAddresses []netip.Prefix
+	ClusterCIDRs      []netip.Prefix
+	// Log receives the portals' logs; the zero value logs nothing.
+	Log zerolog.Logger
+	// Successor: this proxy is about to take over from one that runs (package handover).
+	// NewSet then removes nothing, the transparent routing included: the running proxy's
+	// rules and connections are about to become this one's.
+	Successor bool
+}
+
+// NewSet builds a portal manager per IP family the node has an address in. It keeps the rules
+// of ours that an earlier run left (a crash, a SIGKILL): the proxy ports they name are reused
+// (SurvivingProxyPorts), so they serve again as soon as the listeners are open, and the first
+// Sync rewrites every one of our chains atomically, which removes the rules of service ports
+// that are gone. It removes at once what no Sync rewrites (Manager.PruneStale; should that
+// fail, every rule of ours, as Manager.Cleanup does), and what an earlier run left of the reply
+// routing of transparent connections: no transparent connection outlives the process that
+// made it unless it hands it over (SetOptions.Successor), and EnableTransparent programs the
+// routing anew.
+func NewSet(ctx context.Context, opts SetOptions) (*Set, error) {
+	log := opts.Log
+	mode, _, err := iptables.DetectMode()
+	if err != nil {
+		return nil, fmt.Errorf("detect iptables backend: %w", err)
+	}
+	set := &Set{log: log}
+	// Stale UDP flows (a changed portal, a restart) are deleted with the conntrack tool.
+	var flows FlowDeleter
+	if path, err := exec.LookPath("conntrack"); err == nil {
+		flows = &conntrack.Tool{Path: path}
+	} else {
+		log.Warn().Err(err).Msg("no conntrack tool (Debian package conntrack): UDP flows tracked before a portal changed keep their old destination while their clients keep sending")
+	}
+	for _, fam := range []iptables.Family{iptables.IPv4, iptables.IPv6} {
+		bind := opts.BindAddress
+		if bind.IsUnspecified() {
+			bind = netip.Addr{}
+		} else if bind.IsValid() && bind.Is4() != (fam == iptables.IPv4) {
+			continue // listeners bound to one address serve only its family
+		}
+		host, ok := hostIP(fam)
+		if !ok && !bind.IsValid() {
+			if fam == iptables.IPv4 {
+				return nil, errors.New("portals: the node has no IPv4 address for traffic from the node itself; set --bind-address")
+			}
+			log.Info().Msg("the node has no IPv6 address: IPv6 portals disabled")
+			continue
+		}
+		run, err := iptables.New(iptables.Options{Family: fam, Mode: mode})
+		if err != nil {
+			if fam == iptables.IPv6 {
+				log.Warn().Err(err).Msg("ip6tables unusable: IPv6 portals disabled")
+				continue
+			}
+			return nil, fmt.Errorf("portals: %w", err)
+		}
+		m, err := NewManager(Options{
+			Config: Config{Family: fam, BindIP: bind, HostIP: host, NodePortAddresses: opts.NodePortAddresses, ClusterCIDRs: opts.ClusterCIDRs},
+			Runner: run,
+			Logger: log,
+			Flows:  flows,
+		})
+		if err != nil {
+			return nil, err
+		}
+		tr, err := transparent.New(transparent.Options{Runner: run, Log: log})
+		if err != nil {
+			return nil, err
+		}
+		if !opts.Successor {
+			if err := pruneStale(m, log); err != nil {
+				return nil, fmt.Errorf("removing stale %v portals: %w", fam, err)
+			}
+			if err := tr.Cleanup(ctx); err != nil {
+				return nil, fmt.Errorf("removing stale %v routing of transparent connections: %w", fam, err)
+			}
+		}
+		log.Info().Str("family", fam.String()).Str("backend", string(mode)).Str("hostIP", host.String()).Msg("portals ready")
+		set.families = append(set.families, familyPortals{family: fam, manager: m, transparent: tr})
+	}
+	return set, nil
+}
+
+// Sync programs every family's portals for ports; node is the sync's snapshot of the node's
+// addresses. A full sync rewrites every rule and restores the routing of transparent
+// connections; the others write only the rules that changed.
+func (s *Set) Sync(ctx context.Context, ports []proxy.PortState, node proxy.NodeAddrs, full bool) error {
+	var errs []error
+	for _, f := range s.families {
+		sync := f.manager.Update
+		if full {
+			sync = f.manager.Sync
+		}
+		portals, conflicts := claimExternal(toPortals(f.family, ports))
+		s.noteConflicts(f.family, conflicts)
+		if err := sync(portals, node.List()); err != nil {
+			errs = append(errs, fmt.Errorf("%v portals: %w", f.family, err))
+		}
+		if full && f.ensureTransparent {
+			if err := f.transparent.Ensure(ctx); err != nil {
+				errs = append(errs, fmt.Errorf("%v: %w", f.family, err))
+			}
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// EnableTransparent programs, in every family, the reply routing of transparent connections
+// (package portal/transparent), and has Sync restore it from then on. Call it before the
+// proxier starts. On error no family's routing is restored by Sync; what was programmed stays
+// until CleanupTransparent.
+func (s *Set) EnableTransparent(ctx context.Context) error {
+	for i := range s.families {
+		f := &s.families[i]
+		if err := f.transparent.Ensure(ctx); err != nil {
+			for j := range s.families {
+				s.families[j].ensureTransparent = false // all or nothing: Sync restores none
+			}
+			return fmt.Errorf("%v routing of transparent connections (--transparent-local=false turns them off): %w", f.family, err)
+		}
+		f.ensureTransparent = true
+	}
+	s.log.Info().Msg("transparent connections for Local services enabled")
+	return nil
+}
+
+// CleanupTransparent removes every family's routing of transparent connections. Call it after
+// the connections have drained (Cleanup leaves it in place for them).
+func (s *Set) CleanupTransparent(ctx context.Context) error {
+	var errs []error
+	for _, f := range s.families {
+		if err := f.transparent.Cleanup(ctx); err != nil {
+			errs = append(errs, fmt.Errorf("%v: %w", f.family, err))
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// Cleanup removes every family's portals.
+func (s *Set) Cleanup(context.Context) error {
+	var errs []error
+	for _, f := range s.families {
+		if err := f.manager.Cleanup(); err != nil {
+			errs = append(errs, fmt.Errorf("%v portals: %w", f.family, err))
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// toPortals converts the proxier's port states into one family's portals: a service port has
+// portals in a family when it has a ClusterIP of that family. In a family it has no ClusterIP
+// of, a port whose listener is open still gets a portal with no address and no NodePort: it
+// captures nothing but guards the proxy port (KUBE-PORTALS-PROXY-PORTS), because a listener on
+// the unspecified address accepts both families.
+func toPortals(fam iptables.Family, ports []proxy.PortState) []Portal {
+	out := make([]Portal, 0, len(ports))
+	for _, st := range ports {
+		sp := st.ServicePort
+		var cip netip.Addr
+		for _, ip := range sp.ClusterIPs {
+			if ip.Is4() == (fam == iptables.IPv4) {
+				cip = ip
+				break
+			}
+		}
+		p := Portal{
+			Comment:   sp.Name.String(),
+			Protocol:  strings.ToLower(string(sp.Protocol)),
+			Port:      sp.Port,
+			ProxyPort: st.ProxyPort,
+			Internal:  st.Internal,
+			External:  st.External,
+		}
+		if !cip.IsValid() {
+			if st.ProxyPort > 0 {
+				out = append(out, p)
+			}
+			continue
+		}
+		p.ClusterIP = cip
+		p.ExternalIPs = sp.ExternalIPs
+		p.LoadBalancerIPs = sp.LoadBalancerIPs
+		p.LoadBalancerSourceRanges = sourceRanges(fam, sp.LoadBalancerSourceRanges)
+		p.NodePort = sp.NodePort
+		out = append(out, p)
+	}
+	return out
+}
+
+// claimExternal gives each external or load-balancer IP:port (per protocol) to the first portal
+// that has it, in the order of portals (the proxier's: by service port name), and leaves it out
+// of the others, returning one conflict per address left out. Two rules for one address would
+// otherwise both be written and the first in the chain would win: a full sync (sorted) and a
+// partial one (a changed portal's rules appended last) would then disagree on the winner.
+func claimExternal(portals []Portal) ([]Portal, []string) {
+	type key struct {
+		proto string
+		ap    netip.AddrPort
+	}
+	owner := map[key]string{}
+	var conflicts []string
+	claim := func(p *Portal, ips []netip.Addr, what string) []netip.Addr {
+		out := ips
+		for i, ip := range ips {
+			k := key{p.Protocol, netip.AddrPortFrom(ip.Unmap(), uint16(p.Port))}
+			first, taken := owner[k]
+			if !taken || first == p.Comment { // the portal's own address, listed twice: both kept
+				owner[k] = p.Comment
+				if len(out) < len(ips) {
+					out = append(out, ip)
+				}
+				continue
+			}
+			if len(out) == len(ips) {
+				out = append([]netip.Addr(nil), ips[:i]...)
+			}
+			conflicts = append(conflicts, fmt.Sprintf("service port %s: %s %s/%s is also %s's, which has it (the first by name)", p.Comment, what, k.ap, p.Protocol, first))
+		}
+		return out
+	}
+	for i := range portals {
+		p := &portals[i]
+		p.ExternalIPs = claim(p, p.ExternalIPs, "external IP")
+		p.LoadBalancerIPs = claim(p, p.LoadBalancerIPs, "load-balancer IP")
+	}
+	return portals, conflicts
+}
+
+// noteConflicts logs the family's address conflicts when they differ from the last sync's.
+func (s *Set) noteConflicts(fam iptables.Family, conflicts []string) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	now := strings.Join(conflicts, "\n")
+	if s.conflicts == nil {
+		s.conflicts = map[iptables.Family]string{}
+	}
+	if s.conflicts[fam] == now {
+		return
+	}
+	s.conflicts[fam] = now
+	for _, c := range conflicts {
+		s.log.Error().Str("family", fam.String()).Msg(c)
+	}
+}
+
+// sourceRanges returns a service port's loadBalancerSourceRanges for one family, as kube-proxy
+// reads them: the ranges of the family; none (every source) when the service has only ranges of
+// the other family. A list of nothing but unparsable entries (see proxy.ServicePort) stays
+// as it is, which lets no source in.
+func sourceRanges(fam iptables.Family, all []netip.Prefix) []netip.Prefix {
+	var out []netip.Prefix
+	valid := false
+	for _, p := range all {
+		if !p.IsValid() {
+			continue
+		}
+		valid = true
+		if p.Addr().Unmap().Is4() == (fam == iptables.IPv4) {
+			out = append(out, p)
+		}
+	}
+	if !valid {
+		return all
+	}
+	return out
+}
+
+// CleanupAll removes every chain and jump of ours in both families, and the routing of
+// transparent connections (--cleanup).
+func CleanupAll(ctx context.Context, log zerolog.Logger) error {
+	mode, _, err := iptables.DetectMode()
+	if err != nil {
+		return fmt.Errorf("detect iptables backend: %w", err)
+	}
+	var errs []error
+	for _, fam := range []iptables.Family{iptables.IPv4, iptables.IPv6} {
+		run, err := iptables.New(iptables.Options{Family: fam, Mode: mode})
+		if err != nil {
+			if fam == iptables.IPv6 {
+				log.Warn().Err(err).Msg("ip6tables unusable: nothing to clean up for IPv6")
+				continue
+			}
+			return err
+		}
+		// Cleanup needs no addresses: give the manager a placeholder host IP of the family.
+		host := netip.MustParseAddr("127.0.0.1")
+		if fam == iptables.IPv6 {
+			host = netip.IPv6Loopback()
+		}
+		m, err := NewManager(Options{Config: Config{Family: fam, HostIP: host}, Runner: run, Logger: log})
+		if err != nil {
+			return err
+		}
+		if err := m.Cleanup(); err != nil {
+			errs = append(errs, fmt.Errorf("%v: %w", fam, err))
+		}
+		tr, err := transparent.New(transparent.Options{Runner: run, Log: log})
+		if err != nil {
+			return err
+		}
+		if err := tr.Cleanup(ctx); err != nil {
+			errs = append(errs, fmt.Errorf("%v: %w", fam, err))
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// hostIP returns the node's primary address of a family: the source address the kernel would
+// use on its default route (a UDP "connect" sends no packet), else its first global address.
+func hostIP(fam iptables.Family) (netip.Addr, bool) {
+	probe := "192.0.2.1:9" // TEST-NET-1: only a route lookup, nothing is sent
+	network := "udp4"
+	if fam == iptables.IPv6 {
+		probe, network = "[2001:db8::1]:9", "udp6"
+	}
+	if c, err := net.Dial(network, probe); err == nil {
+		defer c.Close()
+		if ap, err := netip.ParseAddrPort(c.LocalAddr().String()); err == nil && ap.Addr().IsGlobalUnicast() {
+			return ap.Addr().Unmap(), true
+		}
+	}
+	addrs, err := proxy.ListNodeAddrs()
+	if err != nil {
+		return netip.Addr{}, false
+	}
+	for _, a := range addrs.List() {
+		if a.Is4() == (fam == iptables.IPv4) && a.IsGlobalUnicast() {
+			return a, true
+		}
+	}
+	return netip.Addr{}, false
+}
+
+// TryTransparent turns on transparent connections for Local services (EnableTransparent) and
+// reports whether it could; see enableTransparent for what happens when it cannot.
+func (s *Set) TryTransparent(ctx context.Context) bool {
+	return enableTransparent(ctx, s, s.log)
+}
+
+// transparentRouting is what enableTransparent needs of a Set.
+type transparentRouting interface {
+	EnableTransparent(ctx context.Context) error
+	CleanupTransparent(ctx context.Context) error
+}
+
+// enableTransparent turns on transparent connections for Local services and reports whether it
+// could. When the kernel or the node cannot have them (no xt_socket match, the mark or routing
+// table taken, no privilege), the proxy still serves everything: it warns, removes whatever part
+// of the routing was programmed, and endpoints see the node's address, as in the original
+// userspace mode.
+func enableTransparent(ctx context.Context, r transparentRouting, log zerolog.Logger) bool {
+	err := r.EnableTransparent(ctx)
+	if err == nil {
+		return true
+	}
+	log.Warn().Err(err).Msg("transparent connections disabled: endpoints of Local services see the node's address, not the client's")
+	if cerr := r.CleanupTransparent(ctx); cerr != nil {
+		log.Warn().Err(cerr).Msg("removing the partly programmed routing of transparent connections")
+	}
+	return false
+}
+
+// pruneStale removes from one family what an earlier run left that no Sync rewrites
+// (Manager.PruneStale); if that fails, it removes every rule of ours (Manager.Cleanup), as a
+// start did before proxy ports were reused: service ports then get new proxy ports.
+func pruneStale(m *Manager, log zerolog.Logger) error {
+	err := m.PruneStale()
+	if err == nil {
+		return nil
+	}
+	log.Warn().Err(err).Msg("cannot prune the rules an earlier run left; removing all of them (no proxy port is reused)")
+	return m.Cleanup()
+}

@@ -1,0 +1,218 @@
+package portal
+
+import (
+	"bufio"
+	"bytes"
+	"fmt"
+	"maps"
+	"slices"
+	"strings"
+	"time"
+
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/iptables"
+)
+
+// DefaultRewritePeriod is how long a Manager goes at most without rewriting every rule of ours
+// (Options.RewritePeriod), as kube-proxy's iptables mode does once an hour.
+const DefaultRewritePeriod = time.Hour
+
+// chainCanary is the canary chain, one per table: an empty chain that each of our chains of
+// the table jumps to in its last rule. The jumps do nothing (the canary returns at once), but
+// the chain's reference count, which one cheap listing tells, drops when someone flushes or
+// deletes one of our chains, and the chain is gone when someone flushes the whole table.
+const chainCanary = "KUBE-PORTALS-CANARY"
+
+// withCanary returns payload (Render's output for a table whose chains are chains) with the
+// canary chain declared first and a jump to it appended to each of chains.
+func withCanary(payload []byte, chains []string) []byte {
+	decl := ":" + chainCanary + " - [0:0]\n"
+	b := make([]byte, 0, len(decl)+len(payload)+len(chains)*(len(chainCanary)+40))
+	b = append(append(b, decl...), payload...)
+	for _, c := range chains {
+		b = append(b, canaryRule(c)...)
+		b = append(b, '\n')
+	}
+	return b
+}
+
+// canaryRule is the last rule of our chain c, as iptables-save prints it.
+func canaryRule(c string) string { return "-A " + c + " -j " + chainCanary }
+
+// chainsOf returns our chains of table, without the canary.
+func chainsOf(table string) []string {
+	if table == tableNAT {
+		return natChains()
+	}
+	return filterChains()
+}
+
+// rewriteDueLocked reports whether a full Sync must rewrite every rule whatever it finds: no
+// full write succeeded yet, one failed or a partial write came since, or the last is
+// Options.RewritePeriod old.
+func (m *Manager) rewriteDueLocked() bool {
+	return !m.synced || m.written == nil || m.rewritten.IsZero() || time.Since(m.rewritten) >= m.rewriteEvery
+}
+
+// sameRulesLocked reports whether tables hold the very rules last written.
+func (m *Manager) sameRulesLocked(tables []table) bool {
+	if m.written == nil {
+		return false
+	}
+	for _, t := range tables {
+		if !slices.Equal(m.written[t.table], ruleLines(t.payload)) {
+			return false
+		}
+	}
+	return true
+}
+
+// syncInput is what Render was given: comparing it costs far less than rendering.
+type syncInput struct {
+	portals []Portal
+	host    Host
+}
+
+// newSyncInput returns a copy of portals and host that shares no memory with them.
+func newSyncInput(portals []Portal, host Host) *syncInput {
+	in := &syncInput{portals: slices.Clone(portals), host: Host{NodeIPs: slices.Clone(host.NodeIPs), NoPhysdev: host.NoPhysdev}}
+	for i := range in.portals {
+		p := &in.portals[i]
+		p.ExternalIPs = slices.Clone(p.ExternalIPs)
+		p.LoadBalancerIPs = slices.Clone(p.LoadBalancerIPs)
+		p.LoadBalancerSourceRanges = slices.Clone(p.LoadBalancerSourceRanges)
+	}
+	return in
+}
+
+// same reports whether in holds portals and host; a nil in holds nothing.
+func (in *syncInput) same(portals []Portal, host Host) bool {
+	if in == nil || in.host.NoPhysdev != host.NoPhysdev || !slices.Equal(in.host.NodeIPs, host.NodeIPs) || len(in.portals) != len(portals) {
+		return false
+	}
+	for i := range portals {
+		if !samePortal(&in.portals[i], &portals[i]) {
+			return false
+		}
+	}
+	return true
+}
+
+// samePortal reports whether p and q are equal in every field (TestSamePortal checks that it
+// knows them all).
+func samePortal(p, q *Portal) bool {
+	return p.Comment == q.Comment && p.Protocol == q.Protocol && p.Port == q.Port && p.ClusterIP == q.ClusterIP &&
+		slices.Equal(p.ExternalIPs, q.ExternalIPs) && slices.Equal(p.LoadBalancerIPs, q.LoadBalancerIPs) &&
+		slices.Equal(p.LoadBalancerSourceRanges, q.LoadBalancerSourceRanges) &&
+		p.NodePort == q.NodePort && p.ProxyPort == q.ProxyPort && p.Internal == q.Internal && p.External == q.External
+}
+
+// intactLocked reports whether our rules are as the last write left them, and if not, why.
+// With iptables-nft it checks that every jump into our chains is in place (one listing per
+// built-in chain) and that the canary chain of each table still has one reference per chain of
+// ours (one listing of an empty chain): a flushed or deleted chain, or table, shows. A single
+// rule deleted inside a chain does not; the periodic rewrite (Options.RewritePeriod) repairs
+// that. With iptables-legacy every listing reads a whole table, so it reads each table once
+// (iptables-save) and compares our chains rule by rule with what it wrote, and the jumps.
+func (m *Manager) intactLocked() (bool, string) {
+	if m.run.Mode() == iptables.ModeLegacy {
+		return m.intactBySaveLocked()
+	}
+	return m.intactByCanaryLocked()
+}
+
+func (m *Manager) intactByCanaryLocked() (bool, string) {
+	present := m.listJumpsLocked()
+	for _, j := range jumps() {
+		if !present[jumpKey(j.table, j.from, j.spec)] {
+			return false, fmt.Sprintf("jump %s/%s -> %s missing", j.table, j.from, j.to)
+		}
+	}
+	for _, table := range []string{tableFilter, tableNAT} {
+		n, err := m.run.References(table, chainCanary)
+		if err != nil {
+			return false, err.Error()
+		}
+		if want := len(chainsOf(table)); n != want {
+			return false, fmt.Sprintf("%s: %d of our %d chains end in the jump to %s (a chain flushed or deleted)", table, n, want, chainCanary)
+		}
+	}
+	return true, ""
+}
+
+func (m *Manager) intactBySaveLocked() (bool, string) {
+	for _, table := range []string{tableFilter, tableNAT} {
+		save, err := m.run.Save(table)
+		if err != nil {
+			return false, err.Error()
+		}
+		rules, present, err := parseSave(table, save)
+		if err != nil {
+			return false, err.Error()
+		}
+		for _, j := range jumps() {
+			if j.table == table && !present[jumpKey(j.table, j.from, j.spec)] {
+				return false, fmt.Sprintf("jump %s/%s -> %s missing", j.table, j.from, j.to)
+			}
+		}
+		if !maps.EqualFunc(rules, byChain(m.written[table]), slices.Equal) {
+			return false, table + ": the rules in our chains differ from those written"
+		}
+	}
+	return true, ""
+}
+
+// parseSave returns, from an iptables-save listing of table, the rule lines of each of our
+// chains in order, and the jumps from built-in chains (keyed by jumpKey).
+func parseSave(table string, save []byte) (map[string][]string, map[string]bool, error) {
+	rules := map[string][]string{}
+	present := map[string]bool{}
+	ours := chainsOf(table)
+	hooks := hookChains(table)
+	sc := bufio.NewScanner(bytes.NewReader(save))
+	sc.Buffer(make([]byte, 0, 64*1024), 1<<20)
+	for sc.Scan() {
+		line := sc.Text()
+		chain, ok := ruleChain(line)
+		switch {
+		case !ok:
+		case slices.Contains(ours, chain):
+			rules[chain] = append(rules[chain], line)
+		case slices.Contains(hooks, chain):
+			args, err := iptables.SplitRule(line)
+			if err != nil {
+				return nil, nil, fmt.Errorf("%s: %w", table, err)
+			}
+			present[jumpKey(table, chain, args[2:])] = true
+		}
+	}
+	if err := sc.Err(); err != nil {
+		return nil, nil, fmt.Errorf("%s: read iptables-save: %w", table, err)
+	}
+	return rules, present, nil
+}
+
+// ruleChain returns the chain of an "-A chain ..." line.
+func ruleChain(line string) (string, bool) {
+	rest, ok := strings.CutPrefix(line, "-A ")
+	if !ok {
+		return "", false
+	}
+	chain, _, ok := strings.Cut(rest, " ")
+	return chain, ok
+}
+
+// byChain groups rule lines by chain, keeping their order.
+func byChain(lines []string) map[string][]string {
+	out := map[string][]string{}
+	for _, l := range lines {
+		if c, ok := ruleChain(l); ok {
+			out[c] = append(out[c], l)
+		}
+	}
+	return out
+}
+
+// jumpKey identifies a rule of a built-in chain by its arguments.
+func jumpKey(table, from string, spec []string) string {
+	return table + "/" + from + " " + strings.Join(spec, "\x00")
+}

@@ -1,0 +1,149 @@
+package forward
+
+import (
+	"errors"
+	"net"
+	"os"
+	"sync/atomic"
+	"time"
+)
+
+// Budget is the file-descriptor budget that the data path of every service port shares: the
+// sockets of proxied TCP connections (two each), the sockets of UDP sessions (one each) and the
+// splice pipes (two descriptors each). The data path takes no new work once the budget is spent,
+// so the descriptors above it stay free for the proxy's control work (reading manifests, running
+// iptables-restore and conntrack, the API watch, the health server): a flood against the data
+// path slows no sync and silences no probe.
+//
+// The idle splice pipes of every port sharing a budget are pooled in it, so that idle pipes are
+// bounded per node rather than per port, and are given up before new work is refused.
+//
+// A nil *Budget is unlimited. All methods are safe for concurrent use.
+type Budget struct {
+	limit atomic.Int64
+	used  atomic.Int64
+	pipes pipePool // idle splice pipes, taken from this budget
+}
+
+// NewBudget returns a budget of limit descriptors (see SetLimit).
+func NewBudget(limit int) *Budget {
+	b := &Budget{}
+	b.pipes.budget = b
+	b.SetLimit(limit)
+	return b
+}
+
+// SetLimit changes how many descriptors the data path may hold. Lowering it below what is in use
+// ends nothing: new work is refused until enough has ended.
+func (b *Budget) SetLimit(limit int) { b.limit.Store(int64(max(limit, 0))) }
+
+// Limit returns the current limit; 0 for a nil Budget (unlimited).
+func (b *Budget) Limit() int {
+	if b == nil {
+		return 0
+	}
+	return int(b.limit.Load())
+}
+
+// InUse returns the descriptors the data path holds now.
+func (b *Budget) InUse() int {
+	if b == nil {
+		return 0
+	}
+	return int(b.used.Load())
+}
+
+// take reserves n descriptors and reports whether they were within the limit. When they were
+// not, it closes the idle pipes and tries once more.
+func (b *Budget) take(n int64) bool {
+	if b == nil {
+		return true
+	}
+	for range 2 {
+		if b.used.Add(n) <= b.limit.Load() {
+			return true
+		}
+		b.used.Add(-n)
+		if b.pipes.dropIdle() == 0 {
+			break
+		}
+	}
+	return false
+}
+
+// force reserves n descriptors even beyond the limit: for work admitted before, such as
+// adopted connections, which are counted but never refused.
+func (b *Budget) force(n int64) {
+	if b != nil {
+		b.used.Add(n)
+	}
+}
+
+// give returns n descriptors taken before.
+func (b *Budget) give(n int64) {
+	if b != nil {
+		b.used.Add(-n)
+	}
+}
+
+// Descriptors each piece of the data path holds.
+const (
+	tcpConnFDs    = 2 // the accepted client socket and the socket to the endpoint
+	udpSessionFDs = 1 // the session's socket to the endpoint
+	pipeFDs       = 2 // a splice pipe's two ends
+)
+
+// errBudgetSpent: the data path's descriptor budget is spent.
+var errBudgetSpent = errors.New("descriptor budget of the data path spent")
+
+// idleClock ends a TCP connection that has moved no byte either way for timeout
+// (TCPProxy.IdleTimeout). Both directions share it: each direction's wait for its source has a
+// read deadline at the last activity plus timeout, moved on only when the deadline fires, so
+// data costs one atomic store and no timer reset. A nil *idleClock never expires.
+type idleClock struct {
+	timeout time.Duration
+	last    atomic.Int64 // time.Now().UnixNano() of the last byte moved either way
+}
+
+func newIdleClock(timeout time.Duration) *idleClock {
+	if timeout <= 0 {
+		return nil
+	}
+	c := &idleClock{timeout: timeout}
+	c.touch()
+	return c
+}
+
+// touch records activity.
+func (c *idleClock) touch() {
+	if c != nil {
+		c.last.Store(time.Now().UnixNano())
+	}
+}
+
+// arm sets src's read deadline to the current expiry.
+func (c *idleClock) arm(src *net.TCPConn) error {
+	if c == nil {
+		return nil
+	}
+	return src.SetReadDeadline(time.Unix(0, c.last.Load()).Add(c.timeout))
+}
+
+// expired interprets err from a wait on src: nil when it was the idle deadline but the
+// connection moved data since (the deadline is moved on), errIdle when the connection has been
+// idle for the timeout, err itself otherwise.
+func (c *idleClock) expired(src *net.TCPConn, err error) error {
+	if c == nil || !errors.Is(err, os.ErrDeadlineExceeded) {
+		return err
+	}
+	if time.Since(time.Unix(0, c.last.Load())) >= c.timeout {
+		return errIdle
+	}
+	if aerr := c.arm(src); aerr != nil {
+		return aerr
+	}
+	return nil
+}
+
+// errIdle: the connection moved no byte for the idle timeout.
+var errIdle = errors.New("idle timeout: no data either way")

@@ -1,0 +1,469 @@
+package forward
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"net/netip"
+	"os"
+	"syscall"
+	"time"
+)
+
+// Hand-over (restarts and upgrades that drop nothing): a running proxy can be frozen and its
+// sockets taken over by a fresh proxy, in this process or another one.
+//
+// Freeze stops the proxy at a safe point and exports, as plain data and duplicated descriptors,
+// its listening socket and every connection (UDP: session), together with the bytes a copier
+// had read from one socket but not yet written to the other. The frozen proxy serves nothing;
+// it keeps its own descriptors until Release closes them, which touches no socket: the
+// duplicates keep every socket, its queues and its backlog alive. Adopt, on a fresh proxy, turns
+// the exported state back into running connections: pending bytes are written first, in order,
+// half-closed directions stay half-closed, and relaying goes on. When a hand-over to another
+// process fails, the old process adopts its own exported state into fresh proxies the same way.
+//
+// The descriptors cross a process boundary as the caller sees fit (SCM_RIGHTS over a Unix
+// socket); everything else in TCPState and UDPState is plain data.
+//
+// Freezing stops the copiers by setting deadlines in the past on the frozen proxy's own
+// descriptors (a deadline belongs to the Go runtime's view of a descriptor, not to the socket,
+// so the duplicates are unaffected) and checking a frozen flag when a copier wakes up: the
+// splice loop pays nothing per chunk.
+
+// ErrClosed is returned (wrapped) by Freeze and Adopt on a proxy that was closed or released.
+var ErrClosed = errors.New("proxy closed")
+
+// ErrFrozen is returned (wrapped) by Freeze and Adopt on a proxy that was frozen before.
+var ErrFrozen = errors.New("proxy frozen for a hand-over")
+
+// freezeDeadline is the deadline, long past, that wakes and stops a frozen proxy's waits.
+var freezeDeadline = time.Unix(1, 0)
+
+// TCPState is a frozen TCPProxy: its listening socket and its established connections. Its
+// files belong to whoever holds the state: Adopt and TCPListenerFromFile take them over, Close
+// closes them.
+type TCPState struct {
+	// Listener is a duplicate of the listening socket, still listening: connections that
+	// arrive meanwhile wait in its backlog. Nil when the proxy had no Listener.
+	Listener *os.File
+	// Conns are the connections, in no particular order.
+	Conns []TCPConnState
+}
+
+// TCPConnState is one frozen TCP connection.
+type TCPConnState struct {
+	// Client and Backend are duplicates of the connection's two sockets. Backend is nil for a
+	// connection frozen before it reached an endpoint (Freeze's ctx ended while it was
+	// dialling): the adopter dials it, as if it had just been accepted, so its PROXY protocol
+	// header, if any, is sent once, by the adopter.
+	Client, Backend *os.File
+	// ClientAddr is the client's address (unmapped); Endpoint the connected endpoint (zero
+	// when Backend is nil). For logs: the sockets carry the truth.
+	ClientAddr, Endpoint netip.AddrPort
+	// ToEndpoint and ToClient are bytes read from one socket and not yet written to the other.
+	// The adopter writes them first.
+	ToEndpoint, ToClient []byte
+	// ToEndpointDone: the client sent EOF and the endpoint's side was already half-closed
+	// (CloseWrite done); ToEndpoint is then empty and the adopter copies nothing that way.
+	// ToClientDone likewise for the other direction.
+	ToEndpointDone, ToClientDone bool
+}
+
+// Close closes every file of the state (for a state nobody adopts) and returns the first error.
+func (s TCPState) Close() error {
+	errs := []error{closeFile(s.Listener)}
+	for _, c := range s.Conns {
+		errs = append(errs, c.close())
+	}
+	return errors.Join(errs...)
+}
+
+func (c TCPConnState) close() error {
+	return errors.Join(closeFile(c.Client), closeFile(c.Backend))
+}
+
+func closeFile(f *os.File) error {
+	if f == nil {
+		return nil
+	}
+	return f.Close()
+}
+
+// HandoverMetrics is implemented by a Metrics that wants to hear of hand-overs. Release calls
+// ConnReleased for each connection and UDPSessionReleased for each session it gave up: they end
+// in this proxy without ConnClosed or UDPSessionClosed, because they go on elsewhere. (Adopt
+// reports an adopted connection with ConnAccepted and a session with UDPSessionOpened, so a
+// process that adopts its own state and wants a true gauge counts the releases down.)
+type HandoverMetrics interface {
+	ConnReleased()
+	UDPSessionReleased()
+}
+
+// parkedConn is a connection stopped by a freeze: its goroutines are gone, its sockets are open,
+// and the adopter starts from here.
+type parkedConn struct {
+	backend *net.TCPConn // nil: frozen before an endpoint was reached
+	start   relayStart
+}
+
+// Freeze stops the proxy for a hand-over and exports its sockets (see TCPState). It stops
+// accepting without closing the listening socket, lets connections still dialling finish their
+// dial (when ctx ends first, their dials are abandoned and they are exported undialled), stops
+// both copiers of every connection where they stand, and returns duplicates of every socket with
+// the bytes in flight. Connections that end meanwhile end as usual. Serve returns nil.
+//
+// After Freeze the proxy serves nothing and holds its own descriptors until Release (or Close,
+// or Shutdown, which release a frozen proxy). Freeze fails on a closed or frozen proxy. When
+// duplicating a socket fails (out of descriptors: a hand-over needs one more per socket for a
+// while), it returns the error, closes the duplicates it made and the proxy stays frozen.
+func (p *TCPProxy) Freeze(ctx context.Context) (TCPState, error) {
+	if err := p.run.freeze("TCP proxy", p.wakeAcceptLoop); err != nil {
+		return TCPState{}, err
+	}
+	conns := p.freezeConns()
+	p.awaitStopped(ctx, conns)
+	return p.export()
+}
+
+// wakeAcceptLoop makes a pending accept return, leaving the listening socket open.
+func (p *TCPProxy) wakeAcceptLoop() {
+	_ = p.Listener.SetDeadline(freezeDeadline)
+}
+
+// freezeConns asks every connection to stop at a safe point and returns them. Adopt admits none
+// after it.
+func (p *TCPProxy) freezeConns() []*tcpConn {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.freezing = true
+	conns := make([]*tcpConn, 0, len(p.conns))
+	for c := range p.conns {
+		c.freezeLocked()
+		conns = append(conns, c)
+	}
+	return conns
+}
+
+// freezeLocked sets the connection's frozen flag and wakes its copiers, if they run, with
+// deadlines in the past on both sockets (reads and writes alike). A connection still dialling
+// sees the flag when it is about to relay.
+func (c *tcpConn) freezeLocked() {
+	c.frozen.Store(true)
+	if c.relaying {
+		_ = c.client.SetDeadline(freezeDeadline)
+		_ = c.backend.SetDeadline(freezeDeadline)
+	}
+}
+
+// awaitStopped waits until every connection in conns has parked or ended. When ctx ends first,
+// it abandons the dials still in progress (those connections park undialled) and waits for the
+// rest, which stop promptly.
+func (p *TCPProxy) awaitStopped(ctx context.Context, conns []*tcpConn) {
+	for i, c := range conns {
+		select {
+		case <-c.stopped:
+			continue
+		case <-ctx.Done():
+		}
+		p.abandonDials(conns[i:])
+		for _, c := range conns[i:] {
+			<-c.stopped
+		}
+		return
+	}
+}
+
+// abandonDials cancels the dials of the frozen connections that have not started relaying.
+func (p *TCPProxy) abandonDials(conns []*tcpConn) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for _, c := range conns {
+		if !c.relaying && c.parked == nil {
+			c.cancel()
+		}
+	}
+}
+
+// park records where a frozen connection stopped and ends its goroutines' part: its sockets
+// stay open, its descriptors stay counted in the Budget, and nothing is reported closed. The
+// bytes this process moved are reported now.
+func (c *tcpConn) park(backend *net.TCPConn, start relayStart, toEndpoint, fromEndpoint int64) {
+	p := c.p
+	p.metrics.BytesCopied(toEndpoint, fromEndpoint)
+	p.mu.Lock()
+	c.parked = &parkedConn{backend: backend, start: start}
+	p.mu.Unlock()
+	close(c.stopped)
+	p.connWG.Done()
+}
+
+// parkUndialled parks a connection whose dial a freeze abandoned (or which failed to connect
+// while frozen: the adopter tries again), and reports whether it did. A backend socket connected
+// meanwhile is dropped: the adopter dials afresh.
+func (c *tcpConn) parkUndialled() bool {
+	c.p.mu.Lock()
+	frozen := c.frozen.Load() && !c.cut
+	if frozen && c.backend != nil {
+		resetConn(c.backend)
+		c.backend = nil
+	}
+	c.endpoint = netip.AddrPort{}
+	c.p.mu.Unlock()
+	if frozen {
+		c.park(nil, relayStart{}, 0, 0)
+	}
+	return frozen
+}
+
+// export duplicates the listening socket and the sockets of every parked connection.
+func (p *TCPProxy) export() (TCPState, error) {
+	var st TCPState
+	if p.Listener != nil {
+		f, err := p.Listener.File()
+		if err != nil {
+			return TCPState{}, fmt.Errorf("freeze TCP proxy: duplicate the listening socket: %w", err)
+		}
+		st.Listener = f
+	}
+	for _, c := range p.parkedConns() {
+		cs, err := c.export()
+		if err != nil {
+			_ = st.Close()
+			return TCPState{}, fmt.Errorf("freeze TCP proxy: connection from %s: %w", c.clientAddr, err)
+		}
+		st.Conns = append(st.Conns, cs)
+	}
+	return st, nil
+}
+
+// parkedConns returns the parked connections.
+func (p *TCPProxy) parkedConns() []*tcpConn {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	var out []*tcpConn
+	for c := range p.conns {
+		if c.parked != nil {
+			out = append(out, c)
+		}
+	}
+	return out
+}
+
+// export duplicates a parked connection's sockets.
+func (c *tcpConn) export() (TCPConnState, error) {
+	c.p.mu.Lock()
+	pc, ep := c.parked, c.endpoint
+	c.p.mu.Unlock()
+	cs := TCPConnState{ClientAddr: c.clientAddr, Endpoint: ep,
+		ToEndpoint: pc.start.toEndpoint, ToClient: pc.start.toClient,
+		ToEndpointDone: pc.start.toEndpointDone, ToClientDone: pc.start.toClientDone}
+	var err error
+	if cs.Client, err = c.client.File(); err != nil {
+		return TCPConnState{}, fmt.Errorf("duplicate the client socket: %w", err)
+	}
+	if pc.backend != nil {
+		if cs.Backend, err = pc.backend.File(); err != nil {
+			_ = cs.close()
+			return TCPConnState{}, fmt.Errorf("duplicate the endpoint socket: %w", err)
+		}
+	}
+	return cs, nil
+}
+
+// Release closes a frozen proxy's own descriptors (its listening socket, the sockets of its
+// frozen connections, its idle pipes) without touching the sockets: no FIN, no RST, since the
+// exported duplicates keep them open. It returns their descriptors to the Budget, reports
+// nothing closed or failed (see HandoverMetrics), and returns once every goroutine of the proxy
+// has ended. It does nothing on a proxy that is not frozen, or was released before.
+func (p *TCPProxy) Release() {
+	if !p.run.release() {
+		return
+	}
+	p.connWG.Wait() // every connection has parked or ended: frozen, they stop promptly
+	if p.Listener != nil {
+		_ = p.Listener.Close()
+	}
+	p.mu.Lock()
+	conns := make([]*tcpConn, 0, len(p.conns))
+	for c := range p.conns {
+		conns = append(conns, c)
+		delete(p.conns, c)
+	}
+	p.mu.Unlock()
+	hm, _ := p.metrics.(HandoverMetrics)
+	for _, c := range conns {
+		c.release()
+		if hm != nil {
+			hm.ConnReleased()
+		}
+	}
+	p.pipes.closeAll()
+}
+
+// release closes a parked connection's descriptors, leaving its sockets to their duplicates.
+func (c *tcpConn) release() {
+	_ = c.client.Close()
+	if c.parked != nil && c.parked.backend != nil {
+		_ = c.parked.backend.Close()
+	}
+	c.p.Budget.give(tcpConnFDs)
+	c.cancel()
+}
+
+// Adopt takes over connections exported by Freeze (of this process or another one), before or
+// after Serve. For each one it writes the pending bytes first, in order, leaves a direction that
+// was done half-closed, then relays as usual: IdleTimeout applies (its clock starts afresh),
+// Shutdown cuts adopted connections too, and each counts in MaxConns and the Budget (adopted
+// connections are never refused: they were admitted before; new ones wait for room). A
+// connection exported undialled is dialled as if just accepted, which needs the Chooser.
+// Metrics sees each as accepted.
+//
+// Adopt owns the files from the call on: it closes them, or keeps the sockets as connections.
+// A connection that cannot be adopted is closed and reported in the joined error; the others
+// go on. It fails for all of them on a closed or frozen proxy.
+func (p *TCPProxy) Adopt(conns []TCPConnState) error {
+	if closed, frozen := p.run.state(); closed || frozen {
+		for _, c := range conns {
+			_ = c.close()
+		}
+		return fmt.Errorf("adopt TCP connections: %w", stateErr(closed, frozen))
+	}
+	p.prepare()
+	var errs []error
+	for i := range conns {
+		if err := p.adoptConn(conns[i]); err != nil {
+			errs = append(errs, fmt.Errorf("adopt TCP connection from %s to %s: %w", conns[i].ClientAddr, conns[i].Endpoint, err))
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// stateErr is the error for a proxy found closed or frozen.
+func stateErr(closed, frozen bool) error {
+	if closed {
+		return ErrClosed
+	}
+	if frozen {
+		return ErrFrozen
+	}
+	return nil
+}
+
+// adoptConn starts one adopted connection.
+func (p *TCPProxy) adoptConn(cs TCPConnState) error {
+	client, err := tcpConnFromFile(cs.Client, "client")
+	if err != nil {
+		_ = closeFile(cs.Backend)
+		return err
+	}
+	var backend *net.TCPConn
+	switch {
+	case cs.Backend != nil:
+		if backend, err = tcpConnFromFile(cs.Backend, "endpoint"); err != nil {
+			_ = client.Close()
+			return err
+		}
+	case p.Chooser == nil:
+		_ = client.Close()
+		return errors.New("an undialled connection needs the Chooser")
+	}
+	c := p.newConn(client)
+	if cs.ClientAddr.IsValid() {
+		c.clientAddr = cs.ClientAddr
+	}
+	c.endpoint, c.backend = cs.Endpoint, backend
+	if err := p.admitAdopted(c); err != nil {
+		_ = client.Close()
+		if backend != nil {
+			_ = backend.Close()
+		}
+		c.cancel()
+		return err
+	}
+	p.metrics.ConnAccepted()
+	if backend == nil {
+		go c.handle()
+		return nil
+	}
+	go c.relay(backend, relayStart{toEndpoint: cs.ToEndpoint, toClient: cs.ToClient,
+		toEndpointDone: cs.ToEndpointDone, toClientDone: cs.ToClientDone})
+	return nil
+}
+
+// admitAdopted registers an adopted connection, counting it in the Budget even above its limit.
+func (p *TCPProxy) admitAdopted(c *tcpConn) error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if closed, frozen := p.run.state(); closed || frozen || p.freezing {
+		return stateErr(closed, true)
+	}
+	p.conns[c] = struct{}{}
+	p.Budget.force(tcpConnFDs)
+	p.connWG.Add(1)
+	return nil
+}
+
+// tcpConnFromFile turns a received connected TCP socket into a *net.TCPConn and closes f.
+func tcpConnFromFile(f *os.File, what string) (*net.TCPConn, error) {
+	if f == nil {
+		return nil, fmt.Errorf("no %s socket", what)
+	}
+	defer f.Close()
+	conn, err := net.FileConn(f)
+	if err != nil {
+		return nil, fmt.Errorf("%s socket: %w", what, err)
+	}
+	tc, ok := conn.(*net.TCPConn)
+	if !ok || tc.RemoteAddr() == nil {
+		_ = conn.Close()
+		return nil, fmt.Errorf("%s socket is not a connected TCP socket (%T)", what, conn)
+	}
+	return tc, nil
+}
+
+// TCPListenerFromFile turns a received listening socket (TCPState.Listener) back into what
+// TCPProxy.Listener needs, taking ownership of f. It sets the keepalive options ListenTCP sets,
+// so that a socket from an older process gets them too.
+func TCPListenerFromFile(f *os.File) (*net.TCPListener, error) {
+	if f == nil {
+		return nil, errors.New("TCP listener from file: no file")
+	}
+	defer f.Close()
+	ln, err := net.FileListener(f)
+	if err != nil {
+		return nil, fmt.Errorf("TCP listener from file %s: %w", f.Name(), err)
+	}
+	tl, ok := ln.(*net.TCPListener)
+	if !ok {
+		_ = ln.Close()
+		return nil, fmt.Errorf("TCP listener from file %s: not a TCP socket (%T)", f.Name(), ln)
+	}
+	if err := checkListening(tl); err != nil {
+		_ = tl.Close()
+		return nil, fmt.Errorf("TCP listener from file %s: %w", f.Name(), err)
+	}
+	return tl, nil
+}
+
+// checkListening fails unless the socket listens, and sets ListenTCP's keepalive options.
+func checkListening(tl *net.TCPListener) error {
+	rc, err := tl.SyscallConn()
+	if err != nil {
+		return err
+	}
+	var acc int
+	var gerr error
+	if err := rc.Control(func(fd uintptr) {
+		acc, gerr = syscall.GetsockoptInt(int(fd), syscall.SOL_SOCKET, syscall.SO_ACCEPTCONN)
+	}); err != nil {
+		return err
+	}
+	if gerr != nil {
+		return fmt.Errorf("getsockopt SO_ACCEPTCONN: %w", gerr)
+	}
+	if acc == 0 {
+		return errors.New("the socket does not listen")
+	}
+	return listenerKeepAlive("", "", rc)
+}

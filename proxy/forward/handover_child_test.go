@@ -1,0 +1,148 @@
+package forward
+
+import (
+	"bufio"
+	"context"
+	"fmt"
+	"io"
+	"net"
+	"net/netip"
+	"os"
+	"os/exec"
+	"strings"
+	"testing"
+
+	"github.com/rs/zerolog"
+	"golang.org/x/sys/unix"
+)
+
+// adoptChild is the helper process of TestTCPHandOverToAnotherProcess: it receives a TCPState
+// on the Unix socket at descriptor 3, adopts it into a TCPProxy serving the received listening
+// socket (endpoint from backendEnv), prints "ADOPTED <connections>", serves until its stdin
+// closes, waits for its connections to end and prints "BYTES <to endpoint> <from endpoint>
+// <closed>".
+func adoptChild() int {
+	fail := func(what string, err error) int {
+		fmt.Fprintf(os.Stderr, "%s: %v\n", what, err)
+		return 2
+	}
+	backend, err := netip.ParseAddrPort(os.Getenv(backendEnv))
+	if err != nil {
+		return fail("backend address", err)
+	}
+	f := os.NewFile(3, "handover")
+	conn, err := net.FileConn(f)
+	f.Close()
+	if err != nil {
+		return fail("hand-over socket", err)
+	}
+	defer conn.Close()
+	st, err := recvTCPState(conn.(*net.UnixConn))
+	if err != nil {
+		return fail("receive state", err)
+	}
+	ln, err := TCPListenerFromFile(st.Listener)
+	if err != nil {
+		return fail("listener", err)
+	}
+	m := &fakeMetrics{}
+	p := &TCPProxy{Listener: ln, Chooser: &fakeChooser{endpoints: []netip.AddrPort{backend}}, Metrics: m,
+		Log: zerolog.New(os.Stderr).Level(zerolog.DebugLevel)}
+	if err := p.Adopt(st.Conns); err != nil {
+		return fail("adopt", err)
+	}
+	served := make(chan error, 1)
+	go func() { served <- p.Serve() }()
+	fmt.Printf("ADOPTED %d\n", len(st.Conns))
+	io.Copy(io.Discard, os.Stdin)
+	ctx, cancel := context.WithTimeout(context.Background(), waitTimeout)
+	defer cancel()
+	if err := p.Shutdown(ctx); err != nil {
+		return fail("shutdown", err)
+	}
+	if err := <-served; err != nil {
+		return fail("serve", err)
+	}
+	s := m.snapshot()
+	fmt.Printf("BYTES %d %d %d\n", s.toEndpoint, s.fromEndpoint, s.closed)
+	return 0
+}
+
+// TestTCPHandOverToAnotherProcess is TestTCPHandOverMidStream with the adopter in a child
+// process that receives the descriptors with SCM_RIGHTS.
+func TestTCPHandOverToAnotherProcess(t *testing.T) {
+	checkNoFDLeaks(t)
+	checkNoLeaks(t)
+	n := streamSize(t)
+	gate := make(chan struct{})
+	endpointErr := make(chan error, 1)
+	backend := startTCPServer(t, loopback("4"), func(c *net.TCPConn) {
+		c.SetReadBuffer(64 << 10)
+		endpointErr <- streamPeer(c, 2, 1, n, gate)
+	})
+	before := openFDs(t)
+	ma := &fakeMetrics{}
+	a := startTCPProxy(t, "4", &fakeChooser{endpoints: []netip.AddrPort{backend}}, func(p *TCPProxy) { p.Metrics = ma })
+	c := dialTCPTest(t, a.addr)
+	c.SetReadBuffer(64 << 10)
+	clientErr := make(chan error, 1)
+	go func() { clientErr <- streamPeer(c, 1, 2, n, gate) }()
+	eventually(t, "data in the splice pipes of both directions", func() bool { return pipesHolding(t, before) >= 2 })
+
+	fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	parent := unixConnFromFD(t, fds[0])
+	childEnd := os.NewFile(uintptr(fds[1]), "handover")
+	cmd := exec.Command(os.Args[0])
+	cmd.Env = append(os.Environ(), childEnv+"=adopt", backendEnv+"="+backend.String())
+	cmd.ExtraFiles = []*os.File{childEnd}
+	child := startChild(t, cmd)
+	childEnd.Close()
+	lines := bufio.NewScanner(child.stdout)
+
+	st, err := a.Freeze(context.Background())
+	if err != nil {
+		t.Fatalf("Freeze: %v", err)
+	}
+	if len(st.Conns) != 1 || len(st.Conns[0].ToEndpoint) == 0 || len(st.Conns[0].ToClient) == 0 {
+		t.Errorf("frozen state %+v: want one connection with bytes pending both ways", plainTCPState(st))
+	}
+	if err := sendTCPState(parent, st); err != nil {
+		t.Fatalf("send state: %v", err)
+	}
+	if !lines.Scan() || lines.Text() != "ADOPTED 1" {
+		t.Fatalf("child said %q; stderr:\n%s", lines.Text(), child.stderr.String())
+	}
+	a.Release()
+	close(gate)
+	if err := <-clientErr; err != nil {
+		t.Errorf("client: %v", err)
+	}
+	if err := <-endpointErr; err != nil {
+		t.Errorf("endpoint: %v", err)
+	}
+	child.stdin.Close()
+	var to, from int64
+	var closed int
+	if !lines.Scan() {
+		t.Fatalf("child ended without its byte counts; stderr:\n%s", child.stderr.String())
+	}
+	if _, err := fmt.Sscanf(lines.Text(), "BYTES %d %d %d", &to, &from, &closed); err != nil {
+		t.Fatalf("child said %q: %v", lines.Text(), err)
+	}
+	if err := child.wait(); err != nil {
+		t.Fatalf("child: %v; stderr:\n%s", err, child.stderr.String())
+	}
+	sa := ma.snapshot()
+	if sa.closed != 0 || sa.failed != 0 || closed != 1 {
+		t.Errorf("A closed %d and failed %d connections, the child closed %d; want 0, 0, 1", sa.closed, sa.failed, closed)
+	}
+	if sa.toEndpoint+to != n || sa.fromEndpoint+from != n {
+		t.Errorf("bytes counted by A and the child: %d to and %d from the endpoint, want %d each", sa.toEndpoint+to, sa.fromEndpoint+from, n)
+	}
+	if strings.Contains(child.stderr.String(), "panic") {
+		t.Errorf("child log mentions a panic:\n%s", child.stderr.String())
+	}
+}

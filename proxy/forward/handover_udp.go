@@ -1,0 +1,239 @@
+package forward
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"net/netip"
+	"os"
+	"time"
+)
+
+// UDPState is a frozen UDPProxy: its socket and its sessions (see handover.go). Its files
+// belong to whoever holds it: Adopt and UDPConnFromFile take them over, Close closes them.
+type UDPState struct {
+	// Conn is a duplicate of the service port's socket. Datagrams not yet read wait in its
+	// receive buffer, which both holders share. Nil when the proxy had no Conn.
+	Conn     *os.File
+	Sessions []UDPSessionState
+}
+
+// UDPSessionState is one frozen UDP session.
+type UDPSessionState struct {
+	// Backend is a duplicate of the session's socket, connected to Endpoint. Replies not yet
+	// read wait in its receive buffer.
+	Backend *os.File
+	// Client is the client's address as received on Conn (IPv4-mapped on an AF_INET6
+	// socket), which keys the session; Endpoint is the session's endpoint.
+	Client, Endpoint netip.AddrPort
+	// ReplyFrom is the address replies leave from (the address the client's datagrams arrived
+	// at, set with IP_PKTINFO); invalid when unknown.
+	ReplyFrom netip.Addr
+	// Idle is the time since the session's last datagram either way: the adopter expires it
+	// Timeout after that datagram, as the frozen proxy would have.
+	Idle time.Duration
+	// Refused: the endpoint answered with an ICMP error; the next datagram chooses again.
+	Refused bool
+}
+
+// Close closes every file of the state (for a state nobody adopts) and returns the first error.
+func (s UDPState) Close() error {
+	errs := []error{closeFile(s.Conn)}
+	for _, ss := range s.Sessions {
+		errs = append(errs, closeFile(ss.Backend))
+	}
+	return errors.Join(errs...)
+}
+
+// Freeze stops the proxy for a hand-over and exports its socket and sessions (see UDPState). It
+// stops reading Conn and every session's socket where they stand (a datagram read is always
+// forwarded first; those not yet read stay in the kernel's buffers, which the duplicates share)
+// and returns duplicates of every socket. Serve returns nil. ctx is unused: nothing waits for
+// the network.
+//
+// After Freeze the proxy serves nothing and holds its own descriptors until Release (or Close,
+// which releases a frozen proxy). Freeze fails on a closed or frozen proxy; when duplicating a
+// socket fails, it returns the error and the proxy stays frozen.
+func (p *UDPProxy) Freeze(_ context.Context) (UDPState, error) {
+	if err := p.run.freeze("UDP proxy", p.wakeReadLoop); err != nil {
+		return UDPState{}, err
+	}
+	p.freezeSessions()
+	p.sessionWG.Wait() // frozen sessions stop at once
+	return p.export()
+}
+
+// wakeReadLoop makes a pending read of Conn return, leaving the socket open.
+func (p *UDPProxy) wakeReadLoop() {
+	_ = p.Conn.SetReadDeadline(freezeDeadline)
+}
+
+// freezeSessions sets the frozen flag and wakes every session's goroutine with a read deadline
+// in the past; Adopt admits no more sessions.
+func (p *UDPProxy) freezeSessions() {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.frozen.Store(true)
+	for _, s := range p.sessions {
+		_ = s.backend.SetReadDeadline(freezeDeadline)
+	}
+}
+
+// park leaves a session stopped by a freeze in the map with its socket open, reporting the
+// bytes this process moved and nothing closed.
+func (s *udpSession) park() {
+	s.parked.Store(true)
+	s.p.metrics.BytesCopied(s.toEndpoint.Load(), s.fromEndpoint.Load())
+}
+
+// export duplicates Conn and the socket of every parked session.
+func (p *UDPProxy) export() (UDPState, error) {
+	var st UDPState
+	if p.Conn != nil {
+		f, err := p.Conn.File()
+		if err != nil {
+			return UDPState{}, fmt.Errorf("freeze UDP proxy: duplicate the socket: %w", err)
+		}
+		st.Conn = f
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	now := p.now()
+	for _, s := range p.sessions {
+		if !s.parked.Load() || s.released.Load() {
+			continue
+		}
+		f, err := s.backend.File()
+		if err != nil {
+			_ = st.Close()
+			return UDPState{}, fmt.Errorf("freeze UDP proxy: duplicate the socket of the session of %s: %w", s.client, err)
+		}
+		st.Sessions = append(st.Sessions, UDPSessionState{Backend: f, Client: s.client, Endpoint: s.endpoint,
+			ReplyFrom: s.replyFrom, Idle: time.Duration(max(now-s.lastActive.Load(), 0)), Refused: s.refused.Load()})
+	}
+	return st, nil
+}
+
+// Release closes a frozen proxy's own descriptors (Conn and the sessions' sockets), which
+// touches no socket since the exported duplicates keep them open, returns their descriptors to
+// the Budget and reports nothing closed (see HandoverMetrics). It does nothing on a proxy that
+// is not frozen, or was released before.
+func (p *UDPProxy) Release() {
+	if !p.run.release() {
+		return
+	}
+	p.sessionWG.Wait()
+	if p.Conn != nil {
+		_ = p.Conn.Close()
+	}
+	p.mu.Lock()
+	sessions := p.sessions
+	p.sessions = map[netip.AddrPort]*udpSession{}
+	p.mu.Unlock()
+	hm, _ := p.metrics.(HandoverMetrics)
+	for _, s := range sessions {
+		s.release()
+		if hm != nil {
+			hm.UDPSessionReleased()
+		}
+	}
+}
+
+// Adopt takes over sessions exported by Freeze (of this process or another one), before Serve
+// (after it, a session whose client already has one is refused). Each session keeps its
+// endpoint, the address its replies leave from and its idle clock, counts in MaxSessions and
+// the Budget (never refused for them: it was admitted before) and is reported opened. Conn is
+// required: replies leave through it.
+//
+// Adopt owns the files from the call on: it closes them, or keeps the sockets as sessions. A
+// session that cannot be adopted is closed and reported in the joined error; the others go on.
+// It fails for all of them on a closed or frozen proxy.
+func (p *UDPProxy) Adopt(sessions []UDPSessionState) error {
+	closed, frozen := p.run.state()
+	var err error
+	switch {
+	case closed || frozen:
+		err = stateErr(closed, frozen)
+	case p.Conn == nil:
+		err = errors.New("Conn is required")
+	}
+	if err != nil {
+		for _, ss := range sessions {
+			_ = closeFile(ss.Backend)
+		}
+		return fmt.Errorf("adopt UDP sessions: %w", err)
+	}
+	p.prepare()
+	var errs []error
+	for _, ss := range sessions {
+		if err := p.adoptSession(ss); err != nil {
+			errs = append(errs, fmt.Errorf("adopt UDP session of %s to %s: %w", ss.Client, ss.Endpoint, err))
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// adoptSession starts one adopted session.
+func (p *UDPProxy) adoptSession(ss UDPSessionState) error {
+	backend, err := udpConnFromFile(ss.Backend, true)
+	if err != nil {
+		return fmt.Errorf("session socket: %w", err)
+	}
+	s := p.newSession(ss.Client, ss.Endpoint, backend, ss.ReplyFrom)
+	s.lastActive.Store(p.now() - int64(max(ss.Idle, 0)))
+	s.refused.Store(ss.Refused)
+	if err := p.admitAdopted(s); err != nil {
+		_ = backend.Close()
+		return err
+	}
+	p.metrics.UDPSessionOpened()
+	go s.relayReplies()
+	return nil
+}
+
+// admitAdopted registers an adopted session, counting it in the Budget even above its limit.
+func (p *UDPProxy) admitAdopted(s *udpSession) error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if closed, frozen := p.run.state(); closed || frozen || p.frozen.Load() {
+		return stateErr(closed, true)
+	}
+	if _, dup := p.sessions[s.client]; dup {
+		return errors.New("the client has a session already")
+	}
+	p.sessions[s.client] = s
+	p.Budget.force(udpSessionFDs)
+	p.sessionWG.Add(1)
+	return nil
+}
+
+// UDPConnFromFile turns a received service port socket (UDPState.Conn) back into what
+// UDPProxy.Conn needs, taking ownership of f. The options the proxy needs on it
+// (IP_RECVORIGDSTADDR) are kernel state that came with the socket, and Serve sets them anyway.
+func UDPConnFromFile(f *os.File) (*net.UDPConn, error) {
+	c, err := udpConnFromFile(f, false)
+	if err != nil {
+		return nil, fmt.Errorf("UDP socket from file: %w", err)
+	}
+	return c, nil
+}
+
+// udpConnFromFile turns a received UDP socket into a *net.UDPConn, connected or not as asked,
+// and closes f.
+func udpConnFromFile(f *os.File, connected bool) (*net.UDPConn, error) {
+	if f == nil {
+		return nil, errors.New("no file")
+	}
+	defer f.Close()
+	pc, err := net.FilePacketConn(f)
+	if err != nil {
+		return nil, fmt.Errorf("%s: %w", f.Name(), err)
+	}
+	uc, ok := pc.(*net.UDPConn)
+	if !ok || (uc.RemoteAddr() != nil) != connected {
+		_ = pc.Close()
+		return nil, fmt.Errorf("%s: not a UDP socket, or connected: %v, want %v", f.Name(), ok && uc.RemoteAddr() != nil, connected)
+	}
+	return uc, nil
+}

@@ -1,0 +1,168 @@
+package forward
+
+import (
+	"context"
+	"errors"
+	"net"
+	"net/netip"
+	"testing"
+	"time"
+)
+
+// TestUDPHandOver freezes a UDP proxy with two sessions to two endpoints, has B adopt them
+// through a Unix socket and releases A: each client's datagrams still reach its endpoint (B's
+// Chooser would pick a third one), the replies still come from the proxy's address (the clients'
+// sockets are connected to it and accept nothing else), a datagram sent during the freeze is
+// served, a new client gets B's choice, and the sessions keep their idle clocks.
+func TestUDPHandOver(t *testing.T) {
+	checkNoFDLeaks(t)
+	checkNoLeaks(t)
+	e1, e2, e3 := startUDPEcho(t, loopback("4"), "e1:"), startUDPEcho(t, loopback("4"), "e2:"), startUDPEcho(t, loopback("4"), "e3:")
+	ma, mb := &fakeMetrics{}, &fakeMetrics{}
+	a := startUDPProxy(t, "4", &fakeChooser{endpoints: []netip.AddrPort{e1, e2}}, func(p *UDPProxy) { p.Metrics = ma })
+	c1, c2 := dialUDPTest(t, a.addr), dialUDPTest(t, a.addr)
+	for _, x := range []struct {
+		c    *net.UDPConn
+		want string
+	}{{c1, "e1:one"}, {c2, "e2:two"}} {
+		if got, err := udpExchange(x.c, []byte(x.want[3:]), 3, time.Second); err != nil || string(got) != x.want {
+			t.Fatalf("before the freeze: %q, %v; want %q", got, err, x.want)
+		}
+	}
+
+	st, err := a.Freeze(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := <-a.served; err != nil {
+		t.Errorf("Serve of the frozen proxy: %v", err)
+	}
+	a.served <- nil
+	if len(st.Sessions) != 2 {
+		t.Fatalf("frozen state has %d sessions, want 2", len(st.Sessions))
+	}
+	for _, ss := range st.Sessions {
+		if ss.ReplyFrom != loopback("4") || ss.Refused || ss.Idle < 0 {
+			t.Errorf("frozen session %+v: want replies from %v, not refused", ss, loopback("4"))
+		}
+	}
+	// Sent while nobody reads: it waits in the socket's buffer for B.
+	if _, err := c1.Write([]byte("frozen")); err != nil {
+		t.Fatal(err)
+	}
+	st = passUDPState(t, st)
+	conn, err := UDPConnFromFile(st.Conn)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b := &UDPProxy{Conn: conn, Chooser: &fakeChooser{endpoints: []netip.AddrPort{e3}}, Metrics: mb, Log: testLogger(t)}
+	if err := b.Adopt(st.Sessions); err != nil {
+		t.Fatalf("Adopt: %v", err)
+	}
+	served := make(chan error, 1)
+	go func() { served <- b.Serve() }()
+	t.Cleanup(func() {
+		if err := b.Close(); err != nil {
+			t.Errorf("Close: %v", err)
+		}
+		if err := <-served; err != nil {
+			t.Errorf("Serve: %v", err)
+		}
+	})
+	a.Release()
+
+	buf := make([]byte, 100)
+	c1.SetReadDeadline(time.Now().Add(waitTimeout))
+	if n, err := c1.Read(buf); err != nil || string(buf[:n]) != "e1:frozen" {
+		t.Errorf("datagram sent during the freeze: %q, %v; want e1:frozen", buf[:n], err)
+	}
+	for _, x := range []struct {
+		c    *net.UDPConn
+		want string
+	}{{c1, "e1:again"}, {c2, "e2:again"}, {dialUDPTest(t, a.addr), "e3:new"}} {
+		if got, err := udpExchange(x.c, []byte(x.want[3:]), 3, time.Second); err != nil || string(got) != x.want {
+			t.Errorf("after the hand-over: %q, %v; want %q", got, err, x.want)
+		}
+	}
+	if sa, sb := ma.snapshot(), mb.snapshot(); sa.sessionsOpened != 2 || sa.sessionsClosed != 0 || sb.sessionsOpened != 3 {
+		t.Errorf("metrics A %+v, B %+v: want A 2 sessions opened, none closed; B 3 opened (2 adopted)", sa, sb)
+	}
+}
+
+// TestUDPHandOverKeepsIdleClock: an adopted session is as idle as it was when frozen, and
+// expires in the adopter after its Timeout.
+func TestUDPHandOverKeepsIdleClock(t *testing.T) {
+	checkNoFDLeaks(t)
+	checkNoLeaks(t)
+	echo := startUDPEcho(t, loopback("4"), "")
+	a := startUDPProxy(t, "4", &fakeChooser{endpoints: []netip.AddrPort{echo}}, nil)
+	c := dialUDPTest(t, a.addr)
+	if _, err := udpExchange(c, []byte("x"), 3, time.Second); err != nil {
+		t.Fatal(err)
+	}
+	st, err := a.Freeze(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(st.Sessions) != 1 {
+		t.Fatalf("%d sessions, want 1", len(st.Sessions))
+	}
+	frozenIdle := st.Sessions[0].Idle
+	st = passUDPState(t, st)
+	conn, err := UDPConnFromFile(st.Conn)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b := &UDPProxy{Conn: conn, Chooser: &fakeChooser{}, Timeout: 300 * time.Millisecond, Log: testLogger(t)}
+	if err := b.Adopt(st.Sessions); err != nil {
+		t.Fatal(err)
+	}
+	b.mu.Lock()
+	for _, s := range b.sessions {
+		if idle := time.Duration(b.now() - s.lastActive.Load()); idle < frozenIdle {
+			t.Errorf("adopted session idle for %v, less than the %v it was idle when frozen", idle, frozenIdle)
+		}
+	}
+	b.mu.Unlock()
+	a.Release()
+	eventually(t, "the adopted session to expire", func() bool { return b.sessionCount() == 0 })
+	if err := b.Close(); err != nil {
+		t.Error(err)
+	}
+}
+
+// TestUDPFreezeMisuse: Freeze and Adopt out of turn fail clearly and close what they were given.
+func TestUDPFreezeMisuse(t *testing.T) {
+	checkNoFDLeaks(t)
+	checkNoLeaks(t)
+	ctx := context.Background()
+	r := startUDPProxy(t, "4", &fakeChooser{endpoints: []netip.AddrPort{startUDPEcho(t, loopback("4"), "")}}, nil)
+	if _, err := udpExchange(dialUDPTest(t, r.addr), []byte("x"), 3, time.Second); err != nil {
+		t.Fatal(err) // Serve runs
+	}
+	st, err := r.Freeze(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer st.Close()
+	if _, err := r.Freeze(ctx); !errors.Is(err, ErrFrozen) {
+		t.Errorf("second Freeze: %v, want ErrFrozen", err)
+	}
+	f := socketFile(t)
+	if err := r.Adopt([]UDPSessionState{{Backend: f}}); !errors.Is(err, ErrFrozen) {
+		t.Errorf("Adopt on a frozen proxy: %v, want ErrFrozen", err)
+	}
+	r.Release()
+	if _, err := r.Freeze(ctx); !errors.Is(err, ErrClosed) {
+		t.Errorf("Freeze after Release: %v, want ErrClosed", err)
+	}
+	if _, err := UDPConnFromFile(nil); err == nil {
+		t.Error("UDPConnFromFile(nil) succeeded")
+	}
+	if _, err := UDPConnFromFile(socketFile(t)); err == nil {
+		t.Error("UDPConnFromFile of a TCP socket succeeded")
+	}
+	if err := (&UDPProxy{}).Adopt(nil); err == nil {
+		t.Error("Adopt without Conn succeeded")
+	}
+}

@@ -1,0 +1,228 @@
+package forward
+
+import (
+	"errors"
+	"io"
+	"net"
+	"net/netip"
+	"os"
+	"syscall"
+	"testing"
+	"time"
+)
+
+// refusedAtOnce connects to addr and reports whether the proxy reset the connection without
+// serving it (on loopback the reset may even reach the connect). A served connection is kept
+// open until the test ends.
+func refusedAtOnce(t *testing.T, addr netip.AddrPort) bool {
+	t.Helper()
+	c, err := net.DialTCP("tcp", nil, net.TCPAddrFromAddrPort(addr))
+	if err != nil {
+		if errors.Is(err, syscall.ECONNRESET) {
+			return true
+		}
+		t.Fatalf("dial %s: %v", addr, err)
+	}
+	t.Cleanup(func() { c.Close() })
+	_ = c.SetDeadline(time.Now().Add(waitTimeout))
+	got, err := roundTrip(c, []byte("x"))
+	if err != nil && !errors.Is(err, syscall.ECONNRESET) && !errors.Is(err, io.EOF) && !errors.Is(err, syscall.EPIPE) {
+		t.Fatalf("connection to %s: %v", addr, err)
+	}
+	return err != nil || string(got) != "x"
+}
+
+// TestTCPMaxConns: a port at its connection limit resets new connections at once and counts
+// them; once one ends, a new one is served; the budget is whole again when all are gone.
+func TestTCPMaxConns(t *testing.T) {
+	checkNoLeaks(t)
+	backend := startTCPEcho(t, loopback("4"))
+	metrics := &fakeMetrics{}
+	budget := NewBudget(1000)
+	p := startTCPProxy(t, "4", &fakeChooser{endpoints: []netip.AddrPort{backend}}, func(p *TCPProxy) {
+		p.MaxConns, p.Budget, p.Metrics = 3, budget, metrics
+	})
+	var open []*net.TCPConn
+	for i := range 3 {
+		c := dialTCPTest(t, p.addr)
+		if got, err := roundTrip(c, []byte("a")); err != nil || string(got) != "a" {
+			t.Fatalf("connection %d within the limit: %q, %v", i, got, err)
+		}
+		open = append(open, c)
+	}
+	if !refusedAtOnce(t, p.addr) {
+		t.Errorf("a fourth connection was served beyond MaxConns 3")
+	}
+	if m := metrics.snapshot(); m.refused != 1 || m.accepted != 3 {
+		t.Errorf("metrics %+v, want 3 accepted and 1 refused", m)
+	}
+	open[0].Close()
+	eventually(t, "the closed connection to free its slot", func() bool {
+		p.mu.Lock()
+		defer p.mu.Unlock()
+		return len(p.conns) == 2
+	})
+	c := dialTCPTest(t, p.addr)
+	if got, err := roundTrip(c, []byte("b")); err != nil || string(got) != "b" {
+		t.Errorf("a connection after one ended: %q, %v", got, err)
+	}
+	for _, c := range append(open[1:], c) {
+		c.Close()
+	}
+	eventually(t, "the connections' descriptors back in the budget", func() bool {
+		budget.pipes.dropIdle() // idle pipes hold descriptors of the budget too
+		return budget.InUse() == 0
+	})
+}
+
+// TestTCPFloodOnOnePortSparesAnother: two ports share a budget; a flood of connections to one,
+// held open, stops at that port's limit, and the other port is still served.
+func TestTCPFloodOnOnePortSparesAnother(t *testing.T) {
+	checkNoLeaks(t)
+	backend := startTCPEcho(t, loopback("4"))
+	budget := NewBudget(12 * tcpConnFDs)
+	flooded := startTCPProxy(t, "4", &fakeChooser{endpoints: []netip.AddrPort{backend}}, func(p *TCPProxy) {
+		p.MaxConns, p.Budget = 6, budget
+	})
+	other := startTCPProxy(t, "4", &fakeChooser{endpoints: []netip.AddrPort{backend}}, func(p *TCPProxy) {
+		p.MaxConns, p.Budget = 6, budget
+	})
+	served := 0
+	for range 20 {
+		if !refusedAtOnce(t, flooded.addr) {
+			served++ // held open: the flood keeps its connections
+		}
+	}
+	if served != 6 {
+		t.Errorf("the flooded port served %d connections, want its limit 6", served)
+	}
+	c := dialTCPTest(t, other.addr)
+	if got, err := roundTrip(c, []byte("ok")); err != nil || string(got) != "ok" {
+		t.Errorf("the other port during the flood: %q, %v", got, err)
+	}
+}
+
+// TestTCPBudgetSpentRefuses: with the budget spent, a port with no limit of its own resets new
+// connections, and connections go on without splice pipes when the budget has no room for one.
+func TestTCPBudgetSpentRefuses(t *testing.T) {
+	checkNoLeaks(t)
+	backend := startTCPEcho(t, loopback("4"))
+	budget := NewBudget(2 * tcpConnFDs) // two connections, no pipe
+	metrics := &fakeMetrics{}
+	p := startTCPProxy(t, "4", &fakeChooser{endpoints: []netip.AddrPort{backend}}, func(p *TCPProxy) {
+		p.Budget, p.Metrics = budget, metrics
+	})
+	for i := range 2 {
+		c := dialTCPTest(t, p.addr)
+		if got, err := roundTrip(c, []byte("copied without a pipe")); err != nil || string(got) != "copied without a pipe" {
+			t.Fatalf("connection %d within the budget: %q, %v", i, got, err)
+		}
+	}
+	if !refusedAtOnce(t, p.addr) {
+		t.Errorf("a connection beyond the budget was served")
+	}
+	if m := metrics.snapshot(); m.refused != 1 {
+		t.Errorf("refused %d, want 1", m.refused)
+	}
+}
+
+// TestTCPIdleTimeout: a connection that moves nothing either way for IdleTimeout is reset; one
+// that keeps moving data in one direction only lives on.
+func TestTCPIdleTimeout(t *testing.T) {
+	checkNoLeaks(t)
+	backend := startTCPEcho(t, loopback("4"))
+	const idle = time.Second // well above a loaded machine's scheduling stalls
+	p := startTCPProxy(t, "4", &fakeChooser{endpoints: []netip.AddrPort{backend}}, func(p *TCPProxy) {
+		p.IdleTimeout = idle
+	})
+	quiet, busy := dialTCPTest(t, p.addr), dialTCPTest(t, p.addr)
+	for _, c := range []*net.TCPConn{quiet, busy} {
+		if _, err := roundTrip(c, []byte("hi")); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// busy sends a byte every idle/5 for 3 × idle (the echo keeps the other direction busy
+	// too; its replies are left unread until the end, which is activity all the same).
+	start := time.Now()
+	for time.Since(start) < 3*idle {
+		if _, err := busy.Write([]byte("b")); err != nil {
+			t.Fatalf("the busy connection failed after %v: %v", time.Since(start), err)
+		}
+		time.Sleep(idle / 5)
+	}
+	_ = quiet.SetReadDeadline(time.Now().Add(waitTimeout))
+	if n, err := quiet.Read(make([]byte, 1)); err == nil || errors.Is(err, os.ErrDeadlineExceeded) {
+		t.Errorf("the idle connection: read %d bytes, %v; want it ended by the proxy", n, err)
+	}
+	if got, err := roundTrip(busy, []byte("!")); err != nil || len(got) != 1 {
+		t.Errorf("the busy connection after 3 idle timeouts: %q, %v", got, err)
+	}
+}
+
+// TestUDPMaxSessions: a port at its session limit ends its longest-idle session for a new
+// client; the budget is whole again after Close.
+func TestUDPMaxSessions(t *testing.T) {
+	checkNoLeaks(t)
+	backend := startUDPEcho(t, loopback("4"), "")
+	metrics := &fakeMetrics{}
+	budget := NewBudget(1000)
+	p := startUDPProxy(t, "4", &fakeChooser{endpoints: []netip.AddrPort{backend}}, func(p *UDPProxy) {
+		p.MaxSessions, p.Budget, p.Metrics = 3, budget, metrics
+	})
+	var clients []*net.UDPConn
+	for i := range 5 {
+		c := dialUDPTest(t, p.addr)
+		if _, err := udpExchange(c, []byte{byte(i)}, 1, waitTimeout); err != nil {
+			t.Fatalf("client %d: %v", i, err)
+		}
+		clients = append(clients, c)
+		time.Sleep(5 * time.Millisecond) // distinct activity stamps
+	}
+	if n := p.sessionCount(); n != 3 {
+		t.Errorf("%d sessions, want the limit 3", n)
+	}
+	if m := metrics.snapshot(); m.evicted != 2 {
+		t.Errorf("evicted %d sessions, want 2", m.evicted)
+	}
+	// The newest clients kept their sessions: another exchange opens none.
+	opened := metrics.snapshot().sessionsOpened
+	if _, err := udpExchange(clients[4], []byte("again"), 1, waitTimeout); err != nil {
+		t.Fatal(err)
+	}
+	if m := metrics.snapshot(); m.sessionsOpened != opened {
+		t.Errorf("the newest client's session was evicted (sessions opened %d → %d)", opened, m.sessionsOpened)
+	}
+	if err := p.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if n := budget.InUse(); n != 0 {
+		t.Errorf("%d descriptors still taken from the budget after Close", n)
+	}
+}
+
+// TestUDPFloodOnOnePortSparesAnother: datagrams from many sources to one port fill only that
+// port's sessions; another port sharing the budget still opens sessions.
+func TestUDPFloodOnOnePortSparesAnother(t *testing.T) {
+	checkNoLeaks(t)
+	backend := startUDPEcho(t, loopback("4"), "")
+	budget := NewBudget(8)
+	flooded := startUDPProxy(t, "4", &fakeChooser{endpoints: []netip.AddrPort{backend}}, func(p *UDPProxy) {
+		p.MaxSessions, p.Budget = 4, budget
+	})
+	other := startUDPProxy(t, "4", &fakeChooser{endpoints: []netip.AddrPort{backend}}, func(p *UDPProxy) {
+		p.MaxSessions, p.Budget = 4, budget
+	})
+	for i := range 30 {
+		c := dialUDPTest(t, flooded.addr)
+		if _, err := c.Write([]byte{byte(i)}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	eventually(t, "the flooded port at its limit", func() bool { return flooded.sessionCount() == 4 })
+	if _, err := udpExchange(dialUDPTest(t, other.addr), []byte("ok"), 1, waitTimeout); err != nil {
+		t.Errorf("the other port during the flood: %v", err)
+	}
+	if n := flooded.sessionCount(); n > 4 {
+		t.Errorf("the flooded port holds %d sessions, above its limit 4", n)
+	}
+}

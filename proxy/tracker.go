@@ -1,0 +1,314 @@
+package proxy
+
+import (
+	"maps"
+	"slices"
+	"sync"
+	"time"
+
+	"github.com/rs/zerolog"
+	v1 "k8s.io/api/core/v1"
+	discovery "k8s.io/api/discovery/v1"
+	"k8s.io/apimachinery/pkg/types"
+
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/source"
+)
+
+// ServicePortMap is a service's ports by port name.
+type ServicePortMap map[string]*ServicePort
+
+// EndpointsMap is a service's endpoints by port name.
+type EndpointsMap map[string][]Endpoint
+
+// Change is the change of one service's ports (ServicePortMap) or endpoints (EndpointsMap)
+// between two Drains. Previous is nil for an added service, Current nil for a deleted (or now
+// skipped) one.
+type Change[T ServicePortMap | EndpointsMap] struct {
+	Previous, Current T
+}
+
+// Changes is what Drain hands out.
+type Changes struct {
+	Services  map[types.NamespacedName]Change[ServicePortMap]
+	Endpoints map[types.NamespacedName]Change[EndpointsMap]
+	// ZoneChanged is true when this node's zone changed since the previous Drain; Zone is then
+	// the new zone ("" when the node has none).
+	ZoneChanged bool
+	Zone        string
+	// Oldest is when the oldest change in this batch was recorded (zero when empty): the start
+	// of the network programming latency.
+	Oldest time.Time
+}
+
+// Empty reports whether there is nothing to apply.
+func (c *Changes) Empty() bool {
+	return len(c.Services) == 0 && len(c.Endpoints) == 0 && !c.ZoneChanged
+}
+
+// TrackerOptions configures a Tracker.
+type TrackerOptions struct {
+	// Log receives invalid-object reports; the zero value logs nothing.
+	Log zerolog.Logger
+	// OnChange, if set, is called (without locks held) after an event left a change pending:
+	// the proxy uses it to trigger a sync.
+	OnChange func()
+	// OnSynced, if set, is called when the source reports its initial state complete.
+	OnSynced func()
+	// Now returns the current time; nil means time.Now.
+	Now func() time.Time
+}
+
+// Tracker implements source.Handler and coalesces changes until Drain.
+type Tracker struct {
+	opts TrackerOptions
+
+	mu sync.Mutex // guards the following fields
+	// applied is the state handed out by the last Drain.
+	appliedPorts     map[types.NamespacedName]ServicePortMap
+	appliedEndpoints map[types.NamespacedName]EndpointsMap
+	// slices holds the current EndpointSlices per service, by slice name.
+	slices map[types.NamespacedName]map[string]*discovery.EndpointSlice
+	// pending changes since the last Drain.
+	pendingPorts     map[types.NamespacedName]*Change[ServicePortMap]
+	pendingEndpoints map[types.NamespacedName]*Change[EndpointsMap]
+	// zone is this node's zone as last reported, appliedZone the one the last Drain handed out.
+	zone, appliedZone string
+	oldest            time.Time
+	// lastErr remembers the last reported error per object so a repeated event does not repeat it.
+	lastErr map[string]string
+}
+
+var (
+	_ source.Handler         = (*Tracker)(nil)
+	_ source.TopologyHandler = (*Tracker)(nil)
+)
+
+// NewTracker returns an empty Tracker.
+func NewTracker(opts TrackerOptions) *Tracker {
+	if opts.Now == nil {
+		opts.Now = time.Now
+	}
+	return &Tracker{
+		opts:             opts,
+		appliedPorts:     map[types.NamespacedName]ServicePortMap{},
+		appliedEndpoints: map[types.NamespacedName]EndpointsMap{},
+		slices:           map[types.NamespacedName]map[string]*discovery.EndpointSlice{},
+		pendingPorts:     map[types.NamespacedName]*Change[ServicePortMap]{},
+		pendingEndpoints: map[types.NamespacedName]*Change[EndpointsMap]{},
+		lastErr:          map[string]string{},
+	}
+}
+
+// OnServiceUpdate records a service add (prev nil), update or delete (cur nil).
+func (t *Tracker) OnServiceUpdate(prev, cur *v1.Service) {
+	obj := cur
+	if obj == nil {
+		obj = prev
+	}
+	if obj == nil {
+		return
+	}
+	name := types.NamespacedName{Namespace: obj.Namespace, Name: obj.Name}
+	var ports ServicePortMap
+	if cur != nil {
+		list, err := FromService(cur)
+		t.report("Service", name, err)
+		if len(list) > 0 {
+			ports = make(ServicePortMap, len(list))
+			for _, sp := range list {
+				ports[sp.Name.Port] = sp
+			}
+		}
+		if reason := SkipReason(cur); reason != "" {
+			t.opts.Log.Debug().Str("service", name.String()).Str("reason", reason).Msg("not proxied")
+		}
+	} else {
+		t.report("Service", name, nil)
+	}
+
+	t.mu.Lock()
+	changed := recordLocked(t.pendingPorts, t.appliedPorts, name, ports, portsEqual)
+	t.noteLocked(changed)
+}
+
+// OnEndpointSliceUpdate records an EndpointSlice add (prev nil), update or delete (cur nil).
+func (t *Tracker) OnEndpointSliceUpdate(prev, cur *discovery.EndpointSlice) {
+	obj := cur
+	if obj == nil {
+		obj = prev
+	}
+	if obj == nil {
+		return
+	}
+	svc, ok := SliceServiceName(obj)
+	if !ok {
+		t.report("EndpointSlice", types.NamespacedName{Namespace: obj.Namespace, Name: obj.Name}, &FieldError{
+			Object: "EndpointSlice " + obj.Namespace + "/" + obj.Name,
+			Field:  "metadata.labels[" + discovery.LabelServiceName + "]",
+			Detail: "missing: the slice belongs to no service"})
+		return
+	}
+
+	// A slice whose service label changed leaves its old service first.
+	if prev != nil && cur != nil {
+		if old, ok := SliceServiceName(prev); ok && old != svc {
+			t.OnEndpointSliceUpdate(prev, nil)
+		}
+	}
+
+	t.mu.Lock()
+	byName := t.slices[svc]
+	if cur == nil {
+		delete(byName, obj.Name)
+		if len(byName) == 0 {
+			delete(t.slices, svc)
+		}
+	} else {
+		if byName == nil {
+			byName = map[string]*discovery.EndpointSlice{}
+			t.slices[svc] = byName
+		}
+		byName[obj.Name] = cur
+	}
+	list := make([]*discovery.EndpointSlice, 0, len(byName))
+	for _, k := range slices.Sorted(maps.Keys(byName)) {
+		list = append(list, byName[k])
+	}
+	t.mu.Unlock()
+
+	eps, err := EndpointsFromSlices(svc, list)
+	t.report("EndpointSlices of", svc, err)
+	if len(eps) == 0 {
+		eps = nil
+	}
+
+	t.mu.Lock()
+	changed := recordLocked(t.pendingEndpoints, t.appliedEndpoints, svc, eps, endpointsEqual)
+	t.noteLocked(changed)
+}
+
+// recordLocked makes cur the pending state of name (previous: the state the last Drain handed
+// out) and reports whether a change is now pending; a change back to that state is none.
+func recordLocked[T ServicePortMap | EndpointsMap](pending map[types.NamespacedName]*Change[T], applied map[types.NamespacedName]T,
+	name types.NamespacedName, cur T, equal func(a, b T) bool) bool {
+	ch, ok := pending[name]
+	if !ok {
+		ch = &Change[T]{Previous: applied[name]}
+	}
+	ch.Current = cur
+	if equal(ch.Previous, ch.Current) {
+		delete(pending, name)
+		return false
+	}
+	pending[name] = ch
+	return true
+}
+
+// noteLocked ends an event: it records the time of the first pending change, releases t.mu and,
+// when the event left a change pending, calls OnChange.
+func (t *Tracker) noteLocked(changed bool) {
+	if changed {
+		t.markLocked()
+	}
+	t.mu.Unlock()
+	if changed && t.opts.OnChange != nil {
+		t.opts.OnChange()
+	}
+}
+
+// OnNodeTopology records this node's zone ("" for none).
+func (t *Tracker) OnNodeTopology(zone string) {
+	t.mu.Lock()
+	pending := zone != t.zone && zone != t.appliedZone
+	t.zone = zone
+	t.noteLocked(pending)
+}
+
+// drainLocked moves the pending changes into out and makes their current state the applied one.
+// It returns the maps to use from now on: applied, or a new one sized for the changes when it
+// was empty (the first Drain after a source's initial state fills it at once, without growing
+// it step by step); and an empty pending map, a new one after a large batch, since a cleared
+// map keeps its size and every later Drain would walk it.
+func drainLocked[T ServicePortMap | EndpointsMap](pending map[types.NamespacedName]*Change[T], applied map[types.NamespacedName]T,
+	out map[types.NamespacedName]Change[T]) (map[types.NamespacedName]T, map[types.NamespacedName]*Change[T]) {
+	if len(applied) == 0 {
+		applied = make(map[types.NamespacedName]T, len(pending))
+	}
+	for name, ch := range pending {
+		out[name] = *ch
+		if ch.Current == nil {
+			delete(applied, name)
+		} else {
+			applied[name] = ch.Current
+		}
+	}
+	if len(pending) > smallBatch {
+		return applied, map[types.NamespacedName]*Change[T]{}
+	}
+	clear(pending)
+	return applied, pending
+}
+
+// smallBatch is the largest pending map Drain clears for reuse.
+const smallBatch = 64
+
+// OnSynced forwards the source's initial-sync signal.
+func (t *Tracker) OnSynced() {
+	if t.opts.OnSynced != nil {
+		t.opts.OnSynced()
+	}
+}
+
+// Drain returns the pending changes and makes their current state the new baseline.
+func (t *Tracker) Drain() Changes {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	c := Changes{
+		Services:  make(map[types.NamespacedName]Change[ServicePortMap], len(t.pendingPorts)),
+		Endpoints: make(map[types.NamespacedName]Change[EndpointsMap], len(t.pendingEndpoints)),
+		Oldest:    t.oldest,
+	}
+	if t.zone != t.appliedZone {
+		c.ZoneChanged, c.Zone = true, t.zone
+		t.appliedZone = t.zone
+	}
+	t.appliedPorts, t.pendingPorts = drainLocked(t.pendingPorts, t.appliedPorts, c.Services)
+	t.appliedEndpoints, t.pendingEndpoints = drainLocked(t.pendingEndpoints, t.appliedEndpoints, c.Endpoints)
+	t.oldest = time.Time{}
+	return c
+}
+
+func (t *Tracker) markLocked() {
+	if t.oldest.IsZero() {
+		t.oldest = t.opts.Now()
+	}
+}
+
+// report logs err for the object kind name unless the same error was the last one reported for
+// it; a nil err forgets its last error. The object's name is only formatted when there is an
+// error to log or to forget.
+func (t *Tracker) report(kind string, name types.NamespacedName, err error) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if err == nil && len(t.lastErr) == 0 {
+		return
+	}
+	obj := kind + " " + name.String()
+	if err == nil {
+		delete(t.lastErr, obj)
+		return
+	}
+	if t.lastErr[obj] == err.Error() {
+		return
+	}
+	t.lastErr[obj] = err.Error()
+	t.opts.Log.Error().Err(err).Str("object", obj).Msg("invalid fields ignored; serving the rest")
+}
+
+func portsEqual(a, b ServicePortMap) bool {
+	return maps.EqualFunc(a, b, (*ServicePort).Equal)
+}
+
+func endpointsEqual(a, b EndpointsMap) bool {
+	return maps.EqualFunc(a, b, func(x, y []Endpoint) bool { return slices.Equal(x, y) })
+}

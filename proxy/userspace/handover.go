@@ -1,0 +1,425 @@
+package userspace
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net/netip"
+	"os"
+	"syscall"
+	"time"
+
+	v1 "k8s.io/api/core/v1"
+
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/loadbalancer"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/handover"
+)
+
+// The kinds of the records a Proxier hands over (package handover). Listener records come
+// before the connections and sessions of their listener.
+const (
+	KindListener   = "listener"    // a proxy port's listening socket
+	KindTCPConn    = "tcp-conn"    // an established connection: client and endpoint sockets
+	KindUDPSession = "udp-session" // a UDP session: its socket connected to the endpoint
+	KindHeld       = "held-port"   // a held NodePort or local portal IP:port
+	KindAffinity   = "affinity"    // one service port's ClientIP affinity entries
+)
+
+type listenerMeta struct {
+	Name      proxy.Name  `json:"name"`
+	Protocol  v1.Protocol `json:"protocol"`
+	ProxyPort int         `json:"proxyPort"`
+}
+
+type tcpConnMeta struct {
+	Name           proxy.Name     `json:"name"`
+	Client         netip.AddrPort `json:"client"`
+	Endpoint       netip.AddrPort `json:"endpoint"`
+	ToEndpoint     []byte         `json:"toEndpoint,omitempty"`
+	ToClient       []byte         `json:"toClient,omitempty"`
+	ToEndpointDone bool           `json:"toEndpointDone,omitempty"`
+	ToClientDone   bool           `json:"toClientDone,omitempty"`
+}
+
+type udpSessionMeta struct {
+	Name      proxy.Name     `json:"name"`
+	Client    netip.AddrPort `json:"client"`
+	Endpoint  netip.AddrPort `json:"endpoint"`
+	ReplyFrom netip.Addr     `json:"replyFrom,omitzero"`
+	Idle      time.Duration  `json:"idle"`
+	Refused   bool           `json:"refused,omitempty"`
+}
+
+type heldMeta struct {
+	Protocol v1.Protocol `json:"protocol"`
+	Addr     netip.Addr  `json:"addr"`
+	Port     int         `json:"port"`
+}
+
+// listenerKey names a listener across processes.
+type listenerKey struct {
+	name  proxy.Name
+	proto v1.Protocol
+}
+
+// inherited is a listener handed over by a predecessor (or by this proxier's own Freeze, on
+// Resume), waiting for the sync that opens its service port.
+type inherited struct {
+	proxyPort int
+	sock      *os.File
+	conns     []forward.TCPConnState
+	sessions  []forward.UDPSessionState
+}
+
+// close drops what nobody took: the listening socket, and every connection reset.
+func (in *inherited) close() {
+	_ = in.sock.Close()
+	for _, c := range in.conns {
+		resetFile(c.Client)
+		resetFile(c.Backend)
+	}
+	for _, s := range in.sessions {
+		_ = s.Backend.Close()
+	}
+}
+
+// resetFile closes a TCP socket with a reset (SO_LINGER 0), so that its peer learns at once.
+func resetFile(f *os.File) {
+	if f == nil {
+		return
+	}
+	if rc, err := f.SyscallConn(); err == nil { // not f.Fd(), which makes the socket blocking
+		_ = rc.Control(func(fd uintptr) {
+			_ = syscall.SetsockoptLinger(int(fd), syscall.SOL_SOCKET, syscall.SO_LINGER, &syscall.Linger{Onoff: 1, Linger: 0})
+		})
+	}
+	_ = f.Close()
+}
+
+// Freeze stops the proxier for a hand-over: no more syncs, no more accepting, every connection
+// and session stopped at a safe point. It returns everything as records with duplicated
+// descriptors: the successor Adopts them. On error the proxier serves again. After Freeze,
+// either Release (the successor took over) or Resume (it did not) must follow.
+func (p *Proxier) Freeze(ctx context.Context) ([]handover.Record, error) {
+	p.syncMu.Lock()
+	defer p.syncMu.Unlock()
+	p.mu.Lock()
+	if p.closed || p.frozen {
+		p.mu.Unlock()
+		return nil, errors.New("freeze proxier: closed or frozen already")
+	}
+	p.frozen = true
+	recs, err := p.freezeLocked(ctx)
+	p.mu.Unlock()
+	if err != nil {
+		p.Resume(recs)
+		return nil, err
+	}
+	return recs, nil
+}
+
+// freezeLocked freezes every open listener, the held ports and the affinity table. On error it
+// returns what it froze so far, for Resume.
+func (p *Proxier) freezeLocked(ctx context.Context) ([]handover.Record, error) {
+	var recs []handover.Record
+	add := func(kind string, meta any, files ...*os.File) error {
+		r, err := handover.NewRecord(kind, meta, files...)
+		if err != nil {
+			for _, f := range files {
+				_ = f.Close()
+			}
+			return err
+		}
+		recs = append(recs, r)
+		return nil
+	}
+	for name, l := range p.ports {
+		if err := l.freeze(ctx, name, add); err != nil {
+			return recs, fmt.Errorf("freeze %s: %w", l.choose.sp.Load(), err)
+		}
+	}
+	for k, c := range p.holder.held {
+		f, err := dupCloser(c)
+		if err != nil {
+			return recs, fmt.Errorf("freeze held port %s: %w", k, err)
+		}
+		if err := add(KindHeld, heldMeta{Protocol: k.proto, Addr: k.addr, Port: k.port}, f); err != nil {
+			return recs, err
+		}
+	}
+	byPort := map[proxy.Name][]loadbalancer.AffinityEntry{}
+	for _, e := range p.lb.Affinity() {
+		byPort[e.Port] = append(byPort[e.Port], e)
+	}
+	for _, entries := range byPort {
+		if err := add(KindAffinity, entries); err != nil {
+			return recs, err
+		}
+	}
+	return recs, nil
+}
+
+// freeze freezes the listener (if open) and adds its records: the listener first, then its
+// connections or sessions.
+func (l *listener) freeze(ctx context.Context, name proxy.Name, add func(string, any, ...*os.File) error) error {
+	lm := listenerMeta{Name: name, Protocol: l.protocol(), ProxyPort: l.proxyPort}
+	switch {
+	case l.tcp != nil:
+		st, err := l.tcp.Freeze(ctx)
+		if err != nil {
+			return err
+		}
+		l.served.Wait()
+		if err := add(KindListener, lm, st.Listener); err != nil {
+			return err
+		}
+		for _, c := range st.Conns {
+			m := tcpConnMeta{Name: name, Client: c.ClientAddr, Endpoint: c.Endpoint, ToEndpoint: c.ToEndpoint, ToClient: c.ToClient,
+				ToEndpointDone: c.ToEndpointDone, ToClientDone: c.ToClientDone}
+			if err := add(KindTCPConn, m, c.Client, c.Backend); err != nil {
+				return err
+			}
+		}
+	case l.udp != nil:
+		st, err := l.udp.Freeze(ctx)
+		if err != nil {
+			return err
+		}
+		l.served.Wait()
+		if err := add(KindListener, lm, st.Conn); err != nil {
+			return err
+		}
+		for _, s := range st.Sessions {
+			m := udpSessionMeta{Name: name, Client: s.Client, Endpoint: s.Endpoint, ReplyFrom: s.ReplyFrom, Idle: s.Idle, Refused: s.Refused}
+			if err := add(KindUDPSession, m, s.Backend); err != nil {
+				return err
+			}
+		}
+	}
+	return nil
+}
+
+// dupCloser duplicates the descriptor of a held port's socket.
+func dupCloser(c io.Closer) (*os.File, error) {
+	type filer interface{ File() (*os.File, error) }
+	switch s := c.(type) {
+	case *os.File:
+		return handover.Dup(s)
+	case filer:
+		return s.File()
+	}
+	return nil, fmt.Errorf("cannot duplicate a %T", c)
+}
+
+// Release lets go of what Freeze froze, once the successor has it: the proxier closes its own
+// descriptors (the sockets live on in the successor), and serves nothing from then on. Run and
+// Shutdown then return at once.
+func (p *Proxier) Release() {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.releaseFrozenLocked()
+	p.closed = true
+}
+
+// releaseFrozenLocked closes the frozen listeners' and held ports' own descriptors.
+func (p *Proxier) releaseFrozenLocked() {
+	for _, l := range p.ports {
+		switch {
+		case l.tcp != nil:
+			l.tcp.Release()
+		case l.udp != nil:
+			l.udp.Release()
+		}
+		l.release(p.alloc)
+	}
+	p.gen++
+	p.holder.closeAll()
+}
+
+// Resume serves again after a hand-over that failed after Freeze: recs are what Freeze
+// returned, their descriptors still open; the proxier adopts them as a successor would, at
+// its next sync, which Resume triggers.
+func (p *Proxier) Resume(recs []handover.Record) {
+	p.mu.Lock()
+	p.releaseFrozenLocked()
+	p.frozen = false
+	p.mu.Unlock()
+	p.Adopt(recs)
+	p.log.Info().Int("records", len(recs)).Msg("hand-over failed: serving again")
+	p.runner.Trigger()
+}
+
+// Adopt takes the records a predecessor handed over (those of the kinds above; others are left
+// to the caller): listeners with their connections and sessions wait for the sync that opens
+// their service port, held ports for the sync that holds them, affinity entries for their
+// port's first balancer update. What no sync takes is closed (connections reset) at the end of
+// the next sync. Adopt the records before Run. Records it takes have their Files set to nil;
+// a record it cannot use is logged and its descriptors closed.
+func (p *Proxier) Adopt(recs []handover.Record) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	counts := map[string]int{}
+	for i := range recs {
+		r := &recs[i]
+		ok, err := p.adoptLocked(r)
+		if !ok {
+			continue
+		}
+		if err != nil {
+			p.log.Error().Err(err).Str("kind", r.Kind).Msg("handed-over record not usable; dropped")
+			for _, f := range r.Files {
+				resetFile(f)
+			}
+		} else {
+			counts[r.Kind]++
+		}
+		r.Files = nil
+	}
+	p.log.Info().Int("listeners", counts[KindListener]).Int("tcpConnections", counts[KindTCPConn]).
+		Int("udpSessions", counts[KindUDPSession]).Int("heldPorts", counts[KindHeld]).
+		Int("affinityPorts", counts[KindAffinity]).Msg("adopted what the predecessor handed over")
+}
+
+// adoptLocked takes one record; ok is false for kinds that are not the proxier's.
+func (p *Proxier) adoptLocked(r *handover.Record) (ok bool, err error) {
+	files := func(n int) error {
+		if len(r.Files) != n {
+			return fmt.Errorf("%d descriptors, want %d", len(r.Files), n)
+		}
+		return nil
+	}
+	switch r.Kind {
+	case KindListener:
+		var m listenerMeta
+		if err := decode(r, &m, files(1)); err != nil {
+			return true, err
+		}
+		k := listenerKey{m.Name, m.Protocol}
+		if old := p.stash[k]; old != nil {
+			old.close()
+		}
+		p.alloc.Reserve(m.ProxyPort)
+		p.stash[k] = &inherited{proxyPort: m.ProxyPort, sock: r.Files[0]}
+	case KindTCPConn:
+		var m tcpConnMeta
+		if err := decode(r, &m, files(2)); err != nil {
+			return true, err
+		}
+		in := p.stash[listenerKey{m.Name, v1.ProtocolTCP}]
+		if in == nil {
+			return true, fmt.Errorf("connection of %s: its listener was not handed over", m.Name)
+		}
+		in.conns = append(in.conns, forward.TCPConnState{Client: r.Files[0], Backend: r.Files[1], ClientAddr: m.Client,
+			Endpoint: m.Endpoint, ToEndpoint: m.ToEndpoint, ToClient: m.ToClient, ToEndpointDone: m.ToEndpointDone, ToClientDone: m.ToClientDone})
+	case KindUDPSession:
+		var m udpSessionMeta
+		if err := decode(r, &m, files(1)); err != nil {
+			return true, err
+		}
+		in := p.stash[listenerKey{m.Name, v1.ProtocolUDP}]
+		if in == nil {
+			return true, fmt.Errorf("UDP session of %s: its listener was not handed over", m.Name)
+		}
+		in.sessions = append(in.sessions, forward.UDPSessionState{Backend: r.Files[0], Client: m.Client, Endpoint: m.Endpoint,
+			ReplyFrom: m.ReplyFrom, Idle: m.Idle, Refused: m.Refused})
+	case KindHeld:
+		var m heldMeta
+		if err := decode(r, &m, files(1)); err != nil {
+			return true, err
+		}
+		p.holder.inherit(holdKey{proto: m.Protocol, addr: m.Addr, port: m.Port}, r.Files[0])
+	case KindAffinity:
+		var entries []loadbalancer.AffinityEntry
+		if err := decode(r, &entries, files(0)); err != nil {
+			return true, err
+		}
+		p.lb.RestoreAffinity(entries)
+	default:
+		return false, nil
+	}
+	return true, nil
+}
+
+func decode(r *handover.Record, v any, filesErr error) error {
+	if filesErr != nil {
+		return filesErr
+	}
+	if err := json.Unmarshal(r.Meta, v); err != nil {
+		return fmt.Errorf("decode %s record: %w", r.Kind, err)
+	}
+	return nil
+}
+
+// takeInheritedLocked hands the listeners about to open what was handed over for them.
+func (p *Proxier) takeInheritedLocked(ls []*listener) {
+	if len(p.stash) == 0 {
+		return
+	}
+	for _, l := range ls {
+		sp := l.choose.sp.Load()
+		k := listenerKey{sp.Name, sp.Protocol}
+		if in := p.stash[k]; in != nil {
+			l.inherit = in
+			delete(p.stash, k)
+		}
+	}
+}
+
+// dropInheritedLocked closes what a sync left of the handed-over listeners: their service
+// ports are gone (or could not open).
+func (p *Proxier) dropInheritedLocked() {
+	for k, in := range p.stash {
+		p.log.Warn().Stringer("servicePort", k.name).Str("protocol", string(k.proto)).Int("connections", len(in.conns)).
+			Int("sessions", len(in.sessions)).Msg("a handed-over listener's service port is not served any more: closed, its connections reset")
+		p.alloc.Release(in.proxyPort)
+		in.close()
+		delete(p.stash, k)
+	}
+}
+
+// openInherited serves the listener on the socket handed over for it, with its connections
+// and sessions; on error it closes them and the caller opens a new socket.
+func (l *listener) openInherited(cfg *listenConfig, in *inherited, metrics forward.Metrics) error {
+	sp := l.choose.sp.Load()
+	if sp.Protocol == v1.ProtocolUDP {
+		conn, err := forward.UDPConnFromFile(in.sock)
+		if err != nil {
+			in.close()
+			return err
+		}
+		l.udp = l.newUDP(cfg, conn, metrics)
+		if err := l.udp.Adopt(in.sessions); err != nil {
+			l.udp, _ = nil, conn.Close()
+			return err
+		}
+		l.proxyPort = in.proxyPort
+		l.serve(l.udp, sp.Protocol)
+		return nil
+	}
+	ln, err := forward.TCPListenerFromFile(in.sock)
+	if err != nil {
+		in.close()
+		return err
+	}
+	l.tcp = l.newTCP(cfg, ln, metrics)
+	if err := l.tcp.Adopt(in.conns); err != nil {
+		l.tcp, _ = nil, ln.Close()
+		return err
+	}
+	l.proxyPort = in.proxyPort
+	l.serve(l.tcp, sp.Protocol)
+	return nil
+}
+
+// inherit takes a held port's socket handed over by a predecessor; the next reconcile keeps it
+// if the port is still to be held, and closes it otherwise.
+func (h *holder) inherit(k holdKey, f *os.File) {
+	if old, ok := h.inherited[k]; ok {
+		_ = old.Close()
+	}
+	h.inherited[k] = f
+}

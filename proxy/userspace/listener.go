@@ -1,0 +1,292 @@
+package userspace
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"net/netip"
+	"sync"
+	"sync/atomic"
+
+	"github.com/rs/zerolog"
+	v1 "k8s.io/api/core/v1"
+
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/portalloc"
+)
+
+// TrafficMetrics hands out the traffic-metrics sink of each service port.
+type TrafficMetrics interface {
+	ForPort(name proxy.Name, protocol v1.Protocol) forward.Metrics
+	// Forget drops a deleted service port's series.
+	Forget(name proxy.Name, protocol v1.Protocol)
+	// KeepEndpoints drops the per-endpoint series of the port's endpoints that keep rejects.
+	KeepEndpoints(name proxy.Name, protocol v1.Protocol, keep func(netip.AddrPort) bool)
+	// AffinityEvicted counts a ClientIP affinity entry evicted at the balancer's bound.
+	AffinityEvicted(name proxy.Name, protocol v1.Protocol)
+}
+
+// maxOpenAttempts bounds how many ports of the range one open tries before giving up until the
+// next sync.
+const maxOpenAttempts = 16
+
+// listener is one service port's proxy listener and the forwarder serving it.
+type listener struct {
+	log zerolog.Logger
+	// choose picks the endpoints of its connections and flows; it holds the port's current
+	// definition, swapped by the sync.
+	choose chooser
+	// key is the port's name as a string, for sorting; fixed at creation.
+	key string
+	// endpoints and balanced are the port's endpoints and definition as the sync last handed
+	// them to the balancer; under Proxier.mu.
+	endpoints []proxy.Endpoint
+	balanced  *proxy.ServicePort
+
+	// The following fields are set by open and cleared by close, under Proxier.mu.
+	proxyPort int // 0 while not open
+	// inherit is what a predecessor handed over for this listener, taken by the next open.
+	inherit *inherited
+	tcp     *forward.TCPProxy
+	udp     *forward.UDPProxy
+	served  sync.WaitGroup // the Serve goroutine
+}
+
+func (l *listener) protocol() v1.Protocol { return l.choose.sp.Load().Protocol }
+
+func (l *listener) isOpen() bool { return l.proxyPort != 0 }
+
+// picker is what a chooser needs of the load balancer.
+type picker interface {
+	Next(name proxy.Name, client netip.Addr, external, resetAffinity bool) (proxy.Endpoint, error)
+}
+
+// chooser picks the endpoint of each new connection or flow of one service port
+// (forward.Chooser). It knows the port, the balancer and this node; nothing of the proxier.
+type chooser struct {
+	sp      atomic.Pointer[proxy.ServicePort]
+	lb      picker
+	routing *routing
+}
+
+var _ forward.Chooser = (*chooser)(nil)
+
+// Choose picks the endpoint for a new connection or flow (forward.Chooser). Traffic whose
+// original destination is not one of the ClusterIPs arrived on a NodePort, externalIP or LB IP
+// and follows the external traffic policy.
+//
+// The target is transparent (dialled from the client's address) for external traffic of an
+// externalTrafficPolicy: Local service to an endpoint on this node when Options.TransparentLocal
+// is set, and carries the service's PROXY protocol setting whatever its policy.
+func (c *chooser) Choose(client, dst netip.AddrPort, reset bool) (forward.Target, error) {
+	sp := c.sp.Load()
+	external := dst.IsValid() && sp.UsesExternalPolicy(dst.Addr().Unmap())
+	if external && sp.ExternalPolicyLocal && c.routing.inCluster(client.Addr()) {
+		// Traffic the node itself or a pod sends to a NodePort, externalIP or LB IP has no
+		// client IP to preserve: like kube-proxy's "route LOCAL traffic ... to service chain"
+		// rule (addrtype --src-type LOCAL) and its pod-traffic rule (-s cluster CIDR), it is
+		// treated as ClusterIP traffic and may use endpoints on every node (subject to
+		// internalTrafficPolicy).
+		external = false
+	}
+	ep, err := c.lb.Next(sp.Name, client.Addr().Unmap(), external, reset)
+	if err != nil {
+		return forward.Target{}, err
+	}
+	// Dial from the client's address only where the endpoint's replies come back through this
+	// node: external traffic of a Local service to an endpoint here (never Cluster policy or
+	// remote endpoints, whose replies would bypass the proxy).
+	// Never to an endpoint that is one of this node's own addresses (a hostNetwork pod): its
+	// replies are local traffic that never crosses mangle PREROUTING, where the reply routing of
+	// transparent connections is. Nor when the client and the endpoint share a link of the node
+	// (a pod on the same bridge, with no --cluster-cidr to tell it is a pod): the endpoint would
+	// answer the client at layer 2, past the node, and the client would reset the stray reply.
+	r := c.routing
+	transparent := r.transparentLocal && external && sp.ExternalPolicyLocal &&
+		ep.NodeName != "" && ep.NodeName == r.nodeName && !r.isNodeAddr(ep.Addr.Addr()) &&
+		!r.nodeAddrs().OnSameLink(client.Addr(), ep.Addr.Addr())
+	return forward.Target{Endpoint: ep.Addr, Transparent: transparent, ProxyProtocol: proxyProtocol(sp.ProxyProtocol)}, nil
+}
+
+// proxyProtocol maps the service's PROXY protocol annotation to forward's setting.
+func proxyProtocol(v proxy.ProxyProtocol) forward.ProxyProtocol {
+	switch v {
+	case proxy.ProxyProtocolV1:
+		return forward.ProxyProtocolV1
+	case proxy.ProxyProtocolV2:
+		return forward.ProxyProtocolV2
+	}
+	return forward.ProxyProtocolNone
+}
+
+// open allocates a proxy port (the preferred one if it can), opens the listener and starts
+// serving it.
+func (l *listener) open(cfg *listenConfig) error {
+	sp := l.choose.sp.Load()
+	var metrics forward.Metrics
+	if cfg.metrics != nil {
+		metrics = cfg.metrics.ForPort(sp.Name, sp.Protocol)
+	}
+	if in := l.inherit; in != nil {
+		l.inherit = nil
+		err := l.openInherited(cfg, in, metrics)
+		if err == nil {
+			return nil
+		}
+		cfg.alloc.Release(in.proxyPort)
+		l.log.Warn().Err(err).Int("proxyPort", in.proxyPort).Msg("cannot serve the handed-over listener; opening a new one")
+	}
+	if l.openPreferred(cfg, sp, metrics) {
+		return nil
+	}
+	alloc := cfg.alloc
+	var failed []int
+	defer func() {
+		for _, p := range failed {
+			alloc.Release(p)
+		}
+	}()
+	attempts := maxOpenAttempts
+	if r := alloc.Range(); r.Size > 0 && r.Size < attempts {
+		attempts = r.Size
+	}
+	var lastErr error
+	for range attempts {
+		port, err := alloc.Allocate()
+		if err != nil {
+			return fmt.Errorf("open proxy listener for %s: %w (last bind error: %v)", sp, err, lastErr)
+		}
+		if err := l.listen(sp.Protocol, cfg, port, metrics); err != nil {
+			lastErr = err
+			failed = append(failed, port)
+			continue
+		}
+		return nil
+	}
+	return fmt.Errorf("open proxy listener for %s: %d ports tried: %w", sp, attempts, lastErr)
+}
+
+// listen opens the listening socket of the port on bind:port and starts serving it.
+func (l *listener) listen(proto v1.Protocol, cfg *listenConfig, port int, metrics forward.Metrics) error {
+	bind := cfg.bind
+	addr := listenAddr(bind, port)
+	if proto == v1.ProtocolUDP {
+		conn, err := net.ListenUDP(network("udp", bind), net.UDPAddrFromAddrPort(addr))
+		if err != nil {
+			return err
+		}
+		l.proxyPort = conn.LocalAddr().(*net.UDPAddr).Port
+		l.udp = l.newUDP(cfg, conn, metrics)
+		l.serve(l.udp, proto)
+		return nil
+	}
+	ln, err := forward.ListenTCP(network("tcp", bind), net.TCPAddrFromAddrPort(addr))
+	if err != nil {
+		return err
+	}
+	l.proxyPort = ln.Addr().(*net.TCPAddr).Port
+	l.tcp = l.newTCP(cfg, ln, metrics)
+	l.serve(l.tcp, proto)
+	return nil
+}
+
+func (l *listener) newUDP(cfg *listenConfig, conn *net.UDPConn, metrics forward.Metrics) *forward.UDPProxy {
+	return &forward.UDPProxy{Conn: conn, Chooser: &l.choose, Timeout: cfg.udpTimeout, Log: l.log, Metrics: metrics,
+		Budget: cfg.budget, MaxSessions: cfg.maxSessions}
+}
+
+func (l *listener) newTCP(cfg *listenConfig, ln *net.TCPListener, metrics forward.Metrics) *forward.TCPProxy {
+	return &forward.TCPProxy{Listener: ln, Chooser: &l.choose, Log: l.log, Metrics: metrics,
+		Budget: cfg.budget, MaxConns: cfg.maxConns, IdleTimeout: cfg.idleTimeout}
+}
+
+// serve runs srv's Serve on a goroutine that l.served counts.
+func (l *listener) serve(srv interface{ Serve() error }, proto v1.Protocol) {
+	l.served.Add(1)
+	go func() {
+		defer l.served.Done()
+		if err := srv.Serve(); err != nil {
+			l.log.Error().Err(err).Str("protocol", string(proto)).Msg("proxy listener stopped serving")
+		}
+	}()
+}
+
+// endpointsChanged drops UDP sessions to endpoints that left the port.
+func (l *listener) endpointsChanged(eps []proxy.Endpoint) {
+	if l.udp == nil {
+		return
+	}
+	keep := make(map[netip.AddrPort]bool, len(eps))
+	for _, e := range eps {
+		if e.Serving || e.Ready {
+			keep[e.Addr] = true
+		}
+	}
+	l.udp.DropSessions(func(ep netip.AddrPort) bool { return keep[ep] })
+}
+
+// stopAccepting closes the listening socket; established TCP connections go on.
+func (l *listener) stopAccepting() {
+	var err error
+	switch {
+	case l.tcp != nil:
+		err = l.tcp.Close()
+	case l.udp != nil:
+		err = l.udp.Close()
+	}
+	if err != nil && !errors.Is(err, net.ErrClosed) {
+		l.log.Warn().Err(err).Msg("closing proxy listener")
+	}
+	l.served.Wait()
+}
+
+// close stops the listener, cuts its established connections and releases its port.
+func (l *listener) close(alloc *portalloc.Allocator, m TrafficMetrics) {
+	l.stopAccepting()
+	if l.tcp != nil {
+		ctx, cancel := context.WithCancel(context.Background())
+		cancel() // a deleted service port's connections end now
+		_ = l.tcp.Shutdown(ctx)
+	}
+	l.release(alloc)
+	if m != nil {
+		sp := l.choose.sp.Load()
+		m.Forget(sp.Name, sp.Protocol)
+	}
+}
+
+// shutdown waits for established TCP connections until ctx is done.
+func (l *listener) shutdown(ctx context.Context) error {
+	if l.tcp == nil {
+		return nil
+	}
+	return l.tcp.Shutdown(ctx)
+}
+
+func (l *listener) release(alloc *portalloc.Allocator) {
+	if l.proxyPort != 0 {
+		alloc.Release(l.proxyPort)
+	}
+	l.proxyPort, l.tcp, l.udp = 0, nil, nil
+}
+
+func listenAddr(bind netip.Addr, port int) netip.AddrPort {
+	if bind.IsUnspecified() {
+		return netip.AddrPortFrom(netip.IPv6Unspecified(), uint16(port))
+	}
+	return netip.AddrPortFrom(bind, uint16(port))
+}
+
+// network returns the network ("tcp" or "udp") of the listener's family: an unspecified bind
+// address listens on both families.
+func network(proto string, bind netip.Addr) string {
+	switch {
+	case bind.IsUnspecified():
+		return proto
+	case bind.Is4():
+		return proto + "4"
+	}
+	return proto + "6"
+}

@@ -1,0 +1,747 @@
+package userspace
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math"
+	"net/netip"
+	"runtime"
+	"slices"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/rs/zerolog"
+	v1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/types"
+
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/loadbalancer"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/portalloc"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/syncrunner"
+)
+
+// Portals programs the rules that send service traffic to the proxy's listeners.
+type Portals interface {
+	// Sync makes the rules match ports exactly (the complete desired state); node is the node's
+	// addresses as of this sync. With full set it rewrites every rule, repairing whatever
+	// someone else changed; otherwise it may write only what changed since its last successful
+	// sync.
+	Sync(ctx context.Context, ports []proxy.PortState, node proxy.NodeAddrs, full bool) error
+}
+
+// Options configures a Proxier. The zero value of each field is documented.
+type Options struct {
+	// Log is the component's logger; the zero value logs nothing.
+	Log zerolog.Logger
+	// NodeName is this node's name, for Local traffic policies and node topology hints. This
+	// node's zone, for zone hints, comes from the source through the Tracker (unknown until then).
+	NodeName string
+	// BindAddress is the address the proxy listeners bind to; the zero value (or an unspecified
+	// address) binds all addresses of both families.
+	BindAddress netip.Addr
+	// PortRange is --proxy-port-range; the zero value lets the kernel pick ports.
+	PortRange portalloc.Range
+	// UDPTimeout is the idle timeout of UDP sessions; zero means forward's default.
+	UDPTimeout time.Duration
+	// MinSyncPeriod and SyncPeriod bound the sync frequency (defaults 1s and 30s).
+	MinSyncPeriod, SyncPeriod time.Duration
+	// Portals programs rules; nil means none (--portal-mode none: only the listeners).
+	Portals Portals
+	// HoldPorts, when set, holds NodePorts and local portal IP:ports with real sockets.
+	HoldPorts bool
+	// OnQueued, if set, is called when a change starts waiting for the next sync.
+	OnQueued func(at time.Time)
+	// OnSynced, if set, receives the result of every sync, on the sync's goroutine.
+	OnSynced func(proxy.SyncResult)
+	// Metrics, if set, receives per-service-port traffic events.
+	Metrics TrafficMetrics
+	// NodeAddrs lists the node's own addresses, once per sync; nil means proxy.ListNodeAddrs.
+	NodeAddrs func() (proxy.NodeAddrs, error)
+	// TransparentLocal dials endpoints from the client's own address (forward.Target.Transparent)
+	// for external traffic of externalTrafficPolicy: Local services to endpoints on this node
+	// (NodeName), so they see the real client. It needs the reply routing of package
+	// portal/transparent. False dials from the node's address, as the userspace proxy always did.
+	TransparentLocal bool
+	// Limits bounds the data path; the zero value bounds nothing.
+	Limits Limits
+	// ClusterCIDRs are the pods' addresses (kube-proxy's --cluster-cidr). Pods reaching a
+	// NodePort, externalIP or load-balancer IP of an externalTrafficPolicy: Local service are
+	// served by any endpoint, as the node itself is: their traffic is in-cluster, and kube-proxy
+	// sends it to the cluster-wide endpoints too. Empty: only the node's own traffic is.
+	ClusterCIDRs []netip.Prefix
+	// PreferredPorts, if set, names the proxy port each service port's listener tries first
+	// (after a crash, those the surviving rules name); a port that is taken or out of the range
+	// falls back to allocation. Nil: every port is allocated.
+	PreferredPorts PreferredPorts
+}
+
+// newBalancer returns the load balancer for opts: this node, the affinity bound, and evictions
+// counted in the metrics.
+func newBalancer(opts Options) *loadbalancer.RoundRobin {
+	lbOpts := loadbalancer.Options{NodeName: opts.NodeName, Log: opts.Log, MaxAffinityEntries: opts.Limits.MaxAffinityEntries}
+	if opts.Metrics != nil {
+		lbOpts.OnAffinityEvicted = opts.Metrics.AffinityEvicted
+	}
+	return loadbalancer.New(lbOpts)
+}
+
+// syncBurst is how many syncs may follow each other before MinSyncPeriod applies: 2, as in
+// kube-proxy's iptables mode, so that a Service and its EndpointSlice created together are both
+// programmed at once.
+const syncBurst = 2
+
+// Proxier runs the sync loop and owns every listener. Create it with New, feed its Tracker from a
+// source, and call Run.
+type Proxier struct {
+	opts    Options
+	log     zerolog.Logger
+	tracker *proxy.Tracker
+	lb      *loadbalancer.RoundRobin
+	alloc   *portalloc.Allocator
+	runner  *syncrunner.Runner
+	// routing is what every listener's chooser shares; its node addresses are replaced by each
+	// sync.
+	routing *routing
+	// listen is what every listener is opened with; budget is its descriptor budget (nil
+	// without Limits.FileLimit), whose limit each sync updates.
+	listen listenConfig
+	budget *forward.Budget
+
+	syncedOnce sync.Once
+	synced     chan struct{} // closed when the source's initial state is in
+
+	// syncMu is held by every sync, and by Freeze while it stops syncing.
+	syncMu sync.Mutex
+
+	// The following fields are owned by the sync goroutine (Run); mu guards them against readers
+	// such as Ports and Close.
+	mu        sync.Mutex
+	ports     map[proxy.Name]*listener
+	bySvc     map[types.NamespacedName]map[proxy.Name]*listener // ports, by service
+	endpoints map[types.NamespacedName]proxy.EndpointsMap
+	holder    *holder
+	closed    bool
+	// frozen is set by Freeze: syncs do nothing until Resume.
+	frozen bool
+	// stash holds the listeners handed over by a predecessor (Adopt) until a sync opens them.
+	stash map[listenerKey]*inherited
+	// unservable are the service ports the descriptor limit left without a listener.
+	unservable map[proxy.Name]bool
+	// refused is the last refusal of endpoints that are the proxy itself, per service port.
+	refused map[proxy.Name]string
+	// lastFull is when the last successful full portal sync started; sync goroutine only.
+	lastFull time.Time
+	// last is the last sync's port states (for Ports).
+	last []proxy.PortState
+	// gen counts the changes to the listeners that selfAddrs and the sorted order depend on:
+	// a port added, removed or redefined, a listener opened or released. self and sorted are
+	// rebuilt when it moved since they were (selfGen, sortedGen): an idle sync of 10,000 ports
+	// then rebuilds neither.
+	gen, selfGen, sortedGen uint64
+	self                    *selfAddrs
+	sorted                  []*listener
+	// recheckGen and recheckNode are gen and the node's addresses at the last periodic check
+	// of every port's endpoints against the proxy's own addresses.
+	recheckGen  uint64
+	recheckNode []netip.Addr
+}
+
+// New returns a Proxier configured by opts. Nothing runs until Run.
+func New(opts Options) *Proxier {
+	if opts.MinSyncPeriod <= 0 {
+		opts.MinSyncPeriod = time.Second
+	}
+	if opts.SyncPeriod <= 0 {
+		opts.SyncPeriod = 30 * time.Second
+	}
+	if !opts.BindAddress.IsValid() {
+		opts.BindAddress = netip.IPv6Unspecified()
+	}
+	if opts.NodeAddrs == nil {
+		opts.NodeAddrs = proxy.ListNodeAddrs
+	}
+	p := &Proxier{
+		opts:      opts,
+		log:       opts.Log,
+		lb:        newBalancer(opts),
+		alloc:     newAllocator(opts.PortRange),
+		synced:    make(chan struct{}),
+		ports:     map[proxy.Name]*listener{},
+		bySvc:     map[types.NamespacedName]map[proxy.Name]*listener{},
+		endpoints: map[types.NamespacedName]proxy.EndpointsMap{},
+		holder:    newHolder(opts.Log),
+		refused:   map[proxy.Name]string{},
+		stash:     map[listenerKey]*inherited{},
+
+		unservable: map[proxy.Name]bool{},
+	}
+	p.routing = &routing{
+		nodeName:         opts.NodeName,
+		transparentLocal: opts.TransparentLocal,
+		clusterCIDRs:     opts.ClusterCIDRs,
+	}
+	if lim := opts.Limits; lim.FileLimit > 0 {
+		p.budget = forward.NewBudget(lim.dataPathFDs())
+	}
+	p.listen = listenConfig{
+		alloc:       p.alloc,
+		bind:        opts.BindAddress,
+		udpTimeout:  opts.UDPTimeout,
+		metrics:     opts.Metrics,
+		budget:      p.budget,
+		maxConns:    opts.Limits.ConnsPerPort(),
+		maxSessions: opts.Limits.SessionsPerPort(),
+		idleTimeout: opts.Limits.TCPIdleTimeout,
+		preferred:   opts.PreferredPorts,
+	}
+	setAsidePreferred(p.alloc, opts.PreferredPorts)
+	p.runner = syncrunner.New(p.sync, opts.MinSyncPeriod, opts.SyncPeriod, syncBurst)
+	p.tracker = proxy.NewTracker(proxy.TrackerOptions{
+		Log: opts.Log,
+		OnChange: func() {
+			if opts.OnQueued != nil {
+				opts.OnQueued(time.Now())
+			}
+			p.runner.Trigger()
+		},
+		OnSynced: func() {
+			p.syncedOnce.Do(func() { close(p.synced) })
+			p.runner.Trigger()
+		},
+	})
+	return p
+}
+
+// newAllocator returns the allocator of proxy ports: the range, or the kernel's ephemeral range
+// picked by the proxy itself (portalloc.NewLocalAllocator) when there is none.
+func newAllocator(r portalloc.Range) *portalloc.Allocator {
+	if r.Size == 0 {
+		return portalloc.NewLocalAllocator(nil)
+	}
+	return portalloc.NewAllocator(r, nil)
+}
+
+// Tracker returns the source.Handler to feed with Services and EndpointSlices.
+func (p *Proxier) Tracker() *proxy.Tracker { return p.tracker }
+
+// Synced is closed once the source has delivered its initial state.
+func (p *Proxier) Synced() <-chan struct{} { return p.synced }
+
+// Run runs the sync loop until ctx is done, then closes every listener (established connections
+// are left to Shutdown) and returns.
+func (p *Proxier) Run(ctx context.Context) {
+	p.runner.Run(ctx)
+	p.closeListeners()
+}
+
+// Sync runs one sync now, on the caller's goroutine. It is for tests and must not be called
+// while Run is running.
+func (p *Proxier) Sync() { p.sync(true) }
+
+// sync applies pending changes; it runs on the runner's goroutine only. The periodic sync
+// rewrites every portal rule, and so does any sync once SyncPeriod has passed since the last
+// full one (triggered syncs restart the runner's period, so on a busy cluster the periodic one
+// might never come); the others write only what changed.
+func (p *Proxier) sync(periodic bool) {
+	select {
+	case <-p.synced:
+	default:
+		p.log.Debug().Msg("sync skipped: the source has not delivered its initial state yet")
+		return
+	}
+	p.syncMu.Lock()
+	defer p.syncMu.Unlock()
+	p.mu.Lock()
+	stopped := p.closed || p.frozen
+	p.mu.Unlock()
+	if stopped {
+		return // the changes wait in the tracker
+	}
+	res := proxy.SyncResult{Start: time.Now()}
+	ch := p.tracker.Drain()
+	res.OldestChange, res.ServiceChanges, res.EndpointChanges = ch.Oldest, len(ch.Services), len(ch.Endpoints)
+
+	node, err := p.opts.NodeAddrs()
+	if err != nil {
+		p.log.Warn().Err(err).Msg("listing node addresses; keeping the previous list")
+		node = p.routing.nodeAddrs()
+	}
+	p.routing.setNodeAddrs(node)
+
+	p.mu.Lock()
+	if p.closed {
+		p.mu.Unlock()
+		return
+	}
+	dirty := p.applyLocked(&ch)
+	res.Unservable = p.openPendingLocked(dirty)
+	self := p.selfAddrsLocked(node)
+	if periodic && (p.recheckGen != p.gen || !slices.Equal(p.recheckNode, node.List())) {
+		// Endpoints are checked against the proxy's own addresses only when their service
+		// changes: once a period, all of them, for addresses other services (or the node)
+		// took since the last such check.
+		for name := range p.ports {
+			dirty[name.Service()] = true
+		}
+		p.recheckGen, p.recheckNode = p.gen, node.List()
+	}
+	for svc := range dirty {
+		p.refreshServiceLocked(svc, self)
+	}
+	p.lb.Sweep()
+	res.Ports = p.portStatesLocked()
+	p.last = res.Ports
+	if p.opts.HoldPorts {
+		p.holder.reconcile(res.Ports, node)
+	}
+	p.updateBudgetLocked()
+	p.dropInheritedLocked()
+	p.mu.Unlock()
+
+	if p.opts.Portals != nil {
+		res.Kind = proxy.SyncPartial
+		if periodic || time.Since(p.lastFull) >= p.opts.SyncPeriod {
+			res.Kind = proxy.SyncFull
+		}
+		if res.Err = p.opts.Portals.Sync(context.Background(), res.Ports, node, res.Kind == proxy.SyncFull); res.Err != nil {
+			p.log.Error().Err(res.Err).Msg("programming portals failed; retrying at the next sync")
+		} else if res.Kind == proxy.SyncFull {
+			p.lastFull = res.Start
+		}
+	}
+	res.Took = time.Since(res.Start)
+	if p.opts.OnSynced != nil {
+		p.opts.OnSynced(res)
+	}
+	p.log.Debug().Dur("took", res.Took).Stringer("kind", res.Kind).Int("services", res.ServiceChanges).
+		Int("endpoints", res.EndpointChanges).Int("ports", len(res.Ports)).Msg("synced")
+}
+
+// applyLocked applies drained changes to the port and endpoint maps and returns the services
+// whose ports or endpoints changed, and those whose listener is still to be opened.
+func (p *Proxier) applyLocked(ch *proxy.Changes) map[types.NamespacedName]bool {
+	dirty := map[types.NamespacedName]bool{}
+	if ch.ZoneChanged {
+		// Before the ports: SetServicePort below then already works with the new zone.
+		p.log.Info().Str("zone", ch.Zone).Msg("this node's zone changed; re-applying topology hints")
+		p.lb.SetZone(ch.Zone)
+	}
+	for svc, c := range ch.Services {
+		dirty[svc] = true
+		for portName, sp := range c.Previous {
+			if c.Current[portName] == nil {
+				p.removePortLocked(sp.Name)
+			}
+		}
+		for _, sp := range c.Current {
+			p.upsertPortLocked(sp)
+		}
+	}
+	for svc, c := range ch.Endpoints {
+		dirty[svc] = true
+		if c.Current == nil {
+			delete(p.endpoints, svc)
+		} else {
+			p.endpoints[svc] = c.Current
+		}
+	}
+	// Ports whose listener failed to open are retried on every sync.
+	for name, l := range p.ports {
+		if !l.isOpen() {
+			dirty[name.Service()] = true
+		}
+	}
+	return dirty
+}
+
+// upsertPortLocked creates the port's listener, or updates an existing one in place. A
+// listener survives every change but one of protocol.
+func (p *Proxier) upsertPortLocked(sp *proxy.ServicePort) {
+	if l, ok := p.ports[sp.Name]; ok {
+		if l.protocol() == sp.Protocol {
+			l.choose.sp.Store(sp)
+			p.gen++
+			return
+		}
+		p.removePortLocked(sp.Name)
+	}
+	l := &listener{
+		log:    p.log.With().Str("servicePort", sp.String()).Logger(),
+		key:    sp.Name.String(),
+		choose: chooser{lb: p.lb, routing: p.routing},
+	}
+	l.choose.sp.Store(sp)
+	p.ports[sp.Name] = l
+	p.gen++
+	svc := sp.Name.Service()
+	if p.bySvc[svc] == nil {
+		p.bySvc[svc] = map[proxy.Name]*listener{}
+	}
+	p.bySvc[svc][sp.Name] = l
+}
+
+func (p *Proxier) removePortLocked(name proxy.Name) {
+	l, ok := p.ports[name]
+	if !ok {
+		return
+	}
+	delete(p.ports, name)
+	p.gen++
+	if ports := p.bySvc[name.Service()]; len(ports) <= 1 {
+		delete(p.bySvc, name.Service())
+	} else {
+		delete(ports, name)
+	}
+	delete(p.refused, name)
+	delete(p.unservable, name)
+	p.lb.DeleteServicePort(name)
+	l.close(p.alloc, p.opts.Metrics)
+	l.log.Info().Msg("closed proxy listener")
+}
+
+// updateBudgetLocked gives the data path what the file limit leaves after the reserve and the
+// descriptors the listeners and held ports hold (a UDP listener also holds a conntrack socket).
+func (p *Proxier) updateBudgetLocked() {
+	if p.budget == nil {
+		return
+	}
+	control := len(p.holder.held)
+	for _, l := range p.ports {
+		switch {
+		case l.udp != nil:
+			control += 2
+		case l.tcp != nil:
+			control++
+		}
+	}
+	p.budget.SetLimit(p.opts.Limits.dataPathFDs() - control)
+}
+
+// Budget returns the data path's descriptor budget (nil without Limits.FileLimit), for metrics.
+func (p *Proxier) Budget() *forward.Budget { return p.budget }
+
+// openPendingLocked opens the listeners of the dirty services that are not open yet (every
+// listener not open is dirty), as many as the descriptor limit leaves room for, in the order of
+// their names, and returns how many it left closed for lack of descriptors. Their portals
+// reject; they are opened once descriptors free up.
+func (p *Proxier) openPendingLocked(dirty map[types.NamespacedName]bool) int {
+	var pending []*listener
+	for svc := range dirty {
+		for _, l := range p.bySvc[svc] {
+			if !l.isOpen() {
+				pending = append(pending, l)
+			}
+		}
+	}
+	if len(pending) == 0 {
+		p.noteUnservableLocked(nil)
+		return 0
+	}
+	names := make(map[*listener]string, len(pending))
+	for _, l := range pending {
+		names[l] = l.choose.sp.Load().String()
+	}
+	slices.SortFunc(pending, func(a, b *listener) int { return strings.Compare(names[a], names[b]) })
+	room := p.listenerRoomLocked()
+	var open, over []*listener
+	for _, l := range pending {
+		if need := listenerFDs(l.protocol()); need <= room {
+			room -= need
+			open = append(open, l)
+		} else {
+			over = append(over, l)
+		}
+	}
+	p.openAllLocked(open)
+	p.noteUnservableLocked(over)
+	return len(over)
+}
+
+// listenerFDs is what a listener holds: its socket, and for UDP a conntrack socket.
+func listenerFDs(proto v1.Protocol) int {
+	if proto == v1.ProtocolUDP {
+		return 2
+	}
+	return 1
+}
+
+// listenerRoomLocked returns how many more descriptors listeners may take: what
+// Limits.listenerFDs allows less what the open listeners and the held ports hold. Without a
+// file limit, no bound.
+func (p *Proxier) listenerRoomLocked() int {
+	if p.budget == nil {
+		return math.MaxInt
+	}
+	room := p.opts.Limits.listenerFDs() - len(p.holder.held)
+	for _, l := range p.ports {
+		if l.isOpen() {
+			room -= listenerFDs(l.protocol())
+		}
+	}
+	return max(room, 0)
+}
+
+// openAllLocked opens ls, on a few goroutines: the socket calls of 10,000 listeners take about
+// half a second on one core.
+func (p *Proxier) openAllLocked(ls []*listener) {
+	p.takeInheritedLocked(ls)
+	var opened atomic.Int64
+	workers := min(runtime.GOMAXPROCS(0), (len(ls)+63)/64)
+	next := atomic.Int64{}
+	var wg sync.WaitGroup
+	for range workers {
+		wg.Go(func() {
+			for {
+				i := int(next.Add(1)) - 1
+				if i >= len(ls) {
+					return
+				}
+				if p.openLocked(ls[i]) {
+					opened.Add(1)
+				}
+			}
+		})
+	}
+	wg.Wait()
+	if n := opened.Load(); n > 0 {
+		p.gen++
+		p.log.Info().Int64("listeners", n).Int("servicePorts", len(p.ports)).Msg("opened proxy listeners")
+	}
+}
+
+// noteUnservableLocked logs the service ports the descriptor limit leaves without a listener:
+// an error for each port once, when it becomes unservable, and a summary whenever their number
+// changes; over is this sync's list (nil: none).
+func (p *Proxier) noteUnservableLocked(over []*listener) {
+	now := make(map[proxy.Name]bool, len(over))
+	for _, l := range over {
+		name := l.choose.sp.Load().Name
+		now[name] = true
+		if !p.unservable[name] {
+			l.log.Error().Int("openFilesLimit", p.opts.Limits.FileLimit).
+				Msg("service port not served: the open-files limit leaves no descriptor for its listener (its portals reject); raise the limit (RLIMIT_NOFILE) or lower --fd-reserve")
+		}
+	}
+	for name := range p.unservable {
+		if !now[name] {
+			if l := p.ports[name]; l != nil && l.isOpen() {
+				l.log.Info().Msg("service port served again: descriptors freed up for its listener")
+			}
+		}
+	}
+	if len(now) != len(p.unservable) {
+		ev := p.log.Info()
+		if len(now) > 0 {
+			ev = p.log.Error()
+		}
+		lim := p.opts.Limits
+		ev.Int("servicePorts", len(p.ports)).Int("unservable", len(now)).Int("openFilesLimit", lim.FileLimit).
+			Int("reserve", lim.ReserveFDs()).Int("maxListenerDescriptors", lim.listenerFDs()).
+			Msgf("the open-files limit lets the proxy serve %d of %d service ports", len(p.ports)-len(now), len(p.ports))
+	}
+	p.unservable = now
+}
+
+// refreshServiceLocked hands the current endpoints of svc's ports to the load balancer and the
+// UDP sessions, leaving out endpoints that are the proxy itself (self).
+func (p *Proxier) refreshServiceLocked(svc types.NamespacedName, self *selfAddrs) {
+	eps := p.endpoints[svc]
+	for name, l := range p.bySvc[svc] {
+		sp := l.choose.sp.Load()
+		list, err := self.filter(sp, eps[name.Port])
+		p.noteRefusedLocked(name, err)
+		if sp == l.balanced && slices.Equal(list, l.endpoints) {
+			continue // the periodic recheck found nothing new: the balancer has it all
+		}
+		p.lb.SetServicePort(sp, list)
+		l.endpoints, l.balanced = list, sp
+		l.endpointsChanged(list)
+		if m := p.opts.Metrics; m != nil {
+			m.KeepEndpoints(name, sp.Protocol, func(ep netip.AddrPort) bool {
+				return slices.ContainsFunc(list, func(e proxy.Endpoint) bool { return e.Addr == ep })
+			})
+		}
+	}
+}
+
+// noteRefusedLocked logs the endpoints of a service port refused as the proxy itself, once per
+// distinct refusal, and when they are gone.
+func (p *Proxier) noteRefusedLocked(name proxy.Name, err error) {
+	prev, had := p.refused[name]
+	switch {
+	case err == nil && had:
+		delete(p.refused, name)
+		p.log.Info().Stringer("servicePort", name).Msg("no endpoint refused any more")
+	case err != nil && (!had || prev != err.Error()):
+		p.refused[name] = err.Error()
+		p.log.Error().Err(err).Msg("endpoints that point back at the proxy refused; the service port's other endpoints are used")
+	}
+}
+
+// openLocked opens l and reports whether it did; it may run on several goroutines at once, for
+// distinct listeners.
+func (p *Proxier) openLocked(l *listener) bool {
+	if err := l.open(&p.listen); err != nil {
+		l.log.Error().Err(err).Msg("cannot open the proxy listener; retrying at the next sync")
+		return false
+	}
+	l.log.Debug().Int("proxyPort", l.proxyPort).Msg("opened proxy listener")
+	return true
+}
+
+// portStatesLocked returns the state of every service port, sorted by name: what the balancer
+// says of its endpoints, turned into the portals' actions.
+func (p *Proxier) portStatesLocked() []proxy.PortState {
+	out := make([]proxy.PortState, 0, len(p.ports))
+	for _, l := range p.sortedLocked() {
+		sp := l.choose.sp.Load()
+		av := p.lb.Availability(sp.Name)
+		st := proxy.PortState{
+			ServicePort:    sp,
+			ProxyPort:      l.proxyPort,
+			LocalEndpoints: av.LocalEndpoints,
+			LocalReady:     localReady(l.endpoints, p.opts.NodeName),
+		}
+		st.Internal, st.External = actions(av, l.isOpen())
+		out = append(out, st)
+	}
+	return out
+}
+
+// sortedLocked returns the listeners sorted by name, rebuilt only when they changed.
+func (p *Proxier) sortedLocked() []*listener {
+	if p.sorted != nil && p.sortedGen == p.gen {
+		return p.sorted
+	}
+	p.sorted = p.sorted[:0]
+	for _, l := range p.ports {
+		p.sorted = append(p.sorted, l)
+	}
+	slices.SortFunc(p.sorted, func(a, b *listener) int { return strings.Compare(a.key, b.key) })
+	p.sortedGen = p.gen
+	return p.sorted
+}
+
+// selfAddrsLocked returns the proxy's own addresses as of this sync (node is its snapshot of
+// the node's addresses), rebuilt only when the listeners changed.
+func (p *Proxier) selfAddrsLocked(node proxy.NodeAddrs) *selfAddrs {
+	if p.self == nil || p.selfGen != p.gen {
+		p.self, p.selfGen = newSelfAddrs(p.ports, node), p.gen
+	}
+	p.self.node = node
+	return p.self
+}
+
+// actions decides what the portals do with new traffic of each class: reject it when no
+// endpoint is usable at all (or there is no listener to send it to), drop a class whose Local
+// policy leaves it no endpoint on this node, redirect it otherwise.
+func actions(av loadbalancer.Availability, open bool) (internal, external proxy.Action) {
+	if !open || !av.Any {
+		return proxy.Reject, proxy.Reject
+	}
+	internal, external = proxy.Redirect, proxy.Redirect
+	if !av.Internal {
+		internal = proxy.Drop
+	}
+	if !av.External {
+		external = proxy.Drop
+	}
+	return internal, external
+}
+
+// localReady returns the distinct IPs of the ready endpoints on node, in the order of eps.
+func localReady(eps []proxy.Endpoint, node string) []netip.Addr {
+	var out []netip.Addr
+	for _, e := range eps {
+		if node != "" && e.NodeName == node && e.Ready && !slices.Contains(out, e.Addr.Addr()) {
+			out = append(out, e.Addr.Addr())
+		}
+	}
+	return out
+}
+
+// Ports returns the state of every service port as of the last sync, sorted by name.
+func (p *Proxier) Ports() []proxy.PortState {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.last
+}
+
+// closeListeners stops accepting on every listener and releases held ports.
+func (p *Proxier) closeListeners() {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.closed {
+		return
+	}
+	p.closed = true
+	for _, l := range p.ports {
+		l.stopAccepting()
+	}
+	p.holder.closeAll()
+}
+
+// Shutdown waits for established connections to finish until ctx is done, then cuts the rest.
+// Call it after Run has returned.
+func (p *Proxier) Shutdown(ctx context.Context) error {
+	p.closeListeners()
+	p.mu.Lock()
+	ls := make([]*listener, 0, len(p.ports))
+	for _, l := range p.ports {
+		ls = append(ls, l)
+	}
+	p.mu.Unlock()
+	var errs []error
+	for _, l := range ls {
+		if err := l.shutdown(ctx); err != nil {
+			errs = append(errs, fmt.Errorf("%s: %w", l.choose.sp.Load(), err))
+		}
+		l.release(p.alloc)
+	}
+	return errors.Join(errs...)
+}
+
+// routing is what the choosers of all listeners share: this node's identity and addresses.
+type routing struct {
+	nodeName         string
+	transparentLocal bool
+	clusterCIDRs     []netip.Prefix
+	// node is the last sync's snapshot of the node's addresses.
+	node atomic.Pointer[proxy.NodeAddrs]
+}
+
+func (r *routing) setNodeAddrs(a proxy.NodeAddrs) { r.node.Store(&a) }
+
+func (r *routing) nodeAddrs() proxy.NodeAddrs {
+	if a := r.node.Load(); a != nil {
+		return *a
+	}
+	return proxy.NodeAddrs{}
+}
+
+// isNodeAddr reports whether a is a loopback address or one of the node's own addresses (as of
+// the last sync).
+func (r *routing) isNodeAddr(a netip.Addr) bool {
+	a = a.Unmap()
+	return a.IsLoopback() || r.nodeAddrs().Contains(a)
+}
+
+// inCluster reports whether a belongs to the cluster rather than to an outside client: a
+// loopback address, one of the node's own addresses (as of the last sync), or a pod's address
+// (Options.ClusterCIDRs).
+func (r *routing) inCluster(a netip.Addr) bool {
+	if r.isNodeAddr(a) {
+		return true
+	}
+	a = a.Unmap()
+	for _, c := range r.clusterCIDRs {
+		if c.Contains(a) {
+			return true
+		}
+	}
+	return false
+}

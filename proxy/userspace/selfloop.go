@@ -1,0 +1,108 @@
+package userspace
+
+import (
+	"fmt"
+	"net/netip"
+
+	v1 "k8s.io/api/core/v1"
+
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy"
+)
+
+// selfAddrs is what the proxy itself answers on, as of one sync: every portal IP:port (ClusterIP,
+// external IP and load-balancer IP with the service port), and the proxy ports and NodePorts,
+// which answer on every address of the node. An endpoint there would have the proxy connect to
+// itself, each connection opening another until the node runs out of descriptors; such
+// endpoints are refused.
+type selfAddrs struct {
+	portals map[protoAddrPort]proxy.Name
+	ports   map[protoPort]portUse // proxy ports and NodePorts on the node's addresses
+	node    proxy.NodeAddrs
+}
+
+type protoAddrPort struct {
+	proto v1.Protocol
+	ap    netip.AddrPort
+}
+
+type protoPort struct {
+	proto v1.Protocol
+	port  int
+}
+
+// portUse says what a port of the node is to the proxy: formatted only for an error, as every
+// sync collects one per service port.
+type portUse struct {
+	nodePort bool // the NodePort of name; false: its proxy port
+	name     proxy.Name
+}
+
+func (u portUse) String() string {
+	if u.nodePort {
+		return "the NodePort of " + u.name.String()
+	}
+	return "the proxy port of " + u.name.String()
+}
+
+// newSelfAddrs collects the proxy's own addresses from its listeners and the node's addresses.
+func newSelfAddrs(ports map[proxy.Name]*listener, node proxy.NodeAddrs) *selfAddrs {
+	s := &selfAddrs{
+		portals: make(map[protoAddrPort]proxy.Name, len(ports)),
+		ports:   make(map[protoPort]portUse, 2*len(ports)),
+		node:    node,
+	}
+	for name, l := range ports {
+		sp := l.choose.sp.Load()
+		for _, ips := range [][]netip.Addr{sp.ClusterIPs, sp.ExternalIPs, sp.LoadBalancerIPs} {
+			for _, ip := range ips {
+				s.portals[protoAddrPort{sp.Protocol, netip.AddrPortFrom(ip.Unmap(), uint16(sp.Port))}] = name
+			}
+		}
+		if l.isOpen() {
+			s.ports[protoPort{sp.Protocol, l.proxyPort}] = portUse{name: name}
+		}
+		if sp.NodePort != 0 {
+			s.ports[protoPort{sp.Protocol, sp.NodePort}] = portUse{nodePort: true, name: name}
+		}
+	}
+	return s
+}
+
+// check returns why ep, an endpoint of a port of protocol proto, is the proxy itself, or nil.
+func (s *selfAddrs) check(proto v1.Protocol, ep netip.AddrPort) error {
+	ap := netip.AddrPortFrom(ep.Addr().Unmap(), ep.Port())
+	if owner, ok := s.portals[protoAddrPort{proto, ap}]; ok {
+		return fmt.Errorf("endpoint %s is a service address of %s, served by this proxy", ep, owner)
+	}
+	a := ap.Addr()
+	if a.IsLoopback() || a.IsUnspecified() || s.node.Contains(a) {
+		if what, ok := s.ports[protoPort{proto, int(ep.Port())}]; ok {
+			return fmt.Errorf("endpoint %s is this node's address with %s, served by this proxy", ep, what)
+		}
+	}
+	return nil
+}
+
+// filter returns the endpoints of sp that are not the proxy itself, and an error naming the
+// service port and every endpoint it left out. It returns eps itself when nothing is left out.
+func (s *selfAddrs) filter(sp *proxy.ServicePort, eps []proxy.Endpoint) ([]proxy.Endpoint, error) {
+	var errs []error
+	keep := eps
+	for i, e := range eps {
+		err := s.check(sp.Protocol, e.Addr)
+		if err == nil {
+			if len(errs) > 0 {
+				keep = append(keep, e)
+			}
+			continue
+		}
+		if len(errs) == 0 {
+			keep = append([]proxy.Endpoint(nil), eps[:i]...)
+		}
+		errs = append(errs, err)
+	}
+	if len(errs) == 0 {
+		return eps, nil
+	}
+	return keep, fmt.Errorf("service port %s: %d endpoint(s) refused: %v", sp, len(errs), errs)
+}

@@ -1,0 +1,419 @@
+package e2e
+
+import (
+	"bufio"
+	"context"
+	"errors"
+	"fmt"
+	"net/http"
+	"net/netip"
+	"os"
+	"path/filepath"
+	"regexp"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/test/e2e/harness"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/test/netns"
+)
+
+// Issue 16: many services on one node, from a manifests directory, with iptables portals.
+//
+// TestScale (in `make test`) checks correctness at 10,000 services, not timing.
+// TestScaleMeasure reports the figures of the issue and runs only when KUP_SCALE_MEASURE lists
+// the service counts, e.g. KUP_SCALE_MEASURE=5000,10000,20000
+// (go test -run TestScaleMeasure -v ./test/e2e/).
+
+const (
+	scaleMetricsAddr = "127.0.0.1:10249"
+	// scaleFileSize is how many services (and their slices) each manifest file holds.
+	scaleFileSize = 1000
+)
+
+// scaleClusterIP is the ClusterIP of scale service i (0 ≤ i < 65,000).
+func scaleClusterIP(i int) netip.Addr {
+	i++
+	return netip.AddrFrom4([4]byte{10, 100, byte(i >> 8), byte(i)})
+}
+
+// writeScaleService writes the manifest of service i: a ClusterIP service with one TCP port 80
+// and a slice with the single endpoint pod:echoPort.
+func writeScaleService(b *strings.Builder, i int, pod netip.Addr) {
+	fmt.Fprintf(b, `apiVersion: v1
+kind: Service
+metadata: {name: s%[1]d, namespace: scale}
+spec:
+  clusterIP: %[2]s
+  ports:
+  - {name: tcp, port: 80, targetPort: %[3]d}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: s%[1]d-1
+  namespace: scale
+  labels: {kubernetes.io/service-name: s%[1]d}
+addressType: IPv4
+ports:
+- {name: tcp, port: %[3]d, protocol: TCP}
+endpoints:
+- addresses: [%[4]q]
+  conditions: {ready: true}
+---
+`, i, scaleClusterIP(i), echoPort, pod)
+}
+
+// writeScaleManifests writes services from..to-1 into dir, scaleFileSize per file, each file by
+// rename.
+func writeScaleManifests(t testing.TB, dir string, from, to int, pod netip.Addr) {
+	t.Helper()
+	for f := from; f < to; f += scaleFileSize {
+		var b strings.Builder
+		for i := f; i < min(f+scaleFileSize, to); i++ {
+			writeScaleService(&b, i, pod)
+		}
+		name := fmt.Sprintf("svc-%06d.yaml", f)
+		tmp := filepath.Join(dir, "."+name+".tmp")
+		if err := os.WriteFile(tmp, []byte(b.String()), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.Rename(tmp, filepath.Join(dir, name)); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
+// scaleEnv is a node with one echo pod, and a manifests directory of n services pointing at it.
+type scaleEnv struct {
+	node *netns.Node
+	pod  *netns.Pod
+	dir  string
+	n    int
+}
+
+func newScaleEnv(t *testing.T, name string, n int) *scaleEnv {
+	nw := netns.NewNetwork(t, name)
+	node := nw.AddNode(t, name+"n")
+	pod := nw.AddPod(t, node, name+"p")
+	harness.StartEcho(t, pod.NS, "p1", echoPort)
+	dir := t.TempDir()
+	writeScaleManifests(t, dir, 0, n, pod.IP)
+	return &scaleEnv{node: node, pod: pod, dir: dir, n: n}
+}
+
+// start starts the proxy (not waiting for it) with the metrics server on scaleMetricsAddr.
+func (e *scaleEnv) start(t *testing.T, args ...string) *netns.Process {
+	cmd := harness.ProxyArgs(t, harness.ProxyConfig{
+		NodeName:           nodeName,
+		Manifests:          e.dir,
+		MetricsBindAddress: scaleMetricsAddr,
+		LogLevel:           "info",
+		Args:               args,
+	})
+	return e.node.NS.Start(t, cmd...)
+}
+
+// sample returns k service indexes spread over 0..n-1, the last one included.
+func sampleIndexes(n, k int) []int {
+	k = min(k, n)
+	out := make([]int, 0, k)
+	for j := range k {
+		out = append(out, (n-1)-j*n/k)
+	}
+	return out
+}
+
+// waitAll asks every service in idx from ns until each has answered once (or timeout) and
+// returns when the last one first answered, and how many never did.
+func waitAll(ns *netns.NS, idx []int, timeout time.Duration) (time.Time, int) {
+	var mu sync.Mutex
+	var last time.Time
+	var missing atomic.Int32
+	deadline := time.Now().Add(timeout)
+	var wg sync.WaitGroup
+	sem := make(chan struct{}, 64)
+	for _, i := range idx {
+		wg.Go(func() {
+			addr := netip.AddrPortFrom(scaleClusterIP(i), 80).String()
+			for {
+				sem <- struct{}{}
+				_, err := harness.AskTimeout(context.Background(), ns, "tcp", addr, time.Second)
+				<-sem
+				if err == nil {
+					now := time.Now()
+					mu.Lock()
+					if now.After(last) {
+						last = now
+					}
+					mu.Unlock()
+					return
+				}
+				if time.Now().After(deadline) {
+					missing.Add(1)
+					return
+				}
+				time.Sleep(20 * time.Millisecond)
+			}
+		})
+	}
+	wg.Wait()
+	return last, int(missing.Load())
+}
+
+// scrapeMetrics returns the proxy's metrics (name with labels → value).
+func scrapeMetrics(ns *netns.NS) (map[string]float64, error) {
+	hc := &http.Client{Timeout: 10 * time.Second, Transport: &http.Transport{DialContext: ns.DialContext, DisableKeepAlives: true}}
+	resp, err := hc.Get("http://" + scaleMetricsAddr + "/metrics")
+	if err != nil {
+		return nil, err
+	}
+	defer resp.Body.Close()
+	vals := map[string]float64{}
+	sc := bufio.NewScanner(resp.Body)
+	sc.Buffer(make([]byte, 1<<20), 1<<20)
+	for sc.Scan() {
+		line := sc.Text()
+		if strings.HasPrefix(line, "#") {
+			continue
+		}
+		i := strings.LastIndexByte(line, ' ')
+		if i < 0 {
+			continue
+		}
+		v, _ := strconv.ParseFloat(line[i+1:], 64)
+		vals[line[:i]] = v
+	}
+	return vals, sc.Err()
+}
+
+// firstFullSync waits for the first full sync in the metrics and returns its duration.
+func firstFullSync(ns *netns.NS, timeout time.Duration) (time.Duration, error) {
+	deadline := time.Now().Add(timeout)
+	for {
+		m, err := scrapeMetrics(ns)
+		if err == nil && m["kubeproxy_sync_full_proxy_rules_duration_seconds_count"] >= 1 {
+			return time.Duration(m["kubeproxy_sync_full_proxy_rules_duration_seconds_sum"] /
+				m["kubeproxy_sync_full_proxy_rules_duration_seconds_count"] * float64(time.Second)), nil
+		}
+		if time.Now().After(deadline) {
+			return 0, fmt.Errorf("no full sync in the metrics after %v (%v)", timeout, err)
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+}
+
+func procStatusKiB(pid int, field string) (int64, error) {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
+	if err != nil {
+		return 0, err
+	}
+	for _, l := range strings.Split(string(b), "\n") {
+		if v, ok := strings.CutPrefix(l, field+":"); ok {
+			return strconv.ParseInt(strings.TrimSuffix(strings.TrimSpace(v), " kB"), 10, 64)
+		}
+	}
+	return 0, errors.New("no " + field)
+}
+
+func openFDs(pid int) (int, error) {
+	ents, err := os.ReadDir(fmt.Sprintf("/proc/%d/fd", pid))
+	return len(ents), err
+}
+
+// cpuTicks returns utime+stime of pid in clock ticks (1/100 s).
+func cpuTicks(pid int) (float64, error) {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		return 0, err
+	}
+	s := string(b)
+	f := strings.Fields(s[strings.LastIndex(s, ")")+2:])
+	u, _ := strconv.ParseFloat(f[11], 64)
+	k, _ := strconv.ParseFloat(f[12], 64)
+	return u + k, nil
+}
+
+// TestScaleMeasure measures, for each service count in KUP_SCALE_MEASURE, from a manifests
+// directory and iptables portals in a node namespace: process start → every sampled service
+// answering, the first full sync (metric), RSS and open descriptors once serving, idle CPU over
+// KUP_SCALE_CPU_WINDOW (default 30s, the default sync period), and one more service → its first
+// answer (and → the source's log line that it loaded the file, polled every 10 ms); and process start → the manifests source's initial delivery (its log line), the
+// source's share of the start. It logs one MEASURE line per count; it asserts nothing about
+// timing.
+func TestScaleMeasure(t *testing.T) {
+	spec := os.Getenv("KUP_SCALE_MEASURE")
+	if spec == "" {
+		t.Skip("set KUP_SCALE_MEASURE=5000,10000,20000 to measure")
+	}
+	window := 30 * time.Second
+	if w := os.Getenv("KUP_SCALE_CPU_WINDOW"); w != "" {
+		d, err := time.ParseDuration(w)
+		if err != nil {
+			t.Fatal(err)
+		}
+		window = d
+	}
+	var lines []string
+	for _, s := range strings.Split(spec, ",") {
+		n, err := strconv.Atoi(strings.TrimSpace(s))
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Run(strconv.Itoa(n), func(t *testing.T) {
+			lines = append(lines, measureScale(t, n, window))
+		})
+	}
+	for _, l := range lines {
+		t.Log(l)
+	}
+}
+
+func measureScale(t *testing.T, n int, window time.Duration) string {
+	e := newScaleEnv(t, fmt.Sprintf("sm%d", n/1000), n)
+	started := time.Now()
+	p := e.start(t)
+	pid := p.Pid()
+	delivered := watchLog(p, "initial scan delivered", 40*time.Second)
+	last, missing := waitAll(e.node.NS, sampleIndexes(n, 200), 40*time.Second)
+	all := sinceOrNever(started, last)
+	source := sinceOrNever(started, <-delivered)
+	full, err := firstFullSync(e.node.NS, time.Minute)
+	if err != nil {
+		t.Log(err)
+	}
+	time.Sleep(2 * time.Second)
+	rss, _ := procStatusKiB(pid, "VmRSS")
+	fds, _ := openFDs(pid)
+	a, _ := cpuTicks(pid)
+	time.Sleep(window)
+	b, _ := cpuTicks(pid)
+	cpu := (b - a) / window.Seconds() // ticks/s = percent of a core
+	// One more service.
+	writeScaleManifests(t, e.dir, n, n+1, e.pod.IP)
+	added := time.Now()
+	loaded := watchLog(p, fmt.Sprintf("svc-%06d.yaml", n), 30*time.Second) // the source's "manifest file loaded"
+	lastOne, miss1 := waitAll(e.node.NS, []int{n}, 30*time.Second)
+	oneMore := sinceOrNever(added, lastOne)
+	oneLoaded := sinceOrNever(added, <-loaded)
+	m, _ := scrapeMetrics(e.node.NS)
+	line := fmt.Sprintf("MEASURE n=%d start→source-delivered=%v start→all-answering=%v (sample 200, %d never) first-full-sync=%v RSS=%.1fMiB fds=%d idle-CPU=%.2f%% (%v) one-more→answer=%v (missed %d, source loaded it after %v) unservable=%v",
+		n, source.Round(10*time.Millisecond), all.Round(time.Millisecond), missing, full.Round(time.Millisecond), float64(rss)/1024, fds, cpu, window,
+		oneMore.Round(time.Millisecond), miss1, oneLoaded.Round(time.Millisecond), m["kube_userspace_proxy_service_ports_unservable"])
+	t.Log(line)
+	if tail := p.Tail(5); strings.Contains(tail, "panic") {
+		t.Errorf("proxy log:\n%s", tail)
+	}
+	return line
+}
+
+// watchLog looks at p's log every 10 ms until it holds what (or timeout) and sends when it was
+// first seen (zero if never) on the returned channel. The goroutine ends then.
+func watchLog(p *netns.Process, what string, timeout time.Duration) <-chan time.Time {
+	seen := make(chan time.Time, 1)
+	go func() {
+		deadline := time.Now().Add(timeout)
+		for time.Now().Before(deadline) {
+			if strings.Contains(p.Log(), what) {
+				seen <- time.Now()
+				return
+			}
+			time.Sleep(10 * time.Millisecond)
+		}
+		seen <- time.Time{}
+	}()
+	return seen
+}
+
+// sinceOrNever is t-from, or -1 when t is zero (never).
+func sinceOrNever(from, t time.Time) time.Duration {
+	if t.IsZero() {
+		return -1
+	}
+	return t.Sub(from)
+}
+
+// redirectRule is a service's portal rule for traffic from containers (pods).
+var redirectRule = regexp.MustCompile(`^-A KUBE-PORTALS-CONTAINER -d (10\.100\.\d+\.\d+)/32 .*-p tcp .*--dport 80 .*-j REDIRECT --to-ports (\d+)`)
+
+// TestScale runs 10,000 services (one TCP port, one endpoint each) from a manifests directory
+// with iptables portals in a node namespace, and checks that the proxy serves all of them: one
+// portal rule per service port in the nat table (exactly), a listener on each rule's proxy port,
+// and a few hundred services, spread over all of them, answering.
+func TestScale(t *testing.T) {
+	const n = 10000
+	e := newScaleEnv(t, "sc", n)
+	started := time.Now()
+	p := e.start(t)
+	if last, missing := waitAll(e.node.NS, sampleIndexes(n, 300), 90*time.Second); missing > 0 {
+		t.Fatalf("%d of 300 sampled services never answered; log:\n%s", missing, p.Tail(30))
+	} else {
+		t.Logf("300 sampled services answering %v after start", last.Sub(started).Round(time.Millisecond))
+	}
+	// Every service: its portal rule in the nat table, exactly once, and a listener on its port.
+	save := harness.IPTablesSave(t, e.node.NS)
+	ports := map[netip.Addr]int{}
+	for _, line := range strings.Split(save, "\n") {
+		if m := redirectRule.FindStringSubmatch(line); m != nil {
+			ip := netip.MustParseAddr(m[1])
+			if _, dup := ports[ip]; dup {
+				t.Errorf("two redirect rules for %s", ip)
+			}
+			ports[ip], _ = strconv.Atoi(m[2])
+		}
+	}
+	if len(ports) != n {
+		t.Errorf("%d redirect rules, want %d", len(ports), n)
+	}
+	if host := strings.Count(save, "\n-A KUBE-PORTALS-HOST -d 10.100."); host != n {
+		t.Errorf("%d rules for the node's own traffic (KUBE-PORTALS-HOST), want %d", host, n)
+	}
+	listening := listeningTCPPorts(t, e.node.NS)
+	missing := 0
+	for i := range n {
+		port, ok := ports[scaleClusterIP(i)]
+		switch {
+		case !ok:
+			missing++
+			if missing <= 10 {
+				t.Errorf("service %d (%s): no redirect rule", i, scaleClusterIP(i))
+			}
+		case !listening[port]:
+			missing++
+			if missing <= 10 {
+				t.Errorf("service %d (%s): nothing listens on its proxy port %d", i, scaleClusterIP(i), port)
+			}
+		}
+	}
+	if missing > 0 {
+		t.Errorf("%d of %d services not programmed", missing, n)
+	}
+}
+
+// listeningTCPPorts returns the TCP ports listened on in ns (from /proc/net/tcp and tcp6 as seen
+// by a process in the namespace).
+func listeningTCPPorts(t *testing.T, ns *netns.NS) map[int]bool {
+	t.Helper()
+	out := map[int]bool{}
+	for _, f := range []string{"/proc/net/tcp", "/proc/net/tcp6"} {
+		text := ns.Run(t, "cat", f)
+		for _, line := range strings.Split(text, "\n")[1:] {
+			fs := strings.Fields(line)
+			if len(fs) < 4 || fs[3] != "0A" { // TCP_LISTEN
+				continue
+			}
+			_, hexPort, _ := strings.Cut(fs[1], ":")
+			if i := strings.LastIndexByte(fs[1], ':'); i >= 0 {
+				hexPort = fs[1][i+1:]
+			}
+			port, err := strconv.ParseInt(hexPort, 16, 32)
+			if err == nil {
+				out[int(port)] = true
+			}
+		}
+	}
+	return out
+}
