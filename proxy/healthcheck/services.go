@@ -1,6 +1,7 @@
 package healthcheck
 
 import (
+	"context"
 	"fmt"
 	"net"
 	"net/http"
@@ -254,6 +255,21 @@ func (s *Services) Ports() map[types.NamespacedName]int {
 		out[name] = inst.port
 	}
 	return out
+}
+
+// Shutdown stops every server like Close, gracefully: all stop accepting at once, and the
+// requests in progress finish (until ctx ends, when the rest are cut). For a hand-over: the
+// successor serves on the same sockets.
+func (s *Services) Shutdown(ctx context.Context) error {
+	s.mu.Lock()
+	s.closed = true
+	var srvs []*httpserve.Server
+	for name, inst := range s.services {
+		srvs = append(srvs, inst.servers...)
+		delete(s.services, name)
+	}
+	s.mu.Unlock()
+	return httpserve.ShutdownAll(ctx, srvs...)
 }
 
 // Close stops every server and waits for them; later Syncs do nothing.

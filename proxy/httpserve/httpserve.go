@@ -23,6 +23,7 @@ package httpserve
 
 import (
 	"container/list"
+	"context"
 	"errors"
 	"fmt"
 	stdlog "log"
@@ -165,6 +166,34 @@ func (s *Server) Close() error {
 		}
 	})
 	return s.closeErr
+}
+
+// Shutdown stops accepting (closing the listener, so a socket shared with another process
+// keeps its waiting connections for that process), lets the requests in progress finish, then
+// closes like Close. When ctx ends first, the remaining connections are closed at once.
+func (s *Server) Shutdown(ctx context.Context) error {
+	err := s.http.Shutdown(ctx)
+	if errors.Is(err, http.ErrServerClosed) {
+		err = nil // closed before
+	}
+	if cerr := s.Close(); cerr != nil && !errors.Is(cerr, net.ErrClosed) {
+		err = errors.Join(err, cerr)
+	}
+	if err != nil {
+		return fmt.Errorf("shut down the HTTP server on %s: %w", s.addr, err)
+	}
+	return nil
+}
+
+// ShutdownAll shuts the servers down at once (see Shutdown) and returns their errors, joined.
+func ShutdownAll(ctx context.Context, srvs ...*Server) error {
+	errs := make([]error, len(srvs))
+	var wg sync.WaitGroup
+	for i, srv := range srvs {
+		wg.Go(func() { errs[i] = srv.Shutdown(ctx) })
+	}
+	wg.Wait()
+	return errors.Join(errs...)
 }
 
 func (s *Server) connState(c net.Conn, st http.ConnState) {

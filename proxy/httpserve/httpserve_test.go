@@ -343,3 +343,81 @@ func TestAdmitPolicy(t *testing.T) {
 		}
 	})
 }
+
+// Shutdown, as after a hand-over: the request in progress finishes, and a connection that
+// arrives meanwhile waits in the shared socket's backlog for the successor serving another
+// descriptor of the same socket, rather than being taken and cut.
+func TestShutdownHandsWaitingConnectionsOn(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	f, err := ln.(*net.TCPListener).File() // the successor's copy of the socket
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := ln.Addr().String()
+	inHandler, release := make(chan struct{}), make(chan struct{})
+	slow := http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
+		close(inHandler)
+		<-release
+		io.WriteString(w, "old")
+	})
+	old := Serve(ln, Options{Handler: slow, Log: zerolog.Nop()})
+	t.Cleanup(func() { _ = old.Close() })
+
+	inFlight, err := net.Dial("tcp", addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer inFlight.Close()
+	answered := make(chan error, 1)
+	go func() {
+		_ = inFlight.SetDeadline(time.Now().Add(httpservetest.WaitTimeout))
+		if _, err := io.WriteString(inFlight, "GET / HTTP/1.1\r\nHost: test\r\n\r\n"); err != nil {
+			answered <- err
+			return
+		}
+		resp, err := http.ReadResponse(bufio.NewReader(inFlight), nil)
+		if err == nil {
+			resp.Body.Close()
+			if resp.StatusCode != 200 {
+				err = fmt.Errorf("status %d", resp.StatusCode)
+			}
+		}
+		answered <- err
+	}()
+	<-inHandler
+	shutdown := make(chan error, 1)
+	go func() { shutdown <- old.Shutdown(t.Context()) }()
+	// Shutdown closes the old server's listener first thing: wait for that (a closed listener's
+	// descriptor refuses SetDeadline).
+	for deadline := time.Now().Add(httpservetest.WaitTimeout); ln.(*net.TCPListener).SetDeadline(time.Time{}) == nil; {
+		if time.Now().After(deadline) {
+			t.Fatal("Shutdown did not close the listener")
+		}
+		time.Sleep(time.Millisecond)
+	}
+	waiting, err := net.Dial("tcp", addr)
+	if err != nil {
+		t.Fatalf("a new connection during the shutdown: %v (the socket must stay listening)", err)
+	}
+	defer waiting.Close()
+
+	close(release)
+	if err := <-answered; err != nil {
+		t.Errorf("the request in progress: %v", err)
+	}
+	if err := <-shutdown; err != nil {
+		t.Errorf("Shutdown: %v", err)
+	}
+	// The successor serves the other descriptor: the waiting connection is answered.
+	lnf, err := net.FileListener(f)
+	f.Close()
+	if err != nil {
+		t.Fatal(err)
+	}
+	succ := Serve(lnf, Options{Handler: ok, Log: zerolog.Nop()})
+	t.Cleanup(func() { _ = succ.Close() })
+	request(t, waiting)
+}

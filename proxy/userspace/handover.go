@@ -381,8 +381,8 @@ func (p *Proxier) dropInheritedLocked() {
 	}
 }
 
-// openInherited serves the listener on the socket handed over for it, with its connections
-// and sessions; on error it closes them and the caller opens a new socket.
+// openInherited takes the socket handed over for the listener, and keeps its connections and
+// sessions for start; on error it closes them and the caller opens a new socket.
 func (l *listener) openInherited(cfg *listenConfig, in *inherited, metrics forward.Metrics) error {
 	sp := l.choose.sp.Load()
 	if sp.Protocol == v1.ProtocolUDP {
@@ -392,12 +392,8 @@ func (l *listener) openInherited(cfg *listenConfig, in *inherited, metrics forwa
 			return err
 		}
 		l.udp = l.newUDP(cfg, conn, metrics)
-		if err := l.udp.Adopt(in.sessions); err != nil {
-			l.udp, _ = nil, conn.Close()
-			return err
-		}
+		l.adoptUDP = in.sessions
 		l.proxyPort = in.proxyPort
-		l.serve(l.udp, sp.Protocol)
 		return nil
 	}
 	ln, err := forward.TCPListenerFromFile(in.sock)
@@ -406,12 +402,8 @@ func (l *listener) openInherited(cfg *listenConfig, in *inherited, metrics forwa
 		return err
 	}
 	l.tcp = l.newTCP(cfg, ln, metrics)
-	if err := l.tcp.Adopt(in.conns); err != nil {
-		l.tcp, _ = nil, ln.Close()
-		return err
-	}
+	l.adoptTCP = in.conns
 	l.proxyPort = in.proxyPort
-	l.serve(l.tcp, sp.Protocol)
 	return nil
 }
 

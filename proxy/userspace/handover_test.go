@@ -191,3 +191,60 @@ func withAffinity() svcOpt {
 func netipLoopback(port int) netip.AddrPort {
 	return netip.AddrPortFrom(netip.MustParseAddr("127.0.0.1"), uint16(port))
 }
+
+// A handed-over listener starts accepting only once the balancer has its endpoints: the rules
+// lead to its socket all along, and a connection that waited in the backlog during the hand-over
+// (or an adopted one still to be dialled) would otherwise meet a port without endpoints and be
+// reset. Connections queued while the old proxier was frozen are all answered.
+func TestAdoptedListenerStartsWithEndpoints(t *testing.T) {
+	a, b := startBackend(t, "a"), startBackend(t, "b")
+	old := newTestProxier(t, Options{})
+	feed(old, a, b)
+	old.Sync()
+	port := proxyPort(t, old, echoTCP)
+	recs, err := old.Freeze(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Connections made while nobody accepts wait in the listening socket's backlog.
+	const queued = 8
+	conns := make([]net.Conn, 0, queued)
+	for i := range queued {
+		c, err := net.DialTimeout("tcp", fmt.Sprintf("127.0.0.1:%d", port), 2*time.Second)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer c.Close()
+		if _, err := fmt.Fprintf(c, "q%d\n", i); err != nil {
+			t.Fatal(err)
+		}
+		conns = append(conns, c)
+	}
+
+	successor := newTestProxier(t, Options{})
+	feed(successor, a, b)
+	successor.Adopt(recs)
+	old.Release()
+	started := 0
+	successor.listen.testHookServe = func(l *listener) {
+		started++
+		sp := l.choose.sp.Load()
+		if av := successor.lb.Availability(sp.Name); !av.Any {
+			t.Errorf("listener of %s starts serving before the balancer has its endpoints", sp.Name)
+		}
+	}
+	successor.Sync()
+	if started == 0 {
+		t.Fatal("no listener started: the hook proves nothing")
+	}
+	if got := proxyPort(t, successor, echoTCP); got != port {
+		t.Fatalf("proxy port %d after the hand-over, %d before", got, port)
+	}
+	for i, c := range conns {
+		_ = c.SetDeadline(time.Now().Add(5 * time.Second))
+		got, err := bufio.NewReader(c).ReadString('\n')
+		if err != nil || !strings.HasSuffix(got, fmt.Sprintf("q%d\n", i)) {
+			t.Errorf("connection %d, queued during the hand-over: %q, %v", i, got, err)
+		}
+	}
+}

@@ -83,4 +83,6 @@ type listenConfig struct {
 	maxSessions int
 	idleTimeout time.Duration
 	preferred   PreferredPorts // nil: none
+	// testHookServe, when set, is called as a listener starts serving (tests).
+	testHookServe func(*listener)
 }

@@ -51,7 +51,12 @@ type listener struct {
 	inherit *inherited
 	tcp     *forward.TCPProxy
 	udp     *forward.UDPProxy
-	served  sync.WaitGroup // the Serve goroutine
+	// adoptTCP and adoptUDP are the handed-over connections and sessions of a listener open
+	// yet not started: start adopts them.
+	adoptTCP []forward.TCPConnState
+	adoptUDP []forward.UDPSessionState
+	started  bool
+	served   sync.WaitGroup // the Serve goroutine
 }
 
 func (l *listener) protocol() v1.Protocol { return l.choose.sp.Load().Protocol }
@@ -121,8 +126,8 @@ func proxyProtocol(v proxy.ProxyProtocol) forward.ProxyProtocol {
 	return forward.ProxyProtocolNone
 }
 
-// open allocates a proxy port (the preferred one if it can), opens the listener and starts
-// serving it.
+// open allocates a proxy port (the preferred one if it can) and opens the listening socket;
+// start then serves it.
 func (l *listener) open(cfg *listenConfig) error {
 	sp := l.choose.sp.Load()
 	var metrics forward.Metrics
@@ -168,7 +173,7 @@ func (l *listener) open(cfg *listenConfig) error {
 	return fmt.Errorf("open proxy listener for %s: %d ports tried: %w", sp, attempts, lastErr)
 }
 
-// listen opens the listening socket of the port on bind:port and starts serving it.
+// listen opens the listening socket of the port on bind:port.
 func (l *listener) listen(proto v1.Protocol, cfg *listenConfig, port int, metrics forward.Metrics) error {
 	bind := cfg.bind
 	addr := listenAddr(bind, port)
@@ -179,7 +184,6 @@ func (l *listener) listen(proto v1.Protocol, cfg *listenConfig, port int, metric
 		}
 		l.proxyPort = conn.LocalAddr().(*net.UDPAddr).Port
 		l.udp = l.newUDP(cfg, conn, metrics)
-		l.serve(l.udp, proto)
 		return nil
 	}
 	ln, err := forward.ListenTCP(network("tcp", bind), net.TCPAddrFromAddrPort(addr))
@@ -188,8 +192,38 @@ func (l *listener) listen(proto v1.Protocol, cfg *listenConfig, port int, metric
 	}
 	l.proxyPort = ln.Addr().(*net.TCPAddr).Port
 	l.tcp = l.newTCP(cfg, ln, metrics)
-	l.serve(l.tcp, proto)
 	return nil
+}
+
+// start adopts what was handed over for an open listener and starts serving it. open leaves
+// this to start so that the sync can hand the port's endpoints to the balancer in between: the
+// rules may lead to the socket already (a handed-over listener, or the proxy port of an earlier
+// run), and a connection waiting in its backlog, or an adopted one still to be dialled, would
+// otherwise meet a balancer without endpoints and be reset.
+func (l *listener) start(cfg *listenConfig) {
+	if l.started || !l.isOpen() {
+		return
+	}
+	l.started = true
+	if cfg.testHookServe != nil {
+		cfg.testHookServe(l)
+	}
+	switch {
+	case l.tcp != nil:
+		conns := l.adoptTCP
+		l.adoptTCP = nil
+		if err := l.tcp.Adopt(conns); err != nil {
+			l.log.Error().Err(err).Msg("handed-over connections not adopted; the others go on")
+		}
+		l.serve(l.tcp, v1.ProtocolTCP)
+	case l.udp != nil:
+		sessions := l.adoptUDP
+		l.adoptUDP = nil
+		if err := l.udp.Adopt(sessions); err != nil {
+			l.log.Error().Err(err).Msg("handed-over UDP sessions not adopted; the others go on")
+		}
+		l.serve(l.udp, v1.ProtocolUDP)
+	}
 }
 
 func (l *listener) newUDP(cfg *listenConfig, conn *net.UDPConn, metrics forward.Metrics) *forward.UDPProxy {
@@ -229,6 +263,14 @@ func (l *listener) endpointsChanged(eps []proxy.Endpoint) {
 
 // stopAccepting closes the listening socket; established TCP connections go on.
 func (l *listener) stopAccepting() {
+	for _, c := range l.adoptTCP { // open, never started: nobody adopted them
+		resetFile(c.Client)
+		resetFile(c.Backend)
+	}
+	for _, s := range l.adoptUDP {
+		_ = s.Backend.Close()
+	}
+	l.adoptTCP, l.adoptUDP = nil, nil
 	var err error
 	switch {
 	case l.tcp != nil:
@@ -269,7 +311,7 @@ func (l *listener) release(alloc *portalloc.Allocator) {
 	if l.proxyPort != 0 {
 		alloc.Release(l.proxyPort)
 	}
-	l.proxyPort, l.tcp, l.udp = 0, nil, nil
+	l.proxyPort, l.tcp, l.udp, l.started = 0, nil, nil, false
 }
 
 func listenAddr(bind netip.Addr, port int) netip.AddrPort {

@@ -278,7 +278,8 @@ func (p *Proxier) sync(periodic bool) {
 		return
 	}
 	dirty := p.applyLocked(&ch)
-	res.Unservable = p.openPendingLocked(dirty)
+	var opened []*listener
+	res.Unservable, opened = p.openPendingLocked(dirty)
 	self := p.selfAddrsLocked(node)
 	if periodic && (p.recheckGen != p.gen || !slices.Equal(p.recheckNode, node.List())) {
 		// Endpoints are checked against the proxy's own addresses only when their service
@@ -291,6 +292,9 @@ func (p *Proxier) sync(periodic bool) {
 	}
 	for svc := range dirty {
 		p.refreshServiceLocked(svc, self)
+	}
+	for _, l := range opened { // now that the balancer knows their endpoints
+		l.start(&p.listen)
 	}
 	p.lb.Sweep()
 	res.Ports = p.portStatesLocked()
@@ -426,9 +430,10 @@ func (p *Proxier) Budget() *forward.Budget { return p.budget }
 
 // openPendingLocked opens the listeners of the dirty services that are not open yet (every
 // listener not open is dirty), as many as the descriptor limit leaves room for, in the order of
-// their names, and returns how many it left closed for lack of descriptors. Their portals
-// reject; they are opened once descriptors free up.
-func (p *Proxier) openPendingLocked(dirty map[types.NamespacedName]bool) int {
+// their names, and returns how many it left closed for lack of descriptors (their portals
+// reject; they are opened once descriptors free up) and the listeners it opened, which the
+// caller starts once their endpoints are in the balancer.
+func (p *Proxier) openPendingLocked(dirty map[types.NamespacedName]bool) (int, []*listener) {
 	var pending []*listener
 	for svc := range dirty {
 		for _, l := range p.bySvc[svc] {
@@ -439,7 +444,7 @@ func (p *Proxier) openPendingLocked(dirty map[types.NamespacedName]bool) int {
 	}
 	if len(pending) == 0 {
 		p.noteUnservableLocked(nil)
-		return 0
+		return 0, nil
 	}
 	names := make(map[*listener]string, len(pending))
 	for _, l := range pending {
@@ -456,9 +461,9 @@ func (p *Proxier) openPendingLocked(dirty map[types.NamespacedName]bool) int {
 			over = append(over, l)
 		}
 	}
-	p.openAllLocked(open)
+	opened := p.openAllLocked(open)
 	p.noteUnservableLocked(over)
-	return len(over)
+	return len(over), opened
 }
 
 // listenerFDs is what a listener holds: its socket, and for UDP a conntrack socket.
@@ -485,9 +490,9 @@ func (p *Proxier) listenerRoomLocked() int {
 	return max(room, 0)
 }
 
-// openAllLocked opens ls, on a few goroutines: the socket calls of 10,000 listeners take about
-// half a second on one core.
-func (p *Proxier) openAllLocked(ls []*listener) {
+// openAllLocked opens ls, on a few goroutines (the socket calls of 10,000 listeners take about
+// half a second on one core), and returns those it opened.
+func (p *Proxier) openAllLocked(ls []*listener) []*listener {
 	p.takeInheritedLocked(ls)
 	var opened atomic.Int64
 	workers := min(runtime.GOMAXPROCS(0), (len(ls)+63)/64)
@@ -511,6 +516,13 @@ func (p *Proxier) openAllLocked(ls []*listener) {
 		p.gen++
 		p.log.Info().Int64("listeners", n).Int("servicePorts", len(p.ports)).Msg("opened proxy listeners")
 	}
+	out := make([]*listener, 0, opened.Load())
+	for _, l := range ls {
+		if l.isOpen() && !l.started {
+			out = append(out, l)
+		}
+	}
+	return out
 }
 
 // noteUnservableLocked logs the service ports the descriptor limit leaves without a listener:

@@ -234,14 +234,16 @@ func Run(ctx context.Context, opts *Options, v *Validated, log zerolog.Logger) e
 		}
 	case <-handedOver:
 		handed = true
+		// The servers' sockets are the successor's now: stop accepting on them at once, and
+		// finish what they accepted.
+		srv.handedOver.Store(true)
+		stopServers()
 	}
 	stopSource()
 	stopProxy()
 	<-proxyDone
 	if handed {
-		// Everything lives on in the successor: no portal is removed, no connection cut. The
-		// servers' sockets are the successor's now: stop answering on them.
-		stopServers()
+		// Everything lives on in the successor: no portal is removed, no connection cut.
 		<-serversDone
 		if !opts.HandoverExit && ctx.Err() == nil {
 			log.Info().Msg("handed over to the successor; waiting for SIGTERM, serving nothing (--handover-exit=false)")

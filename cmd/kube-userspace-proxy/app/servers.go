@@ -3,6 +3,7 @@ package app
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"net"
 	"net/http"
@@ -10,6 +11,7 @@ import (
 	"os"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/rs/zerolog"
@@ -43,6 +45,9 @@ type servers struct {
 	healthzAddr, metricsAddr string
 	// Listeners opened by listen, so bind errors are reported at startup; nil when disabled.
 	healthzLn, metricsLn net.Listener
+
+	// handedOver makes run finish gracefully: set when the successor took the sockets.
+	handedOver atomic.Bool
 
 	dropInherited sync.Once
 	mu            sync.Mutex // guards inherited
@@ -258,6 +263,17 @@ func (s *servers) run(ctx context.Context) {
 	serve(s.metricsLn, mux, "metrics")
 
 	<-ctx.Done()
+	if s.handedOver.Load() {
+		// The successor serves on the same sockets: stop accepting on them all at once and
+		// finish the requests already accepted, rather than cutting them.
+		sctx, cancel := context.WithTimeout(context.Background(), handoverDrain)
+		defer cancel()
+		err := errors.Join(httpserve.ShutdownAll(sctx, hs...), s.services.Shutdown(sctx))
+		if err != nil {
+			s.log.Warn().Err(err).Msg("finishing the requests in progress after the hand-over")
+		}
+		return
+	}
 	for _, srv := range hs {
 		if err := srv.Close(); err != nil {
 			s.log.Warn().Err(err).Msg("closing a server")
@@ -265,6 +281,10 @@ func (s *servers) run(ctx context.Context) {
 	}
 	s.services.Close()
 }
+
+// handoverDrain bounds how long the servers of a proxy that handed over finish the requests
+// they accepted before letting go.
+const handoverDrain = 5 * time.Second
 
 func (s *servers) closeListeners() {
 	s.mu.Lock()
