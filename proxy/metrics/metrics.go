@@ -64,6 +64,18 @@ const (
 	ServicePortsUnservable     = "kube_userspace_proxy_service_ports_unservable"
 	ServicePortsTotal          = "kube_userspace_proxy_service_ports"
 	AffinityEvictedTotal       = "kube_userspace_proxy_affinity_entries_evicted_total"
+	HandoversTotal             = "kube_userspace_proxy_handovers_total"
+	HandoverDuration           = "kube_userspace_proxy_handover_duration_seconds"
+	HandoverRecordsTotal       = "kube_userspace_proxy_handover_records_total"
+)
+
+// The roles and results of hand-overs (Handover).
+const (
+	HandoverSuccessor   = "successor"   // this process took over from a running proxy
+	HandoverPredecessor = "predecessor" // this process handed over to a successor
+	HandoverCompleted   = "completed"
+	HandoverFailed      = "failed"  // nothing moved: the predecessor serves on
+	HandoverRefused     = "refused" // no common protocol version: the successor restarts instead
 )
 
 // portLabels are the labels of every traffic series.
@@ -105,6 +117,10 @@ type Metrics struct {
 	refused, evicted    *prometheus.CounterVec
 	localEndpointsGauge *prometheus.GaugeVec
 	affinityEvicted     *prometheus.CounterVec
+
+	handovers        *prometheus.CounterVec
+	handoverDuration *prometheus.HistogramVec
+	handoverRecords  *prometheus.CounterVec
 
 	unservable prometheus.Gauge
 
@@ -176,14 +192,37 @@ func New(opts Options) *Metrics {
 	m.localEndpointsGauge = gauge(ServicePortsLocalEndpoints, "Endpoints on this node that Local external traffic may use, per service port")
 	m.affinityEvicted = counter(AffinityEvictedTotal, "ClientIP session affinity entries evicted because the service port had as many as it may keep (the least recently used client forgets its endpoint), per service port")
 
+	m.handovers = prometheus.NewCounterVec(prometheus.CounterOpts{Name: HandoversTotal,
+		Help: "Hand-overs this process took part in, by role (successor: it took over; predecessor: it handed over) and result (completed, failed, refused)"}, []string{"role", "result"})
+	m.handoverDuration = prometheus.NewHistogramVec(prometheus.HistogramOpts{Name: HandoverDuration,
+		Help:    "Duration of completed hand-overs in seconds, by role: the successor's from its hello to the predecessor's release, the predecessor's from its freeze to its release",
+		Buckets: prometheus.ExponentialBuckets(0.001, 2, 15)}, []string{"role"})
+	m.handoverRecords = prometheus.NewCounterVec(prometheus.CounterOpts{Name: HandoverRecordsTotal,
+		Help: "What completed hand-overs moved, by role and kind (listener, tcp-conn, udp-session, held-port, affinity, server)"}, []string{"role", "kind"})
+
 	m.reg.MustRegister(m.syncDuration, m.syncFull, m.syncPartial, m.syncLast, m.queuedLast, m.serviceChanges, m.endpointChanges,
 		m.netProg, m.syncFailures, m.ports, m.unservable,
 		m.accepted, m.active, m.failed, m.bytesTo, m.bytesFrom, m.dialFailures, m.udpOpened, m.udpActive,
-		m.dropped, m.refused, m.evicted, m.localEndpointsGauge, m.affinityEvicted)
+		m.dropped, m.refused, m.evicted, m.localEndpointsGauge, m.affinityEvicted,
+		m.handovers, m.handoverDuration, m.handoverRecords)
 	if !opts.NoRuntimeCollectors {
 		m.reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	}
 	return m
+}
+
+// Handover records a hand-over this process took part in: its role (HandoverSuccessor or
+// HandoverPredecessor), its result (HandoverCompleted, HandoverFailed, HandoverRefused), and for
+// a completed one its duration and the records it moved, by kind.
+func (m *Metrics) Handover(role, result string, took time.Duration, records map[string]int) {
+	m.handovers.WithLabelValues(role, result).Inc()
+	if result != HandoverCompleted {
+		return
+	}
+	m.handoverDuration.WithLabelValues(role).Observe(took.Seconds())
+	for kind, n := range records {
+		m.handoverRecords.WithLabelValues(role, kind).Add(float64(n))
+	}
 }
 
 // DataPathDescriptors is the gauge of the data path's descriptor budget.

@@ -302,3 +302,30 @@ func TestReleasedLeaveGauges(t *testing.T) {
 		t.Errorf("%s = %v (%v), want 0", UDPSessionsActive, v, ok)
 	}
 }
+
+// TestHandover: a completed hand-over counts with its duration and records; a failed one counts
+// only as failed.
+func TestHandover(t *testing.T) {
+	m := New(Options{NoRuntimeCollectors: true})
+	m.Handover(HandoverSuccessor, HandoverCompleted, 300*time.Millisecond, map[string]int{"tcp-conn": 20, "listener": 3})
+	m.Handover(HandoverSuccessor, HandoverFailed, time.Second, map[string]int{"tcp-conn": 7})
+	fams := scrape(t, m)
+	for _, c := range []struct {
+		name   string
+		labels map[string]string
+		want   float64
+	}{
+		{HandoversTotal, map[string]string{"role": "successor", "result": "completed"}, 1},
+		{HandoversTotal, map[string]string{"role": "successor", "result": "failed"}, 1},
+		{HandoverRecordsTotal, map[string]string{"role": "successor", "kind": "tcp-conn"}, 20},
+		{HandoverRecordsTotal, map[string]string{"role": "successor", "kind": "listener"}, 3},
+		{HandoverDuration, map[string]string{"role": "successor"}, 1}, // a histogram's sample count
+	} {
+		if got, ok := fams.Value(c.name, c.labels); !ok || got != c.want {
+			t.Errorf("%s%v = %v (present %v), want %v", c.name, c.labels, got, ok, c.want)
+		}
+	}
+	if _, ok := fams.Value(HandoversTotal, map[string]string{"role": "predecessor", "result": "completed"}); ok {
+		t.Errorf("%s has a predecessor series though this process never handed over", HandoversTotal)
+	}
+}

@@ -69,10 +69,10 @@ func handoverPods(t *testing.T, n *netns.Network, node *netns.Node) []*netns.Pod
 func testHandover(t *testing.T, node *netns.Node, clientPod *netns.Pod, base harness.ProxyConfig, webTCP, webUDP string) {
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
-	const healthz = "127.0.0.1:10256"
+	const healthz, metricsAddr = "127.0.0.1:10256", "127.0.0.1:10249"
 	cfg := base
 	cfg.NodeName = nodeName
-	cfg.HealthzBindAddress = healthz
+	cfg.HealthzBindAddress, cfg.MetricsBindAddress = healthz, metricsAddr
 	cfg.Args = []string{"--iptables-sync-period=" + syncPeriod.String(), "--iptables-min-sync-period=100ms"}
 	cfg.Ready = func(ctx context.Context) error {
 		_, err := harness.Ask(ctx, clientPod.NS, "tcp", webTCP)
@@ -132,6 +132,24 @@ func testHandover(t *testing.T, node *netns.Node, clientPod *netns.Pod, base har
 	}
 	if !strings.Contains(second.Log(), "adopted what the predecessor handed over") {
 		t.Errorf("the second proxy's log does not say it adopted anything:\n%s", second.Tail(30))
+	}
+
+	// The successor's metrics say what moved (the metrics socket is the one handed over).
+	if m, err := scrapeMetrics(node.NS, metricsAddr); err != nil {
+		t.Errorf("scraping the second proxy's metrics: %v", err)
+	} else {
+		if got := m[`kube_userspace_proxy_handovers_total{result="completed",role="successor"}`]; got != 1 {
+			t.Errorf("the second proxy counts %v completed hand-overs as successor, want 1", got)
+		}
+		for _, kind := range []string{"listener", "tcp-conn", "udp-session", "server"} {
+			if got := m[`kube_userspace_proxy_handover_records_total{kind="`+kind+`",role="successor"}`]; got < 1 {
+				t.Errorf("the second proxy counts %v handed-over records of kind %s, want ≥ 1", got, kind)
+			}
+		}
+		t.Logf("MEASURE hand-over duration (successor's hello to release): %.3fs; TCP connections moved: %v, UDP sessions: %v",
+			m[`kube_userspace_proxy_handover_duration_seconds_sum{role="successor"}`],
+			m[`kube_userspace_proxy_handover_records_total{kind="tcp-conn",role="successor"}`],
+			m[`kube_userspace_proxy_handover_records_total{kind="udp-session",role="successor"}`])
 	}
 
 	time.Sleep(500 * time.Millisecond) // traffic after the hand-over

@@ -164,10 +164,11 @@ func waitAll(ns *netns.NS, idx []int, timeout time.Duration) (time.Time, int) {
 	return last, int(missing.Load())
 }
 
-// scrapeMetrics returns the proxy's metrics (name with labels → value).
-func scrapeMetrics(ns *netns.NS) (map[string]float64, error) {
+// scrapeMetrics returns the metrics the proxy serves on addr in ns (name with labels → value;
+// labels sorted by name, as the exposition writes them).
+func scrapeMetrics(ns *netns.NS, addr string) (map[string]float64, error) {
 	hc := &http.Client{Timeout: 10 * time.Second, Transport: &http.Transport{DialContext: ns.DialContext, DisableKeepAlives: true}}
-	resp, err := hc.Get("http://" + scaleMetricsAddr + "/metrics")
+	resp, err := hc.Get("http://" + addr + "/metrics")
 	if err != nil {
 		return nil, err
 	}
@@ -194,7 +195,7 @@ func scrapeMetrics(ns *netns.NS) (map[string]float64, error) {
 func firstFullSync(ns *netns.NS, timeout time.Duration) (time.Duration, error) {
 	deadline := time.Now().Add(timeout)
 	for {
-		m, err := scrapeMetrics(ns)
+		m, err := scrapeMetrics(ns, scaleMetricsAddr)
 		if err == nil && m["kubeproxy_sync_full_proxy_rules_duration_seconds_count"] >= 1 {
 			return time.Duration(m["kubeproxy_sync_full_proxy_rules_duration_seconds_sum"] /
 				m["kubeproxy_sync_full_proxy_rules_duration_seconds_count"] * float64(time.Second)), nil
@@ -299,7 +300,7 @@ func measureScale(t *testing.T, n int, window time.Duration) string {
 	lastOne, miss1 := waitAll(e.node.NS, []int{n}, 30*time.Second)
 	oneMore := sinceOrNever(added, lastOne)
 	oneLoaded := sinceOrNever(added, <-loaded)
-	m, _ := scrapeMetrics(e.node.NS)
+	m, _ := scrapeMetrics(e.node.NS, scaleMetricsAddr)
 	line := fmt.Sprintf("MEASURE n=%d start→source-delivered=%v start→all-answering=%v (sample 200, %d never) first-full-sync=%v RSS=%.1fMiB fds=%d idle-CPU=%.2f%% (%v) one-more→answer=%v (missed %d, source loaded it after %v) unservable=%v",
 		n, source.Round(10*time.Millisecond), all.Round(time.Millisecond), missing, full.Round(time.Millisecond), float64(rss)/1024, fds, cpu, window,
 		oneMore.Round(time.Millisecond), miss1, oneLoaded.Round(time.Millisecond), m["kube_userspace_proxy_service_ports_unservable"])

@@ -7,6 +7,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strings"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -25,6 +26,9 @@ type Process struct {
 	logPath string
 	done    chan struct{} // closed when the process has exited and been reaped
 	err     error         // the Wait result; read only after done is closed
+	// goDump (DumpGoroutinesOnFailure): a failed test's cleanup makes the process, a Go program,
+	// dump its goroutines (SIGQUIT) and shows a digest of them.
+	goDump atomic.Bool
 }
 
 // Start starts a long-running command inside the namespace (through `ip netns exec`) in a
@@ -59,9 +63,16 @@ func (ns *NS) Start(t testing.TB, args ...string) *Process {
 	ns.procs = append(ns.procs, p)
 	ns.mu.Unlock()
 	t.Cleanup(func() {
+		digest := ""
+		if t.Failed() && p.goDump.Load() {
+			digest = p.quitAndDigest()
+		}
 		p.Stop()
 		if t.Failed() {
 			t.Logf("netns: last lines of %s (%q in %s):\n%s", filepath.Base(p.logPath), p.args, ns.name, p.Tail(tailLines))
+		}
+		if digest != "" {
+			t.Logf("netns: goroutines of %q in %s when the test failed (one line each: state, then its innermost frames of this module):\n%s", p.args, ns.name, digest)
 		}
 	})
 	return p
@@ -85,6 +96,70 @@ func (p *Process) Done() <-chan struct{} { return p.done }
 
 // Err returns how the process exited (see exec.Cmd.Wait). Call it only after Done is closed.
 func (p *Process) Err() error { return p.err }
+
+// DumpGoroutinesOnFailure marks the process as a Go program whose goroutines a failed test
+// wants to see: the cleanup sends it SIGQUIT (the Go runtime prints every goroutine's stack and
+// exits), then logs a digest, which shows where a hung process is stuck.
+func (p *Process) DumpGoroutinesOnFailure() { p.goDump.Store(true) }
+
+// quitAndDigest sends a running process SIGQUIT, waits for it to exit, and returns a digest of
+// the goroutine dump it printed ("" when it was not running or printed none).
+func (p *Process) quitAndDigest() string {
+	select {
+	case <-p.done:
+		return ""
+	default:
+	}
+	before := len(p.Log())
+	if err := syscall.Kill(p.cmd.Process.Pid, syscall.SIGQUIT); err != nil {
+		return ""
+	}
+	select {
+	case <-p.done:
+	case <-time.After(5 * time.Second):
+	}
+	log := p.Log()
+	if len(log) < before {
+		return ""
+	}
+	return goroutineDigest(log[before:], modulePath)
+}
+
+// modulePath prefixes the frames of this module in a goroutine dump.
+const modulePath = "github.com/kube-userspace-proxy/kube-userspace-proxy/"
+
+// goroutineDigest turns a Go goroutine dump into one line per goroutine: its header ("goroutine
+// 7 [semacquire, 2 minutes]") and its three innermost frames in module (function names only).
+// Goroutines with no such frame (the runtime's, client-go's own) are counted, not shown.
+func goroutineDigest(dump, module string) string {
+	var out []string
+	others := 0
+	for _, block := range strings.Split(dump, "\n\n") {
+		lines := strings.Split(strings.TrimSpace(block), "\n")
+		if len(lines) == 0 || !strings.HasPrefix(lines[0], "goroutine ") {
+			continue
+		}
+		var frames []string
+		for _, l := range lines[1:] {
+			if strings.HasPrefix(l, module) && len(frames) < 3 {
+				fn := strings.TrimPrefix(l, module)
+				if i := strings.LastIndexByte(fn, '('); i > 0 {
+					fn = fn[:i]
+				}
+				frames = append(frames, fn)
+			}
+		}
+		if len(frames) == 0 {
+			others++
+			continue
+		}
+		out = append(out, strings.TrimSuffix(lines[0], ":")+" "+strings.Join(frames, " < "))
+	}
+	if len(out) == 0 {
+		return ""
+	}
+	return strings.Join(out, "\n") + fmt.Sprintf("\n(%d goroutines without a frame of this module)", others)
+}
 
 // Stop kills the process group with SIGKILL and waits until the process is reaped. It is safe to
 // call more than once and after the process exited.

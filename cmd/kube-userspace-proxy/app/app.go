@@ -59,7 +59,9 @@ func Main(args []string, stdout, stderr io.Writer) int {
 		return 0
 	}
 	level, _ := parseLevel(opts.LogLevel)
-	log := zerolog.New(zerolog.ConsoleWriter{Out: stderr, TimeFormat: time.RFC3339, NoColor: !isTerminal(stderr)}).Level(level).With().Timestamp().Logger()
+	// Milliseconds: a start, a sync or a hand-over takes less than a second.
+	zerolog.TimeFieldFormat = time.RFC3339Nano
+	log := zerolog.New(zerolog.ConsoleWriter{Out: stderr, TimeFormat: logTimeFormat, NoColor: !isTerminal(stderr)}).Level(level).With().Timestamp().Logger()
 	routeKlog(log)
 
 	for _, w := range opts.ConfigWarnings {
@@ -74,6 +76,9 @@ func Main(args []string, stdout, stderr io.Writer) int {
 	}
 	return 0
 }
+
+// logTimeFormat is the log's time stamp: RFC 3339 with milliseconds.
+const logTimeFormat = "2006-01-02T15:04:05.000Z07:00"
 
 // Run runs the proxy until ctx is done (or the source fails), then shuts it down at once: stop
 // accepting, remove the portals, drain for up to the grace period. Only then does it wait for the
@@ -188,7 +193,7 @@ func Run(ctx context.Context, opts *Options, v *Validated, log zerolog.Logger) e
 	var pkg *handover.Package
 	if successor {
 		var r func()
-		pkg, r, err = takeOver(ctx, hoPath, px, log.With().Str("component", "handover").Logger())
+		pkg, r, err = takeOver(ctx, hoPath, px, srv.metrics, log.With().Str("component", "handover").Logger())
 		if err != nil {
 			stopSource()
 			_ = waitSource(srcDone, sourceStopTimeout, log)

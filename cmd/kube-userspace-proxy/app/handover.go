@@ -10,6 +10,7 @@ import (
 	"github.com/rs/zerolog"
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/handover"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/metrics"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/userspace"
 )
 
@@ -43,7 +44,7 @@ func onceFunc(f func()) func() {
 // proxy refuses or the hand-over fails, it falls back to a restart: it waits for the running
 // proxy to exit (its instance lock to be free). It returns the package (what the proxier did not
 // adopt is the caller's: the servers' sockets) and the instance lock's release.
-func takeOver(ctx context.Context, path string, px *userspace.Proxier, log zerolog.Logger) (*handover.Package, func(), error) {
+func takeOver(ctx context.Context, path string, px *userspace.Proxier, m *metrics.Metrics, log zerolog.Logger) (*handover.Package, func(), error) {
 	select {
 	case <-px.Synced():
 	case <-ctx.Done():
@@ -58,19 +59,24 @@ func takeOver(ctx context.Context, path string, px *userspace.Proxier, log zerol
 		return err
 	}
 	tctx, cancel := context.WithTimeout(ctx, handoverTimeout)
+	began := time.Now()
 	pkg, err := handover.Take(tctx, path, Version, claim, log)
+	took := time.Since(began)
 	cancel()
 	if err == nil {
+		m.Handover(metrics.HandoverSuccessor, metrics.HandoverCompleted, took, recordKinds(pkg.Records))
+		log.Info().Dur("took", took).Interface("records", recordKinds(pkg.Records)).Msg("took over from the running proxy")
 		px.Adopt(pkg.Records)
 		return pkg, release, nil
 	}
 	if release != nil { // claimed, yet Take failed: cannot happen, but never hold the lock twice
 		release()
 	}
-	what := "hand-over failed"
+	what, result := "hand-over failed", metrics.HandoverFailed
 	if errors.Is(err, handover.ErrRefused) {
-		what = "hand-over refused"
+		what, result = "hand-over refused", metrics.HandoverRefused
 	}
+	m.Handover(metrics.HandoverSuccessor, result, took, nil)
 	log.Warn().Err(err).Msg(what + "; falling back to a restart: waiting for the running proxy to exit")
 	release, err = waitForLock(ctx, log)
 	return nil, release, err
@@ -102,34 +108,55 @@ func waitForLock(ctx context.Context, log zerolog.Logger) (func(), error) {
 	}
 }
 
-// giver hands the running proxy over to a successor (handover.Giver).
+// recordKinds counts records by kind, for logs and metrics.
+func recordKinds(recs []handover.Record) map[string]int {
+	out := map[string]int{}
+	for _, r := range recs {
+		out[r.Kind]++
+	}
+	return out
+}
+
+// giver hands the running proxy over to a successor (handover.Giver). handover.Listener.Serve
+// calls its methods one exchange at a time.
 type giver struct {
 	px      *userspace.Proxier
 	srv     *servers
 	release func() // the instance lock's
+
+	frozenAt time.Time      // the current exchange's Freeze
+	kinds    map[string]int // what it froze
 }
 
 func (g *giver) Freeze(ctx context.Context) (*handover.Package, error) {
+	g.frozenAt = time.Now()
 	recs, err := g.px.Freeze(ctx)
 	if err != nil {
+		g.srv.metrics.Handover(metrics.HandoverPredecessor, metrics.HandoverFailed, 0, nil)
 		return nil, err
 	}
 	srvRecs, err := g.srv.handoverRecords()
 	if err != nil {
 		g.px.Resume(recs)
+		g.srv.metrics.Handover(metrics.HandoverPredecessor, metrics.HandoverFailed, 0, nil)
 		return nil, err
 	}
-	return &handover.Package{Records: append(recs, srvRecs...)}, nil
+	recs = append(recs, srvRecs...)
+	g.kinds = recordKinds(recs)
+	return &handover.Package{Records: recs}, nil
 }
 
 func (g *giver) Release() {
 	g.px.Release()
+	took := time.Since(g.frozenAt)
+	g.srv.metrics.Handover(metrics.HandoverPredecessor, metrics.HandoverCompleted, took, g.kinds)
 	g.release()
 }
 
 func (g *giver) Resume(pkg *handover.Package) {
 	g.px.Resume(pkg.Records)
 	pkg.Close() // the servers' duplicates: they still serve on their own sockets
+	g.srv.metrics.Handover(metrics.HandoverPredecessor, metrics.HandoverFailed, time.Since(g.frozenAt), nil)
 }
 
 // serveHandovers answers successors on path until ctx ends; handedOver is closed when one took

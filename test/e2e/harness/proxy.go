@@ -87,6 +87,7 @@ func StartProxy(t testing.TB, ns *netns.NS, cfg ProxyConfig) *Proxy {
 	args := ProxyArgs(t, cfg)
 	p := &Proxy{Config: cfg, Args: args, Started: time.Now()}
 	p.Process = ns.Start(t, args...)
+	p.DumpGoroutinesOnFailure()
 	timeout := cfg.ReadyTimeout
 	if timeout <= 0 {
 		timeout = DefaultReadyTimeout
