@@ -23,33 +23,59 @@ func DetectMode() (mode Mode, reason string, err error) {
 	return detectMode(runTool)
 }
 
-// toolRunner runs a command and returns its standard output.
-type toolRunner func(name string, args ...string) ([]byte, error)
+// toolRunner starts a command and returns a function that waits for it and returns its standard
+// output.
+type toolRunner func(name string, args ...string) (wait func() ([]byte, error))
 
-func runTool(name string, args ...string) ([]byte, error) {
-	var stderr bytes.Buffer
+// runTool starts the command in the calling goroutine's thread (so that it runs in that thread's
+// network namespace, which tests set) and returns the wait.
+func runTool(name string, args ...string) func() ([]byte, error) {
+	var stdout, stderr bytes.Buffer
 	cmd := exec.Command(name, args...)
-	cmd.Stderr = &stderr
-	out, err := cmd.Output()
-	if err != nil {
-		return out, fmt.Errorf("run %s: %w: %s", name, err, strings.TrimSpace(stderr.String()))
+	cmd.Stdout, cmd.Stderr = &stdout, &stderr
+	if err := cmd.Start(); err != nil {
+		return func() ([]byte, error) { return nil, fmt.Errorf("run %s: %w", name, err) }
 	}
-	return out, nil
+	return func() ([]byte, error) {
+		if err := cmd.Wait(); err != nil {
+			return stdout.Bytes(), fmt.Errorf("run %s: %w: %s", name, err, strings.TrimSpace(stderr.String()))
+		}
+		return stdout.Bytes(), nil
+	}
 }
 
 func detectMode(run toolRunner) (Mode, string, error) {
+	// The five tools run at once (each takes a few tens of milliseconds, and a restarted proxy
+	// serves nothing until it knows the backend), all started from this goroutine.
+	tools := []string{binaryName(IPv4, ModeLegacy, "-save"), binaryName(IPv4, ModeNFT, "-save"),
+		binaryName(IPv6, ModeLegacy, "-save"), binaryName(IPv6, ModeNFT, "-save")}
+	waits := make([]func() ([]byte, error), 0, len(tools)+1)
+	for _, name := range tools {
+		waits = append(waits, run(name))
+	}
+	waits = append(waits, run("iptables", "--version"))
+	type result struct {
+		out []byte
+		err error
+	}
+	results := make([]result, len(waits))
+	for i, wait := range waits {
+		results[i].out, results[i].err = wait()
+	}
 	var legacy, nft []byte
-	for _, f := range []Family{IPv4, IPv6} {
+	for i, r := range results[:len(tools)] {
 		// Errors mean "no rules here" (tool missing, backend not usable in this kernel).
-		if out, err := run(binaryName(f, ModeLegacy, "-save")); err == nil {
-			legacy = append(legacy, out...)
+		if r.err != nil {
+			continue
 		}
-		if out, err := run(binaryName(f, ModeNFT, "-save")); err == nil {
-			nft = append(nft, out...)
+		if i%2 == 0 {
+			legacy = append(legacy, r.out...)
+		} else {
+			nft = append(nft, r.out...)
 		}
 	}
 	var fallback Mode
-	out, verr := run("iptables", "--version")
+	out, verr := results[len(tools)].out, results[len(tools)].err
 	if verr == nil {
 		fallback = modeFromVersion(string(out))
 	}

@@ -81,13 +81,15 @@ func TestDetectModeFakeTools(t *testing.T) {
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
-			run := func(name string, args ...string) ([]byte, error) {
+			run := func(name string, args ...string) func() ([]byte, error) {
 				key := strings.Join(append([]string{name}, args...), " ")
 				out, ok := tc.tools[key]
-				if !ok {
-					return nil, errors.New("not found")
+				return func() ([]byte, error) {
+					if !ok {
+						return nil, errors.New("not found")
+					}
+					return []byte(out), nil
 				}
-				return []byte(out), nil
 			}
 			got, reason, err := detectMode(run)
 			if err != nil {

@@ -59,6 +59,16 @@ func firstAnswer(t *testing.T, ns *netns.NS, addr string, start time.Time, timeo
 	return 0
 }
 
+// untilSynced returns a proxy's log up to its first completed sync.
+func untilSynced(log string) string {
+	if i := strings.Index(log, " synced"); i >= 0 {
+		if j := strings.IndexByte(log[i:], '\n'); j >= 0 {
+			return log[:i+j]
+		}
+	}
+	return log
+}
+
 // waitSynced waits until the proxy's debug log reports a completed sync.
 func waitSynced(t *testing.T, p *netns.Process) {
 	t.Helper()
@@ -127,6 +137,7 @@ func TestRestartReusesProxyPorts(t *testing.T) {
 		took := firstAnswer(t, clientPod.NS, webTCP, start, 20*time.Second)
 		t.Logf("restart after SIGKILL: first answered connection %v after the process started", took.Round(time.Millisecond))
 		waitSynced(t, second)
+		t.Logf("the restarted proxy's log up to its first sync (process started %s):\n%s", start.UTC().Format("15:04:05.000"), untilSynced(second.Log()))
 		if got := proxyPortsIn(t, harness.IPTablesSave(t, node.NS)); !maps.Equal(got, before) {
 			t.Errorf("proxy ports after the restart's first sync: %v, want the earlier run's %v", got, before)
 		}
