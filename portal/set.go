@@ -24,6 +24,13 @@ import (
 type Set struct {
 	log      zerolog.Logger
 	families []familyPortals
+	// prepared: the first Sync has removed what an earlier run left (prepare); only Sync, which
+	// the proxier calls from one goroutine, touches it. True from the start for a successor.
+	prepared bool
+
+	// trMu serialises the transparent routing's changes (EnableTransparent, a full Sync's
+	// restore, prepare's clean-up) and guards familyPortals.ensureTransparent.
+	trMu sync.Mutex
 
 	mu        sync.Mutex                 // guards conflicts
 	conflicts map[iptables.Family]string // the last sync's address conflicts, logged once
@@ -54,22 +61,23 @@ type SetOptions struct {
 	Successor bool
 }
 
-// NewSet builds a portal manager per IP family the node has an address in. It keeps the rules
-// of ours that an earlier run left (a crash, a SIGKILL): the proxy ports they name are reused
-// (SurvivingProxyPorts), so they serve again as soon as the listeners are open, and the first
-// Sync rewrites every one of our chains atomically, which removes the rules of service ports
-// that are gone. It removes at once what no Sync rewrites (Manager.PruneStale; should that
-// fail, every rule of ours, as Manager.Cleanup does), and what an earlier run left of the reply
-// routing of transparent connections: no transparent connection outlives the process that
-// made it unless it hands it over (SetOptions.Successor), and EnableTransparent programs the
-// routing anew.
+// NewSet builds a portal manager per IP family the node has an address in. It changes no rule:
+// the rules of ours that an earlier run left (a crash, a SIGKILL) stay, so the proxy ports they
+// name (SurvivingProxyPorts) serve again as soon as the listeners are open on them, before any
+// rule is written. The first Sync (prepare) removes what no Sync rewrites (Manager.PruneStale;
+// should that fail, every rule of ours, as Manager.Cleanup does) and, unless EnableTransparent
+// came first, what an earlier run left of the reply routing of transparent connections (no
+// transparent connection outlives the process that made it unless it hands it over), then
+// rewrites every one of our chains atomically, which removes the rules of service ports that
+// are gone. A successor's Set (SetOptions.Successor) removes nothing: the running proxy's
+// rules and connections are about to become this one's.
 func NewSet(ctx context.Context, opts SetOptions) (*Set, error) {
 	log := opts.Log
 	mode, _, err := iptables.DetectMode()
 	if err != nil {
 		return nil, fmt.Errorf("detect iptables backend: %w", err)
 	}
-	set := &Set{log: log}
+	set := &Set{log: log, prepared: opts.Successor}
 	// Stale UDP flows (a changed portal, a restart) are deleted with the conntrack tool.
 	var flows FlowDeleter
 	if path, err := exec.LookPath("conntrack"); err == nil {
@@ -113,14 +121,6 @@ func NewSet(ctx context.Context, opts SetOptions) (*Set, error) {
 		if err != nil {
 			return nil, err
 		}
-		if !opts.Successor {
-			if err := pruneStale(m, log); err != nil {
-				return nil, fmt.Errorf("removing stale %v portals: %w", fam, err)
-			}
-			if err := tr.Cleanup(ctx); err != nil {
-				return nil, fmt.Errorf("removing stale %v routing of transparent connections: %w", fam, err)
-			}
-		}
 		log.Info().Str("family", fam.String()).Str("backend", string(mode)).Str("hostIP", host.String()).Msg("portals ready")
 		set.families = append(set.families, familyPortals{family: fam, manager: m, transparent: tr})
 	}
@@ -131,8 +131,15 @@ func NewSet(ctx context.Context, opts SetOptions) (*Set, error) {
 // addresses. A full sync rewrites every rule and restores the routing of transparent
 // connections; the others write only the rules that changed.
 func (s *Set) Sync(ctx context.Context, ports []proxy.PortState, node proxy.NodeAddrs, full bool) error {
+	if !s.prepared {
+		if err := s.prepare(ctx); err != nil {
+			return err
+		}
+		s.prepared = true
+	}
 	var errs []error
-	for _, f := range s.families {
+	for i := range s.families {
+		f := &s.families[i]
 		sync := f.manager.Update
 		if full {
 			sync = f.manager.Sync
@@ -142,8 +149,8 @@ func (s *Set) Sync(ctx context.Context, ports []proxy.PortState, node proxy.Node
 		if err := sync(portals, node.List()); err != nil {
 			errs = append(errs, fmt.Errorf("%v portals: %w", f.family, err))
 		}
-		if full && f.ensureTransparent {
-			if err := f.transparent.Ensure(ctx); err != nil {
+		if full {
+			if err := s.restoreTransparent(ctx, f); err != nil {
 				errs = append(errs, fmt.Errorf("%v: %w", f.family, err))
 			}
 		}
@@ -151,11 +158,44 @@ func (s *Set) Sync(ctx context.Context, ports []proxy.PortState, node proxy.Node
 	return errors.Join(errs...)
 }
 
+// prepare removes, before the first Sync writes a rule, what an earlier run left that no Sync
+// rewrites, and its reply routing of transparent connections unless EnableTransparent wants it.
+func (s *Set) prepare(ctx context.Context) error {
+	for i := range s.families {
+		f := &s.families[i]
+		if err := pruneStale(f.manager, s.log); err != nil {
+			return fmt.Errorf("removing stale %v portals: %w", f.family, err)
+		}
+		s.trMu.Lock()
+		var err error
+		if !f.ensureTransparent {
+			err = f.transparent.Cleanup(ctx)
+		}
+		s.trMu.Unlock()
+		if err != nil {
+			return fmt.Errorf("removing stale %v routing of transparent connections: %w", f.family, err)
+		}
+	}
+	return nil
+}
+
+// restoreTransparent restores a family's reply routing of transparent connections, if enabled.
+func (s *Set) restoreTransparent(ctx context.Context, f *familyPortals) error {
+	s.trMu.Lock()
+	defer s.trMu.Unlock()
+	if !f.ensureTransparent {
+		return nil
+	}
+	return f.transparent.Ensure(ctx)
+}
+
 // EnableTransparent programs, in every family, the reply routing of transparent connections
 // (package portal/transparent), and has Sync restore it from then on. Call it before the
 // proxier starts. On error no family's routing is restored by Sync; what was programmed stays
 // until CleanupTransparent.
 func (s *Set) EnableTransparent(ctx context.Context) error {
+	s.trMu.Lock()
+	defer s.trMu.Unlock()
 	for i := range s.families {
 		f := &s.families[i]
 		if err := f.transparent.Ensure(ctx); err != nil {
@@ -173,6 +213,8 @@ func (s *Set) EnableTransparent(ctx context.Context) error {
 // CleanupTransparent removes every family's routing of transparent connections. Call it after
 // the connections have drained (Cleanup leaves it in place for them).
 func (s *Set) CleanupTransparent(ctx context.Context) error {
+	s.trMu.Lock()
+	defer s.trMu.Unlock()
 	var errs []error
 	for _, f := range s.families {
 		if err := f.transparent.Cleanup(ctx); err != nil {

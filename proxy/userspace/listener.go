@@ -109,7 +109,7 @@ func (c *chooser) Choose(client, dst netip.AddrPort, reset bool) (forward.Target
 	// (a pod on the same bridge, with no --cluster-cidr to tell it is a pod): the endpoint would
 	// answer the client at layer 2, past the node, and the client would reset the stray reply.
 	r := c.routing
-	transparent := r.transparentLocal && external && sp.ExternalPolicyLocal &&
+	transparent := r.transparentLocal.Load() && external && sp.ExternalPolicyLocal &&
 		ep.NodeName != "" && ep.NodeName == r.nodeName && !r.isNodeAddr(ep.Addr.Addr()) &&
 		!r.nodeAddrs().OnSameLink(client.Addr(), ep.Addr.Addr())
 	return forward.Target{Endpoint: ep.Addr, Transparent: transparent, ProxyProtocol: proxyProtocol(sp.ProxyProtocol)}, nil

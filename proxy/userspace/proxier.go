@@ -179,11 +179,8 @@ func New(opts Options) *Proxier {
 
 		unservable: map[proxy.Name]bool{},
 	}
-	p.routing = &routing{
-		nodeName:         opts.NodeName,
-		transparentLocal: opts.TransparentLocal,
-		clusterCIDRs:     opts.ClusterCIDRs,
-	}
+	p.routing = &routing{nodeName: opts.NodeName, clusterCIDRs: opts.ClusterCIDRs}
+	p.routing.transparentLocal.Store(opts.TransparentLocal)
 	if lim := opts.Limits; lim.FileLimit > 0 {
 		p.budget = forward.NewBudget(lim.dataPathFDs())
 	}
@@ -676,6 +673,11 @@ func localReady(eps []proxy.Endpoint, node string) []netip.Addr {
 	return out
 }
 
+// SetTransparentLocal turns transparent connections (Options.TransparentLocal) on or off for
+// the connections accepted from then on: a start enables them once the reply routing is
+// programmed, which it does after the first sync so as to serve sooner.
+func (p *Proxier) SetTransparentLocal(on bool) { p.routing.transparentLocal.Store(on) }
+
 // Ports returns the state of every service port as of the last sync, sorted by name.
 func (p *Proxier) Ports() []proxy.PortState {
 	p.mu.Lock()
@@ -720,7 +722,7 @@ func (p *Proxier) Shutdown(ctx context.Context) error {
 // routing is what the choosers of all listeners share: this node's identity and addresses.
 type routing struct {
 	nodeName         string
-	transparentLocal bool
+	transparentLocal atomic.Bool // Options.TransparentLocal, or SetTransparentLocal
 	clusterCIDRs     []netip.Prefix
 	// node is the last sync's snapshot of the node's addresses.
 	node atomic.Pointer[proxy.NodeAddrs]

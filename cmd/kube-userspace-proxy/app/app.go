@@ -10,6 +10,7 @@ import (
 	"os"
 	"runtime"
 	"runtime/debug"
+	"sync"
 	"time"
 
 	"github.com/rs/zerolog"
@@ -17,6 +18,7 @@ import (
 	"k8s.io/client-go/kubernetes"
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/portal"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/handover"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/healthcheck"
@@ -166,16 +168,19 @@ func Run(ctx context.Context, opts *Options, v *Validated, log zerolog.Logger) e
 		pOpts.Portals = portals
 		pOpts.PreferredPorts = survivingPorts(ctx, portals, log)
 		pOpts.HoldPorts = true
-		if opts.TransparentLocal {
-			pOpts.TransparentLocal = portals.TryTransparent(ctx)
-		}
 	}
 	health := healthcheck.ProxyHealthOptions{Timeout: 2 * opts.SyncPeriod, Source: status}
 	srv, err := newServers(opts, v, health, log.With().Str("component", "servers").Logger())
 	if err != nil {
 		return err
 	}
-	pOpts.OnQueued, pOpts.OnSynced, pOpts.Metrics = srv.queued, srv.synced, srv.metrics
+	firstSync := make(chan struct{})
+	var firstSyncOnce sync.Once
+	pOpts.OnQueued, pOpts.Metrics = srv.queued, srv.metrics
+	pOpts.OnSynced = func(r proxy.SyncResult) {
+		srv.synced(r)
+		firstSyncOnce.Do(func() { close(firstSync) })
+	}
 	px := userspace.New(pOpts)
 	if b := px.Budget(); b != nil {
 		srv.metrics.WatchBudget(b)
@@ -211,6 +216,24 @@ func Run(ctx context.Context, opts *Options, v *Validated, log zerolog.Logger) e
 	defer stopProxy()
 	proxyDone := make(chan struct{})
 	go func() { px.Run(proxyCtx); close(proxyDone) }()
+	// Transparent connections for Local services need reply routing, programmed after the first
+	// sync: a restart serves on the surviving rules first. Until then (a few hundred
+	// milliseconds) such connections are dialled from the node's address.
+	transparentDone := make(chan struct{})
+	go func() {
+		defer close(transparentDone)
+		if portals == nil || !opts.TransparentLocal {
+			return
+		}
+		select {
+		case <-firstSync:
+		case <-proxyCtx.Done():
+			return
+		}
+		if portals.TryTransparent(ctx) {
+			px.SetTransparentLocal(true)
+		}
+	}()
 	// The health, metrics and health check node port servers run until the drain is over.
 	serversCtx, stopServers := context.WithCancel(context.Background())
 	serversDone := make(chan struct{})
@@ -247,6 +270,7 @@ func Run(ctx context.Context, opts *Options, v *Validated, log zerolog.Logger) e
 	stopSource()
 	stopProxy()
 	<-proxyDone
+	<-transparentDone
 	if handed {
 		// Everything lives on in the successor: no portal is removed, no connection cut.
 		<-serversDone
