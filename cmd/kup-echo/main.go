@@ -6,6 +6,13 @@
 // answers "NAME PEER PAYLOAD", where PEER is the client address it saw, so a test can tell which
 // endpoint answered and whether the client's source address was preserved.
 //
+// On TCP, the line "!drip ID INTERVAL" (answered like any other) makes the server also send
+// "NAME PEER drip ID SEQ PADDING" every INTERVAL (SEQ from 0, PADDING some x's) until the line
+// "!stop ID" arrives on any connection to this server; it then sends "NAME PEER dripped ID
+// COUNT" and, if the client has closed its side meanwhile, closes the connection. A client
+// that half-closes while its connection drips gets "NAME PEER eof" first, then the drip goes
+// on: a half-closed connection that carries data for as long as a test wants.
+//
 //	kup-echo request --tcp|--udp IP:PORT [--count N] [--timeout D]
 //
 // sends N requests, one per new connection (TCP) or socket (UDP), and prints each answer's first
@@ -93,21 +100,95 @@ func serveTCP(ln net.Listener, name string) {
 			time.Sleep(10 * time.Millisecond)
 			continue
 		}
-		go func() {
-			defer c.Close()
-			r := bufio.NewReader(c)
-			for {
-				line, err := r.ReadString('\n')
-				if line != "" {
-					if _, werr := fmt.Fprintf(c, "%s %s %s", name, c.RemoteAddr(), line); werr != nil {
-						return
-					}
-				}
-				if err != nil {
-					return
-				}
+		go serveConn(c, name)
+	}
+}
+
+// drips are the connections dripping (see the package documentation), by ID: closing the
+// channel stops one.
+var drips = struct {
+	sync.Mutex
+	m map[string]chan struct{}
+}{m: map[string]chan struct{}{}}
+
+// serveConn echoes the lines of one TCP connection and runs its drips.
+func serveConn(c net.Conn, name string) {
+	defer c.Close()
+	var wmu sync.Mutex
+	write := func(format string, args ...any) error {
+		wmu.Lock()
+		defer wmu.Unlock()
+		_, err := fmt.Fprintf(c, "%s %s "+format, append([]any{name, c.RemoteAddr()}, args...)...)
+		return err
+	}
+	failed := make(chan struct{}) // the connection broke: drips stop
+	var dripping sync.WaitGroup
+	active := 0
+	r := bufio.NewReader(c)
+	for {
+		line, err := r.ReadString('\n')
+		if line != "" {
+			if werr := write("%s", line); werr != nil {
+				close(failed)
+				break
 			}
-		}()
+			if id, every, ok := parseDrip(line); ok {
+				stop := make(chan struct{})
+				drips.Lock()
+				drips.m[id] = stop
+				drips.Unlock()
+				active++
+				dripping.Go(func() { drip(id, every, stop, failed, write) })
+			} else if id, ok := strings.CutPrefix(strings.TrimSpace(line), "!stop "); ok {
+				drips.Lock()
+				if stop, ok := drips.m[id]; ok {
+					close(stop)
+					delete(drips.m, id)
+				}
+				drips.Unlock()
+			}
+		}
+		if err != nil {
+			if errors.Is(err, io.EOF) && active > 0 {
+				_ = write("eof\n")
+			} else {
+				close(failed)
+			}
+			break
+		}
+	}
+	dripping.Wait()
+}
+
+// parseDrip parses "!drip ID INTERVAL".
+func parseDrip(line string) (id string, every time.Duration, ok bool) {
+	f := strings.Fields(line)
+	if len(f) != 3 || f[0] != "!drip" {
+		return "", 0, false
+	}
+	every, err := time.ParseDuration(f[2])
+	if err != nil || every <= 0 {
+		return "", 0, false
+	}
+	return f[1], every, true
+}
+
+// drip sends numbered lines every interval until stop (then "dripped ID COUNT") or failed.
+func drip(id string, every time.Duration, stop, failed <-chan struct{}, write func(string, ...any) error) {
+	t := time.NewTicker(every)
+	defer t.Stop()
+	for seq := 0; ; seq++ {
+		select {
+		case <-stop:
+			_ = write("dripped %s %d\n", id, seq)
+			return
+		case <-failed:
+			return
+		case <-t.C:
+		}
+		if write("drip %s %d %s\n", id, seq, strings.Repeat("x", seq*53%500)) != nil {
+			return
+		}
 	}
 }
 

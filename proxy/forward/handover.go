@@ -9,6 +9,8 @@ import (
 	"os"
 	"syscall"
 	"time"
+
+	"golang.org/x/sys/unix"
 )
 
 // Hand-over (restarts and upgrades that drop nothing): a running proxy can be frozen and its
@@ -404,7 +406,11 @@ func (p *TCPProxy) admitAdopted(c *tcpConn) error {
 	return nil
 }
 
-// tcpConnFromFile turns a received connected TCP socket into a *net.TCPConn and closes f.
+// tcpConnFromFile turns a received connected TCP socket into a *net.TCPConn and closes f. A
+// socket whose connection has ended since it was frozen (both FINs crossed: the kernel moved
+// the connection to TIME_WAIT; or it was reset) is taken too: it is no longer connected, but it
+// still holds what the peer sent before its FIN, then the EOF (or the reset), which the relay
+// passes on as it would have without the hand-over.
 func tcpConnFromFile(f *os.File, what string) (*net.TCPConn, error) {
 	if f == nil {
 		return nil, fmt.Errorf("no %s socket", what)
@@ -415,12 +421,34 @@ func tcpConnFromFile(f *os.File, what string) (*net.TCPConn, error) {
 		return nil, fmt.Errorf("%s socket: %w", what, err)
 	}
 	tc, ok := conn.(*net.TCPConn)
-	if !ok || tc.RemoteAddr() == nil {
+	if !ok || tc.RemoteAddr() == nil && !endedConnection(tc) {
 		_ = conn.Close()
 		return nil, fmt.Errorf("%s socket is not a connected TCP socket (%T)", what, conn)
 	}
 	return tc, nil
 }
+
+// endedConnection reports whether tc, not connected, is the socket of a connection that ended:
+// closed, not listening, and it has received segments (a socket never connected has none).
+func endedConnection(tc *net.TCPConn) bool {
+	rc, err := tc.SyscallConn()
+	if err != nil {
+		return false
+	}
+	ended := false
+	_ = rc.Control(func(fd uintptr) {
+		info, err := unix.GetsockoptTCPInfo(int(fd), unix.IPPROTO_TCP, unix.TCP_INFO)
+		if err != nil {
+			return
+		}
+		listening, err := unix.GetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_ACCEPTCONN)
+		ended = err == nil && listening == 0 && info.State == tcpClose && info.Segs_in > 0
+	})
+	return ended
+}
+
+// tcpClose is the kernel's TCP_CLOSE state (include/net/tcp_states.h).
+const tcpClose = 7
 
 // TCPListenerFromFile turns a received listening socket (TCPState.Listener) back into what
 // TCPProxy.Listener needs, taking ownership of f. It sets the keepalive options ListenTCP sets,

@@ -553,3 +553,68 @@ func socketFile(t *testing.T) *os.File {
 	}
 	return os.NewFile(uintptr(fd), "socket")
 }
+
+// TestTCPHandOverEndpointGone hands over a connection frozen after both FINs crossed on the
+// endpoint's side (the client half-closed, the proxy passed the EOF on, the endpoint answered
+// and closed) but before the proxy copied the answer: the endpoint socket is then no longer
+// connected (the kernel moved the connection to TIME_WAIT) yet still holds the answer and the
+// EOF. The adopter must deliver both to the client, not drop the connection.
+func TestTCPHandOverEndpointGone(t *testing.T) {
+	checkNoFDLeaks(t)
+	checkNoLeaks(t)
+	backend := startTCPServer(t, loopback("4"), func(c *net.TCPConn) {
+		if got, err := io.ReadAll(c); err != nil || string(got) != "request" {
+			t.Errorf("endpoint read %q, %v", got, err)
+		}
+		_, _ = c.Write([]byte("reply"))
+		c.Close()
+	})
+	// The proxy's two sockets, as a frozen proxy would hand them over.
+	front := listenTCP(t, loopback("4"))
+	client := dialTCPTest(t, listenerAddr(front))
+	clientSide, err := front.AcceptTCP()
+	front.Close()
+	if err != nil {
+		t.Fatal(err)
+	}
+	endpoint := dialTCPTest(t, backend)
+	if _, err := client.Write([]byte("request")); err != nil {
+		t.Fatal(err)
+	}
+	client.CloseWrite()
+	if got, err := io.ReadAll(clientSide); err != nil || string(got) != "request" {
+		t.Fatalf("proxy side read %q, %v", got, err)
+	}
+	if _, err := endpoint.Write([]byte("request")); err != nil {
+		t.Fatal(err)
+	}
+	endpoint.CloseWrite()
+	rc, err := endpoint.SyscallConn()
+	if err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, "the endpoint socket to be disconnected", func() bool {
+		var perr error
+		_ = rc.Control(func(fd uintptr) { _, perr = unix.Getpeername(int(fd)) })
+		return errors.Is(perr, unix.ENOTCONN)
+	})
+	cf, err := clientSide.File()
+	if err != nil {
+		t.Fatal(err)
+	}
+	ef, err := endpoint.File()
+	if err != nil {
+		t.Fatal(err)
+	}
+	clientSide.Close()
+	endpoint.Close()
+	mb := &fakeMetrics{}
+	serveAdopted(t, listenTCP(t, loopback("4")), &fakeChooser{}, func(p *TCPProxy) { p.Metrics = mb }, []TCPConnState{{
+		Client: cf, Backend: ef, ClientAddr: tcpAddrPort(client.LocalAddr()), Endpoint: backend, ToEndpointDone: true,
+	}})
+	client.SetReadDeadline(time.Now().Add(waitTimeout))
+	if got, err := io.ReadAll(client); err != nil || string(got) != "reply" {
+		t.Errorf("client read %q, %v; want reply, then EOF", got, err)
+	}
+	eventually(t, "the adopter to close the connection", func() bool { return mb.snapshot().closed == 1 })
+}
