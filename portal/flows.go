@@ -114,3 +114,49 @@ func (m *Manager) deleteStaleFlowsLocked(portals []Portal, nodeIPs []netip.Addr)
 	}
 	m.log.Debug().Int("targets", len(stale)).Dur("took", time.Since(start)).Msg("deleted stale UDP flows")
 }
+
+// FlowTargets is what the portals did with each UDP target at their last sync, per family
+// ("IPv4", "IPv6"; targets as "address:port"): a successor seeds its portals with its
+// predecessor's (Set.SeedFlowTargets) so that its first sync deletes only the flows of targets
+// whose handling changed in between, not those of every target, which would move UDP clients
+// whose sessions it adopted to other endpoints.
+type FlowTargets map[string]map[string]string
+
+// FlowTargets returns what every family's portals did with each UDP target at their last
+// successful sync (nil for a family that has not synced).
+func (s *Set) FlowTargets() FlowTargets {
+	out := FlowTargets{}
+	for _, f := range s.families {
+		f.manager.mu.Lock()
+		if f.manager.udpTargets != nil {
+			m := make(map[string]string, len(f.manager.udpTargets))
+			for t, v := range f.manager.udpTargets {
+				m[t.String()] = v
+			}
+			out[f.family.String()] = m
+		}
+		f.manager.mu.Unlock()
+	}
+	return out
+}
+
+// SeedFlowTargets takes a predecessor's FlowTargets as what the portals did at their last sync;
+// call it before the first Sync. A family missing from ft keeps deleting the flows of every
+// target at its first sync; an unparsable target is left out (its flows are deleted then).
+func (s *Set) SeedFlowTargets(ft FlowTargets) {
+	for _, f := range s.families {
+		in, ok := ft[f.family.String()]
+		if !ok {
+			continue
+		}
+		m := make(map[netip.AddrPort]string, len(in))
+		for t, v := range in {
+			if ap, err := netip.ParseAddrPort(t); err == nil {
+				m[ap] = v
+			}
+		}
+		f.manager.mu.Lock()
+		f.manager.udpTargets = m
+		f.manager.mu.Unlock()
+	}
+}

@@ -239,3 +239,49 @@ func TestStaleFlowsHungTool(t *testing.T) {
 		t.Errorf("log lacks the timed-out deletion:\n%s", log.String())
 	}
 }
+
+// A successor seeded with its predecessor's flow targets (a hand-over) deletes, at its first
+// sync, only the flows of targets whose handling changed since the predecessor's last sync: the
+// UDP sessions it adopted keep their flows, so their clients keep their source ports and their
+// endpoints. Unseeded, its first sync deletes them all.
+func TestFlowTargetsHandedOver(t *testing.T) {
+	nodeIPs := []netip.Addr{a("10.0.0.5")}
+	dns := Portal{Comment: "kube-system/dns:dns", Protocol: "udp", Port: 53, ClusterIP: a("10.96.0.10"), ProxyPort: 40000}
+	stats := Portal{Comment: "default/stats:udp", Protocol: "udp", Port: 8125, ClusterIP: a("10.96.0.30"), ProxyPort: 40003}
+	newSet := func() (*Set, *recordingFlows) {
+		t.Helper()
+		flows := &recordingFlows{}
+		m, err := NewManager(Options{Config: v4Config(), Runner: &fakeRunner{}, Flows: flows})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return &Set{families: []familyPortals{{family: iptables.IPv4, manager: m}}, prepared: true}, flows
+	}
+	old, _ := newSet()
+	if err := old.families[0].manager.Sync([]Portal{dns, stats}, nodeIPs); err != nil {
+		t.Fatal(err)
+	}
+	ft := old.FlowTargets()
+	if len(ft["IPv4"]) != 2 {
+		t.Fatalf("FlowTargets = %v, want the two UDP targets", ft)
+	}
+
+	successor, flows := newSet()
+	successor.SeedFlowTargets(ft)
+	moved := stats
+	moved.ProxyPort = 40004 // changed while the hand-over ran
+	if err := successor.families[0].manager.Sync([]Portal{dns, moved}, nodeIPs); err != nil {
+		t.Fatal(err)
+	}
+	if want := [][]string{{"10.96.0.30:8125"}}; !slices.EqualFunc(flows.calls, want, slices.Equal) {
+		t.Errorf("the seeded successor's first sync deleted the flows of %q, want only %q", flows.calls, want)
+	}
+
+	fresh, freshFlows := newSet()
+	if err := fresh.families[0].manager.Sync([]Portal{dns, moved}, nodeIPs); err != nil {
+		t.Fatal(err)
+	}
+	if len(freshFlows.calls) != 1 || len(freshFlows.calls[0]) != 2 {
+		t.Errorf("an unseeded first sync deleted the flows of %q, want both targets", freshFlows.calls)
+	}
+}

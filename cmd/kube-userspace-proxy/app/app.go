@@ -198,7 +198,7 @@ func Run(ctx context.Context, opts *Options, v *Validated, log zerolog.Logger) e
 	var pkg *handover.Package
 	if successor {
 		var r func()
-		pkg, r, err = takeOver(ctx, hoPath, px, srv.metrics, log.With().Str("component", "handover").Logger())
+		pkg, r, err = takeOver(ctx, hoPath, px, portals, srv.metrics, log.With().Str("component", "handover").Logger())
 		if err != nil {
 			stopSource()
 			_ = waitSource(srcDone, sourceStopTimeout, log)
@@ -242,7 +242,7 @@ func Run(ctx context.Context, opts *Options, v *Validated, log zerolog.Logger) e
 
 	handedOver := make(chan struct{})
 	if hoPath != "" {
-		g := &giver{px: px, srv: srv, release: func() { release() }}
+		g := &giver{px: px, srv: srv, portals: portals, release: func() { release() }}
 		stopHandovers, err := serveHandovers(ctx, hoPath, g, handedOver, log.With().Str("component", "handover").Logger())
 		if err != nil {
 			log.Warn().Err(err).Msg("no hand-over socket: a successor will restart instead of taking over")

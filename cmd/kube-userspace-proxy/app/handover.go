@@ -2,6 +2,7 @@ package app
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"sync"
@@ -9,6 +10,7 @@ import (
 
 	"github.com/rs/zerolog"
 
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/portal"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/handover"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/metrics"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/userspace"
@@ -44,7 +46,7 @@ func onceFunc(f func()) func() {
 // proxy refuses or the hand-over fails, it falls back to a restart: it waits for the running
 // proxy to exit (its instance lock to be free). It returns the package (what the proxier did not
 // adopt is the caller's: the servers' sockets) and the instance lock's release.
-func takeOver(ctx context.Context, path string, px *userspace.Proxier, m *metrics.Metrics, log zerolog.Logger) (*handover.Package, func(), error) {
+func takeOver(ctx context.Context, path string, px *userspace.Proxier, portals *portal.Set, m *metrics.Metrics, log zerolog.Logger) (*handover.Package, func(), error) {
 	select {
 	case <-px.Synced():
 	case <-ctx.Done():
@@ -67,6 +69,7 @@ func takeOver(ctx context.Context, path string, px *userspace.Proxier, m *metric
 		m.Handover(metrics.HandoverSuccessor, metrics.HandoverCompleted, took, recordKinds(pkg.Records))
 		log.Info().Dur("took", took).Interface("records", recordKinds(pkg.Records)).Msg("took over from the running proxy")
 		px.Adopt(pkg.Records)
+		adoptFlowTargets(pkg, portals, log)
 		return pkg, release, nil
 	}
 	if release != nil { // claimed, yet Take failed: cannot happen, but never hold the lock twice
@@ -108,6 +111,38 @@ func waitForLock(ctx context.Context, log zerolog.Logger) (func(), error) {
 	}
 }
 
+// kindFlowTargets is the hand-over record of what the portals did with each UDP target
+// (portal.FlowTargets).
+const kindFlowTargets = "flow-targets"
+
+// flowTargetsRecord returns the record of the portals' UDP targets (none when portals is nil).
+func flowTargetsRecord(portals *portal.Set) []handover.Record {
+	if portals == nil {
+		return nil
+	}
+	r, err := handover.NewRecord(kindFlowTargets, portals.FlowTargets())
+	if err != nil { // maps of strings always encode
+		return nil
+	}
+	return []handover.Record{r}
+}
+
+// adoptFlowTargets seeds the portals with the predecessor's UDP targets, so that their first
+// sync keeps the conntrack flows of the UDP sessions just adopted.
+func adoptFlowTargets(pkg *handover.Package, portals *portal.Set, log zerolog.Logger) {
+	for _, r := range pkg.Records {
+		if r.Kind != kindFlowTargets || portals == nil {
+			continue
+		}
+		var ft portal.FlowTargets
+		if err := json.Unmarshal(r.Meta, &ft); err != nil {
+			log.Warn().Err(err).Msg("the predecessor's UDP targets are unreadable: the first sync deletes every UDP flow")
+			return
+		}
+		portals.SeedFlowTargets(ft)
+	}
+}
+
 // recordKinds counts records by kind, for logs and metrics.
 func recordKinds(recs []handover.Record) map[string]int {
 	out := map[string]int{}
@@ -122,7 +157,8 @@ func recordKinds(recs []handover.Record) map[string]int {
 type giver struct {
 	px      *userspace.Proxier
 	srv     *servers
-	release func() // the instance lock's
+	portals *portal.Set // nil without portals
+	release func()      // the instance lock's
 
 	frozenAt time.Time      // the current exchange's Freeze
 	kinds    map[string]int // what it froze
@@ -136,6 +172,9 @@ func (g *giver) Freeze(ctx context.Context) (*handover.Package, error) {
 		return nil, err
 	}
 	srvRecs, err := g.srv.handoverRecords()
+	if err == nil {
+		srvRecs = append(srvRecs, flowTargetsRecord(g.portals)...)
+	}
 	if err != nil {
 		g.px.Resume(recs)
 		g.srv.metrics.Handover(metrics.HandoverPredecessor, metrics.HandoverFailed, 0, nil)
