@@ -388,7 +388,7 @@ func (p *TCPProxy) adoptConn(cs TCPConnState) error {
 		go c.handle()
 		return nil
 	}
-	go c.relay(backend, relayStart{toEndpoint: cs.ToEndpoint, toClient: cs.ToClient,
+	c.relay(backend, relayStart{toEndpoint: cs.ToEndpoint, toClient: cs.ToClient,
 		toEndpointDone: cs.ToEndpointDone, toClientDone: cs.ToClientDone})
 	return nil
 }

@@ -292,9 +292,7 @@ func (c *tcpConn) handle() {
 		c.end()
 		return
 	}
-	// A fresh goroutine relays: dialling grew this one's stack, and a goroutine parked in the
-	// network poller keeps what it grew, so an idle connection would cost more.
-	go c.relay(backend, relayStart{})
+	c.relay(backend, relayStart{})
 }
 
 // relayStart is where the relay of a connection starts: at nothing for a new connection, with
@@ -304,24 +302,62 @@ type relayStart struct {
 	toEndpointDone, toClientDone bool
 }
 
-// relay copies both ways (copyToClient on a goroutine of its own, copyToEndpoint on this one),
-// waits for both directions, and closes both sides, or parks the connection when a freeze
-// stopped it.
+// relay starts the two copiers of a connection, each on a goroutine of its own, and returns;
+// the copier that ends second closes both sides, or parks the connection when a freeze stopped
+// it. Each copier is the root of its goroutine, with nothing above it: a goroutine parked in the
+// network poller keeps the stack it grew, and one that parks with less than a quarter of its
+// stack in use is shrunk at the next garbage collection, so an idle connection costs two of the
+// runtime's smallest stacks only if its copiers wait shallow (dialling, which grows the
+// caller's stack, and a frame waiting for the other direction, would keep them larger).
 func (c *tcpConn) relay(backend *net.TCPConn, start relayStart) {
 	if !c.startRelaying() {
 		c.park(backend, start, 0, 0)
 		return
 	}
-	fromEndpoint := make(chan copyResult, 1)
-	go c.copyToClient(backend, start.toClient, start.toClientDone, fromEndpoint)
-	toEndpoint := c.copyToEndpoint(backend, start.toEndpoint, start.toEndpointDone)
-	fromResult := <-fromEndpoint
-	if frozen, st := frozenAt(toEndpoint, fromResult); frozen {
-		c.park(backend, st, toEndpoint.n, fromResult.n)
+	r := &relayRun{c: c, backend: backend, start: start}
+	r.left.Store(2)
+	go r.copyToClient()
+	go r.copyToEndpoint()
+}
+
+// relayRun is one relay: the two copiers' shared state.
+type relayRun struct {
+	c       *tcpConn
+	backend *net.TCPConn
+	start   relayStart
+	left    atomic.Int32 // copiers still running
+	// to and from are the copiers' results, each written by its copier before it counts down.
+	to, from copyResult
+}
+
+// copyToEndpoint copies client→endpoint (pending first) until the client's EOF, then
+// half-closes the endpoint.
+func (r *relayRun) copyToEndpoint() {
+	r.c.pump(&r.to, r.backend, r.c.client, r.start.toEndpoint, r.start.toEndpointDone)
+	r.copierDone()
+}
+
+// copyToClient copies endpoint→client (pending first) until the endpoint's EOF, then
+// half-closes the client.
+func (r *relayRun) copyToClient() {
+	r.c.pump(&r.from, r.c.client, r.backend, r.start.toClient, r.start.toClientDone)
+	r.copierDone()
+}
+
+// copierDone counts a copier down; the second one closes the connection, or parks it when a
+// freeze stopped it. (The atomic count orders the first copier's result before the second's
+// read of it.)
+func (r *relayRun) copierDone() {
+	if r.left.Add(-1) > 0 {
+		return
+	}
+	c := r.c
+	if frozen, st := frozenAt(r.to, r.from); frozen {
+		c.park(r.backend, st, r.to.n, r.from.n)
 		return
 	}
 	defer c.end()
-	c.finish(backend, toEndpoint, fromResult)
+	c.finish(r.backend, r.to, r.from)
 }
 
 // startRelaying marks the copiers as running, unless the connection is being frozen.
@@ -333,18 +369,6 @@ func (c *tcpConn) startRelaying() bool {
 	}
 	c.relaying = true
 	return true
-}
-
-// copyToEndpoint copies client→endpoint (pending first) until the client's EOF, then
-// half-closes the endpoint.
-func (c *tcpConn) copyToEndpoint(backend *net.TCPConn, pending []byte, done bool) copyResult {
-	return c.pump(backend, c.client, pending, done)
-}
-
-// copyToClient copies endpoint→client (pending first) until the endpoint's EOF, then
-// half-closes the client, and sends its result on result.
-func (c *tcpConn) copyToClient(backend *net.TCPConn, pending []byte, done bool, result chan<- copyResult) {
-	result <- c.pump(c.client, backend, pending, done)
 }
 
 // finish closes both sides of a connection that reached its endpoint and reports it.
@@ -518,17 +542,21 @@ func frozenAt(to, from copyResult) (bool, relayStart) {
 // pipe taken from the proxy's pool only while data flows (see spliceCopy): no user-space copy,
 // and no pipe held by an idle connection. On an error in either direction both sockets are
 // reset, which also ends the other direction. A freeze stops it with what it has not written.
-func (c *tcpConn) pump(dst, src *net.TCPConn, pending []byte, done bool) copyResult {
+//
+// It writes its result into r, rather than returning it: the copier goroutines wait inside it
+// for data, and a smaller frame keeps their parked stacks small (see relay).
+func (c *tcpConn) pump(r *copyResult, dst, src *net.TCPConn, pending []byte, done bool) {
 	if done {
-		return copyResult{done: true}
+		r.done = true
+		return
 	}
-	var r copyResult
 	if len(pending) > 0 {
 		w, err := dst.Write(pending)
 		r.n = int64(w)
 		if err != nil {
 			r.pending = pending[w:]
-			return c.pumpFailed(r, err)
+			c.pumpFailed(r, err)
+			return
 		}
 		c.idle.touch()
 	}
@@ -538,24 +566,23 @@ func (c *tcpConn) pump(dst, src *net.TCPConn, pending []byte, done bool) copyRes
 	if err == nil {
 		if err = dst.CloseWrite(); err == nil {
 			r.done = true
-			return r
+			return
 		}
 	}
-	return c.pumpFailed(r, err)
+	c.pumpFailed(r, err)
 }
 
 // pumpFailed ends a direction stopped by err: frozen when err is the freeze's doing, else
 // failed, resetting both sockets.
-func (c *tcpConn) pumpFailed(r copyResult, err error) copyResult {
+func (c *tcpConn) pumpFailed(r *copyResult, err error) {
 	if errors.Is(err, errFrozen) || (errors.Is(err, os.ErrDeadlineExceeded) && c.frozen.Load()) {
 		r.frozen = true
-		return r
+		return
 	}
 	r.err, r.pending = err, nil
 	c.p.mu.Lock()
 	c.resetBothLocked()
 	c.p.mu.Unlock()
-	return r
 }
 
 // cutLocked ends the connection on the proxy's behalf: it cancels a dial in progress and resets
