@@ -74,3 +74,9 @@ demo: test-bins
 .PHONY: bench
 bench: deps test-bins
 	cd bench && $(GO) test -tags bench -run '^TestBench$$' -count=1 -v -timeout 60m .
+
+# Issue 16's scale figures from a manifests directory (test/e2e/scale_measure_test.go):
+# KUP_SCALE_MEASURE=5000,10000,20000 (the default) service counts, one MEASURE line each.
+.PHONY: scale-measure
+scale-measure: deps test-bins
+	$(GO) test -tags scalemeasure -run '^TestScaleMeasure$$' -count=1 -v -timeout 60m ./test/e2e/
