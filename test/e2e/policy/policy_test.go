@@ -125,16 +125,29 @@ func expectBackends(ctx context.Context, t *testing.T, ns *netns.NS, addr string
 	}
 }
 
-// expectDropped fails unless a request from ns to addr times out (no reset, no refusal).
+// expectDropped fails unless a request from ns to addr times out (no answer; a refusal only
+// until the rules are in place, see below).
 func expectDropped(ctx context.Context, t *testing.T, ns *netns.NS, addr string) {
 	t.Helper()
-	a, err := harness.AskTimeout(ctx, ns, "tcp", addr, dropWait)
-	if err == nil {
-		t.Errorf("%s from %s: answered by %s, want a timeout (drop)", addr, ns, a.Backend)
-		return
-	}
-	if k := harness.KindOf(err); k != harness.Timeout {
-		t.Errorf("%s from %s: %v (%s), want a timeout (drop)", addr, ns, err, k)
+	// A refusal may come before this node's proxy has programmed a service just created (no
+	// rule yet: nothing listens there): asked again until the drop is in place, up to
+	// converge. An answer is never right.
+	deadline := time.Now().Add(converge)
+	for {
+		a, err := harness.AskTimeout(ctx, ns, "tcp", addr, dropWait)
+		if err == nil {
+			t.Errorf("%s from %s: answered by %s, want a timeout (drop)", addr, ns, a.Backend)
+			return
+		}
+		k := harness.KindOf(err)
+		if k == harness.Timeout {
+			return
+		}
+		if k != harness.Refused || time.Now().After(deadline) {
+			t.Errorf("%s from %s: %v (%s), want a timeout (drop)", addr, ns, err, k)
+			return
+		}
+		time.Sleep(50 * time.Millisecond)
 	}
 }
 
