@@ -16,6 +16,8 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 
@@ -48,15 +50,30 @@ type settings struct {
 	serviceScales []int
 	probes        int // one-more-service probes per scale
 	cpuWindow     time.Duration
+	// handoverConns idle connections are held through kube-userspace-proxy while a successor
+	// takes over from it, at the first of serviceScales ≥ handoverScale (the last if none is).
+	handoverConns, handoverScale int
+}
+
+// handoverAt returns the service scale at which the hand-over row is measured.
+func (s settings) handoverAt() int {
+	for _, n := range s.serviceScales {
+		if n >= s.handoverScale {
+			return n
+		}
+	}
+	return s.serviceScales[len(s.serviceScales)-1]
 }
 
 func configure(quick bool) settings {
 	if quick {
 		return settings{reps: 1, iperfArgs: []string{"-n", "64M"}, loadDuration: 300 * time.Millisecond, latRate: 2000,
-			idleCounts: []int{1000}, serviceScales: []int{100}, probes: 1, cpuWindow: 2 * time.Second}
+			idleCounts: []int{1000}, serviceScales: []int{100}, probes: 1, cpuWindow: 2 * time.Second,
+			handoverConns: 1000, handoverScale: 1000}
 	}
 	return settings{reps: 3, iperfArgs: []string{"-t", "3"}, loadDuration: 2 * time.Second, latRate: 2000,
-		idleCounts: []int{10000, 50000}, serviceScales: []int{100, 1000, 5000, 10000}, probes: 3, cpuWindow: 30 * time.Second}
+		idleCounts: []int{10000, 50000}, serviceScales: []int{100, 1000, 5000, 10000}, probes: 3, cpuWindow: 30 * time.Second,
+		handoverConns: 10000, handoverScale: 1000}
 }
 
 // target is one path as seen from one node: the client pod and node, and the addresses to use.
@@ -176,7 +193,9 @@ func TestBench(t *testing.T) {
 		rep.AddDifference(rep.Metric("keep-alive latency p99", src, "µs", false), "keep-alive latency p99 added (vs direct)", PathDirect)
 	}
 	runIdle(t, rep, cfg, targets, loadBin, map[string]int{PathKUP: kup.Pid(), PathHAProxy: hap.Pid()})
-	runControlPlane(t, rep, cfg, c, nodes, srvEP, kp, kup, kupCfg)
+	runControlPlane(t, rep, cfg, c, nodes, srvEP, kp, kup, kupCfg, func(kup *harness.Proxy, scale int) *harness.Proxy {
+		return runHandover(t, rep, cfg, scale, targets[PathKUP], loadBin, kup, kupCfg)
+	})
 
 	rep.Notes = append(rep.Notes,
 		"Topology: real etcd + kube-apiserver (test/cluster), one network namespace per node and pod (test/netns); "+
@@ -439,9 +458,10 @@ func runIdle(t *testing.T, rep *Report, cfg settings, targets map[string]target,
 			"so about 9,990 proxied connections is the most any userspace proxy can hold here, and 50,000 is impossible (the client alone would need 50,000 descriptors).")
 }
 
-// runControlPlane is workload 6.
+// runControlPlane is workload 6. At the scale cfg.handoverAt it calls handover with the running
+// kube-userspace-proxy, which returns the one running after it.
 func runControlPlane(t *testing.T, rep *Report, cfg settings, c *cluster.Cluster, nodes map[string]*netns.Node, ep harness.Endpoint,
-	kp *netns.Process, kup *harness.Proxy, kupCfg harness.ProxyConfig) {
+	kp *netns.Process, kup *harness.Proxy, kupCfg harness.ProxyConfig, handover func(kup *harness.Proxy, scale int) *harness.Proxy) {
 	ctx := context.Background()
 	created := 0
 	var last *corev1.Service
@@ -509,6 +529,10 @@ func runControlPlane(t *testing.T, rep *Report, cfg settings, c *cluster.Cluster
 			})
 		}
 		wg.Wait()
+
+		if scale == cfg.handoverAt() {
+			kup = handover(kup, scale)
+		}
 	}
 	rep.Notes = append(rep.Notes,
 		"Control plane: both proxies watch the same API server; `one more service` is the time, in a steady state (2 s after the last change), from the EndpointSlice's creation (the Service exists already) to the first TCP connection that gets an answer from the node (a fresh connection every 5 ms, so a SYN lost before the rules existed does not delay the figure). Both run with their default --iptables-min-sync-period (kube-proxy: 1 s).",
@@ -736,4 +760,207 @@ func firstAnswer(ctx context.Context, ns *netns.NS, addr string, t0 time.Time) (
 		case <-tick.C:
 		}
 	}
+}
+
+// runHandover is issue 14's row: with cfg.handoverConns idle connections held from the client
+// pod through kube-userspace-proxy (at most what its descriptor budget leaves room for) and
+// scale services, a successor with the same configuration is started on the node. It measures
+// the successor's own hand-over duration (its metrics: hello → release), the time from its
+// start to the old process's exit and to the first new connection answered after that, and
+// how many of the held connections still answer a request. It returns the proxy running after
+// it: the successor, or old if the hand-over failed (the failure is noted, not fatal).
+func runHandover(t *testing.T, rep *Report, cfg settings, scale int, tg target, loadBin string, old *harness.Proxy, kupCfg harness.ProxyConfig) *harness.Proxy {
+	ctx := context.Background()
+	name := fmt.Sprintf("hand-over with %d idle connections, %d services", cfg.handoverConns, scale)
+	dur := rep.Metric(name+": successor's hand-over (hello → release)", "pod", "ms", false)
+	exited := rep.Metric(name+": successor start → old proxy exited", "pod", "ms", false)
+	answered := rep.Metric(name+": successor start → new connection answered", "pod", "ms", false)
+	survived := rep.Metric(name+": connections surviving", "pod", "conns", true)
+	all := []*Metric{dur, exited, answered, survived}
+	for _, m := range all {
+		m.Note(PathDirect, "n/a (no proxy)")
+		m.Note(PathIPTables, "n/a (kernel state survives a restart)")
+		m.Note(PathHAProxy, "n/a")
+	}
+	rep.Notes = append(rep.Notes, fmt.Sprintf("Hand-over (issue 14), at %d services: the client pod opens up to %d idle connections through kube-userspace-proxy (kup-load idle; "+
+		"each made one request), then a second proxy with the same flags is started on the node; it takes everything over and the first exits. "+
+		"`successor's hand-over` is the successor's kube_userspace_proxy_handover_duration_seconds{role=\"successor\"} (hello → release, scraped from it); "+
+		"`start → old proxy exited` and `start → new connection answered` are wall time from starting the successor's process to the first process's exit, "+
+		"and to the first new connection from the pod answered after that exit (one every 10 ms); `connections surviving` is how many of the held connections "+
+		"answer one more request after the hand-over (all at once, 8 in parallel, within 10 s). The count is capped so that the proxy's descriptor budget "+
+		"(open-files limit 20000 less its reserve and one descriptor per listener, 2 per connection) keeps room for new connections: the cell notes it when fewer "+
+		"than asked were held. iptables mode has nothing to hand over: a kube-proxy restart leaves the kernel's rules and conntrack in place "+
+		"(its restart's first full sync is the `full sync after restart` row).", scale, cfg.handoverConns))
+	fail := func(what string, err error) {
+		t.Logf("hand-over: %s: %v", what, err)
+		for _, m := range all {
+			if m.Summarize(PathKUP).N == 0 {
+				m.Note(PathKUP, "error: "+firstLine(what+": "+err.Error(), 80))
+			}
+		}
+	}
+
+	// As many connections as asked, or as the budget leaves room for (less 100 connections'
+	// worth for new connections and splice pipes).
+	count := cfg.handoverConns
+	if m, err := scrapeAll(tg.node.NS); err != nil {
+		t.Logf("hand-over: scraping the budget: %v", err)
+	} else if limit, ok := m[`kube_userspace_proxy_data_path_descriptors{state="limit"}`]; ok {
+		room := (int(limit)-int(m[`kube_userspace_proxy_data_path_descriptors{state="in_use"}`]))/2 - 100
+		count = max(min(count, room), 1)
+	}
+	proc := tg.pod.NS.Start(t, loadBin, "idle", "--addr", tg.echo, "--count", strconv.Itoa(count), "--hold", "600s")
+	defer func() {
+		proc.Stop()
+		time.Sleep(2 * time.Second) // let the proxy close its side
+	}()
+	held := -1
+	openStart := time.Now()
+	for deadline := time.Now().Add(180 * time.Second); held < 0 && time.Now().Before(deadline); {
+		if i := strings.Index(proc.Log(), "READY "); i >= 0 {
+			fmt.Sscanf(proc.Log()[i:], "READY %d", &held)
+			break
+		}
+		select {
+		case <-proc.Done():
+			deadline = time.Now()
+		case <-time.After(100 * time.Millisecond):
+		}
+	}
+	if held <= 0 {
+		fail("opening the connections", fmt.Errorf("held %d: %s", held, firstLine(proc.Log(), 200)))
+		return old
+	}
+	t.Logf("hand-over: %d connections held (asked %d, budget room %d) in %v", held, cfg.handoverConns, count, time.Since(openStart).Round(time.Millisecond))
+	if held < cfg.handoverConns {
+		survived.Note(PathKUP, fmt.Sprintf("of %d held (asked %d; open-files limit)", held, cfg.handoverConns))
+	} else {
+		survived.Note(PathKUP, fmt.Sprintf("of %d held", held))
+	}
+	time.Sleep(time.Second)
+
+	// The successor. Its process's start is the origin; a watcher takes the old process's
+	// exit, then asks a new connection every 10 ms until one is answered.
+	var exitAt, answerAt atomic.Int64 // nanoseconds since start; 0: not yet
+	args := harness.ProxyArgs(t, kupCfg)
+	start := time.Now()
+	next := &harness.Proxy{Config: kupCfg, Args: args, Started: start, Process: tg.node.NS.Start(t, args...)}
+	next.DumpGoroutinesOnFailure()
+	wctx, cancel := context.WithTimeout(ctx, 120*time.Second)
+	defer cancel()
+	go func() {
+		select {
+		case <-old.Done():
+			exitAt.Store(int64(time.Since(start)))
+		case <-wctx.Done():
+			return
+		}
+		for wctx.Err() == nil {
+			if _, err := harness.AskTimeout(wctx, tg.pod.NS, "tcp", tg.echo, time.Second); err == nil {
+				answerAt.Store(int64(time.Since(start)))
+				return
+			}
+			time.Sleep(10 * time.Millisecond)
+		}
+	}()
+	for answerAt.Load() == 0 && wctx.Err() == nil {
+		select {
+		case <-next.Done():
+			cancel()
+		case <-time.After(20 * time.Millisecond):
+		}
+	}
+	if answerAt.Load() == 0 {
+		err := fmt.Errorf("after %v: old exited: %v, successor: %s", time.Since(start).Round(time.Millisecond), exitAt.Load() != 0, firstLine(next.Tail(3), 200))
+		t.Logf("hand-over failed; successor's log:\n%s\nold proxy's log:\n%s", next.Tail(30), old.Tail(30))
+		fail("hand-over", err)
+		select {
+		case <-old.Done():
+			return next
+		default:
+			next.Stop()
+			return old
+		}
+	}
+	next.Ready = start.Add(time.Duration(answerAt.Load()))
+	exited.Add(PathKUP, float64(exitAt.Load())/1e6)
+	answered.Add(PathKUP, float64(answerAt.Load())/1e6)
+	if err := old.Err(); err != nil {
+		exited.Note(PathKUP, "old proxy exited with "+err.Error())
+		t.Logf("hand-over: the old proxy exited with %v; its log:\n%s", err, old.Tail(20))
+	}
+
+	m, err := scrapeAll(tg.node.NS)
+	switch {
+	case err != nil:
+		fail("scraping the successor", err)
+	case m[`kube_userspace_proxy_handovers_total{result="completed",role="successor"}`] != 1:
+		fail("successor's metrics", fmt.Errorf("handovers_total{completed,successor} = %v, want 1", m[`kube_userspace_proxy_handovers_total{result="completed",role="successor"}`]))
+	default:
+		dur.Add(PathKUP, m[`kube_userspace_proxy_handover_duration_seconds_sum{role="successor"}`]*1e3)
+		moved := m[`kube_userspace_proxy_handover_records_total{kind="tcp-conn",role="successor"}`]
+		dur.Note(PathKUP, fmt.Sprintf("%.0f tcp-conn records", moved))
+	}
+
+	// Every held connection asked once more.
+	before := strings.Count(proc.Log(), "CHECK ")
+	if err := syscall.Kill(proc.Pid(), syscall.SIGUSR1); err != nil {
+		fail("checking the connections", err)
+		return next
+	}
+	var line string
+	for deadline := time.Now().Add(30 * time.Second); time.Now().Before(deadline); time.Sleep(100 * time.Millisecond) {
+		log := proc.Log()
+		if strings.Count(log, "CHECK ") > before {
+			line, _, _ = strings.Cut(log[strings.LastIndex(log, "CHECK "):], "\n")
+			break
+		}
+	}
+	var ok, failed int
+	if _, err := fmt.Sscanf(line, "CHECK ok=%d failed=%d", &ok, &failed); err != nil {
+		fail("checking the connections", fmt.Errorf("no CHECK line from kup-load: %q: %s", line, firstLine(proc.Tail(3), 200)))
+		return next
+	}
+	survived.Add(PathKUP, float64(ok))
+	if failed > 0 {
+		survived.Note(PathKUP, fmt.Sprintf("of %d held; %s", held, firstLine(line, 120)))
+	}
+	t.Logf("MEASURE hand-over with %d connections held, %d services: successor's duration %.0f ms, old exited after %.0f ms, new connection answered after %.0f ms; %s; successor: %s",
+		held, scale, m[`kube_userspace_proxy_handover_duration_seconds_sum{role="successor"}`]*1e3,
+		float64(exitAt.Load())/1e6, float64(answerAt.Load())/1e6, line, firstLine(grepLine(next.Log(), "took over"), 300))
+	return next
+}
+
+// grepLine returns the first line of log containing s, or "".
+func grepLine(log, s string) string {
+	for _, l := range strings.Split(log, "\n") {
+		if strings.Contains(l, s) {
+			return l
+		}
+	}
+	return ""
+}
+
+// scrapeAll scrapes the metrics of the proxy in ns: each sample by its name with its labels as
+// exposed (`name{a="x",b="y"}`).
+func scrapeAll(ns *netns.NS) (map[string]float64, error) {
+	hc := &http.Client{Timeout: 10 * time.Second, Transport: &http.Transport{DialContext: ns.DialContext, DisableKeepAlives: true}}
+	resp, err := hc.Get("http://" + metricsAddr + "/metrics")
+	if err != nil {
+		return nil, fmt.Errorf("scrape metrics: %w", err)
+	}
+	defer resp.Body.Close()
+	vals := map[string]float64{}
+	sc := bufio.NewScanner(resp.Body)
+	sc.Buffer(make([]byte, 1<<20), 1<<20)
+	for sc.Scan() {
+		line := sc.Text()
+		i := strings.LastIndexByte(line, ' ')
+		if strings.HasPrefix(line, "#") || i < 0 {
+			continue
+		}
+		v, _ := strconv.ParseFloat(line[i+1:], 64)
+		vals[line[:i]] = v
+	}
+	return vals, sc.Err()
 }
