@@ -16,6 +16,8 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 
@@ -48,15 +50,30 @@ type settings struct {
 	serviceScales []int
 	probes        int // one-more-service probes per scale
 	cpuWindow     time.Duration
+	// handoverConns idle connections are held through kube-userspace-proxy while a successor
+	// takes over from it, at the first of serviceScales ≥ handoverScale (the last if none is).
+	handoverConns, handoverScale int
+}
+
+// handoverAt returns the service scale at which the hand-over row is measured.
+func (s settings) handoverAt() int {
+	for _, n := range s.serviceScales {
+		if n >= s.handoverScale {
+			return n
+		}
+	}
+	return s.serviceScales[len(s.serviceScales)-1]
 }
 
 func configure(quick bool) settings {
 	if quick {
 		return settings{reps: 1, iperfArgs: []string{"-n", "64M"}, loadDuration: 300 * time.Millisecond, latRate: 2000,
-			idleCounts: []int{1000}, serviceScales: []int{100}, probes: 1, cpuWindow: 2 * time.Second}
+			idleCounts: []int{1000}, serviceScales: []int{100}, probes: 1, cpuWindow: 2 * time.Second,
+			handoverConns: 1000, handoverScale: 1000}
 	}
 	return settings{reps: 3, iperfArgs: []string{"-t", "3"}, loadDuration: 2 * time.Second, latRate: 2000,
-		idleCounts: []int{10000, 50000}, serviceScales: []int{100, 1000, 5000, 10000}, probes: 3, cpuWindow: 30 * time.Second}
+		idleCounts: []int{10000, 50000}, serviceScales: []int{100, 1000, 5000, 10000}, probes: 3, cpuWindow: 30 * time.Second,
+		handoverConns: 10000, handoverScale: 1000}
 }
 
 // target is one path as seen from one node: the client pod and node, and the addresses to use.
@@ -176,7 +193,9 @@ func TestBench(t *testing.T) {
 		rep.AddDifference(rep.Metric("keep-alive latency p99", src, "µs", false), "keep-alive latency p99 added (vs direct)", PathDirect)
 	}
 	runIdle(t, rep, cfg, targets, loadBin, map[string]int{PathKUP: kup.Pid(), PathHAProxy: hap.Pid()})
-	runControlPlane(t, rep, cfg, c, nodes, srvEP, kp, kup, kupCfg)
+	runControlPlane(t, rep, cfg, c, nodes, srvEP, kp, kup, kupCfg, func(kup *harness.Proxy, scale int) *harness.Proxy {
+		return runHandover(t, rep, cfg, scale, targets[PathKUP], loadBin, kup, kupCfg)
+	})
 
 	rep.Notes = append(rep.Notes,
 		"Topology: real etcd + kube-apiserver (test/cluster), one network namespace per node and pod (test/netns); "+
@@ -439,9 +458,10 @@ func runIdle(t *testing.T, rep *Report, cfg settings, targets map[string]target,
 			"so about 9,990 proxied connections is the most any userspace proxy can hold here, and 50,000 is impossible (the client alone would need 50,000 descriptors).")
 }
 
-// runControlPlane is workload 6.
+// runControlPlane is workload 6. At the scale cfg.handoverAt it calls handover with the running
+// kube-userspace-proxy, which returns the one running after it.
 func runControlPlane(t *testing.T, rep *Report, cfg settings, c *cluster.Cluster, nodes map[string]*netns.Node, ep harness.Endpoint,
-	kp *netns.Process, kup *harness.Proxy, kupCfg harness.ProxyConfig) {
+	kp *netns.Process, kup *harness.Proxy, kupCfg harness.ProxyConfig, handover func(kup *harness.Proxy, scale int) *harness.Proxy) {
 	ctx := context.Background()
 	created := 0
 	var last *corev1.Service
@@ -509,6 +529,10 @@ func runControlPlane(t *testing.T, rep *Report, cfg settings, c *cluster.Cluster
 			})
 		}
 		wg.Wait()
+
+		if scale == cfg.handoverAt() {
+			kup = handover(kup, scale)
+		}
 	}
 	rep.Notes = append(rep.Notes,
 		"Control plane: both proxies watch the same API server; `one more service` is the time, in a steady state (2 s after the last change), from the EndpointSlice's creation (the Service exists already) to the first TCP connection that gets an answer from the node (a fresh connection every 5 ms, so a SYN lost before the rules existed does not delay the figure). Both run with their default --iptables-min-sync-period (kube-proxy: 1 s).",
@@ -736,4 +760,369 @@ func firstAnswer(ctx context.Context, ns *netns.NS, addr string, t0 time.Time) (
 		case <-tick.C:
 		}
 	}
+}
+
+// runHandover is issue 14's row: with cfg.handoverConns idle connections held from the client
+// pod through kube-userspace-proxy (at most what its descriptor budget leaves room for) and
+// scale services, a successor with the same configuration is started on the node. It measures
+// the successor's own hand-over duration (its metrics: hello → release), the time from its
+// start to the old process's exit and to the first new connection answered after that, and
+// how many of the held connections still answer a request. If the hand-over fails for want of
+// descriptors (the predecessor duplicates every descriptor it hands over), it is noted and
+// measured again with as many connections as leave room for that. It returns the proxy running
+// after it: the successor, or old if the hand-over failed (noted, not fatal).
+func runHandover(t *testing.T, rep *Report, cfg settings, scale int, tg target, loadBin string, old *harness.Proxy, kupCfg harness.ProxyConfig) *harness.Proxy {
+	name := fmt.Sprintf("hand-over with %d idle connections, %d services", cfg.handoverConns, scale)
+	ho := handoverRows{
+		held:     rep.Metric(name+": connections held", "pod", "conns", true),
+		dur:      rep.Metric(name+": successor's hand-over (hello → release)", "pod", "ms", false),
+		exited:   rep.Metric(name+": successor start → old proxy exited", "pod", "ms", false),
+		answered: rep.Metric(name+": successor start → new connection answered", "pod", "ms", false),
+		survived: rep.Metric(name+": connections surviving", "pod", "conns", true),
+	}
+	for _, m := range ho.all() {
+		m.Note(PathDirect, "n/a (no proxy)")
+		m.Note(PathIPTables, "n/a (kernel state survives a restart)")
+		m.Note(PathHAProxy, "n/a")
+	}
+	rep.Notes = append(rep.Notes, fmt.Sprintf("Hand-over (issue 14), at %d services: the client pod opens up to %d idle connections through kube-userspace-proxy (kup-load idle; "+
+		"each made one request), then a second proxy with the same flags is started on the node; it takes everything over and the first exits. "+
+		"`successor's hand-over` is the successor's kube_userspace_proxy_handover_duration_seconds{role=\"successor\"} (hello → release, scraped from it); "+
+		"`start → old proxy exited` and `start → new connection answered` are wall time from starting the successor's process to the first process's exit, "+
+		"and to the first new connection from the pod answered after that exit (one every 10 ms); `connections surviving` is how many of the held connections "+
+		"answer one more request after the hand-over (all at once, 8 in parallel, within 10 s). `connections held` is capped so that the proxy's descriptor budget "+
+		"(the open-files limit less its reserve and one descriptor per listener; 2 per connection) keeps room for new connections. "+
+		"iptables mode has nothing to hand over: a kube-proxy restart leaves the kernel's rules and conntrack in place "+
+		"(its restart's first full sync is the `full sync after restart` row).", scale, cfg.handoverConns))
+
+	// As many connections as asked, or as the budget leaves room for (less 100 connections'
+	// worth for new connections and splice pipes).
+	count := cfg.handoverConns
+	if m, err := scrapeAll(tg.node.NS); err != nil {
+		t.Logf("hand-over: scraping the budget: %v", err)
+	} else if limit, ok := m[`kube_userspace_proxy_data_path_descriptors{state="limit"}`]; ok {
+		room := (int(limit)-int(m[`kube_userspace_proxy_data_path_descriptors{state="in_use"}`]))/2 - 100
+		count = max(min(count, room), 1)
+	}
+	// Room for the hand-over itself: the predecessor holds a duplicate of every listener and
+	// connection socket at once, so its descriptors double.
+	fds, fdLimit := fdCount(old.Pid()), fdLimitOf(old.Pid())
+	next, res := handoverOnce(t, tg, loadBin, old, kupCfg, count)
+	if res.err != nil && strings.Contains(res.err.Error(), "too many open files") && fds > 0 && fdLimit > 0 {
+		retry := max((fdLimit-2*fds)/4-100, 1)
+		why := fmt.Sprintf("%d held: hand-over refused (%s); again with %d", res.held, firstLine(res.err.Error(), 200), retry)
+		rep.Notes = append(rep.Notes, fmt.Sprintf("Hand-over at %d services with %d connections held failed: %s. "+
+			"The predecessor duplicates every listening and connection socket before it sends them (proxy/forward/handover.go export), so it needs twice "+
+			"the descriptors its data path holds, which its budget does not keep (open-files limit %d, %d open before the connections): "+
+			"measured again with %d connections, the most for which (limit − 2 × open) / 4 leaves room, after a restart of the old proxy. After the refusal, the old proxy: %s.",
+			scale, res.held, firstLine(res.err.Error(), 300), fdLimit, fds, retry, firstLine(res.after, 2000)))
+		t.Logf("hand-over: %s", why)
+		ho.held.Note(PathKUP, firstLine(fmt.Sprintf("asked %d; with %d the hand-over failed (EMFILE), see notes", cfg.handoverConns, res.held), 100))
+		// The refused predecessor is not in the state it was before (see res.after: what it
+		// logged, how many held connections still answer): restart it, so that the second
+		// attempt starts from a proxy as the first did.
+		if next == old {
+			old.Stop()
+			next = harness.StartProxy(t, tg.node.NS, kupCfg)
+		}
+		next, res = handoverOnce(t, tg, loadBin, next, kupCfg, retry)
+	}
+	ho.record(t, res, cfg.handoverConns)
+	return next
+}
+
+// handoverRows are the metrics of runHandover.
+type handoverRows struct{ held, dur, exited, answered, survived *Metric }
+
+func (h handoverRows) all() []*Metric {
+	return []*Metric{h.held, h.dur, h.exited, h.answered, h.survived}
+}
+
+// handoverResult is what one hand-over attempt measured (zero: not measured).
+type handoverResult struct {
+	held, moved, survived int
+	dur, exited, answered time.Duration
+	check, oldExit, after string // the CHECK line, the old proxy's exit error, what served after a failure
+	err                   error
+}
+
+func (h handoverRows) record(t *testing.T, r handoverResult, asked int) {
+	if r.held > 0 {
+		h.held.Add(PathKUP, float64(r.held))
+		if r.held < asked && h.held.Notes[PathKUP] == "" {
+			h.held.Note(PathKUP, fmt.Sprintf("asked %d: open-files limit", asked))
+		}
+	}
+	if r.err != nil {
+		t.Logf("hand-over: %v", r.err)
+		for _, m := range h.all()[1:] {
+			m.Note(PathKUP, "error: "+firstLine(r.err.Error(), 80))
+		}
+		return
+	}
+	h.dur.Add(PathKUP, float64(r.dur.Microseconds())/1e3)
+	h.dur.Note(PathKUP, fmt.Sprintf("%d tcp-conn records", r.moved))
+	h.exited.Add(PathKUP, float64(r.exited.Microseconds())/1e3)
+	if r.oldExit != "" {
+		h.exited.Note(PathKUP, "old proxy exited with "+r.oldExit)
+	}
+	h.answered.Add(PathKUP, float64(r.answered.Microseconds())/1e3)
+	h.survived.Add(PathKUP, float64(r.survived))
+	if r.survived < r.held {
+		h.survived.Note(PathKUP, fmt.Sprintf("of %d held; %s", r.held, firstLine(r.check, 120)))
+	} else {
+		h.survived.Note(PathKUP, fmt.Sprintf("of %d held", r.held))
+	}
+}
+
+// handoverOnce holds count idle connections through old, starts a successor and measures the
+// hand-over. It returns the proxy serving afterwards (the successor, or old if the hand-over
+// failed: the successor is stopped as soon as it says so).
+func handoverOnce(t *testing.T, tg target, loadBin string, old *harness.Proxy, kupCfg harness.ProxyConfig, count int) (*harness.Proxy, handoverResult) {
+	ctx := context.Background()
+	var res handoverResult
+	proc := tg.pod.NS.Start(t, loadBin, "idle", "--addr", tg.echo, "--count", strconv.Itoa(count), "--hold", "600s")
+	defer func() {
+		proc.Stop()
+		time.Sleep(2 * time.Second) // let the proxy close its side
+	}()
+	res.held = -1
+	openStart := time.Now()
+	for deadline := time.Now().Add(180 * time.Second); time.Now().Before(deadline); {
+		if i := strings.Index(proc.Log(), "READY "); i >= 0 {
+			fmt.Sscanf(proc.Log()[i:], "READY %d", &res.held)
+			break
+		}
+		select {
+		case <-proc.Done():
+			deadline = time.Now()
+		case <-time.After(100 * time.Millisecond):
+		}
+	}
+	if res.held <= 0 {
+		res.err = fmt.Errorf("opening the connections: held %d: %s", res.held, firstLine(proc.Log(), 200))
+		return old, res
+	}
+	t.Logf("hand-over: %d connections held (asked %d) in %v", res.held, count, time.Since(openStart).Round(time.Millisecond))
+	time.Sleep(time.Second)
+
+	// The successor. Its process's start is the origin; a watcher takes the old process's
+	// exit, then asks a new connection every 10 ms until one is answered.
+	var exitAt, answerAt atomic.Int64 // nanoseconds since start; 0: not yet
+	args := harness.ProxyArgs(t, kupCfg)
+	oldLogFrom := len(old.Log())
+	start := time.Now()
+	next := &harness.Proxy{Config: kupCfg, Args: args, Started: start, Process: tg.node.NS.Start(t, args...)}
+	next.DumpGoroutinesOnFailure()
+	wctx, cancel := context.WithTimeout(ctx, 120*time.Second)
+	defer cancel()
+	go func() {
+		select {
+		case <-old.Done():
+			exitAt.Store(int64(time.Since(start)))
+		case <-wctx.Done():
+			return
+		}
+		for wctx.Err() == nil {
+			if _, err := harness.AskTimeout(wctx, tg.pod.NS, "tcp", tg.echo, time.Second); err == nil {
+				answerAt.Store(int64(time.Since(start)))
+				return
+			}
+			time.Sleep(10 * time.Millisecond)
+		}
+	}()
+	refused := ""
+	for answerAt.Load() == 0 && wctx.Err() == nil && refused == "" {
+		select {
+		case <-next.Done():
+			cancel()
+		case <-time.After(20 * time.Millisecond):
+			refused = grepLine(next.Log(), "falling back to a restart")
+		}
+	}
+	if answerAt.Load() == 0 {
+		cancel()
+		if refused != "" {
+			if i := strings.Index(refused, `error="`); i >= 0 {
+				refused, _, _ = strings.Cut(refused[i+len(`error="`):], `"`)
+			}
+			res.err = fmt.Errorf("successor: %s", refused)
+		} else {
+			res.err = fmt.Errorf("hand-over: after %v: old exited: %v, successor: %s", time.Since(start).Round(time.Millisecond), exitAt.Load() != 0, firstLine(next.Tail(3), 200))
+		}
+		t.Logf("hand-over failed; successor's log:\n%s\nold proxy's log:\n%s", next.Tail(30), old.Tail(30))
+		select {
+		case <-old.Done():
+			return next, res
+		default:
+		}
+		next.Stop() // it waits for the old one's lock: it has touched nothing yet
+		// Does the old proxy serve on? Its held connections, and a new one.
+		answers := "a new connection answered"
+		if _, err := harness.AskTimeout(ctx, tg.pod.NS, "tcp", tg.echo, 2*time.Second); err != nil {
+			answers = "a new connection failed: " + firstLine(err.Error(), 80)
+		}
+		line, err := checkIdle(proc)
+		res.after = fmt.Sprintf("%s; of the held connections: %s", answers, line)
+		if err != nil {
+			res.after += fmt.Sprintf(" (%v)", err)
+		}
+		// What the failed freeze left: the old proxy's log since the successor started.
+		if log := old.Log(); len(log) >= oldLogFrom {
+			log = log[oldLogFrom:]
+			res.after += fmt.Sprintf("; its log since: %d lines with \"too many open files\" (%d \"cannot serve the handed-over listener\", %d \"accept: out of file descriptors\"), "+
+				"%d listeners reopened on another proxy port (\"allocating another\")",
+				strings.Count(log, "too many open files"), strings.Count(log, "cannot serve the handed-over listener"), strings.Count(log, "accept: out of file descriptors"),
+				strings.Count(log, "allocating another"))
+			for _, what := range []string{"adopted what the predecessor handed over", "opened proxy listeners"} {
+				if l := lastLine(log, what); l != "" {
+					res.after += "; \"" + what + "\": " + strings.Join(fieldsWith(l, "listeners=", "heldPorts=", "tcpConnections=", "servicePorts="), " ")
+				}
+			}
+		}
+		t.Logf("hand-over: after the failed hand-over: %s; the old proxy's warnings and errors: %s", res.after, firstLine(grepLevel(old.Log()), 2000))
+		return old, res
+	}
+	next.Ready = start.Add(time.Duration(answerAt.Load()))
+	res.exited, res.answered = time.Duration(exitAt.Load()), time.Duration(answerAt.Load())
+	if err := old.Err(); err != nil {
+		res.oldExit = err.Error()
+		t.Logf("hand-over: the old proxy exited with %v; its log:\n%s", err, old.Tail(20))
+	}
+
+	m, err := scrapeAll(tg.node.NS)
+	switch {
+	case err != nil:
+		res.err = fmt.Errorf("scraping the successor: %w", err)
+		return next, res
+	case m[`kube_userspace_proxy_handovers_total{result="completed",role="successor"}`] != 1:
+		res.err = fmt.Errorf("successor's handovers_total{completed,successor} = %v, want 1", m[`kube_userspace_proxy_handovers_total{result="completed",role="successor"}`])
+		return next, res
+	}
+	res.dur = time.Duration(m[`kube_userspace_proxy_handover_duration_seconds_sum{role="successor"}`] * float64(time.Second))
+	res.moved = int(m[`kube_userspace_proxy_handover_records_total{kind="tcp-conn",role="successor"}`])
+
+	// Every held connection asked once more.
+	line, err := checkIdle(proc)
+	if err != nil {
+		res.err = err
+		return next, res
+	}
+	res.check = line
+	fmt.Sscanf(line, "CHECK ok=%d", &res.survived)
+	t.Logf("MEASURE hand-over with %d connections held: successor's duration %v, old exited after %v, new connection answered after %v; %s; successor: %s",
+		res.held, res.dur.Round(time.Millisecond), res.exited.Round(time.Millisecond), res.answered.Round(time.Millisecond), line, firstLine(grepLine(next.Log(), "took over"), 300))
+	return next, res
+}
+
+// checkIdle makes kup-load idle (proc) ask every connection it holds once more and returns its
+// CHECK line.
+func checkIdle(proc *netns.Process) (string, error) {
+	before := strings.Count(proc.Log(), "CHECK ")
+	if err := syscall.Kill(proc.Pid(), syscall.SIGUSR1); err != nil {
+		return "", fmt.Errorf("checking the connections: %w", err)
+	}
+	for deadline := time.Now().Add(30 * time.Second); time.Now().Before(deadline); time.Sleep(100 * time.Millisecond) {
+		log := proc.Log()
+		if strings.Count(log, "CHECK ") > before {
+			line, _, _ := strings.Cut(log[strings.LastIndex(log, "CHECK "):], "\n")
+			return line, nil
+		}
+	}
+	return "", fmt.Errorf("checking the connections: no CHECK line from kup-load: %s", firstLine(proc.Tail(3), 200))
+}
+
+// lastLine returns the last line of log containing s, or "".
+func lastLine(log, s string) string {
+	i := strings.LastIndex(log, s)
+	if i < 0 {
+		return ""
+	}
+	start := strings.LastIndexByte(log[:i], '\n') + 1
+	end, _, _ := strings.Cut(log[start:], "\n")
+	return end
+}
+
+// fieldsWith returns the space-separated fields of line that start with one of prefixes.
+func fieldsWith(line string, prefixes ...string) []string {
+	var out []string
+	for _, f := range strings.Fields(line) {
+		for _, p := range prefixes {
+			if strings.HasPrefix(f, p) {
+				out = append(out, f)
+			}
+		}
+	}
+	return out
+}
+
+// grepLevel returns the WRN and ERR lines of a proxy's log, joined with " / ".
+func grepLevel(log string) string {
+	var out []string
+	for _, l := range strings.Split(log, "\n") {
+		if strings.Contains(l, " WRN ") || strings.Contains(l, " ERR ") {
+			out = append(out, l)
+		}
+	}
+	return strings.Join(out, " / ")
+}
+
+// fdCount returns how many descriptors pid has open (0 if unknown).
+func fdCount(pid int) int {
+	ents, err := os.ReadDir(fmt.Sprintf("/proc/%d/fd", pid))
+	if err != nil {
+		return 0
+	}
+	return len(ents)
+}
+
+// fdLimitOf returns pid's soft open-files limit (0 if unknown).
+func fdLimitOf(pid int) int {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/limits", pid))
+	if err != nil {
+		return 0
+	}
+	for _, l := range strings.Split(string(b), "\n") {
+		if rest, ok := strings.CutPrefix(l, "Max open files"); ok {
+			if f := strings.Fields(rest); len(f) > 0 {
+				n, _ := strconv.Atoi(f[0])
+				return n
+			}
+		}
+	}
+	return 0
+}
+
+// grepLine returns the first line of log containing s, or "".
+func grepLine(log, s string) string {
+	for _, l := range strings.Split(log, "\n") {
+		if strings.Contains(l, s) {
+			return l
+		}
+	}
+	return ""
+}
+
+// scrapeAll scrapes the metrics of the proxy in ns: each sample by its name with its labels as
+// exposed (`name{a="x",b="y"}`).
+func scrapeAll(ns *netns.NS) (map[string]float64, error) {
+	hc := &http.Client{Timeout: 10 * time.Second, Transport: &http.Transport{DialContext: ns.DialContext, DisableKeepAlives: true}}
+	resp, err := hc.Get("http://" + metricsAddr + "/metrics")
+	if err != nil {
+		return nil, fmt.Errorf("scrape metrics: %w", err)
+	}
+	defer resp.Body.Close()
+	vals := map[string]float64{}
+	sc := bufio.NewScanner(resp.Body)
+	sc.Buffer(make([]byte, 1<<20), 1<<20)
+	for sc.Scan() {
+		line := sc.Text()
+		i := strings.LastIndexByte(line, ' ')
+		if strings.HasPrefix(line, "#") || i < 0 {
+			continue
+		}
+		v, _ := strconv.ParseFloat(line[i+1:], 64)
+		vals[line[:i]] = v
+	}
+	return vals, sc.Err()
 }

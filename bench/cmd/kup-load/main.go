@@ -7,6 +7,9 @@
 //	kup-load udprr --addr IP:PORT --duration D --concurrency C --size S  UDP request/response: req/s
 //	kup-load idle  --addr IP:PORT --count N --hold D                     open N connections, print READY, hold them
 //
+// While idle holds its connections, SIGUSR1 makes it send one request on every one of them and
+// print "CHECK ok=N failed=M ..." on stderr (how many still answer: the benchmark's hand-over row).
+//
 // Every mode is bounded in time (and conn in count too); it never retries a failed request.
 package main
 
@@ -15,11 +18,14 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"net"
 	"os"
+	"os/signal"
 	"slices"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
 
 	"github.com/spf13/pflag"
@@ -212,9 +218,12 @@ func udpRR(addr string, d time.Duration, conc, size int) Result {
 }
 
 // idle opens count connections (8 dialers), checks each with one request, prints "READY <n>" on
-// stderr and holds them for hold (the benchmark kills it once it has measured).
+// stderr and holds them for hold (the benchmark kills it once it has measured). On SIGUSR1 it
+// checks every connection it holds (see check).
 func idle(addr string, count int, hold time.Duration) Result {
 	start := time.Now()
+	usr1 := make(chan os.Signal, 1)
+	signal.Notify(usr1, syscall.SIGUSR1)
 	conns := make([]net.Conn, 0, count)
 	var mu sync.Mutex
 	var e errs
@@ -246,7 +255,15 @@ func idle(addr string, count int, hold time.Duration) Result {
 	}
 	wg.Wait()
 	fmt.Fprintf(os.Stderr, "READY %d\n", len(conns))
-	time.Sleep(hold) // the benchmark usually kills it earlier, once it has measured
+	end := time.After(hold) // the benchmark usually kills it earlier, once it has measured
+	for held := true; held; {
+		select {
+		case <-usr1:
+			check(conns)
+		case <-end:
+			held = false
+		}
+	}
 	for _, c := range conns {
 		c.Close()
 	}
@@ -254,4 +271,42 @@ func idle(addr string, count int, hold time.Duration) Result {
 		e.add(errors.New("fewer connections than asked"))
 	}
 	return Result{Ops: int64(len(conns)), Errors: e.n.Load(), Seconds: time.Since(start).Seconds(), FirstErr: e.first}
+}
+
+// check sends one request on every connection (8 at a time, all within 10 s) and prints on
+// stderr "CHECK ok=N failed=M reset=R eof=E timeout=T took=D first=ERR": ok answered; of the
+// failed, reset saw ECONNRESET (or EPIPE), eof a close, timeout no answer in time.
+func check(conns []net.Conn) {
+	start := time.Now()
+	deadline := start.Add(10 * time.Second)
+	var ok, reset, eof, timeout atomic.Int64
+	var e errs
+	var next atomic.Int64
+	var wg sync.WaitGroup
+	for range 8 {
+		wg.Go(func() {
+			for i := next.Add(1) - 1; i < int64(len(conns)); i = next.Add(1) - 1 {
+				c := conns[i]
+				_ = c.SetDeadline(deadline)
+				err := request(c, bufio.NewReaderSize(c, 64))
+				_ = c.SetDeadline(time.Time{})
+				var ne net.Error
+				switch {
+				case err == nil:
+					ok.Add(1)
+					continue
+				case errors.Is(err, syscall.ECONNRESET), errors.Is(err, syscall.EPIPE):
+					reset.Add(1)
+				case errors.Is(err, io.EOF):
+					eof.Add(1)
+				case errors.As(err, &ne) && ne.Timeout():
+					timeout.Add(1)
+				}
+				e.add(err)
+			}
+		})
+	}
+	wg.Wait()
+	fmt.Fprintf(os.Stderr, "CHECK ok=%d failed=%d reset=%d eof=%d timeout=%d took=%v first=%q\n",
+		ok.Load(), e.n.Load(), reset.Load(), eof.Load(), timeout.Load(), time.Since(start).Round(time.Millisecond), e.first)
 }
