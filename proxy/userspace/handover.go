@@ -112,6 +112,10 @@ func (p *Proxier) Freeze(ctx context.Context) ([]handover.Record, error) {
 		p.mu.Unlock()
 		return nil, errors.New("freeze proxier: closed or frozen already")
 	}
+	if err := p.handoverRoomLocked(); err != nil {
+		p.mu.Unlock()
+		return nil, fmt.Errorf("freeze proxier: %w", err)
+	}
 	p.frozen = true
 	recs, err := p.freezeLocked(ctx)
 	p.mu.Unlock()
@@ -120,6 +124,50 @@ func (p *Proxier) Freeze(ctx context.Context) ([]handover.Record, error) {
 		return nil, err
 	}
 	return recs, nil
+}
+
+// handoverMargin is what a hand-over leaves free of the open-files limit beyond the duplicates
+// it needs: descriptors that other work (a sync, a health check, new pipes) may take meanwhile.
+const handoverMargin = 64
+
+// handoverRoomLocked checks, before anything is frozen, that the process can duplicate every
+// socket a freeze exports (the listeners, both sockets of each connection, each UDP session's,
+// the held ports) within its open-files limit: a freeze that ran out of descriptors halfway
+// would have to undo what it froze. Without a file limit it checks nothing.
+func (p *Proxier) handoverRoomLocked() error {
+	limit := p.opts.Limits.FileLimit
+	if limit <= 0 {
+		return nil
+	}
+	need := p.budget.InUse() + len(p.holder.held) // the data path's sockets (pipes are not sent: an over-estimate)
+	for _, l := range p.ports {
+		if l.isOpen() {
+			need++
+		}
+	}
+	open, err := p.openFDs()
+	if err != nil {
+		return fmt.Errorf("count open descriptors: %w", err)
+	}
+	if open+need+handoverMargin > limit {
+		return fmt.Errorf("a hand-over would duplicate %d descriptors, and %d of the open-files limit %d are open: "+
+			"not enough room (raise the limit, or restart instead: the successor then waits for this proxy to exit)", need, open, limit)
+	}
+	return nil
+}
+
+// openFDCount counts this process's open descriptors.
+func openFDCount() (int, error) {
+	d, err := os.Open("/proc/self/fd")
+	if err != nil {
+		return 0, err
+	}
+	defer d.Close()
+	names, err := d.Readdirnames(-1)
+	if err != nil {
+		return 0, err
+	}
+	return len(names) - 1, nil // less the directory's own descriptor
 }
 
 // freezeLocked freezes every open listener, the held ports and the affinity table. On error it

@@ -248,3 +248,48 @@ func TestAdoptedListenerStartsWithEndpoints(t *testing.T) {
 		}
 	}
 }
+
+// A hand-over that would run out of descriptors is refused before anything is frozen: the
+// proxier serves on, its established connection and new ones alike, and a later hand-over with
+// room goes ahead.
+func TestFreezeRefusedWithoutDescriptors(t *testing.T) {
+	a, b := startBackend(t, "a"), startBackend(t, "b")
+	p := newTestProxier(t, Options{Limits: Limits{FileLimit: 5000}})
+	feed(p, a, b)
+	p.Sync()
+	port := proxyPort(t, p, echoTCP)
+	conn, err := net.DialTimeout("tcp", fmt.Sprintf("127.0.0.1:%d", port), 2*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	r := bufio.NewReader(conn)
+	ask := func(msg string) {
+		t.Helper()
+		_ = conn.SetDeadline(time.Now().Add(5 * time.Second))
+		fmt.Fprintf(conn, "%s\n", msg)
+		if got, err := r.ReadString('\n'); err != nil || !strings.HasSuffix(got, msg+"\n") {
+			t.Fatalf("the established connection: %q, %v", got, err)
+		}
+	}
+	ask("one")
+
+	p.openFDs = func() (int, error) { return 4990, nil } // nearly at the limit
+	recs, err := p.Freeze(context.Background())
+	if err == nil || !strings.Contains(err.Error(), "not enough room") {
+		t.Fatalf("Freeze near the descriptor limit: records %d, error %v; want a refusal", len(recs), err)
+	}
+	ask("two")
+	if name := mustAsk(t, "tcp", port); name != "a" && name != "b" {
+		t.Errorf("a new connection after the refusal answered by %q", name)
+	}
+
+	p.openFDs = openFDCount
+	recs, err = p.Freeze(context.Background())
+	if err != nil {
+		t.Fatalf("Freeze with room: %v", err)
+	}
+	p.Resume(recs)
+	p.Sync()
+	ask("three")
+}

@@ -106,6 +106,8 @@ type Proxier struct {
 	// routing is what every listener's chooser shares; its node addresses are replaced by each
 	// sync.
 	routing *routing
+	// openFDs counts the process's open descriptors (openFDCount; tests replace it).
+	openFDs func() (int, error)
 	// listen is what every listener is opened with; budget is its descriptor budget (nil
 	// without Limits.FileLimit), whose limit each sync updates.
 	listen listenConfig
@@ -179,6 +181,7 @@ func New(opts Options) *Proxier {
 
 		unservable: map[proxy.Name]bool{},
 	}
+	p.openFDs = openFDCount
 	p.routing = &routing{nodeName: opts.NodeName, clusterCIDRs: opts.ClusterCIDRs}
 	p.routing.transparentLocal.Store(opts.TransparentLocal)
 	if lim := opts.Limits; lim.FileLimit > 0 {
