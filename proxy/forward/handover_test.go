@@ -13,6 +13,7 @@ import (
 	"strconv"
 	"strings"
 	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 
@@ -112,6 +113,22 @@ func streamSize(t *testing.T) int64 {
 }
 
 // pipesHolding returns how many pipes of this process that are not in before hold data.
+// fixSendBuffer sets SO_SNDBUF on a listening socket, which turns the send buffer's autotuning
+// off for the connections it accepts.
+func fixSendBuffer(t testing.TB, ln *net.TCPListener, size int) {
+	t.Helper()
+	rc, err := ln.SyscallConn()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var serr error
+	if err := rc.Control(func(fd uintptr) {
+		serr = syscall.SetsockoptInt(int(fd), syscall.SOL_SOCKET, syscall.SO_SNDBUF, size)
+	}); err != nil || serr != nil {
+		t.Fatalf("SO_SNDBUF on the listener: %v %v", err, serr)
+	}
+}
+
 func pipesHolding(t testing.TB, before map[string]string) int {
 	holding := map[string]bool{}
 	for fd, target := range openFDs(t) {
@@ -210,7 +227,10 @@ func testTCPHandOverMidStream(t *testing.T, wire bool) {
 	before := openFDs(t)
 	chooser := &fakeChooser{endpoints: []netip.AddrPort{backend}}
 	ma, mb := &fakeMetrics{}, &fakeMetrics{}
-	a := startTCPProxy(t, "4", chooser, func(p *TCPProxy) { p.Metrics = ma })
+	// The proxy's socket to the client gets a fixed send buffer (inherited from the listener):
+	// one that grows (the kernel's autotuning) could drain the pipe toward the client between
+	// the check below and the freeze.
+	a := startTCPProxy(t, "4", chooser, func(p *TCPProxy) { p.Metrics = ma; fixSendBuffer(t, p.Listener, 64<<10) })
 	c := dialTCPTest(t, a.addr)
 	c.SetReadBuffer(64 << 10)
 	clientErr := make(chan error, 1)

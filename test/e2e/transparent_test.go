@@ -2,6 +2,7 @@ package e2e
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"net/netip"
@@ -211,10 +212,23 @@ func TestTransparent(t *testing.T) {
 
 	t.Run("cleanup removes the routing", func(t *testing.T) {
 		f.proxy = harness.StartProxy(t, f.node.NS, f.proxyConfig())
+		waitTransparentEnabled(t, f.proxy)
 		checkTransparentRouting(t, f.node, true)
 		f.proxy.Stop() // SIGKILL: the routing stays behind
 		checkTransparentRouting(t, f.node, true)
 		harness.RunCleanup(t, f.node.NS)
 		checkTransparentRouting(t, f.node, false)
+	})
+}
+
+// waitTransparentEnabled waits until the proxy has programmed the reply routing of transparent
+// connections, which a start does right after its first sync (so that it serves first).
+func waitTransparentEnabled(t *testing.T, p *harness.Proxy) {
+	t.Helper()
+	harness.WaitFor(t, 30*time.Second, func() error {
+		if !strings.Contains(p.Log(), "transparent connections for Local services enabled") {
+			return errors.New("the proxy has not enabled transparent connections yet")
+		}
+		return nil
 	})
 }
