@@ -218,6 +218,51 @@ func (c *tcpConn) parkUndialled() bool {
 	return frozen
 }
 
+// Thaw undoes a Freeze that no Release followed (the hand-over failed): the proxy serves again
+// on its own sockets, without a descriptor more. Every parked connection relays on where it
+// stopped (its pending bytes first; one frozen undialled is dialled now). Call Serve again.
+// What Freeze exported is the caller's to close. Thaw fails on a proxy that is not frozen or
+// was released.
+func (p *TCPProxy) Thaw() error {
+	if !p.run.thaw() {
+		return errors.New("thaw TCP proxy: not frozen, or released")
+	}
+	if p.Listener != nil {
+		_ = p.Listener.SetDeadline(time.Time{})
+	}
+	type thawed struct {
+		c  *tcpConn
+		pc *parkedConn
+	}
+	var parked []thawed
+	p.mu.Lock()
+	p.freezing = false
+	for c := range p.conns {
+		if c.parked == nil {
+			continue
+		}
+		parked = append(parked, thawed{c, c.parked})
+		if c.parked.backend == nil { // its dial was abandoned: a fresh context for the next one
+			c.ctx, c.cancel = context.WithCancel(context.Background())
+		}
+		c.parked, c.relaying = nil, false
+		c.stopped = make(chan struct{})
+		c.frozen.Store(false)
+		p.connWG.Add(1) // park counted it done
+	}
+	p.mu.Unlock()
+	for _, t := range parked {
+		_ = t.c.client.SetDeadline(time.Time{})
+		if t.pc.backend == nil {
+			go t.c.handle()
+			continue
+		}
+		_ = t.pc.backend.SetDeadline(time.Time{})
+		t.c.relay(t.pc.backend, t.pc.start)
+	}
+	return nil
+}
+
 // export duplicates the listening socket and the sockets of every parked connection.
 func (p *TCPProxy) export() (TCPState, error) {
 	var st TCPState

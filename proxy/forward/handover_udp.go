@@ -87,6 +87,34 @@ func (s *udpSession) park() {
 	s.p.metrics.BytesCopied(s.toEndpoint.Load(), s.fromEndpoint.Load())
 }
 
+// Thaw undoes a Freeze that no Release followed (the hand-over failed): the proxy serves again
+// on its own sockets, every parked session relays on where it stopped, and no descriptor is
+// needed. Call Serve again. What Freeze exported is the caller's to close. Thaw fails on a
+// proxy that is not frozen or was released.
+func (p *UDPProxy) Thaw() error {
+	if !p.run.thaw() {
+		return errors.New("thaw UDP proxy: not frozen, or released")
+	}
+	if p.Conn != nil {
+		_ = p.Conn.SetReadDeadline(time.Time{})
+	}
+	p.mu.Lock()
+	p.frozen.Store(false)
+	var parked []*udpSession
+	for _, s := range p.sessions {
+		if s.parked.Load() && !s.released.Load() {
+			s.parked.Store(false)
+			p.sessionWG.Add(1)
+			parked = append(parked, s)
+		}
+	}
+	p.mu.Unlock()
+	for _, s := range parked {
+		go s.relayReplies() // it sets its own read deadline (the session's expiry) first
+	}
+	return nil
+}
+
 // export duplicates Conn and the socket of every parked session.
 func (p *UDPProxy) export() (UDPState, error) {
 	var st UDPState

@@ -96,6 +96,19 @@ func (s *runState) freeze(what string, wake func()) error {
 	return nil
 }
 
+// thaw undoes freeze for a hand-over that failed: the state runs again and Serve may be called
+// anew. It reports false when the state is not frozen or was released (closed) since.
+func (s *runState) thaw() bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if !s.frozen || s.closed {
+		return false
+	}
+	s.frozen, s.started, s.done = false, false, nil
+	s.stop = make(chan struct{})
+	return true
+}
+
 // release marks a frozen state closed and reports whether it did: false when the state is not
 // frozen or was closed before.
 func (s *runState) release() bool {

@@ -126,6 +126,34 @@ func (p *Proxier) Freeze(ctx context.Context) ([]handover.Record, error) {
 	return recs, nil
 }
 
+// thawLocked serves again on the proxier's own sockets after a hand-over that failed: every
+// frozen listener thaws in place (its connections and sessions relay on where they stopped)
+// and serves again. It needs no descriptor, so it works where the failure was running out of
+// them.
+func (p *Proxier) thawLocked() {
+	for _, l := range p.ports {
+		if !l.frozen {
+			continue
+		}
+		l.frozen = false
+		var err error
+		switch {
+		case l.tcp != nil:
+			if err = l.tcp.Thaw(); err == nil {
+				l.serve(l.tcp, v1.ProtocolTCP)
+			}
+		case l.udp != nil:
+			if err = l.udp.Thaw(); err == nil {
+				l.serve(l.udp, v1.ProtocolUDP)
+			}
+		}
+		if err != nil {
+			l.log.Error().Err(err).Msg("cannot serve again after the failed hand-over; the next sync opens the port anew")
+			l.close(p.alloc, p.opts.Metrics)
+		}
+	}
+}
+
 // handoverMargin is what a hand-over leaves free of the open-files limit beyond the duplicates
 // it needs: descriptors that other work (a sync, a health check, new pipes) may take meanwhile.
 const handoverMargin = 64
@@ -176,6 +204,9 @@ func (p *Proxier) freezeLocked(ctx context.Context) ([]handover.Record, error) {
 	var recs []handover.Record
 	add := func(kind string, meta any, files ...*os.File) error {
 		r, err := handover.NewRecord(kind, meta, files...)
+		if err == nil && p.testHookRecord != nil {
+			err = p.testHookRecord(kind)
+		}
 		if err != nil {
 			for _, f := range files {
 				_ = f.Close()
@@ -217,6 +248,7 @@ func (l *listener) freeze(ctx context.Context, name proxy.Name, add func(string,
 	lm := listenerMeta{Name: name, Protocol: l.protocol(), ProxyPort: l.proxyPort}
 	switch {
 	case l.tcp != nil:
+		l.frozen = true // even when Freeze fails: it leaves the proxy frozen
 		st, err := l.tcp.Freeze(ctx)
 		if err != nil {
 			return err
@@ -233,6 +265,7 @@ func (l *listener) freeze(ctx context.Context, name proxy.Name, add func(string,
 			}
 		}
 	case l.udp != nil:
+		l.frozen = true
 		st, err := l.udp.Freeze(ctx)
 		if err != nil {
 			return err
@@ -289,15 +322,22 @@ func (p *Proxier) releaseFrozenLocked() {
 }
 
 // Resume serves again after a hand-over that failed after Freeze: recs are what Freeze
-// returned, their descriptors still open; the proxier adopts them as a successor would, at
-// its next sync, which Resume triggers.
+// returned. The proxier thaws in place — the same sockets, listeners and connections, not a
+// descriptor more — closes the duplicates in recs, and syncs what changed meanwhile.
 func (p *Proxier) Resume(recs []handover.Record) {
+	for i := range recs {
+		for _, f := range recs[i].Files {
+			if f != nil {
+				_ = f.Close() // a duplicate: the socket lives on in this process
+			}
+		}
+		recs[i].Files = nil
+	}
 	p.mu.Lock()
-	p.releaseFrozenLocked()
+	p.thawLocked()
 	p.frozen = false
 	p.mu.Unlock()
-	p.Adopt(recs)
-	p.log.Info().Int("records", len(recs)).Msg("hand-over failed: serving again")
+	p.log.Info().Int("records", len(recs)).Msg("hand-over failed: serving again on the same sockets")
 	p.runner.Trigger()
 }
 

@@ -3,6 +3,7 @@ package userspace
 import (
 	"bufio"
 	"context"
+	"errors"
 	"fmt"
 	"net"
 	"net/netip"
@@ -15,6 +16,7 @@ import (
 	v1 "k8s.io/api/core/v1"
 	"k8s.io/utils/ptr"
 
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/handover"
 )
 
@@ -292,4 +294,79 @@ func TestFreezeRefusedWithoutDescriptors(t *testing.T) {
 	p.Resume(recs)
 	p.Sync()
 	ask("three")
+}
+
+// A freeze that fails halfway thaws what it froze in place: every listener serves again on its
+// proxy port, an established connection goes on (whichever listener froze), and nothing leaks.
+func TestFreezeFailingHalfwayThaws(t *testing.T) {
+	a, b := startBackend(t, "a"), startBackend(t, "b")
+	p := newTestProxier(t, Options{})
+	feed(p, a, b)
+	tr := p.Tracker()
+	tr.OnServiceUpdate(nil, service("other", []v1.ServicePort{tcpPort("tcp", 80)}))
+	tr.OnEndpointSliceUpdate(nil, slice("other", "other-a", "tcp", v1.ProtocolTCP, a))
+	p.Sync()
+	ports := map[proxy.Name]int{}
+	for _, st := range p.Ports() {
+		ports[st.ServicePort.Name] = st.ProxyPort
+	}
+	conn, err := net.DialTimeout("tcp", fmt.Sprintf("127.0.0.1:%d", ports[echoTCP]), 2*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	r := bufio.NewReader(conn)
+	ask := func(msg string) {
+		t.Helper()
+		_ = conn.SetDeadline(time.Now().Add(5 * time.Second))
+		fmt.Fprintf(conn, "%s\n", msg)
+		if got, err := r.ReadString('\n'); err != nil || !strings.HasSuffix(got, msg+"\n") {
+			t.Fatalf("the established connection: %q, %v", got, err)
+		}
+	}
+	ask("one")
+	fdsBefore, err := openFDCount()
+	if err != nil {
+		t.Fatal(err)
+	}
+
+	// The second listener is frozen, then its record fails (its duplicate closed): the shape of
+	// a freeze that ran out of descriptors.
+	listeners := 0
+	p.testHookRecord = func(kind string) error {
+		if kind == KindListener {
+			if listeners++; listeners == 2 {
+				return errors.New("injected failure")
+			}
+		}
+		return nil
+	}
+	if _, err := p.Freeze(context.Background()); err == nil || !strings.Contains(err.Error(), "injected failure") {
+		t.Fatalf("Freeze: %v, want the injected failure", err)
+	}
+	p.testHookRecord = nil
+	p.Sync()
+	ask("two")
+	// The failed hand-over's duplicates are closed; the thaw needed no descriptor.
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		n, err := openFDCount()
+		if err == nil && n <= fdsBefore {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%d descriptors open after the failed freeze, %d before (%v)", n, fdsBefore, err)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	for _, st := range p.Ports() {
+		if want := ports[st.ServicePort.Name]; st.ProxyPort != want {
+			t.Errorf("%s: proxy port %d after the failed freeze, %d before", st.ServicePort.Name, st.ProxyPort, want)
+		}
+		if st.ServicePort.Protocol == v1.ProtocolTCP {
+			if name := mustAsk(t, "tcp", st.ProxyPort); name != "a" && name != "b" {
+				t.Errorf("%s: a new connection answered by %q", st.ServicePort.Name, name)
+			}
+		}
+	}
 }

@@ -56,6 +56,7 @@ type listener struct {
 	adoptTCP []forward.TCPConnState
 	adoptUDP []forward.UDPSessionState
 	started  bool
+	frozen   bool           // a hand-over froze it (Proxier.Freeze); thawed if it fails
 	served   sync.WaitGroup // the Serve goroutine
 }
 

@@ -108,6 +108,9 @@ type Proxier struct {
 	routing *routing
 	// openFDs counts the process's open descriptors (openFDCount; tests replace it).
 	openFDs func() (int, error)
+	// testHookRecord, when set, is called as a freeze adds each record; an error fails the
+	// freeze there, as running out of descriptors would (tests).
+	testHookRecord func(kind string) error
 	// listen is what every listener is opened with; budget is its descriptor budget (nil
 	// without Limits.FileLimit), whose limit each sync updates.
 	listen listenConfig
