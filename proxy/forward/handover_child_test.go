@@ -82,7 +82,7 @@ func TestTCPHandOverToAnotherProcess(t *testing.T) {
 	})
 	before := openFDs(t)
 	ma := &fakeMetrics{}
-	a := startTCPProxy(t, "4", &fakeChooser{endpoints: []netip.AddrPort{backend}}, func(p *TCPProxy) { p.Metrics = ma })
+	a := startTCPProxy(t, "4", &fakeChooser{endpoints: []netip.AddrPort{backend}}, func(p *TCPProxy) { p.Metrics = ma; fixSendBuffer(t, p.Listener, 64<<10) })
 	c := dialTCPTest(t, a.addr)
 	c.SetReadBuffer(64 << 10)
 	clientErr := make(chan error, 1)

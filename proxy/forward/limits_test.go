@@ -117,6 +117,15 @@ func TestTCPBudgetSpentRefuses(t *testing.T) {
 		if got, err := roundTrip(c, []byte("copied without a pipe")); err != nil || string(got) != "copied without a pipe" {
 			t.Fatalf("connection %d within the budget: %q, %v", i, got, err)
 		}
+		// The first connection alone leaves room for a pipe, which its copier may still hold
+		// for a moment after the echo came back; a pipe back in the pool is dropped when a
+		// connection needs the room.
+		eventually(t, "every pipe back in the pool", func() bool {
+			budget.pipes.mu.Lock()
+			idle := len(budget.pipes.free)
+			budget.pipes.mu.Unlock()
+			return budget.InUse() == (i+1)*tcpConnFDs+idle*pipeFDs
+		})
 	}
 	if !refusedAtOnce(t, p.addr) {
 		t.Errorf("a connection beyond the budget was served")
