@@ -255,12 +255,14 @@ func (l *listener) freeze(ctx context.Context, name proxy.Name, add func(string,
 		}
 		l.served.Wait()
 		if err := add(KindListener, lm, st.Listener); err != nil {
+			_ = forward.TCPState{Conns: st.Conns}.Close() // the duplicates no record took
 			return err
 		}
-		for _, c := range st.Conns {
+		for i, c := range st.Conns {
 			m := tcpConnMeta{Name: name, Client: c.ClientAddr, Endpoint: c.Endpoint, ToEndpoint: c.ToEndpoint, ToClient: c.ToClient,
 				ToEndpointDone: c.ToEndpointDone, ToClientDone: c.ToClientDone}
 			if err := add(KindTCPConn, m, c.Client, c.Backend); err != nil {
+				_ = forward.TCPState{Conns: st.Conns[i+1:]}.Close()
 				return err
 			}
 		}
@@ -272,11 +274,13 @@ func (l *listener) freeze(ctx context.Context, name proxy.Name, add func(string,
 		}
 		l.served.Wait()
 		if err := add(KindListener, lm, st.Conn); err != nil {
+			_ = forward.UDPState{Sessions: st.Sessions}.Close()
 			return err
 		}
-		for _, s := range st.Sessions {
+		for i, s := range st.Sessions {
 			m := udpSessionMeta{Name: name, Client: s.Client, Endpoint: s.Endpoint, ReplyFrom: s.ReplyFrom, Idle: s.Idle, Refused: s.Refused}
 			if err := add(KindUDPSession, m, s.Backend); err != nil {
+				_ = forward.UDPState{Sessions: st.Sessions[i+1:]}.Close()
 				return err
 			}
 		}

@@ -260,20 +260,7 @@ func TestFreezeRefusedWithoutDescriptors(t *testing.T) {
 	feed(p, a, b)
 	p.Sync()
 	port := proxyPort(t, p, echoTCP)
-	conn, err := net.DialTimeout("tcp", fmt.Sprintf("127.0.0.1:%d", port), 2*time.Second)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer conn.Close()
-	r := bufio.NewReader(conn)
-	ask := func(msg string) {
-		t.Helper()
-		_ = conn.SetDeadline(time.Now().Add(5 * time.Second))
-		fmt.Fprintf(conn, "%s\n", msg)
-		if got, err := r.ReadString('\n'); err != nil || !strings.HasSuffix(got, msg+"\n") {
-			t.Fatalf("the established connection: %q, %v", got, err)
-		}
-	}
+	ask := establishedEcho(t, port)
 	ask("one")
 
 	p.openFDs = func() (int, error) { return 4990, nil } // nearly at the limit
@@ -310,21 +297,12 @@ func TestFreezeFailingHalfwayThaws(t *testing.T) {
 	for _, st := range p.Ports() {
 		ports[st.ServicePort.Name] = st.ProxyPort
 	}
-	conn, err := net.DialTimeout("tcp", fmt.Sprintf("127.0.0.1:%d", ports[echoTCP]), 2*time.Second)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer conn.Close()
-	r := bufio.NewReader(conn)
-	ask := func(msg string) {
-		t.Helper()
-		_ = conn.SetDeadline(time.Now().Add(5 * time.Second))
-		fmt.Fprintf(conn, "%s\n", msg)
-		if got, err := r.ReadString('\n'); err != nil || !strings.HasSuffix(got, msg+"\n") {
-			t.Fatalf("the established connection: %q, %v", got, err)
-		}
-	}
+	ask := establishedEcho(t, ports[echoTCP])
 	ask("one")
+	// A UDP session too; and the UDP listener is surely serving (its conntrack socket open).
+	if name := mustAsk(t, "udp", ports[echoUDP]); name != "a" && name != "b" {
+		t.Fatalf("UDP answered by %q", name)
+	}
 	fdsBefore, err := openFDCount()
 	if err != nil {
 		t.Fatal(err)
@@ -367,6 +345,26 @@ func TestFreezeFailingHalfwayThaws(t *testing.T) {
 			if name := mustAsk(t, "tcp", st.ProxyPort); name != "a" && name != "b" {
 				t.Errorf("%s: a new connection answered by %q", st.ServicePort.Name, name)
 			}
+		}
+	}
+}
+
+// establishedEcho opens a connection to the proxy port and returns a function that sends a line
+// on it and fails the test unless the echo comes back.
+func establishedEcho(t *testing.T, port int) func(msg string) {
+	t.Helper()
+	conn, err := net.DialTimeout("tcp", fmt.Sprintf("127.0.0.1:%d", port), 2*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { conn.Close() })
+	r := bufio.NewReader(conn)
+	return func(msg string) {
+		t.Helper()
+		_ = conn.SetDeadline(time.Now().Add(5 * time.Second))
+		fmt.Fprintf(conn, "%s\n", msg)
+		if got, err := r.ReadString('\n'); err != nil || !strings.HasSuffix(got, msg+"\n") {
+			t.Fatalf("the established connection: %q, %v", got, err)
 		}
 	}
 }
