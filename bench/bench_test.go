@@ -808,16 +808,16 @@ func runHandover(t *testing.T, rep *Report, cfg settings, scale int, tg target, 
 	// connection socket at once, so its descriptors double.
 	fds, fdLimit := fdCount(old.Pid()), fdLimitOf(old.Pid())
 	next, res := handoverOnce(t, tg, loadBin, old, kupCfg, count)
-	if res.err != nil && strings.Contains(res.err.Error(), "too many open files") && fds > 0 && fdLimit > 0 {
+	if res.err != nil && (strings.Contains(res.err.Error(), "too many open files") || strings.Contains(res.err.Error(), "not enough room")) && fds > 0 && fdLimit > 0 {
 		retry := max((fdLimit-2*fds)/4-100, 1)
 		why := fmt.Sprintf("%d held: hand-over refused (%s); again with %d", res.held, firstLine(res.err.Error(), 200), retry)
-		rep.Notes = append(rep.Notes, fmt.Sprintf("Hand-over at %d services with %d connections held failed: %s. "+
+		rep.Notes = append(rep.Notes, fmt.Sprintf("Hand-over at %d services with %d connections held refused: %s. "+
 			"The predecessor duplicates every listening and connection socket before it sends them (proxy/forward/handover.go export), so it needs twice "+
-			"the descriptors its data path holds, which its budget does not keep (open-files limit %d, %d open before the connections): "+
+			"the descriptors its data path holds; it checks for that room before freezing anything and refuses otherwise (open-files limit %d, %d open before the connections): "+
 			"measured again with %d connections, the most for which (limit − 2 × open) / 4 leaves room, after a restart of the old proxy. After the refusal, the old proxy: %s.",
 			scale, res.held, firstLine(res.err.Error(), 300), fdLimit, fds, retry, firstLine(res.after, 2000)))
 		t.Logf("hand-over: %s", why)
-		ho.held.Note(PathKUP, firstLine(fmt.Sprintf("asked %d; with %d the hand-over failed (EMFILE), see notes", cfg.handoverConns, res.held), 100))
+		ho.held.Note(PathKUP, firstLine(fmt.Sprintf("asked %d; with %d the hand-over was refused (descriptors), see notes", cfg.handoverConns, res.held), 100))
 		// The refused predecessor is not in the state it was before (see res.after: what it
 		// logged, how many held connections still answer): restart it, so that the second
 		// attempt starts from a proxy as the first did.
