@@ -112,6 +112,9 @@ type Server struct {
 
 	served chan struct{}  // closed when the accept loop has returned
 	active sync.WaitGroup // the connections' goroutines (one per accepted connection)
+	ln     net.Listener   // the listener Serve was given
+	// draining is set by Shutdown before it closes the listener under the accept loop.
+	draining atomic.Bool
 
 	closeOnce sync.Once
 	closeErr  error
@@ -125,7 +128,7 @@ func Serve(ln net.Listener, opts Options) *Server {
 	if conns == nil {
 		conns = NewConnLimit(lim.MaxConns, opts.Log)
 	}
-	s := &Server{addr: ln.Addr(), log: opts.Log, conns: conns, served: make(chan struct{})}
+	s := &Server{addr: ln.Addr(), log: opts.Log, conns: conns, served: make(chan struct{}), ln: ln}
 	s.http = &http.Server{
 		Handler:           opts.Handler,
 		ReadHeaderTimeout: lim.ReadHeaderTimeout,
@@ -141,7 +144,7 @@ func Serve(ln net.Listener, opts Options) *Server {
 	go func() {
 		defer close(s.served)
 		err := s.http.Serve(&listener{Listener: ln, s: s})
-		if err != nil && !errors.Is(err, http.ErrServerClosed) {
+		if err != nil && !errors.Is(err, http.ErrServerClosed) && !s.draining.Load() {
 			s.log.Error().Err(err).Str("address", s.addr.String()).Msg("HTTP server stopped accepting")
 		}
 	}()
@@ -169,12 +172,27 @@ func (s *Server) Close() error {
 }
 
 // Shutdown stops accepting (closing the listener, so a socket shared with another process
-// keeps its waiting connections for that process), lets the requests in progress finish, then
-// closes like Close. When ctx ends first, the remaining connections are closed at once.
+// keeps its waiting connections for that process), lets the requests in progress and those of
+// the connections already accepted finish (keep-alive ends: each connection closes after its
+// answer), then closes like Close. When ctx ends first, the remaining connections are closed at
+// once.
+//
+// It does not use http.Server.Shutdown, which drops a request it reads once shutting down
+// (the connection closes unanswered): a connection accepted an instant before would see EOF.
 func (s *Server) Shutdown(ctx context.Context) error {
-	err := s.http.Shutdown(ctx)
-	if errors.Is(err, http.ErrServerClosed) {
-		err = nil // closed before
+	s.http.SetKeepAlivesEnabled(false) // also closes the idle keep-alive connections
+	s.draining.Store(true)
+	if err := s.ln.Close(); err != nil && !errors.Is(err, net.ErrClosed) {
+		s.log.Debug().Err(err).Msg("closing the listener")
+	}
+	<-s.served
+	drained := make(chan struct{})
+	go func() { s.active.Wait(); close(drained) }() // ends at the latest with Close below
+	var err error
+	select {
+	case <-drained:
+	case <-ctx.Done():
+		err = ctx.Err()
 	}
 	if cerr := s.Close(); cerr != nil && !errors.Is(cerr, net.ErrClosed) {
 		err = errors.Join(err, cerr)

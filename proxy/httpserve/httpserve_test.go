@@ -421,3 +421,31 @@ func TestShutdownHandsWaitingConnectionsOn(t *testing.T) {
 	t.Cleanup(func() { _ = succ.Close() })
 	request(t, waiting)
 }
+
+// A connection accepted just before Shutdown, whose request comes after Shutdown began, is
+// answered (http.Server.Shutdown would read the request and close the connection unanswered: a
+// health probe failing during a hand-over).
+func TestShutdownAnswersAcceptedConnection(t *testing.T) {
+	s, addr := start(t, ok, Options{})
+	c, err := net.Dial("tcp", addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	eventually := func(what string, cond func() bool) {
+		t.Helper()
+		for deadline := time.Now().Add(httpservetest.WaitTimeout); !cond(); time.Sleep(time.Millisecond) {
+			if time.Now().After(deadline) {
+				t.Fatalf("timed out waiting for %s", what)
+			}
+		}
+	}
+	eventually("the connection to be accepted", func() bool { return open(s.conns) == 1 })
+	shutdown := make(chan error, 1)
+	go func() { shutdown <- s.Shutdown(t.Context()) }()
+	eventually("Shutdown to close the listener", func() bool { return s.draining.Load() })
+	request(t, c)
+	if err := <-shutdown; err != nil {
+		t.Errorf("Shutdown: %v", err)
+	}
+}

@@ -163,7 +163,7 @@ func testHandover(t *testing.T, node *netns.Node, clientPod *netns.Pod, base har
 		t.Errorf("only %d connections asked: the probe proves little", asked.Load())
 	}
 	if healthFails.Load() > 0 {
-		t.Errorf("the health server failed %d times during the hand-over", healthFails.Load())
+		t.Errorf("the health server failed %d times during the hand-over (first %s)", healthFails.Load(), healthFails)
 	}
 	if err := stream.finish(); err != nil {
 		t.Errorf("the established stream: %v", err)
@@ -350,23 +350,42 @@ func (u *udpClient) ask(t *testing.T, payload string) string {
 	return ""
 }
 
+// healthProbe counts the health server's failures and keeps the first.
+type healthProbe struct {
+	fails atomic.Int64
+	first atomic.Value // string: when and how the first failure failed
+}
+
+// Load returns the number of failures.
+func (h *healthProbe) Load() int64 { return h.fails.Load() }
+
+// String describes the first failure.
+func (h *healthProbe) String() string {
+	if v, ok := h.first.Load().(string); ok {
+		return v
+	}
+	return "none"
+}
+
 // probeHealth asks the health server every 50 ms until ctx ends and counts the failures.
-func probeHealth(ctx context.Context, ns *netns.NS, addr string, wg *sync.WaitGroup) *atomic.Int64 {
-	var fails atomic.Int64
+func probeHealth(ctx context.Context, ns *netns.NS, addr string, wg *sync.WaitGroup) *healthProbe {
+	var h healthProbe
 	client := &http.Client{Timeout: 3 * time.Second, Transport: &http.Transport{DialContext: ns.DialContext, DisableKeepAlives: true}}
 	wg.Go(func() {
 		for ctx.Err() == nil {
+			start := time.Now()
 			resp, err := client.Get("http://" + addr + "/livez")
 			if ctx.Err() != nil {
 				return
 			}
 			if err != nil {
-				fails.Add(1)
+				h.fails.Add(1)
+				h.first.CompareAndSwap(nil, fmt.Sprintf("at %s after %v: %v", start.UTC().Format("15:04:05.000"), time.Since(start).Round(time.Millisecond), err))
 			} else {
 				resp.Body.Close()
 			}
 			time.Sleep(50 * time.Millisecond)
 		}
 	})
-	return &fails
+	return &h
 }

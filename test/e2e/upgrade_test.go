@@ -248,7 +248,7 @@ func TestUpgrade(t *testing.T) {
 		t.Errorf("the affinity client was answered by %v, want one backend throughout", b)
 	}
 	if healthFails.Load() > 0 {
-		t.Errorf("the health server failed %d times during the upgrades", healthFails.Load())
+		t.Errorf("the health server failed %d times during the upgrades (first %s)", healthFails.Load(), healthFails)
 	}
 
 	var lines, bytesUp, bytesDown, resets int64
