@@ -173,6 +173,11 @@ func Listen(path string, log zerolog.Logger) (*Listener, error) {
 	return &Listener{ln: ln, path: path, ino: inode(st), log: log}, nil
 }
 
+// CloseHandedOver stops answering after a successor took over, leaving the socket path alone:
+// the successor has put its own socket there, perhaps under the inode number this one's had,
+// which Close could not tell apart.
+func (l *Listener) CloseHandedOver() error { return l.ln.Close() }
+
 // Close stops answering; the socket file is removed unless a successor has put its own in
 // its place.
 func (l *Listener) Close() error {

@@ -297,3 +297,26 @@ func TestNoPredecessor(t *testing.T) {
 		t.Fatalf("Take: %v", err)
 	}
 }
+
+// After a hand-over the predecessor closes its listener without touching the path, where the
+// successor's socket now is.
+func TestCloseHandedOverKeepsSuccessorSocket(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "h.sock")
+	old, err := Listen(path, zerolog.Nop())
+	if err != nil {
+		t.Fatal(err)
+	}
+	successor, err := Listen(path, zerolog.Nop()) // replaces the old one's file
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer successor.Close()
+	if err := old.CloseHandedOver(); err != nil {
+		t.Fatal(err)
+	}
+	c, err := net.Dial("unix", path)
+	if err != nil {
+		t.Fatalf("the successor's socket after the predecessor closed: %v", err)
+	}
+	c.Close()
+}

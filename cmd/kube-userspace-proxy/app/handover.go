@@ -208,15 +208,21 @@ func serveHandovers(ctx context.Context, path string, g *giver, handedOver chan<
 	log.Info().Str("socket", path).Msg("a successor can take over through the hand-over socket")
 	sctx, cancel := context.WithCancel(ctx)
 	done := make(chan struct{})
+	handed := false // written before done is closed
 	go func() {
 		defer close(done)
 		if ln.Serve(sctx, g, handoverTimeout) {
+			handed = true
 			close(handedOver)
 		}
 	}()
 	return func() {
 		cancel()
 		<-done
+		if handed {
+			_ = ln.CloseHandedOver() // the path is the successor's socket now
+			return
+		}
 		_ = ln.Close()
 	}, nil
 }
