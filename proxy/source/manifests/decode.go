@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"iter"
+	"maps"
 	"regexp"
 	"slices"
 	"strconv"
@@ -526,7 +527,7 @@ func (d *decoder) decodeList(res *fileResult, seen map[objKey]docPos, track func
 		}
 		itemVersion, itemKind = discoveryV1, kindEndpointSlice
 	}
-	for name := range fields {
+	for _, name := range slices.Sorted(maps.Keys(fields)) { // sorted: the same errors in the same order every time
 		switch name {
 		case "apiVersion", "kind", "metadata", "items":
 		default:
