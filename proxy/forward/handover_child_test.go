@@ -71,23 +71,8 @@ func adoptChild() int {
 // TestTCPHandOverToAnotherProcess is TestTCPHandOverMidStream with the adopter in a child
 // process that receives the descriptors with SCM_RIGHTS.
 func TestTCPHandOverToAnotherProcess(t *testing.T) {
-	checkNoFDLeaks(t)
-	checkNoLeaks(t)
-	n := streamSize(t)
-	gate := make(chan struct{})
-	endpointErr := make(chan error, 1)
-	backend := startTCPServer(t, loopback("4"), func(c *net.TCPConn) {
-		c.SetReadBuffer(64 << 10)
-		endpointErr <- streamPeer(c, 2, 1, n, gate)
-	})
-	before := openFDs(t)
-	ma := &fakeMetrics{}
-	a := startTCPProxy(t, "4", &fakeChooser{endpoints: []netip.AddrPort{backend}}, func(p *TCPProxy) { p.Metrics = ma; fixSendBuffer(t, p.Listener, 64<<10) })
-	c := dialTCPTest(t, a.addr)
-	c.SetReadBuffer(64 << 10)
-	clientErr := make(chan error, 1)
-	go func() { clientErr <- streamPeer(c, 1, 2, n, gate) }()
-	eventually(t, "data in the splice pipes of both directions", func() bool { return pipesHolding(t, before) >= 2 })
+	ms := startMidStream(t)
+	n, a, ma, backend := ms.n, ms.a, ms.metrics, ms.backend
 
 	fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
 	if err != nil {
@@ -116,13 +101,7 @@ func TestTCPHandOverToAnotherProcess(t *testing.T) {
 		t.Fatalf("child said %q; stderr:\n%s", lines.Text(), child.stderr.String())
 	}
 	a.Release()
-	close(gate)
-	if err := <-clientErr; err != nil {
-		t.Errorf("client: %v", err)
-	}
-	if err := <-endpointErr; err != nil {
-		t.Errorf("endpoint: %v", err)
-	}
+	ms.finish(t)
 	child.stdin.Close()
 	var to, from int64
 	var closed int

@@ -203,6 +203,59 @@ func handOverTCP(t *testing.T, a *proxyRun, wire bool, chooser Chooser, configur
 	return b, plain
 }
 
+// midStream is a TCP connection through a proxy (a, counting into metrics) that streams a
+// numbered pattern of n bytes both ways while neither side reads, until finish: each direction
+// has bytes in a's splice pipe when startMidStream returns.
+type midStream struct {
+	n                      int64
+	a                      *proxyRun
+	backend                netip.AddrPort
+	chooser                *fakeChooser
+	metrics                *fakeMetrics
+	gate                   chan struct{}
+	clientErr, endpointErr chan error
+}
+
+// startMidStream starts a midStream, with the descriptor and goroutine leak checks of the test.
+func startMidStream(t *testing.T) *midStream {
+	t.Helper()
+	checkNoFDLeaks(t)
+	checkNoLeaks(t)
+	ms := &midStream{n: streamSize(t), metrics: &fakeMetrics{}, gate: make(chan struct{}),
+		clientErr: make(chan error, 1), endpointErr: make(chan error, 1)}
+	ms.backend = startTCPServer(t, loopback("4"), func(c *net.TCPConn) {
+		c.SetReadBuffer(64 << 10)
+		ms.endpointErr <- streamPeer(c, 2, 1, ms.n, ms.gate)
+	})
+	before := openFDs(t)
+	ms.chooser = &fakeChooser{endpoints: []netip.AddrPort{ms.backend}}
+	// The proxy's sockets to the client (inherited from the listener) and to the endpoint get
+	// fixed send buffers: one that grows (the kernel's autotuning) could drain the pipe toward
+	// its peer between the check below and the freeze.
+	ms.a = startTCPProxy(t, "4", ms.chooser, func(p *TCPProxy) {
+		p.Metrics = ms.metrics
+		fixSendBuffer(t, p.Listener, 64<<10)
+		p.testHookDialed = func(c *net.TCPConn) { c.SetWriteBuffer(64 << 10) }
+	})
+	c := dialTCPTest(t, ms.a.addr)
+	c.SetReadBuffer(64 << 10)
+	go func() { ms.clientErr <- streamPeer(c, 1, 2, ms.n, ms.gate) }()
+	eventually(t, "data in the splice pipes of both directions", func() bool { return pipesHolding(t, before) >= 2 })
+	return ms
+}
+
+// finish lets both sides read and checks that each received the other's whole stream.
+func (ms *midStream) finish(t *testing.T) {
+	t.Helper()
+	close(ms.gate)
+	if err := <-ms.clientErr; err != nil {
+		t.Errorf("client: %v", err)
+	}
+	if err := <-ms.endpointErr; err != nil {
+		t.Errorf("endpoint: %v", err)
+	}
+}
+
 // TestTCPHandOverMidStream streams a numbered pattern both ways through proxy A while neither
 // side reads, so that each direction has bytes in A's splice pipe; freezes A, has B adopt the
 // connection and releases A; then lets both sides read. Every byte must arrive once and in
@@ -215,27 +268,8 @@ func TestTCPHandOverMidStream(t *testing.T) {
 }
 
 func testTCPHandOverMidStream(t *testing.T, wire bool) {
-	checkNoFDLeaks(t)
-	checkNoLeaks(t)
-	n := streamSize(t)
-	gate := make(chan struct{})
-	endpointErr := make(chan error, 1)
-	backend := startTCPServer(t, loopback("4"), func(c *net.TCPConn) {
-		c.SetReadBuffer(64 << 10)
-		endpointErr <- streamPeer(c, 2, 1, n, gate)
-	})
-	before := openFDs(t)
-	chooser := &fakeChooser{endpoints: []netip.AddrPort{backend}}
-	ma, mb := &fakeMetrics{}, &fakeMetrics{}
-	// The proxy's socket to the client gets a fixed send buffer (inherited from the listener):
-	// one that grows (the kernel's autotuning) could drain the pipe toward the client between
-	// the check below and the freeze.
-	a := startTCPProxy(t, "4", chooser, func(p *TCPProxy) { p.Metrics = ma; fixSendBuffer(t, p.Listener, 64<<10) })
-	c := dialTCPTest(t, a.addr)
-	c.SetReadBuffer(64 << 10)
-	clientErr := make(chan error, 1)
-	go func() { clientErr <- streamPeer(c, 1, 2, n, gate) }()
-	eventually(t, "data in the splice pipes of both directions", func() bool { return pipesHolding(t, before) >= 2 })
+	ms := startMidStream(t)
+	n, a, chooser, ma, mb := ms.n, ms.a, ms.chooser, ms.metrics, &fakeMetrics{}
 
 	_, st := handOverTCP(t, a, wire, chooser, func(p *TCPProxy) { p.Metrics = mb })
 	if len(st) != 1 {
@@ -243,17 +277,11 @@ func testTCPHandOverMidStream(t *testing.T, wire bool) {
 	}
 	cs := st[0]
 	t.Logf("handed over with %d bytes pending to the endpoint, %d to the client", len(cs.ToEndpoint), len(cs.ToClient))
-	if len(cs.ToEndpoint) == 0 || len(cs.ToClient) == 0 || cs.ToEndpointDone || cs.ToClientDone || cs.Endpoint != backend {
+	if len(cs.ToEndpoint) == 0 || len(cs.ToClient) == 0 || cs.ToEndpointDone || cs.ToClientDone || cs.Endpoint != ms.backend {
 		t.Errorf("frozen connection: %d and %d bytes pending, done %v/%v, endpoint %v; want bytes pending both ways (they sat in the pipes), nothing done, endpoint %v",
-			len(cs.ToEndpoint), len(cs.ToClient), cs.ToEndpointDone, cs.ToClientDone, cs.Endpoint, backend)
+			len(cs.ToEndpoint), len(cs.ToClient), cs.ToEndpointDone, cs.ToClientDone, cs.Endpoint, ms.backend)
 	}
-	close(gate)
-	if err := <-clientErr; err != nil {
-		t.Errorf("client: %v", err)
-	}
-	if err := <-endpointErr; err != nil {
-		t.Errorf("endpoint: %v", err)
-	}
+	ms.finish(t)
 	eventually(t, "B to close the connection", func() bool { return mb.snapshot().closed == 1 })
 	sa, sb := ma.snapshot(), mb.snapshot()
 	if sa.accepted != 1 || sa.closed != 0 || sa.failed != 0 || sb.accepted != 1 || sb.failed != 0 {

@@ -62,6 +62,8 @@ type TCPProxy struct {
 
 	// testHookAcceptPause, if set, is called before each pause of the accept loop.
 	testHookAcceptPause func(attempt int, delay time.Duration)
+	// testHookDialed, if set, is called with each socket dialled to an endpoint.
+	testHookDialed func(*net.TCPConn)
 
 	// Resolved from the fields above by Serve or Adopt (prepare), before any connection
 	// goroutine starts.
@@ -418,6 +420,9 @@ func (c *tcpConn) connect(clientAddr netip.AddrPort) *net.TCPConn {
 		}
 		backend, err := c.dial(target, clientAddr, timeout)
 		if err == nil {
+			if h := p.testHookDialed; h != nil {
+				h(backend)
+			}
 			if !c.setBackend(backend) {
 				resetConn(backend)
 				return nil

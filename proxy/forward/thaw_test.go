@@ -2,7 +2,6 @@ package forward
 
 import (
 	"context"
-	"net"
 	"net/netip"
 	"testing"
 	"time"
@@ -13,24 +12,8 @@ import (
 // carries on with every byte once and in order; a datagram-less UDP session keeps its endpoint
 // and a datagram sent while frozen is answered.
 func TestTCPThawMidStream(t *testing.T) {
-	checkNoFDLeaks(t)
-	checkNoLeaks(t)
-	n := streamSize(t)
-	gate := make(chan struct{})
-	endpointErr := make(chan error, 1)
-	backend := startTCPServer(t, loopback("4"), func(c *net.TCPConn) {
-		c.SetReadBuffer(64 << 10)
-		endpointErr <- streamPeer(c, 2, 1, n, gate)
-	})
-	before := openFDs(t)
-	chooser := &fakeChooser{endpoints: []netip.AddrPort{backend}}
-	m := &fakeMetrics{}
-	a := startTCPProxy(t, "4", chooser, func(p *TCPProxy) { p.Metrics = m; fixSendBuffer(t, p.Listener, 64<<10) })
-	c := dialTCPTest(t, a.addr)
-	c.SetReadBuffer(64 << 10)
-	clientErr := make(chan error, 1)
-	go func() { clientErr <- streamPeer(c, 1, 2, n, gate) }()
-	eventually(t, "data in the splice pipes of both directions", func() bool { return pipesHolding(t, before) >= 2 })
+	ms := startMidStream(t)
+	n, a, m := ms.n, ms.a, ms.metrics
 
 	st, err := a.Freeze(context.Background())
 	if err != nil {
@@ -49,13 +32,7 @@ func TestTCPThawMidStream(t *testing.T) {
 		t.Fatalf("Thaw: %v", err)
 	}
 	go func() { a.served <- a.Serve() }()
-	close(gate)
-	if err := <-clientErr; err != nil {
-		t.Errorf("client: %v", err)
-	}
-	if err := <-endpointErr; err != nil {
-		t.Errorf("endpoint: %v", err)
-	}
+	ms.finish(t)
 	// A new connection is served too.
 	if _, err := roundTrip(dialTCPTest(t, a.addr), []byte("ping")); err != nil {
 		t.Errorf("a new connection after the thaw: %v", err)
