@@ -3,12 +3,10 @@
 package bench
 
 import (
-	"bufio"
 	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
-	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -596,22 +594,13 @@ func firstSync(ns *netns.NS) (float64, error) {
 // scrapeSyncMean scrapes the sync-duration histogram of the proxy in ns and returns its mean in
 // ms, or an error while no sync has been observed.
 func scrapeSyncMean(ns *netns.NS) (float64, error) {
-	hc := &http.Client{Timeout: 5 * time.Second, Transport: &http.Transport{DialContext: ns.DialContext, DisableKeepAlives: true}}
-	resp, err := hc.Get("http://" + metricsAddr + "/metrics")
+	samples, err := harness.ScrapeMetrics(ns, metricsAddr)
 	if err != nil {
-		return 0, fmt.Errorf("scrape metrics: %w", err)
+		return 0, err
 	}
-	defer resp.Body.Close()
 	vals := map[string]float64{} // metric name without labels → sum over label sets
-	sc := bufio.NewScanner(resp.Body)
-	sc.Buffer(make([]byte, 1<<20), 1<<20)
-	for sc.Scan() {
-		f := strings.Fields(sc.Text())
-		if len(f) != 2 || strings.HasPrefix(f[0], "#") {
-			continue
-		}
-		name, _, _ := strings.Cut(f[0], "{")
-		v, _ := strconv.ParseFloat(f[1], 64)
+	for k, v := range samples {
+		name, _, _ := strings.Cut(k, "{")
 		vals[name] += v
 	}
 	// Both proxies count their full syncs separately (the first sync after a start is full).
@@ -798,7 +787,7 @@ func runHandover(t *testing.T, rep *Report, cfg settings, scale int, tg target, 
 	// As many connections as asked, or as the budget leaves room for (less 100 connections'
 	// worth for new connections and splice pipes).
 	count := cfg.handoverConns
-	if m, err := scrapeAll(tg.node.NS); err != nil {
+	if m, err := harness.ScrapeMetrics(tg.node.NS, metricsAddr); err != nil {
 		t.Logf("hand-over: scraping the budget: %v", err)
 	} else if limit, ok := m[`kube_userspace_proxy_data_path_descriptors{state="limit"}`]; ok {
 		room := (int(limit)-int(m[`kube_userspace_proxy_data_path_descriptors{state="in_use"}`]))/2 - 100
@@ -990,7 +979,7 @@ func handoverOnce(t *testing.T, tg target, loadBin string, old *harness.Proxy, k
 		t.Logf("hand-over: the old proxy exited with %v; its log:\n%s", err, old.Tail(20))
 	}
 
-	m, err := scrapeAll(tg.node.NS)
+	m, err := harness.ScrapeMetrics(tg.node.NS, metricsAddr)
 	switch {
 	case err != nil:
 		res.err = fmt.Errorf("scraping the successor: %w", err)
@@ -1101,28 +1090,4 @@ func grepLine(log, s string) string {
 		}
 	}
 	return ""
-}
-
-// scrapeAll scrapes the metrics of the proxy in ns: each sample by its name with its labels as
-// exposed (`name{a="x",b="y"}`).
-func scrapeAll(ns *netns.NS) (map[string]float64, error) {
-	hc := &http.Client{Timeout: 10 * time.Second, Transport: &http.Transport{DialContext: ns.DialContext, DisableKeepAlives: true}}
-	resp, err := hc.Get("http://" + metricsAddr + "/metrics")
-	if err != nil {
-		return nil, fmt.Errorf("scrape metrics: %w", err)
-	}
-	defer resp.Body.Close()
-	vals := map[string]float64{}
-	sc := bufio.NewScanner(resp.Body)
-	sc.Buffer(make([]byte, 1<<20), 1<<20)
-	for sc.Scan() {
-		line := sc.Text()
-		i := strings.LastIndexByte(line, ' ')
-		if strings.HasPrefix(line, "#") || i < 0 {
-			continue
-		}
-		v, _ := strconv.ParseFloat(line[i+1:], 64)
-		vals[line[:i]] = v
-	}
-	return vals, sc.Err()
 }

@@ -135,7 +135,7 @@ func testHandover(t *testing.T, node *netns.Node, clientPod *netns.Pod, base har
 	}
 
 	// The successor's metrics say what moved (the metrics socket is the one handed over).
-	if m, err := scrapeMetrics(node.NS, metricsAddr); err != nil {
+	if m, err := harness.ScrapeMetrics(node.NS, metricsAddr); err != nil {
 		t.Errorf("scraping the second proxy's metrics: %v", err)
 	} else {
 		if got := m[`kube_userspace_proxy_handovers_total{result="completed",role="successor"}`]; got != 1 {

@@ -10,7 +10,6 @@ import (
 	"io"
 	"math/rand/v2"
 	"net"
-	"net/http"
 	"net/netip"
 	"os"
 	"os/exec"
@@ -448,25 +447,17 @@ func countFDs(pid int) (fds, pipes int, err error) {
 	return fds, pipes, nil
 }
 
-var goroutinesRE = regexp.MustCompile(`(?m)^go_goroutines (\d+)`)
-
 // goroutines reads go_goroutines from the proxy's metrics server inside ns.
 func goroutines(ns *netns.NS, addr string) (int, error) {
-	client := &http.Client{Timeout: 3 * time.Second, Transport: &http.Transport{DialContext: ns.DialContext, DisableKeepAlives: true}}
-	resp, err := client.Get("http://" + addr + "/metrics")
+	m, err := harness.ScrapeMetrics(ns, addr)
 	if err != nil {
 		return 0, err
 	}
-	defer resp.Body.Close()
-	b, err := io.ReadAll(resp.Body)
-	if err != nil {
-		return 0, err
-	}
-	m := goroutinesRE.FindSubmatch(b)
-	if m == nil {
+	n, ok := m["go_goroutines"]
+	if !ok {
 		return 0, errors.New("no go_goroutines in the metrics")
 	}
-	return strconv.Atoi(string(m[1]))
+	return int(n), nil
 }
 
 func minDur(ds []time.Duration) time.Duration {
