@@ -73,3 +73,21 @@ func Quote(s string) string {
 	b.WriteByte('"')
 	return b.String()
 }
+
+// JoinRule returns args as one iptables-restore line fragment: arguments separated by spaces,
+// those with spaces, quotes, backslashes or nothing in them quoted (Quote). SplitRule of the
+// result gives args back.
+func JoinRule(args []string) string {
+	var b strings.Builder
+	for i, a := range args {
+		if i > 0 {
+			b.WriteByte(' ')
+		}
+		if a == "" || strings.ContainsAny(a, " \t\"\\\r\n") {
+			b.WriteString(Quote(a))
+		} else {
+			b.WriteString(a)
+		}
+	}
+	return b.String()
+}

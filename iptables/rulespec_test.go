@@ -60,6 +60,18 @@ func TestQuoteRoundTrip(t *testing.T) {
 	}
 }
 
+func TestJoinRule(t *testing.T) {
+	args := []string{"-m", "comment", "--comment", "handle ClusterIPs; NOTE: first", "-m", "addrtype", "--dst-type", "LOCAL", "--comment", `a"b\c`, "--comment", "", "-j", "KUBE-X"}
+	line := JoinRule(args)
+	if want := `-m comment --comment "handle ClusterIPs; NOTE: first" -m addrtype --dst-type LOCAL --comment "a\"b\\c" --comment "" -j KUBE-X`; line != want {
+		t.Errorf("JoinRule = %s, want %s", line, want)
+	}
+	got, err := SplitRule(line)
+	if err != nil || !slices.Equal(got, args) {
+		t.Errorf("SplitRule(JoinRule(args)) = %q, %v; want %q", got, err, args)
+	}
+}
+
 func TestFailedLine(t *testing.T) {
 	tests := []struct {
 		name   string

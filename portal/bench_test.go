@@ -3,7 +3,9 @@ package portal
 import (
 	"fmt"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy"
+	"github.com/rs/zerolog"
 	"net/netip"
+	"os"
 	"testing"
 	"time"
 
@@ -62,7 +64,9 @@ func BenchmarkRender(b *testing.B) {
 // BenchmarkSyncInNamespace measures a whole Sync (render, one iptables-restore per table, the
 // jump checks) against a real kernel, on both backends: "changed" changes every proxy port on
 // each sync, with 1,000 and 5,000 service ports; "periodic-unchanged" is the periodic sync of an
-// idle proxy (nothing changed, nobody touched the rules), with 5,000 and 10,000. Besides wall
+// idle proxy (nothing changed, nobody touched the rules), with 5,000 and 10,000; "one-more" is
+// the partial sync (Update) of one service port added to (and, every other op, removed from)
+// 10,000, what a new service costs. Besides wall
 // time (ns/op) it reports the CPU time of the test process (cpu-self-ms/op: render, checks,
 // fork and exec) and of the iptables tools it ran (cpu-tools-ms/op), and the first sync's wall
 // time.
@@ -71,29 +75,40 @@ func BenchmarkSyncInNamespace(b *testing.B) {
 		name    string
 		ports   []int
 		changed bool
+		oneMore bool
 	}{
-		{"changed", []int{1000, 5000}, true},
-		{"periodic-unchanged", []int{5000, 10000}, false},
+		{"changed", []int{1000, 5000}, true, false},
+		{"periodic-unchanged", []int{5000, 10000}, false, false},
+		{"one-more", []int{10000}, false, true},
 	}
 	for _, mode := range []iptables.Mode{iptables.ModeNFT, iptables.ModeLegacy} {
 		for _, c := range cases {
 			for _, n := range c.ports {
 				b.Run(fmt.Sprintf("%s/%s/ports=%d", mode, c.name, n), func(b *testing.B) {
-					benchSync(b, mode, scalePortals(n), c.changed)
+					benchSync(b, mode, scalePortals(n), c.changed, c.oneMore)
 				})
 			}
 		}
 	}
 }
 
-func benchSync(b *testing.B, mode iptables.Mode, ps []Portal, changed bool) {
+// benchLogger logs the manager's debug lines (the phases of each sync) to stderr when
+// KUP_BENCH_LOG is set.
+func benchLogger() zerolog.Logger {
+	if os.Getenv("KUP_BENCH_LOG") == "" {
+		return zerolog.Nop()
+	}
+	return zerolog.New(zerolog.ConsoleWriter{Out: os.Stderr}).Level(zerolog.DebugLevel)
+}
+
+func benchSync(b *testing.B, mode iptables.Mode, ps []Portal, changed, oneMore bool) {
 	ns := netnstest.New(b)
 	ns.Do(b, func() {
 		r, err := iptables.New(iptables.Options{Family: iptables.IPv4, Mode: mode})
 		if err != nil {
 			b.Fatal(err)
 		}
-		m, err := NewManager(Options{Config: v4Config(), Runner: r})
+		m, err := NewManager(Options{Config: v4Config(), Runner: r, Logger: benchLogger()})
 		if err != nil {
 			b.Fatal(err)
 		}
@@ -111,6 +126,17 @@ func benchSync(b *testing.B, mode iptables.Mode, ps []Portal, changed bool) {
 				for j := range ps {
 					ps[j].ProxyPort = 32768 + (j+i)%20000
 				}
+			}
+			if oneMore {
+				more := ps
+				if i%2 == 1 {
+					more = append(ps[:len(ps):len(ps)], Portal{Comment: "ns/more:http", Protocol: "tcp", Port: 80,
+						ClusterIP: netip.MustParseAddr("10.97.0.1"), ProxyPort: 60000})
+				}
+				if err := m.Update(more, nodeIPs); err != nil {
+					b.Fatal(err)
+				}
+				continue
 			}
 			if err := m.Sync(ps, nodeIPs); err != nil {
 				b.Fatal(err)

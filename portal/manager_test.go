@@ -92,11 +92,36 @@ func testAddrs(f iptables.Family) addrs {
 type countingRunner struct {
 	*iptables.Runner
 	ensureCalls int
+	// jumpLines are the lines of restore payloads that add a rule to a built-in chain.
+	jumpLines []string
+	saves     int
+}
+
+func (c *countingRunner) Save(table string) ([]byte, error) {
+	c.saves++
+	return c.Runner.Save(table)
 }
 
 func (c *countingRunner) EnsureRule(pos iptables.Position, table, chain string, spec ...string) (bool, error) {
 	c.ensureCalls++
 	return c.Runner.EnsureRule(pos, table, chain, spec...)
+}
+
+func (c *countingRunner) Restore(table string, payload []byte) error {
+	c.jumpLines = append(c.jumpLines, builtinRuleLines(payload)...)
+	return c.Runner.Restore(table, payload)
+}
+
+// builtinRuleLines returns the lines of a restore payload that add a rule to a built-in chain.
+func builtinRuleLines(payload []byte) []string {
+	var out []string
+	for _, l := range strings.Split(string(payload), "\n") {
+		f := strings.Fields(l)
+		if len(f) >= 2 && (f[0] == "-A" || f[0] == "-I") && strings.ToUpper(f[1]) == f[1] && !strings.HasPrefix(f[1], "KUBE-") {
+			out = append(out, l)
+		}
+	}
+	return out
 }
 
 func mustRunner(t *testing.T, b backend) *iptables.Runner {
@@ -181,8 +206,8 @@ func testManager(t *testing.T, b backend, ad addrs) {
 	if err := mc.Sync(portals, localIPs(t)); err != nil {
 		t.Fatalf("Sync (counting): %v", err)
 	}
-	if counting.ensureCalls != 0 {
-		t.Errorf("steady-state Sync called EnsureRule %d times, want 0 (jumps not recognised in iptables -S output)", counting.ensureCalls)
+	if counting.ensureCalls != 0 || len(counting.jumpLines) != 0 {
+		t.Errorf("steady-state Sync called EnsureRule %d times and restored jumps %q, want none (jumps not recognised in iptables -S output)", counting.ensureCalls, counting.jumpLines)
 	}
 
 	// A change replaces the old rules.
@@ -326,14 +351,20 @@ func checkJumps(t *testing.T, b backend) {
 type fakeRunner struct {
 	failRestore map[string]bool
 	restored    []string
-	ensured     []string
+	// jumpsIn are the tables whose restore payload added jumps into our chains.
+	jumpsIn []string
+	// listed is what List returns, by "table/chain"; ensured records EnsureRule calls.
+	listed   map[string][]string
+	ensured  []string
+	payloads map[string]string
 }
 
-func (f *fakeRunner) Family() iptables.Family               { return iptables.IPv4 }
-func (f *fakeRunner) EnsureChain(string, string) error      { return nil }
-func (f *fakeRunner) List(string, string) ([]string, error) { return nil, nil }
-func (f *fakeRunner) Save(string) ([]byte, error)           { return nil, nil }
-func (f *fakeRunner) Mode() iptables.Mode                   { return iptables.ModeNFT }
+func (f *fakeRunner) Family() iptables.Family { return iptables.IPv4 }
+func (f *fakeRunner) List(table, chain string) ([]string, error) {
+	return f.listed[table+"/"+chain], nil
+}
+func (f *fakeRunner) Save(string) ([]byte, error) { return nil, nil }
+func (f *fakeRunner) Mode() iptables.Mode         { return iptables.ModeNFT }
 func (f *fakeRunner) References(string, string) (int, error) {
 	return 0, errors.New("fake: no canary")
 }
@@ -344,6 +375,13 @@ func (f *fakeRunner) EnsureRule(_ iptables.Position, table, chain string, spec .
 func (f *fakeRunner) DeleteJumps(string, string, ...string) (int, error) { return 0, nil }
 func (f *fakeRunner) DeleteChain(string, string) error                   { return nil }
 func (f *fakeRunner) Restore(table string, payload []byte) error {
+	if len(builtinRuleLines(payload)) > 0 {
+		f.jumpsIn = append(f.jumpsIn, table)
+	}
+	if f.payloads == nil {
+		f.payloads = map[string]string{}
+	}
+	f.payloads[table] = string(payload)
 	if f.failRestore[table] {
 		return errors.New("restore " + table + " failed")
 	}
@@ -360,7 +398,7 @@ func TestSyncErrors(t *testing.T) {
 		portals     []Portal
 		wantErr     []string
 		wantRestore []string
-		wantJumpsIn []string // tables whose jumps were ensured
+		wantJumpsIn []string // tables whose restore added the (missing) jumps
 	}{
 		{name: "all fine", portals: []Portal{good}, wantRestore: []string{"filter", "nat"}, wantJumpsIn: []string{"filter", "nat"}},
 		{name: "invalid portal reported, rest programmed", portals: []Portal{good, bad}, wantErr: []string{`"a/bad:p"`, "protocol"},
@@ -387,18 +425,38 @@ func TestSyncErrors(t *testing.T) {
 			if !slices.Equal(f.restored, tc.wantRestore) {
 				t.Errorf("restored %v, want %v", f.restored, tc.wantRestore)
 			}
-			var tables []string
-			for _, e := range f.ensured {
-				tbl := strings.SplitN(e, "/", 2)[0]
-				if !slices.Contains(tables, tbl) {
-					tables = append(tables, tbl)
-				}
-			}
-			slices.Sort(tables)
+			tables := slices.Sorted(slices.Values(f.jumpsIn))
 			if !slices.Equal(tables, tc.wantJumpsIn) {
-				t.Errorf("jumps ensured in %v, want %v", tables, tc.wantJumpsIn)
+				t.Errorf("jumps added in %v, want %v", tables, tc.wantJumpsIn)
 			}
 		})
+	}
+}
+
+// A built-in chain that jumps to our chain in a form other than the one we print (another
+// iptables version's) is left to EnsureRule (`iptables -C` judges equivalence) rather than
+// given a second copy in the restore; jumps missing outright go into the restore.
+func TestJumpInAnotherForm(t *testing.T) {
+	f := &fakeRunner{listed: map[string][]string{
+		"nat/PREROUTING": {"-A PREROUTING -m comment --comment \"handle ClusterIPs, printed otherwise\" -j " + ChainPortalsContainer},
+	}}
+	m, err := NewManager(Options{Config: v4Config(), Runner: f})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := m.Sync([]Portal{{Comment: "a/b:p", Protocol: "tcp", Port: 80, ClusterIP: a("10.96.0.1"), ProxyPort: 1000}}, localIPs(t)); err != nil {
+		t.Fatal(err)
+	}
+	if want := []string{"nat/PREROUTING->" + ChainPortalsContainer}; !slices.Equal(f.ensured, want) {
+		t.Errorf("EnsureRule calls %q, want %q", f.ensured, want)
+	}
+	for _, l := range builtinRuleLines([]byte(f.payloads["nat"])) {
+		if strings.HasPrefix(l, "-I PREROUTING") && strings.HasSuffix(l, ChainPortalsContainer) {
+			t.Errorf("the nat restore adds %q beside the equivalent jump already there", l)
+		}
+	}
+	if lines := builtinRuleLines([]byte(f.payloads["nat"])); len(lines) != 3 {
+		t.Errorf("nat restore adds the jumps %q, want the other 3", lines)
 	}
 }
 

@@ -86,13 +86,18 @@ type namedPort struct {
 // namedProxyPorts returns what the rules in the manager's family name (see scanProxyPorts).
 func (m *Manager) namedProxyPorts() ([]namedPort, error) {
 	var out []namedPort
+	saves := map[string][]byte{}
 	for _, table := range []string{tableNAT, tableFilter} {
 		save, err := m.run.Save(table)
 		if err != nil {
 			return out, fmt.Errorf("reading the surviving portal rules: %w", err)
 		}
+		saves[table] = save
 		out = append(out, scanProxyPorts(save)...)
 	}
+	m.mu.Lock()
+	m.startSaves = saves
+	m.mu.Unlock()
 	return out, nil
 }
 
@@ -236,8 +241,9 @@ func hookChains(table string) []string {
 // (Set.SurvivingProxyPorts), and the first Sync replaces their contents atomically, stale
 // service ports included. A current jump stays where it is, unless a built-in chain holds a
 // second copy of one: then its jumps to our chains are all put back in the order a fresh start
-// gives them. It reads each table once (iptables-save), and writes only when there is
-// something to remove.
+// gives them. It reads each table once (iptables-save; the first call uses what
+// Set.SurvivingProxyPorts read, if it ran: nothing of ours changes rules in between), and
+// writes only when there is something to remove.
 func (m *Manager) PruneStale() error {
 	m.mu.Lock()
 	defer m.mu.Unlock()
@@ -253,7 +259,7 @@ func (m *Manager) PruneStale() error {
 	if pruned > 0 {
 		m.log.Info().Int("rules", pruned).Msg("deleted jumps of an earlier version, or second copies")
 	}
-	m.synced, m.written, m.input, m.udpTargets = false, nil, nil, nil
+	m.synced, m.written, m.input, m.udpTargets, m.startSaves = false, nil, nil, nil, nil
 	return errors.Join(errs...)
 }
 
@@ -261,9 +267,13 @@ func (m *Manager) PruneStale() error {
 // current jumps of the built-in chains that had duplicates, deletes the probe chain, and
 // returns how many jumps it deleted.
 func (m *Manager) pruneTableLocked(table string) (int, error) {
-	save, err := m.run.Save(table)
-	if err != nil {
-		return 0, err
+	save, ok := m.startSaves[table]
+	delete(m.startSaves, table)
+	if !ok {
+		var err error
+		if save, err = m.run.Save(table); err != nil {
+			return 0, err
+		}
 	}
 	payload, n, rebuild, err := staleJumps(table, save)
 	if err != nil {

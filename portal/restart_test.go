@@ -205,9 +205,21 @@ func testPruneStale(t *testing.T, b backend, ad addrs) {
 		t.Fatalf("no rule of the earlier run: the case proves nothing:\n%s", strings.Join(natBefore, "\n"))
 	}
 
-	m, _ := newTestManager(t, b, cfg)
+	// A restart reads the surviving proxy ports first; PruneStale reuses those listings.
+	counting := &countingRunner{Runner: mustRunner(t, b)}
+	m, err := NewManager(Options{Config: cfg, Runner: counting})
+	if err != nil {
+		t.Fatal(err)
+	}
+	named, err := m.namedProxyPorts()
+	if err != nil || !slices.ContainsFunc(named, func(np namedPort) bool { return np.port == 40001 }) {
+		t.Fatalf("namedProxyPorts = %v, %v; want proxy port 40001 among them", named, err)
+	}
 	if err := m.PruneStale(); err != nil {
 		t.Fatalf("PruneStale: %v", err)
+	}
+	if counting.saves != 2 {
+		t.Errorf("iptables-save ran %d times for the proxy ports and the prune, want 2 (one per table)", counting.saves)
 	}
 	if got := ourRules("nat"); !slices.Equal(got, natBefore) {
 		t.Errorf("nat rules of our chains changed:\n got %q\nwant %q", got, natBefore)

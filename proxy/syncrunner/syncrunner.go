@@ -18,18 +18,21 @@ import (
 
 // Runner calls fn at bounded frequency. Create it with New and start it with Run.
 type Runner struct {
-	fn       func(periodic bool)
+	fn       func(periodic bool) bool
 	min, max time.Duration
 	burst    int
 	trigger  chan struct{}
 }
 
 // New returns a Runner for fn, which is told whether its run is the periodic one (the
-// MaxInterval timer fired, perhaps together with triggers) rather than one for triggers only.
+// MaxInterval timer fired, perhaps together with triggers) rather than one for triggers only,
+// and returns whether it did anything: a run that returns false (it had nothing to work on yet,
+// say before the initial state arrived) takes nothing from the rate limit, so the first real
+// run after it is not held back by runs that did nothing.
 // minInterval ≤ 0 means no lower bound; maxInterval ≤ 0 means no
 // periodic run; burst is how many runs may follow each other without waiting (at least 1;
 // kube-proxy's iptables mode uses 2).
-func New(fn func(periodic bool), minInterval, maxInterval time.Duration, burst int) *Runner {
+func New(fn func(periodic bool) bool, minInterval, maxInterval time.Duration, burst int) *Runner {
 	return &Runner{fn: fn, min: minInterval, max: maxInterval, burst: max(burst, 1), trigger: make(chan struct{}, 1)}
 }
 
@@ -82,8 +85,11 @@ func (r *Runner) Run(ctx context.Context) {
 		if now := time.Now(); full.Before(now) {
 			full = now
 		}
+		prev := full
 		full = full.Add(r.min)
-		r.fn(isPeriodic)
+		if !r.fn(isPeriodic) {
+			full = prev
+		}
 		periodic.Reset(r.periodic())
 	}
 }

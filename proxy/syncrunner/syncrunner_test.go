@@ -14,14 +14,18 @@ type runs struct {
 	at       []time.Time
 	periodic []bool
 	ch       chan struct{}
+	// idleRuns is how many first runs report that they did nothing.
+	idleRuns int
 }
 
-func (r *runs) fn(periodic bool) {
+func (r *runs) fn(periodic bool) bool {
 	r.mu.Lock()
 	r.at = append(r.at, time.Now())
 	r.periodic = append(r.periodic, periodic)
+	idle := len(r.at) <= r.idleRuns
 	r.mu.Unlock()
 	r.ch <- struct{}{}
+	return !idle
 }
 
 func start(t *testing.T, min, max time.Duration) (*Runner, *runs) {
@@ -37,6 +41,32 @@ func startBurst(t *testing.T, min, max time.Duration, burst int) (*Runner, *runs
 	go func() { r.Run(ctx); close(done) }()
 	t.Cleanup(func() { cancel(); <-done })
 	return r, rec
+}
+
+// Runs that did nothing (fn returned false) take nothing from the rate limit: the first run
+// that does work follows at once, then the limit applies.
+func TestIdleRunsAreNotCounted(t *testing.T) {
+	const min = time.Hour
+	rec := &runs{ch: make(chan struct{}, 100), idleRuns: 3}
+	r := New(rec.fn, min, time.Hour, 1)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { r.Run(ctx); close(done) }()
+	t.Cleanup(func() { cancel(); <-done })
+	for i := range 4 {
+		r.Trigger()
+		select {
+		case <-rec.ch:
+		case <-time.After(5 * time.Second):
+			t.Fatalf("run %d did not follow its trigger: %d idle runs before it were counted against the limit", i+1, i)
+		}
+	}
+	r.Trigger()
+	select {
+	case <-rec.ch:
+		t.Fatal("a run that did work was not counted: the next one came at once with a burst of 1")
+	case <-time.After(300 * time.Millisecond):
+	}
 }
 
 func TestTriggersMergeAndRespectMinInterval(t *testing.T) {
@@ -108,7 +138,7 @@ func TestPeriodicRun(t *testing.T) {
 
 func TestRunStopsOnCancel(t *testing.T) {
 	var n atomic.Int32
-	r := New(func(bool) { n.Add(1) }, 0, 0, 1)
+	r := New(func(bool) bool { n.Add(1); return true }, 0, 0, 1)
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
 	go func() { r.Run(ctx); close(done) }()

@@ -248,13 +248,15 @@ func (p *Proxier) Sync() { p.sync(true) }
 // sync applies pending changes; it runs on the runner's goroutine only. The periodic sync
 // rewrites every portal rule, and so does any sync once SyncPeriod has passed since the last
 // full one (triggered syncs restart the runner's period, so on a busy cluster the periodic one
-// might never come); the others write only what changed.
-func (p *Proxier) sync(periodic bool) {
+// might never come); the others write only what changed. It returns false when it did nothing
+// (the source has not delivered its initial state, or the proxier is stopped or frozen), so the
+// runner's rate limit does not count it.
+func (p *Proxier) sync(periodic bool) bool {
 	select {
 	case <-p.synced:
 	default:
 		p.log.Debug().Msg("sync skipped: the source has not delivered its initial state yet")
-		return
+		return false
 	}
 	p.syncMu.Lock()
 	defer p.syncMu.Unlock()
@@ -262,7 +264,7 @@ func (p *Proxier) sync(periodic bool) {
 	stopped := p.closed || p.frozen
 	p.mu.Unlock()
 	if stopped {
-		return // the changes wait in the tracker
+		return false // the changes wait in the tracker
 	}
 	res := proxy.SyncResult{Start: time.Now()}
 	ch := p.tracker.Drain()
@@ -278,7 +280,7 @@ func (p *Proxier) sync(periodic bool) {
 	p.mu.Lock()
 	if p.closed {
 		p.mu.Unlock()
-		return
+		return false
 	}
 	dirty := p.applyLocked(&ch)
 	var opened []*listener
@@ -326,6 +328,7 @@ func (p *Proxier) sync(periodic bool) {
 	}
 	p.log.Debug().Dur("took", res.Took).Stringer("kind", res.Kind).Int("services", res.ServiceChanges).
 		Int("endpoints", res.EndpointChanges).Int("ports", len(res.Ports)).Msg("synced")
+	return true
 }
 
 // applyLocked applies drained changes to the port and endpoint maps and returns the services

@@ -92,6 +92,9 @@ var configFields = []configField{
 	pointerField("conntrack-tcp-timeout-close-wait", "conntrack.tcpCloseWaitTimeout",
 		func(c *kpconfig.KubeProxyConfiguration) **metav1.Duration { return &c.Conntrack.TCPCloseWaitTimeout },
 		func(o *Options) *time.Duration { return &o.ConntrackTCPCloseWaitTimeout }, fromDuration, toDuration),
+	valueField("profiling", "enableProfiling",
+		func(c *kpconfig.KubeProxyConfiguration) *bool { return &c.EnableProfiling },
+		func(o *Options) *bool { return &o.Profiling }, same[bool], same[bool]),
 	valueField("conntrack-tcp-be-liberal", "conntrack.tcpBeLiberal",
 		func(c *kpconfig.KubeProxyConfiguration) *bool { return &c.Conntrack.TCPBeLiberal },
 		func(o *Options) *bool { return &o.ConntrackTCPBeLiberal }, same[bool], same[bool]),
@@ -286,8 +289,8 @@ func ignoredFields(cfg *kpconfig.KubeProxyConfiguration) []string {
 	note(cfg.DetectLocalMode != "" && cfg.DetectLocalMode != "ClusterCIDR" || !notSet(cfg.DetectLocal),
 		"detectLocalMode/detectLocal", "pods are told apart by clusterCIDR only")
 	note(cfg.ConfigSyncPeriod.Duration != 0, "configSyncPeriod", "informers do not resync")
-	note(cfg.BindAddressHardFail || cfg.EnableProfiling || cfg.ShowHiddenMetricsForVersion != "",
-		"bindAddressHardFail/enableProfiling/showHiddenMetricsForVersion", "not implemented")
+	note(cfg.BindAddressHardFail || cfg.ShowHiddenMetricsForVersion != "",
+		"bindAddressHardFail/showHiddenMetricsForVersion", "not implemented")
 	return out
 }
 

@@ -73,6 +73,8 @@ type Options struct {
 	// Servers.
 	HealthzBindAddress string
 	MetricsBindAddress string
+	// Profiling serves Go's profiles (net/http/pprof) under /debug/pprof/ on the metrics server.
+	Profiling bool
 
 	// Operation.
 	ConfigFile    string
@@ -180,6 +182,7 @@ func (o *Options) FlagGroups() []FlagGroup {
 		group("Health and metrics", func(fs *pflag.FlagSet) {
 			fs.StringVar(&o.HealthzBindAddress, "healthz-bind-address", o.HealthzBindAddress, "IP:port of the /healthz and /livez server; empty disables it. [config: healthzBindAddress]")
 			fs.StringVar(&o.MetricsBindAddress, "metrics-bind-address", o.MetricsBindAddress, "IP:port of the Prometheus /metrics server; empty disables it. [config: metricsBindAddress]")
+			fs.BoolVar(&o.Profiling, "profiling", o.Profiling, "Serve Go's CPU, heap and goroutine profiles under /debug/pprof/ on the metrics server (a CPU profile of at most 9s: the server's write timeout). [config: enableProfiling]")
 		}),
 		group("Process", func(fs *pflag.FlagSet) {
 			fs.DurationVar(&o.ShutdownGracePeriod, "shutdown-grace-period", o.ShutdownGracePeriod, "On SIGTERM/SIGINT, how long established connections may continue before they are cut (a second signal exits at once).")

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"net"
 	"net/http"
+	"net/http/pprof"
 	"net/netip"
 	"os"
 	"strconv"
@@ -43,6 +44,8 @@ type servers struct {
 	services *healthcheck.Services
 
 	healthzAddr, metricsAddr string
+	// profiling serves net/http/pprof under /debug/pprof/ on the metrics server.
+	profiling bool
 	// Listeners opened by listen, so bind errors are reported at startup; nil when disabled.
 	healthzLn, metricsLn net.Listener
 
@@ -63,6 +66,7 @@ func newServers(opts *Options, v *Validated, health healthcheck.ProxyHealthOptio
 		health:      healthcheck.NewProxyHealth(health),
 		healthzAddr: opts.HealthzBindAddress,
 		metricsAddr: opts.MetricsBindAddress,
+		profiling:   opts.Profiling,
 		inherited:   map[string]*os.File{},
 	}
 	addrs, err := healthCheckAddrs(v.NodePortAddresses)
@@ -260,6 +264,13 @@ func (s *servers) run(ctx context.Context) {
 		w.Header().Set("X-Content-Type-Options", "nosniff")
 		fmt.Fprint(w, ProxyMode)
 	})
+	if s.profiling {
+		mux.HandleFunc("/debug/pprof/", pprof.Index)
+		mux.HandleFunc("/debug/pprof/cmdline", pprof.Cmdline)
+		mux.HandleFunc("/debug/pprof/profile", pprof.Profile)
+		mux.HandleFunc("/debug/pprof/symbol", pprof.Symbol)
+		mux.HandleFunc("/debug/pprof/trace", pprof.Trace)
+	}
 	serve(s.metricsLn, mux, "metrics")
 
 	<-ctx.Done()

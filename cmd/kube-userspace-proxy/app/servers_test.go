@@ -4,6 +4,8 @@ import (
 	"bufio"
 	"context"
 	"fmt"
+	"io"
+	"net/http"
 	"os"
 	"os/exec"
 	"strings"
@@ -39,9 +41,12 @@ func TestMain(m *testing.M) {
 
 // newLoopbackServers builds the servers with /healthz and /metrics on loopback and opens their
 // listeners, as Run does.
-func newLoopbackServers(t *testing.T) *servers {
+func newLoopbackServers(t *testing.T, set ...func(*Options)) *servers {
 	t.Helper()
 	opts := NewOptions()
+	for _, f := range set {
+		f(opts)
+	}
 	opts.HealthzBindAddress, opts.MetricsBindAddress = "127.0.0.1:0", "127.0.0.1:0"
 	s, err := newServers(opts, &Validated{}, healthcheck.ProxyHealthOptions{}, zerolog.Nop())
 	if err != nil {
@@ -55,9 +60,9 @@ func newLoopbackServers(t *testing.T) *servers {
 
 // startServers runs the /healthz and /metrics servers on loopback as Run does, until the end of
 // the test, and returns their addresses.
-func startServers(t *testing.T) (healthz, metrics string) {
+func startServers(t *testing.T, set ...func(*Options)) (healthz, metrics string) {
 	t.Helper()
-	s := newLoopbackServers(t)
+	s := newLoopbackServers(t, set...)
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
 	go func() { s.run(ctx); close(done) }()
@@ -70,6 +75,35 @@ func setServerLimits(t *testing.T, l httpserve.Limits) {
 	old := serverLimits
 	serverLimits = l
 	t.Cleanup(func() { serverLimits = old })
+}
+
+// --profiling serves Go's profiles on the metrics server, and only there; without it there are
+// none.
+func TestServersProfiling(t *testing.T) {
+	get := func(addr, path string) (int, string) {
+		t.Helper()
+		resp, err := http.Get("http://" + addr + path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		b, _ := io.ReadAll(resp.Body)
+		return resp.StatusCode, string(b)
+	}
+	healthz, metrics := startServers(t, func(o *Options) { o.Profiling = true })
+	if code, body := get(metrics, "/debug/pprof/goroutine?debug=1"); code != http.StatusOK || !strings.Contains(body, "goroutine profile:") {
+		t.Errorf("metrics server /debug/pprof/goroutine: %d %.200q", code, body)
+	}
+	if code, body := get(metrics, "/debug/pprof/profile?seconds=1"); code != http.StatusOK || len(body) == 0 {
+		t.Errorf("metrics server /debug/pprof/profile: %d, %d bytes", code, len(body))
+	}
+	if code, _ := get(healthz, "/debug/pprof/"); code != http.StatusNotFound {
+		t.Errorf("healthz server /debug/pprof/: %d, want 404", code)
+	}
+	_, metrics = startServers(t)
+	if code, _ := get(metrics, "/debug/pprof/"); code != http.StatusNotFound {
+		t.Errorf("metrics server without --profiling /debug/pprof/: %d, want 404", code)
+	}
 }
 
 // A flood of idle connections (some never sent a request, some kept open after one) does not

@@ -860,16 +860,37 @@ type problem struct {
 	msg    string
 }
 
-// report logs the problems that were not already logged by the previous merge.
+// maxProblemLines bounds the problems one merge logs a line each for; the rest are counted in
+// one more line. A directory of 10,000 services with ClusterIPs outside the service CIDRs
+// would otherwise log 10,000 warnings at every start.
+const maxProblemLines = 20
+
+// report logs the problems that were not already logged by the previous merge: the first
+// maxProblemLines a line each, then how many more there are, at the most severe level among
+// them.
 func (s *Source) report(problems []problem) {
-	now := map[string]bool{}
+	now := make(map[string]bool, len(problems))
+	logged, more := 0, 0
+	var moreLevel zerolog.Level
 	for _, p := range problems {
 		id := p.object + "\x00" + p.msg
 		now[id] = true
 		if s.reported[id] {
 			continue
 		}
+		if logged == maxProblemLines {
+			if more == 0 || p.level > moreLevel {
+				moreLevel = p.level
+			}
+			more++
+			continue
+		}
+		logged++
 		s.log.WithLevel(p.level).Str("object", p.object).Str("file", p.file).Msg(p.msg)
+	}
+	if more > 0 {
+		s.log.WithLevel(moreLevel).Int("problems", more).Int("logged", logged).
+			Msgf("%d more objects have problems like those above; not logged one by one", more)
 	}
 	s.reported = now
 }

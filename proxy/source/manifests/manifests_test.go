@@ -707,6 +707,37 @@ func TestAllocationProblems(t *testing.T) {
 	}
 }
 
+// Many problems at once (a directory whose services all sit outside the service CIDRs): the
+// first maxProblemLines are logged a line each, the rest in one line that counts them.
+func TestProblemsLoggedBounded(t *testing.T) {
+	f := newFixture(t, Options{})
+	const n = maxProblemLines + 15
+	var content strings.Builder
+	for i := range n {
+		fmt.Fprintf(&content, "---\n%s", service(fmt.Sprintf("out%d", i), 80, fmt.Sprintf("  clusterIP: 172.16.0.%d\n", i+1)))
+	}
+	f.write(t, "a.yaml", content.String())
+	f.scan(t)
+	warns := f.logs.take(t, zerolog.WarnLevel)
+	if len(warns) != maxProblemLines+1 {
+		t.Fatalf("%d warnings, want %d and a summary: %v", len(warns), maxProblemLines, warns)
+	}
+	for _, w := range warns[:maxProblemLines] {
+		if !strings.Contains(fmt.Sprint(w["message"]), "outside the service CIDRs") || w["object"] == nil {
+			t.Errorf("warning %v, want one about an object's range", w)
+		}
+	}
+	if sum := warns[maxProblemLines]; fmt.Sprint(sum["problems"]) != "15" || !strings.Contains(fmt.Sprint(sum["message"]), "15 more objects") {
+		t.Errorf("summary %v, want 15 more problems", sum)
+	}
+	// Nothing new: nothing logged again.
+	f.write(t, "a.yaml", content.String()+"---\n"+service("in", 80, ""))
+	f.scan(t)
+	if warns := f.logs.take(t, zerolog.WarnLevel); len(warns) != 0 {
+		t.Errorf("problems logged again: %v", warns)
+	}
+}
+
 func TestClusterIPStableAcrossRestarts(t *testing.T) {
 	dir := t.TempDir()
 	var content strings.Builder
