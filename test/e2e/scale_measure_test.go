@@ -7,12 +7,17 @@ package e2e
 
 import (
 	"fmt"
+	"io"
+	"net/http"
 	"os"
+	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"testing"
 	"time"
 
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/test/e2e/harness"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/test/netns"
 )
 
@@ -20,10 +25,15 @@ import (
 // 5000,10000,20000), from a manifests
 // directory and iptables portals in a node namespace: process start → every sampled service
 // answering, the first full sync (metric), RSS and open descriptors once serving, idle CPU over
-// KUP_SCALE_CPU_WINDOW (default 30s, the default sync period), and one more service → its first
+// KUP_SCALE_CPU_WINDOW (default 30s, the default sync period; after the first periodic sync), and one more service → its first
 // answer (and → the source's log line that it loaded the file, polled every 10 ms); and process start → the manifests source's initial delivery (its log line), the
 // source's share of the start. It logs one MEASURE line per count; it asserts nothing about
-// timing.
+// timing. With KUP_SCALE_PROFILE=dir it runs the proxy with --profiling and writes to dir a CPU
+// profile of its first 8 s, a heap profile once it serves, and its log; KUP_SCALE_ARGS adds
+// flags to the proxy's command line (say --log-level=debug), and KUP_SCALE_IDLE_PROFILE=1 takes a
+// CPU profile of 9 s of the idle window too. With KUP_SCALE_OUT=dir it writes
+// the figures as a table (scale.md) and as growth curves (scale.svg) to dir; KUP_SCALE_REPS=k
+// measures every count k times (interleaved) and reports the medians.
 func TestScaleMeasure(t *testing.T) {
 	spec := os.Getenv("KUP_SCALE_MEASURE")
 	if spec == "" {
@@ -37,49 +47,160 @@ func TestScaleMeasure(t *testing.T) {
 		}
 		window = d
 	}
-	var lines []string
+	reps := 1
+	if r := os.Getenv("KUP_SCALE_REPS"); r != "" {
+		var err error
+		if reps, err = strconv.Atoi(r); err != nil || reps < 1 {
+			t.Fatalf("KUP_SCALE_REPS=%q: want a count ≥ 1", r)
+		}
+	}
+	var counts []int
 	for _, s := range strings.Split(spec, ",") {
 		n, err := strconv.Atoi(strings.TrimSpace(s))
 		if err != nil {
 			t.Fatal(err)
 		}
-		t.Run(strconv.Itoa(n), func(t *testing.T) {
-			lines = append(lines, measureScale(t, n, window))
-		})
+		counts = append(counts, n)
 	}
-	for _, l := range lines {
-		t.Log(l)
+	runs := map[int][]scaleFigures{}
+	for rep := range reps {
+		for _, n := range counts {
+			t.Run(fmt.Sprintf("%d/rep%d", n, rep+1), func(t *testing.T) {
+				runs[n] = append(runs[n], measureScale(t, n, window))
+			})
+		}
+	}
+	var figs []scaleFigures
+	for _, n := range counts {
+		for _, f := range runs[n] {
+			t.Log(f.line)
+		}
+		if len(runs[n]) > 0 {
+			figs = append(figs, medianFigures(runs[n]))
+		}
+	}
+	if out := os.Getenv("KUP_SCALE_OUT"); out != "" {
+		if err := writeScaleReport(out, figs, window, reps); err != nil {
+			t.Error(err)
+		}
 	}
 }
 
-func measureScale(t *testing.T, n int, window time.Duration) string {
+// medianFigures returns, field by field, the median of one count's repetitions (the upper
+// median of an even number).
+func medianFigures(rs []scaleFigures) scaleFigures {
+	med := func(get func(scaleFigures) float64) float64 {
+		v := make([]float64, len(rs))
+		for i, r := range rs {
+			v[i] = get(r)
+		}
+		slices.Sort(v)
+		return v[len(v)/2]
+	}
+	dur := func(get func(scaleFigures) time.Duration) time.Duration {
+		return time.Duration(med(func(f scaleFigures) float64 { return float64(get(f)) }))
+	}
+	return scaleFigures{n: rs[0].n,
+		source:        dur(func(f scaleFigures) time.Duration { return f.source }),
+		all:           dur(func(f scaleFigures) time.Duration { return f.all }),
+		firstSync:     dur(func(f scaleFigures) time.Duration { return f.firstSync }),
+		oneMore:       dur(func(f scaleFigures) time.Duration { return f.oneMore }),
+		oneLoaded:     dur(func(f scaleFigures) time.Duration { return f.oneLoaded }),
+		rssMiB:        med(func(f scaleFigures) float64 { return f.rssMiB }),
+		cpu:           med(func(f scaleFigures) float64 { return f.cpu }),
+		fds:           int(med(func(f scaleFigures) float64 { return float64(f.fds) })),
+		neverAnswered: int(med(func(f scaleFigures) float64 { return float64(f.neverAnswered) })),
+		unservable:    int(med(func(f scaleFigures) float64 { return float64(f.unservable) })),
+	}
+}
+
+// scaleFigures are one service count's measurements.
+type scaleFigures struct {
+	n                               int
+	source, all, firstSync, oneMore time.Duration
+	oneLoaded                       time.Duration
+	rssMiB, cpu                     float64
+	fds, neverAnswered, unservable  int
+	line                            string
+}
+
+func measureScale(t *testing.T, n int, window time.Duration) scaleFigures {
 	e := newScaleEnv(t, fmt.Sprintf("sm%d", n/1000), n)
+	profDir := os.Getenv("KUP_SCALE_PROFILE")
+	args := strings.Fields(os.Getenv("KUP_SCALE_ARGS"))
+	if profDir != "" {
+		args = append(args, "--profiling")
+	}
 	started := time.Now()
-	p := e.start(t)
+	p := e.start(t, args...)
 	pid := p.Pid()
+	var startProfile <-chan error
+	if profDir != "" {
+		startProfile = fetchProfile(e.node.NS, "profile?seconds=8", filepath.Join(profDir, fmt.Sprintf("start-cpu-%d.pprof", n)))
+	}
 	delivered := watchLog(p, "initial scan delivered", 40*time.Second)
+	type syncTime struct {
+		d   time.Duration
+		err error
+	}
+	firstFull := make(chan syncTime, 1)
+	go func() { // from the start: waitAll may outlast the first periodic sync
+		d, err := firstFullSync(e.node.NS, time.Minute)
+		firstFull <- syncTime{d, err}
+	}()
 	last, missing := waitAll(e.node.NS, sampleIndexes(n, 200), 40*time.Second)
 	all := sinceOrNever(started, last)
 	source := sinceOrNever(started, <-delivered)
-	full, err := firstFullSync(e.node.NS, time.Minute)
-	if err != nil {
-		t.Log(err)
+	fs := <-firstFull
+	full := fs.d
+	if fs.err != nil {
+		t.Log(fs.err)
 	}
 	time.Sleep(2 * time.Second)
+	if profDir != "" {
+		if err := <-startProfile; err != nil {
+			t.Log(err)
+		}
+		if err := <-fetchProfile(e.node.NS, "heap", filepath.Join(profDir, fmt.Sprintf("heap-%d.pprof", n))); err != nil {
+			t.Log(err)
+		}
+		if err := <-fetchProfile(e.node.NS, "heap?debug=1", filepath.Join(profDir, fmt.Sprintf("memstats-%d.txt", n))); err != nil {
+			t.Log(err)
+		}
+	}
 	rss, _ := procStatusKiB(pid, "VmRSS")
 	fds, _ := openFDs(pid)
+	// Idle CPU in the steady state: after the first periodic sync, which checks every service's
+	// endpoints against the proxy's own addresses once (the listeners opened since are new
+	// addresses); the window then holds one more periodic sync, as any 30 s of an idle proxy.
+	waitFullSyncs(e.node.NS, 2, 45*time.Second)
+	a0 := time.Now()
 	a, _ := cpuTicks(pid)
-	time.Sleep(window)
+	if profDir != "" && os.Getenv("KUP_SCALE_IDLE_PROFILE") != "" { // in the window: counts in its figure
+		if err := <-fetchProfile(e.node.NS, "profile?seconds=9", filepath.Join(profDir, fmt.Sprintf("idle-cpu-%d.pprof", n))); err != nil {
+			t.Log(err)
+		}
+	}
+	time.Sleep(window - min(window, time.Since(a0)))
 	b, _ := cpuTicks(pid)
 	cpu := (b - a) / window.Seconds() // ticks/s = percent of a core
 	// One more service.
 	writeScaleManifests(t, e.dir, n, n+1, e.pod.IP)
 	added := time.Now()
 	loaded := watchLog(p, fmt.Sprintf("svc-%06d.yaml", n), 30*time.Second) // the source's "manifest file loaded"
-	lastOne, miss1 := waitAll(e.node.NS, []int{n}, 30*time.Second)
+	lastOne := firstServiceAnswer(e.node.NS, n, 30*time.Second)
+	miss1 := 0
+	if lastOne.IsZero() {
+		miss1 = 1
+	}
 	oneMore := sinceOrNever(added, lastOne)
 	oneLoaded := sinceOrNever(added, <-loaded)
-	m, _ := scrapeMetrics(e.node.NS, scaleMetricsAddr)
+	m, _ := harness.ScrapeMetrics(e.node.NS, scaleMetricsAddr)
+	if profDir != "" {
+		if err := os.WriteFile(filepath.Join(profDir, fmt.Sprintf("proxy-%d.log", n)), []byte(p.Log()), 0o644); err != nil {
+			t.Log(err)
+		}
+	}
 	line := fmt.Sprintf("MEASURE n=%d start→source-delivered=%v start→all-answering=%v (sample 200, %d never) first-full-sync=%v RSS=%.1fMiB fds=%d idle-CPU=%.2f%% (%v) one-more→answer=%v (missed %d, source loaded it after %v) unservable=%v",
 		n, source.Round(10*time.Millisecond), all.Round(time.Millisecond), missing, full.Round(time.Millisecond), float64(rss)/1024, fds, cpu, window,
 		oneMore.Round(time.Millisecond), miss1, oneLoaded.Round(time.Millisecond), m["kube_userspace_proxy_service_ports_unservable"])
@@ -87,7 +208,133 @@ func measureScale(t *testing.T, n int, window time.Duration) string {
 	if tail := p.Tail(5); strings.Contains(tail, "panic") {
 		t.Errorf("proxy log:\n%s", tail)
 	}
-	return line
+	return scaleFigures{n: n, source: source, all: all, firstSync: full, oneMore: oneMore, oneLoaded: oneLoaded,
+		rssMiB: float64(rss) / 1024, cpu: cpu, fds: fds, neverAnswered: missing,
+		unservable: int(m["kube_userspace_proxy_service_ports_unservable"]), line: line}
+}
+
+// writeScaleReport writes figs to dir as scale.md (a table) and scale.svg (one panel per figure,
+// service ports across, each measured point joined, and a dotted line through the origin and
+// the first point: what linear growth would give).
+func writeScaleReport(dir string, figs []scaleFigures, window time.Duration, reps int) error {
+	if len(figs) == 0 {
+		return nil
+	}
+	var md strings.Builder
+	fmt.Fprintf(&md, "# kube-userspace-proxy at scale (make scale-measure)\n\nRun %s. Services of one TCP port and one endpoint each, "+
+		"from a manifests directory (1,000 services per file), iptables portals in one node namespace, open-files limit of the machine. "+
+		"Idle CPU over %v after the first periodic sync. Each figure the median of %d runs.\n\n", time.Now().UTC().Format(time.RFC3339), window, reps)
+	md.WriteString("| service ports | start → source delivered | start → every service answering | first full sync | one more service → answer (source loaded it) | RSS | idle CPU | open descriptors | unservable (descriptor limit) |\n|---|---|---|---|---|---|---|---|---|\n")
+	for _, f := range figs {
+		all := f.all.Round(10 * time.Millisecond).String()
+		if f.neverAnswered > 0 {
+			all += fmt.Sprintf(" (%d of the 200 sampled never: beyond the descriptor limit)", f.neverAnswered)
+		}
+		oneMore := f.oneMore.Round(time.Millisecond).String()
+		if f.oneMore <= 0 {
+			oneMore = "— (beyond the descriptor limit)"
+		}
+		fmt.Fprintf(&md, "| %d | %v | %s | %v | %s (%v) | %.0f MiB | %.2f %% | %d | %d |\n", f.n, f.source.Round(10*time.Millisecond),
+			all, f.firstSync.Round(10*time.Millisecond), oneMore, f.oneLoaded.Round(time.Millisecond), f.rssMiB, f.cpu, f.fds, f.unservable)
+	}
+	if err := os.WriteFile(filepath.Join(dir, "scale.md"), []byte(md.String()), 0o644); err != nil {
+		return err
+	}
+	panels := []struct {
+		title, unit string
+		value       func(scaleFigures) float64
+	}{
+		{"start → every service answering", "s", func(f scaleFigures) float64 { return f.all.Seconds() }},
+		{"first full sync", "s", func(f scaleFigures) float64 { return f.firstSync.Seconds() }},
+		{"RSS", "MiB", func(f scaleFigures) float64 { return f.rssMiB }},
+		{"one more service → answer", "ms", func(f scaleFigures) float64 { return float64(f.oneMore.Milliseconds()) }},
+	}
+	const pw, ph, pad = 260.0, 180.0, 40.0
+	maxN := 0
+	for _, f := range figs {
+		maxN = max(maxN, f.n)
+	}
+	var b strings.Builder
+	fmt.Fprintf(&b, `<svg xmlns="http://www.w3.org/2000/svg" width="%.0f" height="%.0f" font-family="sans-serif" font-size="10">`+"\n",
+		float64(len(panels))*(pw+pad)+pad, ph+2*pad)
+	for i, pn := range panels {
+		x0, y0 := pad+float64(i)*(pw+pad), pad
+		top := 0.0
+		for _, f := range figs {
+			top = max(top, pn.value(f), pn.value(figs[0])*float64(f.n)/float64(figs[0].n))
+		}
+		if top == 0 {
+			top = 1
+		}
+		top *= 1.1
+		px := func(n int) float64 { return x0 + pw*float64(n)/float64(maxN) }
+		py := func(v float64) float64 { return y0 + ph - ph*v/top }
+		fmt.Fprintf(&b, `<text x="%.0f" y="%.0f" font-weight="bold">%s (%s)</text>`+"\n", x0, y0-12, pn.title, pn.unit)
+		fmt.Fprintf(&b, `<path d="M%.1f %.1f V%.1f H%.1f" fill="none" stroke="#888"/>`+"\n", x0, y0, y0+ph, x0+pw)
+		fmt.Fprintf(&b, `<text x="%.0f" y="%.0f">%.3g</text><text x="%.0f" y="%.0f">0</text>`+"\n", x0-pad+4, y0+8, top, x0-12, y0+ph)
+		f0 := figs[0]
+		fmt.Fprintf(&b, `<line x1="%.1f" y1="%.1f" x2="%.1f" y2="%.1f" stroke="#999" stroke-dasharray="3,3"/>`+"\n",
+			px(0), py(0), px(maxN), py(pn.value(f0)*float64(maxN)/float64(f0.n)))
+		var path strings.Builder
+		for _, f := range figs {
+			if pn.value(f) <= 0 {
+				continue // not measured (the service was beyond the descriptor limit)
+			}
+			cmd := "L"
+			if path.Len() == 0 {
+				cmd = "M"
+			}
+			fmt.Fprintf(&path, "%s%.1f %.1f ", cmd, px(f.n), py(pn.value(f)))
+			fmt.Fprintf(&b, `<circle cx="%.1f" cy="%.1f" r="3" fill="#c33"/><text x="%.1f" y="%.1f" text-anchor="middle">%.3g</text>`+"\n",
+				px(f.n), py(pn.value(f)), px(f.n), py(pn.value(f))-6, pn.value(f))
+			fmt.Fprintf(&b, `<text x="%.1f" y="%.1f" text-anchor="middle">%d</text>`+"\n", px(f.n), y0+ph+12, f.n)
+		}
+		fmt.Fprintf(&b, `<path d="%s" fill="none" stroke="#c33"/>`+"\n", strings.TrimSpace(path.String()))
+	}
+	fmt.Fprintf(&b, `<text x="%.0f" y="%.0f">service ports (dotted: linear growth from the first point)</text>`+"\n", pad, ph+2*pad-6)
+	b.WriteString("</svg>\n")
+	return os.WriteFile(filepath.Join(dir, "scale.svg"), []byte(b.String()), 0o644)
+}
+
+// waitFullSyncs waits until the proxy has counted n full syncs (or timeout).
+func waitFullSyncs(ns *netns.NS, n float64, timeout time.Duration) {
+	for deadline := time.Now().Add(timeout); time.Now().Before(deadline); time.Sleep(100 * time.Millisecond) {
+		if m, err := harness.ScrapeMetrics(ns, scaleMetricsAddr); err == nil && m["kubeproxy_sync_full_proxy_rules_duration_seconds_count"] >= n {
+			return
+		}
+	}
+}
+
+// fetchProfile writes the proxy's /debug/pprof/<what> (--profiling) to path, asking until the
+// metrics server answers (for up to 10 s), and sends the outcome.
+func fetchProfile(ns *netns.NS, what, path string) <-chan error {
+	done := make(chan error, 1)
+	go func() {
+		hc := &http.Client{Timeout: 20 * time.Second, Transport: &http.Transport{DialContext: ns.DialContext, DisableKeepAlives: true}}
+		deadline := time.Now().Add(10 * time.Second)
+		for {
+			resp, err := hc.Get("http://" + scaleMetricsAddr + "/debug/pprof/" + what)
+			if err != nil {
+				if time.Now().Before(deadline) {
+					time.Sleep(5 * time.Millisecond)
+					continue
+				}
+				done <- err
+				return
+			}
+			b, err := io.ReadAll(resp.Body)
+			resp.Body.Close()
+			if err == nil && resp.StatusCode != http.StatusOK {
+				err = fmt.Errorf("%s: %s: %.200s", what, resp.Status, b)
+			}
+			if err == nil {
+				err = os.WriteFile(path, b, 0o644)
+			}
+			done <- err
+			return
+		}
+	}()
+	return done
 }
 
 // watchLog looks at p's log every 10 ms until it holds what (or timeout) and sends when it was

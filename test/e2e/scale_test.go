@@ -1,11 +1,9 @@
 package e2e
 
 import (
-	"bufio"
 	"context"
 	"errors"
 	"fmt"
-	"net/http"
 	"net/netip"
 	"os"
 	"path/filepath"
@@ -101,6 +99,19 @@ func newScaleEnv(t *testing.T, name string, n int) *scaleEnv {
 	harness.StartEcho(t, pod.NS, "p1", echoPort)
 	dir := t.TempDir()
 	writeScaleManifests(t, dir, 0, n, pod.IP)
+	// As a directory that was written before the proxy starts (a ConfigMap mounted long ago),
+	// not while it starts: no debounce at the first read, no second read of files that changed
+	// too close to their first (the idle-CPU figure would count it).
+	old := time.Now().Add(-time.Minute)
+	entries, err := os.ReadDir(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, de := range entries {
+		if err := os.Chtimes(filepath.Join(dir, de.Name()), old, old); err != nil {
+			t.Fatal(err)
+		}
+	}
 	return &scaleEnv{node: node, pod: pod, dir: dir, n: n}
 }
 
@@ -111,7 +122,8 @@ func (e *scaleEnv) start(t *testing.T, args ...string) *netns.Process {
 		Manifests:          e.dir,
 		MetricsBindAddress: scaleMetricsAddr,
 		LogLevel:           "info",
-		Args:               args,
+		// The range of the manifests' ClusterIPs (scaleClusterIP): none is reported as outside.
+		Args: append([]string{"--service-cluster-ip-range=10.100.0.0/16"}, args...),
 	})
 	return e.node.NS.Start(t, cmd...)
 }
@@ -127,7 +139,9 @@ func sampleIndexes(n, k int) []int {
 }
 
 // waitAll asks every service in idx from ns until each has answered once (or timeout) and
-// returns when the last one first answered, and how many never did.
+// returns when the last one first answered, and how many never did. Each attempt waits at most
+// 150 ms: a SYN sent before the service's rule existed is lost, and waiting for its
+// retransmission (1 s) would add up to a second to the figure.
 func waitAll(ns *netns.NS, idx []int, timeout time.Duration) (time.Time, int) {
 	var mu sync.Mutex
 	var last time.Time
@@ -140,7 +154,7 @@ func waitAll(ns *netns.NS, idx []int, timeout time.Duration) (time.Time, int) {
 			addr := netip.AddrPortFrom(scaleClusterIP(i), 80).String()
 			for {
 				sem <- struct{}{}
-				_, err := harness.AskTimeout(context.Background(), ns, "tcp", addr, time.Second)
+				_, err := harness.AskTimeout(context.Background(), ns, "tcp", addr, 150*time.Millisecond)
 				<-sem
 				if err == nil {
 					now := time.Now()
@@ -155,7 +169,7 @@ func waitAll(ns *netns.NS, idx []int, timeout time.Duration) (time.Time, int) {
 					missing.Add(1)
 					return
 				}
-				time.Sleep(20 * time.Millisecond)
+				time.Sleep(10 * time.Millisecond)
 			}
 		})
 	}
@@ -163,41 +177,50 @@ func waitAll(ns *netns.NS, idx []int, timeout time.Duration) (time.Time, int) {
 	return last, int(missing.Load())
 }
 
-// scrapeMetrics returns the metrics the proxy serves on addr in ns (name with labels → value;
-// labels sorted by name, as the exposition writes them).
-func scrapeMetrics(ns *netns.NS, addr string) (map[string]float64, error) {
-	hc := &http.Client{Timeout: 10 * time.Second, Transport: &http.Transport{DialContext: ns.DialContext, DisableKeepAlives: true}}
-	resp, err := hc.Get("http://" + addr + "/metrics")
-	if err != nil {
-		return nil, err
-	}
-	defer resp.Body.Close()
-	vals := map[string]float64{}
-	sc := bufio.NewScanner(resp.Body)
-	sc.Buffer(make([]byte, 1<<20), 1<<20)
-	for sc.Scan() {
-		line := sc.Text()
-		if strings.HasPrefix(line, "#") {
-			continue
+// firstServiceAnswer asks the service of index i from ns with a new connection every 5 ms (each
+// waiting up to 500 ms for its answer, so attempts overlap and a lost SYN delays nothing) and
+// returns when the first answer came; zero if none came before timeout.
+func firstServiceAnswer(ns *netns.NS, i int, timeout time.Duration) time.Time {
+	addr := netip.AddrPortFrom(scaleClusterIP(i), 80).String()
+	ctx, cancel := context.WithTimeout(context.Background(), timeout)
+	defer cancel()
+	answered := make(chan time.Time, 1)
+	var wg sync.WaitGroup
+	defer wg.Wait()
+	tick := time.NewTicker(5 * time.Millisecond)
+	defer tick.Stop()
+	for {
+		wg.Go(func() {
+			if _, err := harness.AskTimeout(ctx, ns, "tcp", addr, 500*time.Millisecond); err == nil {
+				select {
+				case answered <- time.Now():
+				default:
+				}
+			}
+		})
+		select {
+		case at := <-answered:
+			cancel()
+			return at
+		case <-ctx.Done():
+			return time.Time{}
+		case <-tick.C:
 		}
-		i := strings.LastIndexByte(line, ' ')
-		if i < 0 {
-			continue
-		}
-		v, _ := strconv.ParseFloat(line[i+1:], 64)
-		vals[line[:i]] = v
 	}
-	return vals, sc.Err()
 }
 
 // firstFullSync waits for the first full sync in the metrics and returns its duration.
+// It polls every 100 ms: call it soon after the start, before the first periodic sync.
 func firstFullSync(ns *netns.NS, timeout time.Duration) (time.Duration, error) {
 	deadline := time.Now().Add(timeout)
 	for {
-		m, err := scrapeMetrics(ns, scaleMetricsAddr)
-		if err == nil && m["kubeproxy_sync_full_proxy_rules_duration_seconds_count"] >= 1 {
-			return time.Duration(m["kubeproxy_sync_full_proxy_rules_duration_seconds_sum"] /
-				m["kubeproxy_sync_full_proxy_rules_duration_seconds_count"] * float64(time.Second)), nil
+		m, err := harness.ScrapeMetrics(ns, scaleMetricsAddr)
+		if n := m["kubeproxy_sync_full_proxy_rules_duration_seconds_count"]; err == nil && n >= 1 {
+			d := time.Duration(m["kubeproxy_sync_full_proxy_rules_duration_seconds_sum"] / n * float64(time.Second))
+			if n > 1 {
+				return d, fmt.Errorf("%v is the mean of %v full syncs: the first was missed", d, n)
+			}
+			return d, nil
 		}
 		if time.Now().After(deadline) {
 			return 0, fmt.Errorf("no full sync in the metrics after %v (%v)", timeout, err)
