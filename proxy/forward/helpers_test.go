@@ -89,7 +89,7 @@ func proxyGoroutines() string {
 	}
 	var out []string
 	for _, g := range strings.Split(string(buf), "\n\n") {
-		for _, marker := range []string{"forward.(*TCPProxy)", "forward.(*tcpConn)", "forward.(*UDPProxy)", "forward.(*udpSession)"} {
+		for _, marker := range []string{"forward.(*Poller)", "forward.(*TCPProxy)", "forward.(*tcpConn)", "forward.(*UDPProxy)", "forward.(*udpSession)"} {
 			if strings.Contains(g, marker) {
 				out = append(out, g)
 				break

@@ -17,6 +17,11 @@ type runState struct {
 	started, closed, frozen bool
 	stop                    chan struct{} // closed by Close or freeze; wakes a pausing loop
 	done                    chan struct{} // closed when Serve's loop returns; nil until it starts
+	// parked: the loop ended for want of work and waits, without a goroutine, for resume (see
+	// park); close and freeze then close done themselves. disarm, set by the first park, stops
+	// the watch of the socket; close and freeze call it.
+	parked bool
+	disarm func()
 }
 
 // initLocked creates stop; s.mu must be held.
@@ -57,6 +62,7 @@ func (s *runState) close(sock io.Closer, what string) (first bool, err error) {
 		if !s.frozen {
 			close(s.stop)
 		}
+		s.unparkLocked()
 	}
 	done := s.done
 	s.mu.Unlock()
@@ -87,6 +93,7 @@ func (s *runState) freeze(what string, wake func()) error {
 	}
 	s.frozen = true
 	close(s.stop)
+	s.unparkLocked()
 	done := s.done
 	s.mu.Unlock()
 	if done != nil {
@@ -94,6 +101,50 @@ func (s *runState) freeze(what string, wake func()) error {
 		<-done
 	}
 	return nil
+}
+
+// park is the loop's last act when it ends for want of work: unless the state is closed or
+// frozen it calls arm, which arranges for resume to be called later (the Poller, when the socket
+// is readable), marks the state parked and returns true; the loop's goroutine then returns
+// without closing done. It returns false, and arm's error if that failed, when the loop must go
+// on or end as it would without parking.
+func (s *runState) park(arm func() error, disarm func()) (bool, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.closed || s.frozen {
+		return false, nil
+	}
+	if err := arm(); err != nil {
+		return false, err
+	}
+	s.parked, s.disarm = true, disarm
+	return true, nil
+}
+
+// resume takes the state out of parked and reports whether it did; the caller then runs the
+// loop again (on a new goroutine). False means close or freeze came first.
+func (s *runState) resume() bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if !s.parked {
+		return false
+	}
+	s.parked = false
+	return true
+}
+
+// unparkLocked is close's and freeze's: nothing watches the socket any more (before it is
+// closed: its descriptor's number may be reused), and a parked loop ends for good, done closed
+// as the loop would have. s.mu must be held.
+func (s *runState) unparkLocked() {
+	if s.disarm != nil {
+		s.disarm()
+		s.disarm = nil
+	}
+	if s.parked {
+		s.parked = false
+		close(s.done)
+	}
 }
 
 // thaw undoes freeze for a hand-over that failed: the state runs again and Serve may be called

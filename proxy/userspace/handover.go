@@ -140,7 +140,7 @@ func (p *Proxier) thawLocked() {
 		switch {
 		case l.tcp != nil:
 			if err = l.tcp.Thaw(); err == nil {
-				l.serve(l.tcp, v1.ProtocolTCP)
+				l.serveTCP(&p.listen)
 			}
 		case l.udp != nil:
 			if err = l.udp.Thaw(); err == nil {

@@ -83,6 +83,10 @@ type listenConfig struct {
 	maxSessions int
 	idleTimeout time.Duration
 	preferred   PreferredPorts // nil: none
+	// poller resumes the accept loops of idle TCP listeners (forward.TCPProxy.Start); nil: each
+	// keeps a goroutine. The proxier creates it with its first listener and closes it with the
+	// last (closeListeners).
+	poller *forward.Poller
 	// testHookServe, when set, is called as a listener starts serving (tests).
 	testHookServe func(*listener)
 }

@@ -57,7 +57,7 @@ type listener struct {
 	adoptUDP []forward.UDPSessionState
 	started  bool
 	frozen   bool           // a hand-over froze it (Proxier.Freeze); thawed if it fails
-	served   sync.WaitGroup // the Serve goroutine
+	served   sync.WaitGroup // the UDP proxy's Serve goroutine
 }
 
 func (l *listener) protocol() v1.Protocol { return l.choose.sp.Load().Protocol }
@@ -216,7 +216,7 @@ func (l *listener) start(cfg *listenConfig) {
 		if err := l.tcp.Adopt(conns); err != nil {
 			l.log.Error().Err(err).Msg("handed-over connections not adopted; the others go on")
 		}
-		l.serve(l.tcp, v1.ProtocolTCP)
+		l.serveTCP(cfg)
 	case l.udp != nil:
 		sessions := l.adoptUDP
 		l.adoptUDP = nil
@@ -235,6 +235,13 @@ func (l *listener) newUDP(cfg *listenConfig, conn *net.UDPConn, metrics forward.
 func (l *listener) newTCP(cfg *listenConfig, ln *net.TCPListener, metrics forward.Metrics) *forward.TCPProxy {
 	return &forward.TCPProxy{Listener: ln, Chooser: &l.choose, Log: l.log, Metrics: metrics,
 		Budget: cfg.budget, MaxConns: cfg.maxConns, IdleTimeout: cfg.idleTimeout}
+}
+
+// serveTCP starts the TCP proxy; with cfg's poller, an idle listener holds no goroutine.
+func (l *listener) serveTCP(cfg *listenConfig) {
+	if err := l.tcp.Start(cfg.poller); err != nil {
+		l.log.Error().Err(err).Str("protocol", string(v1.ProtocolTCP)).Msg("proxy listener not serving")
+	}
 }
 
 // serve runs srv's Serve on a goroutine that l.served counts.

@@ -298,6 +298,9 @@ func (p *Proxier) sync(periodic bool) bool {
 	for svc := range dirty {
 		p.refreshServiceLocked(svc, self)
 	}
+	if len(opened) > 0 {
+		p.ensurePollerLocked()
+	}
 	for _, l := range opened { // now that the balancer knows their endpoints
 		l.start(&p.listen)
 	}
@@ -706,6 +709,24 @@ func (p *Proxier) closeListeners() {
 		l.stopAccepting()
 	}
 	p.holder.closeAll()
+	if p.listen.poller != nil {
+		_ = p.listen.poller.Close() // no listener is watched any more
+		p.listen.poller = nil
+	}
+}
+
+// ensurePollerLocked creates the Poller of idle TCP listeners (listenConfig.poller) unless there
+// is one; without it (epoll unavailable, no descriptor left) every accept loop keeps a goroutine.
+func (p *Proxier) ensurePollerLocked() {
+	if p.listen.poller != nil || p.closed {
+		return
+	}
+	poller, err := forward.NewPoller()
+	if err != nil {
+		p.log.Warn().Err(err).Msg("idle listeners keep a goroutine each")
+		return
+	}
+	p.listen.poller = poller
 }
 
 // Shutdown waits for established connections to finish until ctx is done, then cuts the rest.

@@ -1,0 +1,150 @@
+package forward
+
+import (
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"sync"
+
+	"golang.org/x/sys/unix"
+)
+
+// Poller calls a function when a socket becomes readable, from one goroutine for every socket it
+// watches: an idle listener needs no goroutine of its own parked in accept (at 10,000 service
+// ports those goroutines' stacks were 40 MB). Each Arm is one-shot: the function runs once, on the
+// Poller's goroutine, and must not block; to be called again, Arm again.
+//
+// It is its own epoll instance, beside the Go runtime's: a socket can be in both, and the runtime
+// keeps serving the socket's reads and accepts as before.
+//
+// Create it with NewPoller and Close it when no socket needs it any more.
+type Poller struct {
+	epfd int
+	// wake is an eventfd in the epoll set: Close writes it to end Wait.
+	wake int
+
+	mu     sync.Mutex // guards the following fields
+	fns    map[int32]func()
+	closed bool
+
+	done chan struct{} // closed when the goroutine has returned
+}
+
+// NewPoller creates a Poller and starts its goroutine.
+func NewPoller() (*Poller, error) {
+	epfd, err := unix.EpollCreate1(unix.EPOLL_CLOEXEC)
+	if err != nil {
+		return nil, fmt.Errorf("poller: epoll_create1: %w", err)
+	}
+	wake, err := unix.Eventfd(0, unix.EFD_CLOEXEC|unix.EFD_NONBLOCK)
+	if err != nil {
+		unix.Close(epfd)
+		return nil, fmt.Errorf("poller: eventfd: %w", err)
+	}
+	if err := unix.EpollCtl(epfd, unix.EPOLL_CTL_ADD, wake, &unix.EpollEvent{Events: unix.EPOLLIN, Fd: int32(wake)}); err != nil {
+		unix.Close(wake)
+		unix.Close(epfd)
+		return nil, fmt.Errorf("poller: watching its eventfd: %w", err)
+	}
+	p := &Poller{epfd: epfd, wake: wake, fns: map[int32]func(){}, done: make(chan struct{})}
+	go p.run()
+	return p, nil
+}
+
+// Arm has fn called once, on the Poller's goroutine, as soon as fd is readable (at once when it
+// is readable already). A second Arm of the same fd before fn ran replaces fn. The caller keeps
+// fd open until Disarm.
+func (p *Poller) Arm(fd int, fn func()) error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.closed {
+		return errors.New("poller: closed")
+	}
+	ev := unix.EpollEvent{Events: unix.EPOLLIN | unix.EPOLLONESHOT, Fd: int32(fd)}
+	// Modified when it was watched before, added when not; the other when the guess is wrong (a
+	// descriptor closed while watched leaves the set, one disarmed stays while a duplicate of it
+	// lives).
+	op, other := unix.EPOLL_CTL_ADD, unix.EPOLL_CTL_MOD
+	if _, ok := p.fns[int32(fd)]; ok {
+		op, other = other, op
+	}
+	err := unix.EpollCtl(p.epfd, op, fd, &ev)
+	if errors.Is(err, unix.ENOENT) || errors.Is(err, unix.EEXIST) {
+		err = unix.EpollCtl(p.epfd, other, fd, &ev)
+	}
+	if err != nil {
+		return fmt.Errorf("poller: watching descriptor %d: %w", fd, err)
+	}
+	p.fns[int32(fd)] = fn
+	return nil
+}
+
+// Disarm stops watching fd: its function, if not called yet, will not be. Call it before closing
+// fd (a later descriptor with the same number is another socket).
+func (p *Poller) Disarm(fd int) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if _, ok := p.fns[int32(fd)]; !ok {
+		return
+	}
+	delete(p.fns, int32(fd))
+	if !p.closed {
+		_ = unix.EpollCtl(p.epfd, unix.EPOLL_CTL_DEL, fd, nil)
+	}
+}
+
+// Close stops the Poller's goroutine and waits for it; functions not called yet will not be.
+func (p *Poller) Close() error {
+	p.mu.Lock()
+	if p.closed {
+		p.mu.Unlock()
+		<-p.done
+		return nil
+	}
+	p.closed = true
+	p.fns = map[int32]func(){}
+	p.mu.Unlock()
+	var one [8]byte // an eventfd counter is a native-endian uint64
+	binary.NativeEndian.PutUint64(one[:], 1)
+	_, err := unix.Write(p.wake, one[:])
+	<-p.done
+	unix.Close(p.wake)
+	unix.Close(p.epfd)
+	if err != nil {
+		return fmt.Errorf("poller: waking its goroutine: %w", err)
+	}
+	return nil
+}
+
+// run waits for readiness and calls the functions armed for it, until Close.
+func (p *Poller) run() {
+	defer close(p.done)
+	events := make([]unix.EpollEvent, 128)
+	var ready []func()
+	for {
+		n, err := unix.EpollWait(p.epfd, events, -1)
+		if err != nil {
+			if errors.Is(err, unix.EINTR) {
+				continue
+			}
+			// EBADF/EINVAL: the epoll descriptor is gone, which only Close does.
+			return
+		}
+		ready = ready[:0]
+		p.mu.Lock()
+		if p.closed {
+			p.mu.Unlock()
+			return
+		}
+		for _, ev := range events[:n] {
+			if fn := p.fns[ev.Fd]; fn != nil && ev.Fd != int32(p.wake) {
+				p.fns[ev.Fd] = nil // one-shot: armed again by the next Arm (MOD)
+				ready = append(ready, fn)
+			}
+		}
+		p.mu.Unlock()
+		for _, fn := range ready {
+			fn()
+		}
+	}
+}

@@ -1,0 +1,172 @@
+package forward
+
+import (
+	"context"
+	"net"
+	"net/netip"
+	"runtime"
+	"strings"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// A Poller calls an armed function once per Arm when the descriptor is readable, never after
+// Disarm, and Close ends its goroutine.
+func TestPoller(t *testing.T) {
+	checkNoLeaks(t)
+	p, err := NewPoller()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer p.Close()
+	var fds [2]int
+	if err := unix.Pipe2(fds[:], unix.O_CLOEXEC|unix.O_NONBLOCK); err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Close(fds[0])
+	defer unix.Close(fds[1])
+	called := make(chan int, 10)
+	arm := func(n int) {
+		t.Helper()
+		if err := p.Arm(fds[0], func() { called <- n }); err != nil {
+			t.Fatalf("Arm: %v", err)
+		}
+	}
+	expect := func(want int) {
+		t.Helper()
+		select {
+		case n := <-called:
+			if n != want {
+				t.Fatalf("function %d called, want %d", n, want)
+			}
+		case <-time.After(waitTimeout):
+			t.Fatalf("function %d not called", want)
+		}
+	}
+	expectNone := func() {
+		t.Helper()
+		select {
+		case n := <-called:
+			t.Fatalf("function %d called, want none", n)
+		case <-time.After(100 * time.Millisecond):
+		}
+	}
+
+	arm(1)
+	expectNone() // nothing to read yet
+	unix.Write(fds[1], []byte("x"))
+	expect(1)
+	expectNone() // one-shot, though the byte is still there
+	arm(2)
+	expect(2) // readable already: called at once
+	arm(3)
+	p.Disarm(fds[0])
+	expectNone()
+	arm(4) // armed again after Disarm: watched anew
+	expect(4)
+
+	if err := p.Close(); err != nil {
+		t.Fatalf("Close: %v", err)
+	}
+	if err := p.Arm(fds[0], func() {}); err == nil {
+		t.Error("Arm after Close succeeded")
+	}
+}
+
+// acceptLoops counts the goroutines in a TCP proxy's accept loop.
+func acceptLoops() int {
+	buf := make([]byte, 1<<20)
+	n := runtime.Stack(buf, true)
+	return strings.Count(string(buf[:n]), "forward.(*TCPProxy).acceptLoop")
+}
+
+// Listeners started with a Poller hold no goroutine while idle: the accept loop starts when a
+// connection is pending and parks again after acceptIdle without one. Parked listeners close,
+// freeze and thaw like serving ones. A test of the fast path: it fails if Start falls back to a
+// goroutine per listener.
+func TestTCPStartParksIdleListeners(t *testing.T) {
+	checkNoLeaks(t)
+	checkNoFDLeaks(t)
+	poller, err := NewPoller()
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { poller.Close() })
+	backend := startTCPEcho(t, loopback("4"))
+	const n = 20
+	proxies := make([]*TCPProxy, n)
+	for i := range proxies {
+		ln := listenTCP(t, loopback("4"))
+		p := &TCPProxy{Listener: ln, Chooser: &fakeChooser{endpoints: []netip.AddrPort{backend}}, Log: testLogger(t)}
+		if err := p.Start(poller); err != nil {
+			t.Fatalf("Start: %v", err)
+		}
+		proxies[i] = p
+		t.Cleanup(func() {
+			ctx, cancel := context.WithCancel(context.Background())
+			cancel()
+			p.Shutdown(ctx)
+		})
+	}
+	if got := acceptLoops(); got != 0 {
+		t.Fatalf("%d accept loops running for %d idle listeners, want none", got, n)
+	}
+
+	// A connection to each of the first three starts their loops; each is served.
+	for _, p := range proxies[:3] {
+		c := dialTCPTest(t, listenerAddr(p.Listener))
+		if got, err := roundTrip(c, []byte("ping")); err != nil || string(got) != "ping" {
+			t.Fatalf("round trip through a parked listener: %q, %v", got, err)
+		}
+		c.Close()
+	}
+	if got := acceptLoops(); got != 3 {
+		t.Errorf("%d accept loops after connections to 3 listeners, want 3", got)
+	}
+	// Idle again: parked again.
+	eventually(t, "the accept loops to park after acceptIdle", func() bool { return acceptLoops() == 0 })
+	c := dialTCPTest(t, listenerAddr(proxies[0].Listener))
+	if got, err := roundTrip(c, []byte("again")); err != nil || string(got) != "again" {
+		t.Fatalf("round trip after parking again: %q, %v", got, err)
+	}
+	c.Close()
+
+	// Close of a parked listener: the port is closed.
+	addr := listenerAddr(proxies[5].Listener)
+	if err := proxies[5].Close(); err != nil {
+		t.Fatalf("Close of a parked listener: %v", err)
+	}
+	if c, err := net.DialTimeout("tcp", addr.String(), time.Second); err == nil {
+		c.Close()
+		t.Errorf("a closed listener still accepts")
+	}
+
+	// Freeze of a parked listener: its socket is handed over with the connection pending in the
+	// backlog, and nothing of the frozen proxy accepts it; thawed, it serves it.
+	p := proxies[6]
+	st, err := p.Freeze(context.Background())
+	if err != nil {
+		t.Fatalf("Freeze of a parked listener: %v", err)
+	}
+	if st.Listener == nil {
+		t.Fatal("Freeze returned no listener")
+	}
+	st.Listener.Close()
+	eventually(t, "the other accept loops to park", func() bool { return acceptLoops() == 0 })
+	pending := dialTCPTest(t, listenerAddr(p.Listener))
+	time.Sleep(acceptIdle / 5)
+	if got := acceptLoops(); got != 0 {
+		t.Errorf("%d accept loops with a frozen listener and a pending connection, want none", got)
+	}
+	if err := p.Thaw(); err != nil {
+		t.Fatalf("Thaw: %v", err)
+	}
+	if err := p.Start(poller); err != nil {
+		t.Fatalf("Start after Thaw: %v", err)
+	}
+	if got, err := roundTrip(pending, []byte("pending")); err != nil || string(got) != "pending" {
+		t.Fatalf("round trip of the connection pending across freeze and thaw: %q, %v", got, err)
+	}
+}
