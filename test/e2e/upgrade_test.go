@@ -33,6 +33,10 @@ import (
 // upgrades is how many hand-overs TestUpgrade makes in a row.
 const upgrades = 10
 
+// newConnsPerUpgrade is how many new connections the probe asks, at least, from the start of one
+// upgrade to the start of the next.
+const newConnsPerUpgrade = 50
+
 // currentUpgrade is the upgrade under way (or last done), for messages.
 var currentUpgrade atomic.Int64
 
@@ -185,6 +189,7 @@ func TestUpgrade(t *testing.T) {
 			bin = bins[0]
 		}
 		currentUpgrade.Store(int64(i))
+		askedBefore := newConns.asked.Load()
 		prev := cur
 		progress := snapshotProgress(streams, half, udp)
 		started := time.Now()
@@ -219,7 +224,12 @@ func TestUpgrade(t *testing.T) {
 			t.Logf("MEASURE after upgrade %d: %d descriptors (and %d of pipes: the splice pipe pools), %d goroutines (pid %d)", i, s.fds, s.pipes, s.goroutines, cur.Pid())
 			samples = append(samples, s)
 		}
-		time.Sleep(200 * time.Millisecond) // traffic between upgrades
+		// Traffic between upgrades: at least 200 ms and newConnsPerUpgrade new connections since
+		// this one began (a hand-over takes ~0.1 s now: the probes are counted, not timed).
+		time.Sleep(200 * time.Millisecond)
+		for deadline := time.Now().Add(10 * time.Second); newConns.asked.Load() < askedBefore+newConnsPerUpgrade && time.Now().Before(deadline); {
+			time.Sleep(10 * time.Millisecond)
+		}
 	}
 	stopTraffic()
 	traffic.Wait()
@@ -237,7 +247,7 @@ func TestUpgrade(t *testing.T) {
 	if failed > 0 {
 		t.Errorf("%d of %d new connections failed (first: %v)", failed, asked, newConns.first.Load())
 	}
-	if asked < 500 {
+	if asked < newConnsPerUpgrade*upgrades {
 		t.Errorf("only %d new connections asked: the probe proves little", asked)
 	}
 	if aff.failed.Load() > 0 {
