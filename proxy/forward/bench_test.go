@@ -1,6 +1,7 @@
 package forward
 
 import (
+	"context"
 	"errors"
 	"io"
 	"net"
@@ -27,6 +28,25 @@ func tcpTarget(b *testing.B, proxied bool, backend netip.AddrPort) netip.AddrPor
 	return startTCPProxy(b, "4", &fakeChooser{endpoints: []netip.AddrPort{backend}}, func(p *TCPProxy) {
 		p.Log = zerolog.Nop()
 	}).addr
+}
+
+// startedTCPProxy returns the address of a TCPProxy in front of backend started on a Poller.
+func startedTCPProxy(b *testing.B, backend netip.AddrPort) netip.AddrPort {
+	poller, err := NewPoller()
+	if err != nil {
+		b.Fatal(err)
+	}
+	p := &TCPProxy{Listener: listenTCP(b, loopback("4")), Chooser: &fakeChooser{endpoints: []netip.AddrPort{backend}}, Log: zerolog.Nop()}
+	if err := p.Start(poller); err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(func() {
+		ctx, cancel := context.WithCancel(context.Background())
+		cancel()
+		p.Shutdown(ctx)
+		poller.Close()
+	})
+	return listenerAddr(p.Listener)
 }
 
 func udpTarget(b *testing.B, proxied bool, backend netip.AddrPort) netip.AddrPort {
@@ -87,11 +107,22 @@ func requestServer(c *net.TCPConn) {
 }
 
 // BenchmarkTCPShortConnections: connect, send one 64-byte request, read the answer to EOF,
-// close.
+// close. ProxyStarted is Proxy with the TCPProxy started on a Poller (Start), as the proxier
+// starts its listeners: the accept loop sets an idle deadline per accept.
 func BenchmarkTCPShortConnections(b *testing.B) {
-	for _, mode := range benchModes {
+	modes := append(benchModes[:len(benchModes):len(benchModes)], struct {
+		name    string
+		proxied bool
+	}{"ProxyStarted", true})
+	for _, mode := range modes {
 		b.Run(mode.name, func(b *testing.B) {
-			target := net.TCPAddrFromAddrPort(tcpTarget(b, mode.proxied, startTCPServer(b, loopback("4"), requestServer)))
+			backend := startTCPServer(b, loopback("4"), requestServer)
+			var target *net.TCPAddr
+			if mode.name == "ProxyStarted" {
+				target = net.TCPAddrFromAddrPort(startedTCPProxy(b, backend))
+			} else {
+				target = net.TCPAddrFromAddrPort(tcpTarget(b, mode.proxied, backend))
+			}
 			req := make([]byte, 64)
 			reply := make([]byte, 128)
 			b.ResetTimer()

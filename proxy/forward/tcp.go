@@ -114,10 +114,11 @@ const acceptIdle = time.Second
 var errAcceptIdle = errors.New("no connection to accept")
 
 // Start serves like Serve but returns at once, and holds no goroutine while the listener is idle:
-// its accept loop runs on a goroutine of its own while connections arrive, and after a second
-// without one it ends and has poller start it again when the next connection is pending. Close,
-// Shutdown and Freeze work as with Serve; an error of the accept loop is logged. With a nil
-// poller, or when the poller cannot watch the listener, the loop keeps its goroutine.
+// its accept loop runs on a goroutine of its own while connections arrive, and after half a
+// second to a second without one it ends and has poller start it again when the next connection
+// is pending. Close, Shutdown and Freeze work as with Serve; an error of the accept loop is
+// logged. With a nil poller, or when the poller cannot watch the listener, the loop keeps its
+// goroutine.
 func (p *TCPProxy) Start(poller *Poller) error {
 	if p.Listener == nil || p.Chooser == nil {
 		return errors.New("start TCP proxy: Listener and Chooser are required")
@@ -266,13 +267,15 @@ func (p *TCPProxy) awaitConns(drained chan<- struct{}) {
 	close(drained)
 }
 
-// acceptLoop is Serve's loop. With idle it returns errAcceptIdle after acceptIdle without a
-// connection.
+// acceptLoop is Serve's loop. With idle it returns errAcceptIdle after acceptIdle/2 to acceptIdle
+// without a connection.
 func (p *TCPProxy) acceptLoop(idle bool) error {
 	var pause resourcePause
+	var deadlineSet time.Time // the last idle deadline set: renewed at most every acceptIdle/2
 	for {
-		if idle {
-			_ = p.Listener.SetDeadline(time.Now().Add(acceptIdle))
+		if now := time.Now(); idle && now.Sub(deadlineSet) >= acceptIdle/2 {
+			deadlineSet = now
+			_ = p.Listener.SetDeadline(now.Add(acceptIdle))
 			if p.run.stopping() { // a freeze's wake-up deadline, set before ours, is lost
 				return nil
 			}
