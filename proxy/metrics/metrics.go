@@ -307,32 +307,18 @@ func (m *Metrics) ForPort(name proxy.Name, protocol v1.Protocol) forward.Metrics
 	// Bound at the first event of each series (then the per-event cost is an atomic add): a
 	// port that never sees traffic has no series, so 10,000 idle service ports cost no memory
 	// and no scrape time.
-	return &portMetrics{
-		m:         m,
-		labels:    lv,
-		accepted:  lazy[prometheus.Counter]{vec: m.accepted, lv: lv},
-		active:    lazy[prometheus.Gauge]{vec: m.active, lv: lv},
-		failed:    lazy[prometheus.Counter]{vec: m.failed, lv: lv},
-		bytesTo:   lazy[prometheus.Counter]{vec: m.bytesTo, lv: lv},
-		bytesFrom: lazy[prometheus.Counter]{vec: m.bytesFrom, lv: lv},
-		udpOpened: lazy[prometheus.Counter]{vec: m.udpOpened, lv: lv},
-		udpActive: lazy[prometheus.Gauge]{vec: m.udpActive, lv: lv},
-		dropped:   lazy[prometheus.Counter]{vec: m.dropped, lv: lv},
-		refused:   lazy[prometheus.Counter]{vec: m.refused, lv: lv},
-		evicted:   lazy[prometheus.Counter]{vec: m.evicted, lv: lv},
-	}
+	return &portMetrics{m: m, labels: lv}
 }
 
-// lazy is one series of a port, created with its first use.
+// lazy is one series of a port, created with its first use (get). It holds no more than that
+// (the vector and labels are the caller's): 10 per service port, at 10,000 ports.
 type lazy[T any] struct {
 	once sync.Once
 	v    T
-	vec  interface{ WithLabelValues(...string) T }
-	lv   []string
 }
 
-func (l *lazy[T]) get() T {
-	l.once.Do(func() { l.v = l.vec.WithLabelValues(l.lv...) })
+func (l *lazy[T]) get(vec interface{ WithLabelValues(...string) T }, lv []string) T {
+	l.once.Do(func() { l.v = vec.WithLabelValues(lv...) })
 	return l.v
 }
 
@@ -398,9 +384,9 @@ type portMetrics struct {
 
 var _ forward.Metrics = (*portMetrics)(nil)
 
-func (p *portMetrics) ConnAccepted() { p.accepted.get().Inc(); p.active.get().Inc() }
-func (p *portMetrics) ConnClosed()   { p.active.get().Dec() }
-func (p *portMetrics) ConnFailed()   { p.active.get().Dec(); p.failed.get().Inc() }
+func (p *portMetrics) ConnAccepted() { p.accepted.get(p.m.accepted, p.labels).Inc(); p.active.get(p.m.active, p.labels).Inc() }
+func (p *portMetrics) ConnClosed()   { p.active.get(p.m.active, p.labels).Dec() }
+func (p *portMetrics) ConnFailed()   { p.active.get(p.m.active, p.labels).Dec(); p.failed.get(p.m.failed, p.labels).Inc() }
 
 func (p *portMetrics) DialFailed(endpoint netip.AddrPort) {
 	p.m.dialFailures.WithLabelValues(append(append([]string{}, p.labels...), endpoint.String())...).Inc()
@@ -415,20 +401,20 @@ func (p *portMetrics) DialFailed(endpoint netip.AddrPort) {
 
 func (p *portMetrics) BytesCopied(toEndpoint, fromEndpoint int64) {
 	if toEndpoint > 0 {
-		p.bytesTo.get().Add(float64(toEndpoint))
+		p.bytesTo.get(p.m.bytesTo, p.labels).Add(float64(toEndpoint))
 	}
 	if fromEndpoint > 0 {
-		p.bytesFrom.get().Add(float64(fromEndpoint))
+		p.bytesFrom.get(p.m.bytesFrom, p.labels).Add(float64(fromEndpoint))
 	}
 }
 
-func (p *portMetrics) UDPSessionOpened()  { p.udpOpened.get().Inc(); p.udpActive.get().Inc() }
-func (p *portMetrics) UDPSessionClosed()  { p.udpActive.get().Dec() }
-func (p *portMetrics) DatagramDropped()   { p.dropped.get().Inc() }
-func (p *portMetrics) ConnRefused()       { p.refused.get().Inc() }
-func (p *portMetrics) UDPSessionEvicted() { p.evicted.get().Inc() }
+func (p *portMetrics) UDPSessionOpened()  { p.udpOpened.get(p.m.udpOpened, p.labels).Inc(); p.udpActive.get(p.m.udpActive, p.labels).Inc() }
+func (p *portMetrics) UDPSessionClosed()  { p.udpActive.get(p.m.udpActive, p.labels).Dec() }
+func (p *portMetrics) DatagramDropped()   { p.dropped.get(p.m.dropped, p.labels).Inc() }
+func (p *portMetrics) ConnRefused()       { p.refused.get(p.m.refused, p.labels).Inc() }
+func (p *portMetrics) UDPSessionEvicted() { p.evicted.get(p.m.evicted, p.labels).Inc() }
 
 // ConnReleased and UDPSessionReleased (forward.HandoverMetrics): a connection or session handed
 // over to a successor leaves this process's gauges.
-func (p *portMetrics) ConnReleased()       { p.active.get().Dec() }
-func (p *portMetrics) UDPSessionReleased() { p.udpActive.get().Dec() }
+func (p *portMetrics) ConnReleased()       { p.active.get(p.m.active, p.labels).Dec() }
+func (p *portMetrics) UDPSessionReleased() { p.udpActive.get(p.m.udpActive, p.labels).Dec() }
