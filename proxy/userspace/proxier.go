@@ -126,7 +126,7 @@ type Proxier struct {
 	// such as Ports and Close.
 	mu        sync.Mutex
 	ports     map[proxy.Name]*listener
-	bySvc     map[types.NamespacedName]map[proxy.Name]*listener // ports, by service
+	bySvc     map[types.NamespacedName][]*listener // ports, by service (a slice: most services have one)
 	endpoints map[types.NamespacedName]proxy.EndpointsMap
 	holder    *holder
 	closed    bool
@@ -176,7 +176,7 @@ func New(opts Options) *Proxier {
 		alloc:     newAllocator(opts.PortRange),
 		synced:    make(chan struct{}),
 		ports:     map[proxy.Name]*listener{},
-		bySvc:     map[types.NamespacedName]map[proxy.Name]*listener{},
+		bySvc:     map[types.NamespacedName][]*listener{},
 		endpoints: map[types.NamespacedName]proxy.EndpointsMap{},
 		holder:    newHolder(opts.Log),
 		refused:   map[proxy.Name]string{},
@@ -391,10 +391,7 @@ func (p *Proxier) upsertPortLocked(sp *proxy.ServicePort) {
 	p.ports[sp.Name] = l
 	p.gen++
 	svc := sp.Name.Service()
-	if p.bySvc[svc] == nil {
-		p.bySvc[svc] = map[proxy.Name]*listener{}
-	}
-	p.bySvc[svc][sp.Name] = l
+	p.bySvc[svc] = append(p.bySvc[svc], l)
 }
 
 func (p *Proxier) removePortLocked(name proxy.Name) {
@@ -404,10 +401,10 @@ func (p *Proxier) removePortLocked(name proxy.Name) {
 	}
 	delete(p.ports, name)
 	p.gen++
-	if ports := p.bySvc[name.Service()]; len(ports) <= 1 {
+	if ports := slices.DeleteFunc(p.bySvc[name.Service()], func(o *listener) bool { return o == l }); len(ports) == 0 {
 		delete(p.bySvc, name.Service())
 	} else {
-		delete(ports, name)
+		p.bySvc[name.Service()] = ports
 	}
 	delete(p.refused, name)
 	delete(p.unservable, name)
@@ -571,8 +568,9 @@ func (p *Proxier) noteUnservableLocked(over []*listener) {
 // UDP sessions, leaving out endpoints that are the proxy itself (self).
 func (p *Proxier) refreshServiceLocked(svc types.NamespacedName, self *selfAddrs) {
 	eps := p.endpoints[svc]
-	for name, l := range p.bySvc[svc] {
+	for _, l := range p.bySvc[svc] {
 		sp := l.choose.sp.Load()
+		name := sp.Name
 		list, err := self.filter(sp, eps[name.Port])
 		p.noteRefusedLocked(name, err)
 		if sp == l.balanced && slices.Equal(list, l.endpoints) {
