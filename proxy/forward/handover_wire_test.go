@@ -102,7 +102,7 @@ func sendWire(c *net.UnixConn, v any, files fileList) error {
 	}
 	fds := make([]int, len(files))
 	for i, f := range files {
-		if fds[i], err = rawFD(f); err != nil {
+		if fds[i], err = socketFD(f); err != nil {
 			return err
 		}
 	}
@@ -120,19 +120,6 @@ func sendWire(c *net.UnixConn, v any, files fileList) error {
 	return err
 }
 
-// rawFD returns f's descriptor number without f.Fd(), which would put the socket, shared with
-// its other descriptors, into blocking mode.
-func rawFD(f *os.File) (int, error) {
-	rc, err := f.SyscallConn()
-	if err != nil {
-		return -1, err
-	}
-	fd := -1
-	if err := rc.Control(func(s uintptr) { fd = int(s) }); err != nil {
-		return -1, err
-	}
-	return fd, nil
-}
 
 // recvWire receives what sendWire sent into v and returns the files.
 func recvWire(c *net.UnixConn, v any) (fileList, error) {

@@ -183,7 +183,8 @@ func (p *TCPProxy) logAcceptError(err error) {
 	}
 }
 
-// socketFD returns the descriptor of a socket, which stays valid until the socket is closed.
+// socketFD returns the descriptor of a socket (or of an *os.File, without Fd(), which would put
+// it into blocking mode); it stays valid until the socket is closed.
 func socketFD(sc syscall.Conn) (int, error) {
 	rc, err := sc.SyscallConn()
 	if err != nil {
