@@ -120,7 +120,6 @@ func sendWire(c *net.UnixConn, v any, files fileList) error {
 	return err
 }
 
-
 // recvWire receives what sendWire sent into v and returns the files.
 func recvWire(c *net.UnixConn, v any) (fileList, error) {
 	var hdr [8]byte

@@ -384,9 +384,15 @@ type portMetrics struct {
 
 var _ forward.Metrics = (*portMetrics)(nil)
 
-func (p *portMetrics) ConnAccepted() { p.accepted.get(p.m.accepted, p.labels).Inc(); p.active.get(p.m.active, p.labels).Inc() }
-func (p *portMetrics) ConnClosed()   { p.active.get(p.m.active, p.labels).Dec() }
-func (p *portMetrics) ConnFailed()   { p.active.get(p.m.active, p.labels).Dec(); p.failed.get(p.m.failed, p.labels).Inc() }
+func (p *portMetrics) ConnAccepted() {
+	p.accepted.get(p.m.accepted, p.labels).Inc()
+	p.active.get(p.m.active, p.labels).Inc()
+}
+func (p *portMetrics) ConnClosed() { p.active.get(p.m.active, p.labels).Dec() }
+func (p *portMetrics) ConnFailed() {
+	p.active.get(p.m.active, p.labels).Dec()
+	p.failed.get(p.m.failed, p.labels).Inc()
+}
 
 func (p *portMetrics) DialFailed(endpoint netip.AddrPort) {
 	p.m.dialFailures.WithLabelValues(append(append([]string{}, p.labels...), endpoint.String())...).Inc()
@@ -408,7 +414,10 @@ func (p *portMetrics) BytesCopied(toEndpoint, fromEndpoint int64) {
 	}
 }
 
-func (p *portMetrics) UDPSessionOpened()  { p.udpOpened.get(p.m.udpOpened, p.labels).Inc(); p.udpActive.get(p.m.udpActive, p.labels).Inc() }
+func (p *portMetrics) UDPSessionOpened() {
+	p.udpOpened.get(p.m.udpOpened, p.labels).Inc()
+	p.udpActive.get(p.m.udpActive, p.labels).Inc()
+}
 func (p *portMetrics) UDPSessionClosed()  { p.udpActive.get(p.m.udpActive, p.labels).Dec() }
 func (p *portMetrics) DatagramDropped()   { p.dropped.get(p.m.dropped, p.labels).Inc() }
 func (p *portMetrics) ConnRefused()       { p.refused.get(p.m.refused, p.labels).Inc() }
