@@ -30,6 +30,38 @@ func tcpTarget(b *testing.B, proxied bool, backend netip.AddrPort) netip.AddrPor
 	}).addr
 }
 
+// startedModes is benchModes and ProxyStarted: the proxy started on a Poller (Start).
+func startedModes() []struct {
+	name    string
+	proxied bool
+} {
+	return append(benchModes[:len(benchModes):len(benchModes)], struct {
+		name    string
+		proxied bool
+	}{"ProxyStarted", true})
+}
+
+// startedUDPProxy returns the address of a UDPProxy in front of backend started on a Poller.
+func startedUDPProxy(b *testing.B, backend netip.AddrPort) netip.AddrPort {
+	poller, err := NewPoller()
+	if err != nil {
+		b.Fatal(err)
+	}
+	conn, err := net.ListenUDP("udp", net.UDPAddrFromAddrPort(netip.AddrPortFrom(loopback("4"), 0)))
+	if err != nil {
+		b.Fatal(err)
+	}
+	p := &UDPProxy{Conn: conn, Chooser: &fakeChooser{endpoints: []netip.AddrPort{backend}}, Log: zerolog.Nop()}
+	if err := p.Start(poller); err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(func() {
+		p.Close()
+		poller.Close()
+	})
+	return conn.LocalAddr().(*net.UDPAddr).AddrPort()
+}
+
 // startedTCPProxy returns the address of a TCPProxy in front of backend started on a Poller.
 func startedTCPProxy(b *testing.B, backend netip.AddrPort) netip.AddrPort {
 	poller, err := NewPoller()
@@ -110,11 +142,7 @@ func requestServer(c *net.TCPConn) {
 // close. ProxyStarted is Proxy with the TCPProxy started on a Poller (Start), as the proxier
 // starts its listeners: the accept loop sets an idle deadline per accept.
 func BenchmarkTCPShortConnections(b *testing.B) {
-	modes := append(benchModes[:len(benchModes):len(benchModes)], struct {
-		name    string
-		proxied bool
-	}{"ProxyStarted", true})
-	for _, mode := range modes {
+	for _, mode := range startedModes() {
 		b.Run(mode.name, func(b *testing.B) {
 			backend := startTCPServer(b, loopback("4"), requestServer)
 			var target *net.TCPAddr
@@ -145,10 +173,18 @@ func BenchmarkTCPShortConnections(b *testing.B) {
 }
 
 // BenchmarkUDPRequestResponse: one client sends a 64-byte datagram and waits for the echo.
+// ProxyStarted is Proxy with the UDPProxy started on a Poller, as the proxier starts it.
 func BenchmarkUDPRequestResponse(b *testing.B) {
-	for _, mode := range benchModes {
+	for _, mode := range startedModes() {
 		b.Run(mode.name, func(b *testing.B) {
-			c := dialUDPTest(b, udpTarget(b, mode.proxied, startUDPEcho(b, loopback("4"), "")))
+			backend := startUDPEcho(b, loopback("4"), "")
+			var target netip.AddrPort
+			if mode.name == "ProxyStarted" {
+				target = startedUDPProxy(b, backend)
+			} else {
+				target = udpTarget(b, mode.proxied, backend)
+			}
+			c := dialUDPTest(b, target)
 			msg := make([]byte, 64)
 			buf := make([]byte, 2048)
 			if _, err := udpExchange(c, msg, 1, waitTimeout); err != nil { // open the session

@@ -59,6 +59,7 @@ func (p *UDPProxy) Freeze(_ context.Context) (UDPState, error) {
 	if err := p.run.freeze("UDP proxy", p.wakeReadLoop); err != nil {
 		return UDPState{}, err
 	}
+	p.closeStartCT() // the loop is over; Thaw and Start open another
 	p.freezeSessions()
 	p.sessionWG.Wait() // frozen sessions stop at once
 	return p.export()

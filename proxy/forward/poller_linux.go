@@ -5,7 +5,10 @@ import (
 	"errors"
 	"fmt"
 	"sync"
+	"syscall"
+	"time"
 
+	"github.com/rs/zerolog"
 	"golang.org/x/sys/unix"
 )
 
@@ -79,8 +82,9 @@ func (p *Poller) Arm(fd int, fn func()) error {
 	return nil
 }
 
-// Disarm stops watching fd: its function, if not called yet, will not be. Call it before closing
-// fd (a later descriptor with the same number is another socket).
+// Disarm stops watching fd: its function will not be called, unless the Poller's goroutine took
+// it already (readiness came first), so a function checks that it is still wanted. Call it
+// before closing fd (a later descriptor with the same number is another socket).
 func (p *Poller) Disarm(fd int) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
@@ -147,4 +151,95 @@ func (p *Poller) run() {
 			fn()
 		}
 	}
+}
+
+// loopIdle is how long the loop of a proxy's Start waits for work before it parks.
+const loopIdle = time.Second
+
+// errLoopIdle ends a loop of Start that waited for work in vain.
+var errLoopIdle = errors.New("idle")
+
+// idleDeadline is the read deadline of a loop of Start that parks when idle: it renews the
+// deadline at most every loopIdle/2 (a deadline per accept or per batch costs ~2 % on short
+// connections), so the loop ends after half a second to a second without work.
+type idleDeadline struct {
+	set time.Time // when the deadline was last set
+}
+
+// renew sets a new deadline with setDeadline when the last one is due for renewal, and reports
+// whether run is stopping: a freeze's wake-up deadline, set before the one set here, is lost, so
+// the caller must not wait.
+func (d *idleDeadline) renew(run *runState, setDeadline func(time.Time) error) bool {
+	now := time.Now()
+	if now.Sub(d.set) < loopIdle/2 {
+		return false
+	}
+	d.set = now
+	_ = setDeadline(now.Add(loopIdle))
+	return run.stopping()
+}
+
+// parkedLoop is the loop of a proxy's Start, run while there is work and parked on a Poller
+// while there is none. loop(true) returns errLoopIdle when it found no work for a while; any
+// other return ends it for good, and closes done.
+type parkedLoop struct {
+	run    *runState
+	poller *Poller
+	fd     int
+	done   chan struct{}
+	loop   func(idle bool) error
+	failed func(error) // logs why the loop stopped, when it was not told to
+	log    zerolog.Logger
+}
+
+// startParked starts loop for Start: parked on poller at once (the first readiness of sock starts
+// it), or on a goroutine of its own for good when there is no poller or it cannot watch sock.
+func startParked(run *runState, poller *Poller, sock syscall.Conn, done chan struct{}, loop func(idle bool) error, failed func(error), log zerolog.Logger) {
+	l := &parkedLoop{run: run, poller: poller, done: done, loop: loop, failed: failed, log: log}
+	if poller != nil {
+		if fd, err := socketFD(sock); err == nil {
+			l.fd = fd
+			l.parkOrEnd(errLoopIdle)
+			return
+		}
+	}
+	go l.runForGood()
+}
+
+// runOnce runs the loop until it is idle, then parks it.
+func (l *parkedLoop) runOnce() { l.parkOrEnd(l.loop(true)) }
+
+// runForGood runs the loop without parking, until it ends.
+func (l *parkedLoop) runForGood() { l.end(l.loop(false)) }
+
+// parkOrEnd follows a loop that ended with err: idle, it parks on the poller (whose call resumes
+// the loop on a new goroutine) unless the proxy is stopping; otherwise it ends.
+func (l *parkedLoop) parkOrEnd(err error) {
+	if !errors.Is(err, errLoopIdle) {
+		l.end(err)
+		return
+	}
+	parked, perr := l.run.park(func() error {
+		return l.poller.Arm(l.fd, func() {
+			if l.run.resume() {
+				go l.runOnce()
+			}
+		})
+	}, func() { l.poller.Disarm(l.fd) })
+	switch {
+	case parked:
+	case perr != nil: // on a goroutine: parkOrEnd may run on Start's caller's
+		l.log.Warn().Err(perr).Msg("cannot watch the idle socket; its loop keeps a goroutine")
+		go l.runForGood()
+	default:
+		l.end(nil) // stopping
+	}
+}
+
+// end logs err, if any, and closes done: the loop is over.
+func (l *parkedLoop) end(err error) {
+	if err != nil {
+		l.failed(err)
+	}
+	close(l.done)
 }

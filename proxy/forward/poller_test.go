@@ -61,8 +61,11 @@ func TestPoller(t *testing.T) {
 	expectNone() // one-shot, though the byte is still there
 	arm(2)
 	expect(2) // readable already: called at once
+	var one [1]byte
+	unix.Read(fds[0], one[:]) // nothing to read: arm(3) cannot fire before Disarm
 	arm(3)
 	p.Disarm(fds[0])
+	unix.Write(fds[1], []byte("x"))
 	expectNone()
 	arm(4) // armed again after Disarm: watched anew
 	expect(4)
@@ -83,7 +86,7 @@ func acceptLoops() int {
 }
 
 // Listeners started with a Poller hold no goroutine while idle: the accept loop starts when a
-// connection is pending and parks again after acceptIdle without one. Parked listeners close,
+// connection is pending and parks again after loopIdle without one. Parked listeners close,
 // freeze and thaw like serving ones. A test of the fast path: it fails if Start falls back to a
 // goroutine per listener.
 func TestTCPStartParksIdleListeners(t *testing.T) {
@@ -126,7 +129,7 @@ func TestTCPStartParksIdleListeners(t *testing.T) {
 		t.Errorf("%d accept loops after connections to 3 listeners, want 3", got)
 	}
 	// Idle again: parked again.
-	eventually(t, "the accept loops to park after acceptIdle", func() bool { return acceptLoops() == 0 })
+	eventually(t, "the accept loops to park after loopIdle", func() bool { return acceptLoops() == 0 })
 	c := dialTCPTest(t, listenerAddr(proxies[0].Listener))
 	if got, err := roundTrip(c, []byte("again")); err != nil || string(got) != "again" {
 		t.Fatalf("round trip after parking again: %q, %v", got, err)
@@ -156,7 +159,7 @@ func TestTCPStartParksIdleListeners(t *testing.T) {
 	st.Listener.Close()
 	eventually(t, "the other accept loops to park", func() bool { return acceptLoops() == 0 })
 	pending := dialTCPTest(t, listenerAddr(p.Listener))
-	time.Sleep(acceptIdle / 5)
+	time.Sleep(loopIdle / 5)
 	if got := acceptLoops(); got != 0 {
 		t.Errorf("%d accept loops with a frozen listener and a pending connection, want none", got)
 	}
@@ -168,5 +171,96 @@ func TestTCPStartParksIdleListeners(t *testing.T) {
 	}
 	if got, err := roundTrip(pending, []byte("pending")); err != nil || string(got) != "pending" {
 		t.Fatalf("round trip of the connection pending across freeze and thaw: %q, %v", got, err)
+	}
+}
+
+// readLoops counts the goroutines in a UDP proxy's read loop.
+func readLoops() int {
+	buf := make([]byte, 1<<20)
+	n := runtime.Stack(buf, true)
+	return strings.Count(string(buf[:n]), "forward.(*UDPProxy).readLoop")
+}
+
+// UDP ports started with a Poller hold no goroutine while no datagram arrives; sessions work as
+// with Serve; a parked port closes, freezes and thaws. Fails if Start falls back to a goroutine
+// per port.
+func TestUDPStartParksIdleSockets(t *testing.T) {
+	checkNoLeaks(t)
+	checkNoFDLeaks(t)
+	poller, err := NewPoller()
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { poller.Close() })
+	backend := startUDPEcho(t, loopback("4"), "echo:")
+	const n = 5
+	proxies := make([]*UDPProxy, n)
+	addrs := make([]netip.AddrPort, n)
+	for i := range proxies {
+		conn, err := net.ListenUDP("udp", net.UDPAddrFromAddrPort(netip.AddrPortFrom(loopback("4"), 0)))
+		if err != nil {
+			t.Fatal(err)
+		}
+		p := &UDPProxy{Conn: conn, Chooser: &fakeChooser{endpoints: []netip.AddrPort{backend}}, Log: testLogger(t)}
+		if err := p.Start(poller); err != nil {
+			t.Fatalf("Start: %v", err)
+		}
+		proxies[i], addrs[i] = p, conn.LocalAddr().(*net.UDPAddr).AddrPort()
+		t.Cleanup(func() {
+			if err := p.Close(); err != nil {
+				t.Errorf("Close: %v", err)
+			}
+		})
+	}
+	if got := readLoops(); got != 0 {
+		t.Fatalf("%d read loops running for %d idle UDP ports, want none", got, n)
+	}
+	exchange := func(i int, msg string) {
+		t.Helper()
+		got, err := udpExchange(dialUDPTest(t, addrs[i]), []byte(msg), 3, time.Second)
+		if err != nil || string(got) != "echo:"+msg {
+			t.Fatalf("exchange through port %d: %q, %v", i, got, err)
+		}
+	}
+	exchange(0, "one")
+	exchange(1, "two")
+	if got := readLoops(); got > 2 {
+		t.Errorf("%d read loops after datagrams to 2 ports, want at most 2", got)
+	}
+	eventually(t, "the read loops to park after loopIdle", func() bool { return readLoops() == 0 })
+	exchange(0, "again") // a new client of a parked port
+
+	if err := proxies[2].Close(); err != nil {
+		t.Fatalf("Close of a parked port: %v", err)
+	}
+
+	p := proxies[3]
+	eventually(t, "the other read loops to park", func() bool { return readLoops() == 0 })
+	st, err := p.Freeze(context.Background())
+	if err != nil {
+		t.Fatalf("Freeze of a parked port: %v", err)
+	}
+	if st.Conn == nil {
+		t.Fatal("Freeze returned no socket")
+	}
+	st.Conn.Close()
+	c := dialUDPTest(t, addrs[3])
+	if _, err := c.Write([]byte("pending")); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(loopIdle / 5)
+	if got := readLoops(); got != 0 {
+		t.Errorf("%d read loops with a frozen port and a datagram pending, want none", got)
+	}
+	if err := p.Thaw(); err != nil {
+		t.Fatalf("Thaw: %v", err)
+	}
+	if err := p.Start(poller); err != nil {
+		t.Fatalf("Start after Thaw: %v", err)
+	}
+	buf := make([]byte, 100)
+	c.SetReadDeadline(time.Now().Add(waitTimeout))
+	if m, err := c.Read(buf); err != nil || string(buf[:m]) != "echo:pending" {
+		t.Fatalf("the datagram pending across freeze and thaw: %q, %v", buf[:m], err)
 	}
 }

@@ -60,11 +60,6 @@ type TCPProxy struct {
 	// for that long, as iptables mode's conntrack established timeout would; 0 means never.
 	IdleTimeout time.Duration
 
-	// poller and listenerFD are Start's (nil and unused with Serve): the Poller that resumes the
-	// parked accept loop, and the Listener's descriptor it watches.
-	poller     *Poller
-	listenerFD int
-
 	// testHookAcceptPause, if set, is called before each pause of the accept loop.
 	testHookAcceptPause func(attempt int, delay time.Duration)
 	// testHookDialed, if set, is called with each socket dialled to an endpoint.
@@ -107,18 +102,12 @@ func (p *TCPProxy) Serve() error {
 	return p.acceptLoop(false)
 }
 
-// acceptIdle is how long Start's accept loop waits for a connection before it parks.
-const acceptIdle = time.Second
-
-// errAcceptIdle ends an accept loop that waited acceptIdle for a connection in vain.
-var errAcceptIdle = errors.New("no connection to accept")
-
 // Start serves like Serve but returns at once, and holds no goroutine while the listener is idle:
 // its accept loop runs on a goroutine of its own while connections arrive, and after half a
 // second to a second without one it ends and has poller start it again when the next connection
-// is pending. Close, Shutdown and Freeze work as with Serve; an error of the accept loop is
-// logged. With a nil poller, or when the poller cannot watch the listener, the loop keeps its
-// goroutine.
+// is pending (see startParked). Close, Shutdown and Freeze work as with Serve; an error of the
+// accept loop is logged. With a nil poller, or when the poller cannot watch the listener, the
+// loop keeps its goroutine.
 func (p *TCPProxy) Start(poller *Poller) error {
 	if p.Listener == nil || p.Chooser == nil {
 		return errors.New("start TCP proxy: Listener and Chooser are required")
@@ -128,59 +117,10 @@ func (p *TCPProxy) Start(poller *Poller) error {
 		return err
 	}
 	p.prepare()
-	if poller != nil {
-		if fd, err := socketFD(p.Listener); err == nil {
-			p.poller, p.listenerFD = poller, fd
-			p.parkOrEnd(done, errAcceptIdle) // parked at once: the first connection starts the loop
-			return nil
-		}
-	}
-	go func() {
-		p.logAcceptError(p.acceptLoop(false))
-		close(done)
-	}()
-	return nil
-}
-
-// idleLoop runs the accept loop of Start until it has been idle for acceptIdle, then parks it.
-func (p *TCPProxy) idleLoop(done chan struct{}) {
-	p.parkOrEnd(done, p.acceptLoop(true))
-}
-
-// parkOrEnd follows an accept loop of Start that ended with err: idle, it parks on the poller
-// (whose call resumes the loop on a new goroutine), unless the proxy is stopping; with another
-// error, or stopping, it logs the error and closes done.
-func (p *TCPProxy) parkOrEnd(done chan struct{}, err error) {
-	if errors.Is(err, errAcceptIdle) {
-		parked, perr := p.run.park(func() error {
-			return p.poller.Arm(p.listenerFD, func() {
-				if p.run.resume() {
-					go p.idleLoop(done)
-				}
-			})
-		}, func() { p.poller.Disarm(p.listenerFD) })
-		if parked {
-			return
-		}
-		if perr != nil { // on a goroutine: parkOrEnd may run on Start's caller's
-			p.Log.Warn().Err(perr).Msg("cannot watch the idle listener; its accept loop keeps a goroutine")
-			go func() {
-				p.logAcceptError(p.acceptLoop(false))
-				close(done)
-			}()
-			return
-		}
-		err = nil
-	}
-	p.logAcceptError(err)
-	close(done)
-}
-
-// logAcceptError logs why an accept loop of Start stopped, unless it was told to.
-func (p *TCPProxy) logAcceptError(err error) {
-	if err != nil {
+	startParked(&p.run, poller, p.Listener, done, p.acceptLoop, func(err error) {
 		p.Log.Error().Err(err).Msg("proxy listener stopped serving")
-	}
+	}, p.Log)
+	return nil
 }
 
 // socketFD returns the descriptor of a socket (or of an *os.File, without Fd(), which would put
@@ -268,18 +208,14 @@ func (p *TCPProxy) awaitConns(drained chan<- struct{}) {
 	close(drained)
 }
 
-// acceptLoop is Serve's loop. With idle it returns errAcceptIdle after acceptIdle/2 to acceptIdle
-// without a connection.
+// acceptLoop is Serve's loop. With idle it returns errLoopIdle after half a second to a second
+// without a connection (see idleDeadline).
 func (p *TCPProxy) acceptLoop(idle bool) error {
 	var pause resourcePause
-	var deadlineSet time.Time // the last idle deadline set: renewed at most every acceptIdle/2
+	var deadline idleDeadline
 	for {
-		if now := time.Now(); idle && now.Sub(deadlineSet) >= acceptIdle/2 {
-			deadlineSet = now
-			_ = p.Listener.SetDeadline(now.Add(acceptIdle))
-			if p.run.stopping() { // a freeze's wake-up deadline, set before ours, is lost
-				return nil
-			}
+		if idle && deadline.renew(&p.run, p.Listener.SetDeadline) {
+			return nil
 		}
 		client, err := p.Listener.AcceptTCP()
 		if err != nil {
@@ -287,7 +223,7 @@ func (p *TCPProxy) acceptLoop(idle bool) error {
 			case p.run.stopping():
 				return nil
 			case idle && errors.Is(err, os.ErrDeadlineExceeded):
-				return errAcceptIdle
+				return errLoopIdle
 			case isResourceExhausted(err):
 				if !p.pauseAccepting(&pause, err) {
 					return nil

@@ -91,8 +91,9 @@ type UDPProxy struct {
 	run    runState
 	frozen atomic.Bool // Freeze asks the sessions' goroutines to stop (see handover_udp.go)
 
-	mu       sync.Mutex                     // guards the following field
+	mu       sync.Mutex                     // guards the following fields
 	sessions map[netip.AddrPort]*udpSession // nil until Serve
+	startCT  *conntrackConn                 // Start's loop's, closed once the loop is over
 }
 
 // udpSession is one client address's flow to one endpoint. Its goroutine (relayReplies) owns it.
@@ -127,16 +128,62 @@ func (p *UDPProxy) Serve() error {
 	}
 	p.prepare()
 	defer close(done)
-
-	var ct *conntrackConn
-	if err := enableOrigDst(p.Conn); err != nil {
-		p.Log.Warn().Err(err).Msg("destinations of datagrams unavailable: original destinations unknown, replies leave from the routing's choice of source")
-	} else if ct, err = openConntrack(); err != nil {
-		p.Log.Warn().Err(err).Msg("conntrack unavailable: original destinations of UDP flows unknown")
-	} else {
+	ct := p.openOrigDst()
+	if ct != nil {
 		defer ct.Close()
 	}
-	return p.readLoop(ct)
+	return p.readLoop(ct, false)
+}
+
+// Start serves like Serve but returns at once, and holds no goroutine while no datagram arrives:
+// its read loop runs on a goroutine of its own while datagrams arrive (a busy port's is restarted
+// every second or so), and after half a second to a second without one it ends and has poller
+// start it again when the next datagram is pending (see startParked). Sessions keep their own
+// goroutines. Close and Freeze work as with Serve; an error of the read loop is logged. With a
+// nil poller, or when the poller cannot watch Conn, the loop keeps its goroutine.
+func (p *UDPProxy) Start(poller *Poller) error {
+	if p.Conn == nil || p.Chooser == nil {
+		return errors.New("start UDP proxy: Conn and Chooser are required")
+	}
+	done, ok, err := p.run.start("UDP proxy")
+	if !ok {
+		return err
+	}
+	p.prepare()
+	ct := p.openOrigDst()
+	p.mu.Lock()
+	p.startCT = ct
+	p.mu.Unlock()
+	startParked(&p.run, poller, p.Conn, done, func(idle bool) error { return p.readLoop(ct, idle) }, func(err error) {
+		p.Log.Error().Err(err).Msg("proxy listener stopped serving")
+	}, p.Log)
+	return nil
+}
+
+// closeStartCT closes the conntrack socket of Start's loop, once the loop is over (Close, Freeze).
+func (p *UDPProxy) closeStartCT() {
+	p.mu.Lock()
+	ct := p.startCT
+	p.startCT = nil
+	p.mu.Unlock()
+	if ct != nil {
+		ct.Close()
+	}
+}
+
+// openOrigDst has Conn report the destinations of datagrams and opens the conntrack socket that
+// finds the original destinations of new flows; nil when that is unavailable (logged).
+func (p *UDPProxy) openOrigDst() *conntrackConn {
+	if err := enableOrigDst(p.Conn); err != nil {
+		p.Log.Warn().Err(err).Msg("destinations of datagrams unavailable: original destinations unknown, replies leave from the routing's choice of source")
+		return nil
+	}
+	ct, err := openConntrack()
+	if err != nil {
+		p.Log.Warn().Err(err).Msg("conntrack unavailable: original destinations of UDP flows unknown")
+		return nil
+	}
+	return ct
 }
 
 // prepare resolves the configuration once, for Serve and Adopt alike.
@@ -171,6 +218,7 @@ func (p *UDPProxy) Close() error {
 		sock = p.Conn
 	}
 	_, err := p.run.close(sock, "UDP proxy socket")
+	p.closeStartCT()
 	p.DropSessions(func(netip.AddrPort) bool { return false })
 	p.sessionWG.Wait()
 	return err
@@ -199,11 +247,15 @@ func (p *UDPProxy) now() int64 { return int64(time.Since(p.epoch)) }
 // readLoop is Serve's loop. It stays in one wait on Conn: each time Conn is readable it reads
 // and forwards batches of datagrams until Conn is empty (readBatches), then waits again. ct is
 // nil when conntrack cannot be asked.
-func (p *UDPProxy) readLoop(ct *conntrackConn) error {
+func (p *UDPProxy) readLoop(ct *conntrackConn, idle bool) error {
 	local := p.Conn.LocalAddr()
 	stop := p.run.stopChan()
 	var pause resourcePause
+	var deadline idleDeadline
 	for {
+		if idle && deadline.renew(&p.run, p.Conn.SetReadDeadline) {
+			return nil
+		}
 		var rerr error
 		err := p.connRC.Read(func(fd uintptr) bool {
 			rerr = p.readBatches(int(fd), ct, stop, &pause)
@@ -214,6 +266,9 @@ func (p *UDPProxy) readLoop(ct *conntrackConn) error {
 		}
 		if p.run.stopping() {
 			return nil
+		}
+		if idle && errors.Is(err, os.ErrDeadlineExceeded) {
+			return errLoopIdle
 		}
 		if isResourceExhausted(err) {
 			if pause.attempts == 0 {

@@ -144,7 +144,7 @@ func (p *Proxier) thawLocked() {
 			}
 		case l.udp != nil:
 			if err = l.udp.Thaw(); err == nil {
-				l.serve(l.udp, v1.ProtocolUDP)
+				l.serveUDP(&p.listen)
 			}
 		}
 		if err != nil {
@@ -253,7 +253,6 @@ func (l *listener) freeze(ctx context.Context, name proxy.Name, add func(string,
 		if err != nil {
 			return err
 		}
-		l.served.Wait()
 		if err := add(KindListener, lm, st.Listener); err != nil {
 			_ = forward.TCPState{Conns: st.Conns}.Close() // the duplicates no record took
 			return err
@@ -272,7 +271,6 @@ func (l *listener) freeze(ctx context.Context, name proxy.Name, add func(string,
 		if err != nil {
 			return err
 		}
-		l.served.Wait()
 		if err := add(KindListener, lm, st.Conn); err != nil {
 			_ = forward.UDPState{Sessions: st.Sessions}.Close()
 			return err

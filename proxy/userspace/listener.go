@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"net"
 	"net/netip"
-	"sync"
 	"sync/atomic"
 
 	"github.com/rs/zerolog"
@@ -56,8 +55,7 @@ type listener struct {
 	adoptTCP []forward.TCPConnState
 	adoptUDP []forward.UDPSessionState
 	started  bool
-	frozen   bool           // a hand-over froze it (Proxier.Freeze); thawed if it fails
-	served   sync.WaitGroup // the UDP proxy's Serve goroutine
+	frozen   bool // a hand-over froze it (Proxier.Freeze); thawed if it fails
 }
 
 func (l *listener) protocol() v1.Protocol { return l.choose.sp.Load().Protocol }
@@ -223,7 +221,7 @@ func (l *listener) start(cfg *listenConfig) {
 		if err := l.udp.Adopt(sessions); err != nil {
 			l.log.Error().Err(err).Msg("handed-over UDP sessions not adopted; the others go on")
 		}
-		l.serve(l.udp, v1.ProtocolUDP)
+		l.serveUDP(cfg)
 	}
 }
 
@@ -244,15 +242,11 @@ func (l *listener) serveTCP(cfg *listenConfig) {
 	}
 }
 
-// serve runs srv's Serve on a goroutine that l.served counts.
-func (l *listener) serve(srv interface{ Serve() error }, proto v1.Protocol) {
-	l.served.Add(1)
-	go func() {
-		defer l.served.Done()
-		if err := srv.Serve(); err != nil {
-			l.log.Error().Err(err).Str("protocol", string(proto)).Msg("proxy listener stopped serving")
-		}
-	}()
+// serveUDP starts the UDP proxy; with cfg's poller, a port without datagrams holds no goroutine.
+func (l *listener) serveUDP(cfg *listenConfig) {
+	if err := l.udp.Start(cfg.poller); err != nil {
+		l.log.Error().Err(err).Str("protocol", string(v1.ProtocolUDP)).Msg("proxy listener not serving")
+	}
 }
 
 // endpointsChanged drops UDP sessions to endpoints that left the port.
@@ -289,7 +283,6 @@ func (l *listener) stopAccepting() {
 	if err != nil && !errors.Is(err, net.ErrClosed) {
 		l.log.Warn().Err(err).Msg("closing proxy listener")
 	}
-	l.served.Wait()
 }
 
 // close stops the listener, cuts its established connections and releases its port.
