@@ -5,8 +5,8 @@
 #
 #   demo/base-image.sh [IMAGE]      default IMAGE: kup-base:bookworm
 #
-# The mirror is the one apt uses on this machine (from /etc/apt/sources.list*), else
-# deb.debian.org. Needs root and debootstrap (installed with apt-get when missing).
+# The mirror is the one apt uses on this machine (from /etc/apt/sources.list*), else debootstrap's
+# own default. Needs root and debootstrap (installed with apt-get when missing).
 set -euo pipefail
 image=${1:-kup-base:bookworm}
 if docker image inspect "$image" >/dev/null 2>&1; then
@@ -16,7 +16,6 @@ fi
 
 mirror=$(grep -hoE '^(URIs:|deb) +https?://[^ ]+/debian/?( |$)' /etc/apt/sources.list /etc/apt/sources.list.d/* 2>/dev/null \
   | grep -oE 'https?://[^ ]+' | head -n1 || true)
-mirror=${mirror:-http://deb.debian.org/debian}
 
 if ! command -v debootstrap >/dev/null; then
   echo "installing debootstrap"
@@ -26,9 +25,9 @@ fi
 
 dir=$(mktemp -d /tmp/kup-base.XXXXXX)
 trap 'rm -rf "$dir"' EXIT
-echo "debootstrap bookworm from $mirror into $dir (a few minutes cold)"
+echo "debootstrap bookworm from ${mirror:-the default mirror of debootstrap} into $dir (a few minutes cold)"
 start=$(date +%s)
-debootstrap --variant=minbase --include=iptables,iproute2,conntrack,ca-certificates bookworm "$dir" "$mirror" >"$dir.log" 2>&1 || {
+debootstrap --variant=minbase --include=iptables,iproute2,conntrack,ca-certificates bookworm "$dir" ${mirror:+"$mirror"} >"$dir.log" 2>&1 || {
   tail -n 30 "$dir.log" >&2; rm -f "$dir.log"; exit 1; }
 rm -f "$dir.log"
 # Keep the image small: no apt lists, no docs, no caches.
