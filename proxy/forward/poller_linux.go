@@ -23,7 +23,7 @@ import (
 // Create it with NewPoller and Close it when no socket needs it any more.
 type Poller struct {
 	epfd int
-	// wake is an eventfd in the epoll set: Close writes it to end Wait.
+	// wake is an eventfd in the epoll set: Close writes it to end run's epoll_wait.
 	wake int
 
 	mu     sync.Mutex // guards the following fields
