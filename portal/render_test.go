@@ -26,7 +26,7 @@ func v6Config() Config { return Config{Family: iptables.IPv6, HostIP: a("fd00::5
 func TestRender(t *testing.T) {
 	web := Portal{Comment: "default/web:http", Protocol: "tcp", Port: 80, ClusterIP: a("10.96.0.10"), ProxyPort: 38023}
 	// webGuard refuses what no portal redirected to web's proxy port.
-	webGuard := `-A KUBE-PORTALS-PROXY-PORTS -p tcp -m comment --comment "default/web:http" -m tcp --dport 38023 -m conntrack ! --ctstate DNAT -j REJECT --reject-with tcp-reset`
+	webGuard := guardRule("", "tcp", "38023")
 	tests := []struct {
 		name    string
 		cfg     Config
@@ -71,10 +71,10 @@ func TestRender(t *testing.T) {
 				`-A KUBE-PORTALS-HOST -d 10.96.0.2/32 -p tcp -m comment --comment "kube-system/dns:dns-tcp" -m tcp --dport 53 -j DNAT --to-destination 10.0.0.5:40002`,
 			},
 			filter: []string{
-				webGuard,
-				`-A KUBE-PORTALS-PROXY-PORTS -p tcp -m comment --comment "default/web:https" -m tcp --dport 38024 -m conntrack ! --ctstate DNAT -j REJECT --reject-with tcp-reset`,
-				`-A KUBE-PORTALS-PROXY-PORTS -p udp -m comment --comment "kube-system/dns:dns" -m udp --dport 40001 -m conntrack ! --ctstate DNAT -j REJECT --reject-with icmp-port-unreachable`,
-				`-A KUBE-PORTALS-PROXY-PORTS -p tcp -m comment --comment "kube-system/dns:dns-tcp" -m tcp --dport 40002 -m conntrack ! --ctstate DNAT -j REJECT --reject-with tcp-reset`,
+				// One rule per block of 15 port numbers and protocol: 38023 and 38024 share one.
+				guardRule("", "tcp", "38023,38024"),
+				guardRule("", "tcp", "40002"),
+				guardRule("", "udp", "40001"),
 			},
 		},
 		{
@@ -262,8 +262,7 @@ func TestRender(t *testing.T) {
 			},
 			filter: []string{
 				`-A KUBE-PORTALS-FILTER -d 203.0.113.2/32 -p tcp -m comment --comment "default/www:http" -m tcp --dport 80 -j DROP`,
-				webGuard,
-				`-A KUBE-PORTALS-PROXY-PORTS -p tcp -m comment --comment "default/www:http" -m tcp --dport 38023 -m conntrack ! --ctstate DNAT -j REJECT --reject-with tcp-reset`,
+				webGuard, // www's proxy port is web's: guarded once
 			},
 		},
 		{
@@ -338,7 +337,7 @@ func TestRender(t *testing.T) {
 			filter: []string{
 				`-A KUBE-NODEPORT-NON-LOCAL -p tcp -m comment --comment "default/web:http" -m tcp --dport 38023 -m conntrack --ctstate DNAT --ctorigdstport 30080 -j ACCEPT`,
 				// Only the bound address is guarded: the port is free on the others.
-				`-A KUBE-PORTALS-PROXY-PORTS -d 10.0.0.6/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 38023 -m conntrack ! --ctstate DNAT -j REJECT --reject-with tcp-reset`,
+				guardRule("-d 10.0.0.6/32 ", "tcp", "38023"),
 			},
 		},
 		{
@@ -478,7 +477,7 @@ func TestRender(t *testing.T) {
 			filter: []string{
 				`-A KUBE-NODEPORT-NON-LOCAL -p tcp -m comment --comment "default/web:http" -m tcp --dport 38023 -m conntrack --ctstate DNAT --ctorigdstport 30080 -j ACCEPT`,
 				`-A KUBE-PORTALS-FILTER -d fd00:96::2/128 -p udp -m comment --comment "default/dns:dns" -m udp --dport 53 -j REJECT --reject-with icmp6-port-unreachable`,
-				`-A KUBE-PORTALS-PROXY-PORTS -p tcp -m comment --comment "default/v4only:x" -m tcp --dport 1000 -m conntrack ! --ctstate DNAT -j REJECT --reject-with tcp-reset`,
+				guardRule("", "tcp", "1000"),
 				webGuard,
 			},
 		},
@@ -494,7 +493,7 @@ func TestRender(t *testing.T) {
 			},
 			filter: []string{
 				// Only the bound address is guarded: the port is free on the others.
-				`-A KUBE-PORTALS-PROXY-PORTS -d fd00::6/128 -p tcp -m comment --comment "default/web:http" -m tcp --dport 38023 -m conntrack ! --ctstate DNAT -j REJECT --reject-with tcp-reset`,
+				guardRule("-d fd00::6/128 ", "tcp", "38023"),
 			},
 		},
 		{
@@ -511,7 +510,7 @@ func TestRender(t *testing.T) {
 				`-A KUBE-PORTALS-HOST -d 10.96.0.10/32 -p tcp -m comment --comment "ok/svc:p" -m tcp --dport 80 -j DNAT --to-destination 10.0.0.5:38023`,
 			},
 			filter: []string{
-				`-A KUBE-PORTALS-PROXY-PORTS -p tcp -m comment --comment "ok/svc:p" -m tcp --dport 38023 -m conntrack ! --ctstate DNAT -j REJECT --reject-with tcp-reset`,
+				guardRule("", "tcp", "38023"),
 			},
 		},
 	}
@@ -638,4 +637,16 @@ func TestPortalValidate(t *testing.T) {
 			}
 		})
 	}
+}
+
+// guardRule is a rule of KUBE-PORTALS-PROXY-PORTS (IPv4 rejects): ports of proto, to dst ("" or
+// "-d ADDR/LEN ").
+func guardRule(dst, proto, ports string) string {
+	reject := "-j REJECT --reject-with tcp-reset"
+	if proto == "udp" {
+		reject = "-j REJECT --reject-with icmp-port-unreachable"
+	}
+	return "-A KUBE-PORTALS-PROXY-PORTS " + dst + "-p " + proto +
+		` -m comment --comment "proxy ports of kube-userspace-proxy" -m multiport --dports ` + ports +
+		" -m conntrack ! --ctstate DNAT " + reject
 }

@@ -103,9 +103,10 @@ func (m *Manager) namedProxyPorts() ([]namedPort, error) {
 
 // scanProxyPorts returns the service port and proxy port of each rule of ours in an
 // iptables-save listing that names both: the REDIRECT (--to-ports) and DNAT (--to-destination)
-// targets of the nat chains, and the guards of KUBE-PORTALS-PROXY-PORTS (--dport), which name
-// the proxy port of every open listener, with or without endpoints. Anything else, and anything
-// it cannot read (port ranges, garbled quoting, foreign chains), is skipped.
+// targets of the nat chains, and the guards of KUBE-PORTALS-PROXY-PORTS (--dport) that earlier
+// versions wrote one per proxy port (now a guard lists up to 15 ports without naming them, so
+// the proxy port of a service port without endpoints is not read back). Anything else, and
+// anything it cannot read (port lists, garbled quoting, foreign chains), is skipped.
 func scanProxyPorts(save []byte) []namedPort {
 	var out []namedPort
 	sc := bufio.NewScanner(bytes.NewReader(save))

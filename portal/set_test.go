@@ -107,7 +107,7 @@ func TestToPortals(t *testing.T) {
 	if want := natDecl; string(nat) != want {
 		t.Errorf("IPv6 nat:\n%s\nwant declarations only", nat)
 	}
-	wantFilter := filterDecl + "-A KUBE-PORTALS-PROXY-PORTS -p tcp -m comment --comment \"default/web:http\" -m tcp --dport 38023 -m conntrack ! --ctstate DNAT -j REJECT --reject-with tcp-reset\n"
+	wantFilter := filterDecl + guardRule("", "tcp", "38023") + "\n"
 	if string(filter) != wantFilter {
 		t.Errorf("IPv6 filter:\n%s\nwant:\n%s", filter, wantFilter)
 	}
