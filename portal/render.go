@@ -125,15 +125,7 @@ func (r *renderer) match(b []byte, chain string, src netip.Prefix, dst netip.Add
 		b = append(b, " -s "...)
 		b = src.AppendTo(b)
 	}
-	if dst.IsValid() {
-		b = append(b, " -d "...)
-		b = dst.AppendTo(b)
-		if r.v6 {
-			b = append(b, "/128"...)
-		} else {
-			b = append(b, "/32"...)
-		}
-	}
+	b = r.appendDst(b, dst)
 	b = append(b, " -p "...)
 	b = append(b, p.Protocol...)
 	b = append(b, " -m comment --comment "...)
@@ -172,16 +164,7 @@ func (r *renderer) guardRules(b []byte) []byte {
 			for n < len(ports) && ports[n]/guardBucket == ports[0]/guardBucket {
 				n++
 			}
-			b = append(b, "-A "+ChainProxyPorts...)
-			if dst.IsValid() {
-				b = append(b, " -d "...)
-				b = dst.AppendTo(b)
-				if r.v6 {
-					b = append(b, "/128"...)
-				} else {
-					b = append(b, "/32"...)
-				}
-			}
+			b = r.appendDst(append(b, "-A "+ChainProxyPorts...), dst)
 			b = append(b, " -p "...)
 			b = append(b, proto...)
 			b = append(b, " -m comment --comment "+guardComment+" -m multiport --dports "...)
@@ -198,6 +181,19 @@ func (r *renderer) guardRules(b []byte) []byte {
 		}
 	}
 	return b
+}
+
+// appendDst appends " -d dst/32" (or /128), nothing for the zero dst.
+func (r *renderer) appendDst(b []byte, dst netip.Addr) []byte {
+	if !dst.IsValid() {
+		return b
+	}
+	b = append(b, " -d "...)
+	b = dst.AppendTo(b)
+	if r.v6 {
+		return append(b, "/128"...)
+	}
+	return append(b, "/32"...)
 }
 
 // rule appends one complete rule: match, then extra matches (may be ""), then the target.

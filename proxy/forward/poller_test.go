@@ -78,11 +78,28 @@ func TestPoller(t *testing.T) {
 	}
 }
 
+// newTestPoller returns a Poller closed at the end of the test.
+func newTestPoller(t *testing.T) *Poller {
+	t.Helper()
+	p, err := NewPoller()
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { p.Close() })
+	return p
+}
+
 // acceptLoops counts the goroutines in a TCP proxy's accept loop.
-func acceptLoops() int {
+func acceptLoops() int { return goroutinesIn("forward.(*TCPProxy).acceptLoop") }
+
+// readLoops counts the goroutines in a UDP proxy's read loop.
+func readLoops() int { return goroutinesIn("forward.(*UDPProxy).readLoop") }
+
+// goroutinesIn counts the goroutines whose stack has the function frame.
+func goroutinesIn(frame string) int {
 	buf := make([]byte, 1<<20)
 	n := runtime.Stack(buf, true)
-	return strings.Count(string(buf[:n]), "forward.(*TCPProxy).acceptLoop")
+	return strings.Count(string(buf[:n]), frame)
 }
 
 // Listeners started with a Poller hold no goroutine while idle: the accept loop starts when a
@@ -92,11 +109,7 @@ func acceptLoops() int {
 func TestTCPStartParksIdleListeners(t *testing.T) {
 	checkNoLeaks(t)
 	checkNoFDLeaks(t)
-	poller, err := NewPoller()
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { poller.Close() })
+	poller := newTestPoller(t)
 	backend := startTCPEcho(t, loopback("4"))
 	const n = 20
 	proxies := make([]*TCPProxy, n)
@@ -174,24 +187,13 @@ func TestTCPStartParksIdleListeners(t *testing.T) {
 	}
 }
 
-// readLoops counts the goroutines in a UDP proxy's read loop.
-func readLoops() int {
-	buf := make([]byte, 1<<20)
-	n := runtime.Stack(buf, true)
-	return strings.Count(string(buf[:n]), "forward.(*UDPProxy).readLoop")
-}
-
 // UDP ports started with a Poller hold no goroutine while no datagram arrives; sessions work as
 // with Serve; a parked port closes, freezes and thaws. Fails if Start falls back to a goroutine
 // per port.
 func TestUDPStartParksIdleSockets(t *testing.T) {
 	checkNoLeaks(t)
 	checkNoFDLeaks(t)
-	poller, err := NewPoller()
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { poller.Close() })
+	poller := newTestPoller(t)
 	backend := startUDPEcho(t, loopback("4"), "echo:")
 	const n = 5
 	proxies := make([]*UDPProxy, n)
