@@ -311,7 +311,8 @@ func TestProxy(t *testing.T) {
 						if round > 0 {
 							time.Sleep(timeout*time.Second + 700*time.Millisecond)
 						}
-						seen, err := harness.Backends(ctx, fr.ns, network, addr, 8)
+						// Ports held: a UDP session of an earlier round outlives the affinity.
+						seen, err := harness.BackendsHoldingPorts(t, ctx, fr.ns, network, addr, 8)
 						if err != nil {
 							t.Fatal(err)
 						}

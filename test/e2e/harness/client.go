@@ -11,6 +11,7 @@ import (
 	"os"
 	"strings"
 	"syscall"
+	"testing"
 	"time"
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/test/netns"
@@ -137,6 +138,11 @@ func AskTimeout(ctx context.Context, ns *netns.NS, network, addr string, timeout
 		return fail(err)
 	}
 	defer conn.Close()
+	return askOn(ctx, conn, network, fail)
+}
+
+// askOn sends the request on conn and reads the answer (see AskTimeout); fail wraps an error.
+func askOn(ctx context.Context, conn net.Conn, network string, fail func(error) (Answer, error)) (Answer, error) {
 	if dl, ok := ctx.Deadline(); ok {
 		_ = conn.SetDeadline(dl)
 	}
@@ -144,6 +150,7 @@ func AskTimeout(ctx context.Context, ns *netns.NS, network, addr string, timeout
 		return fail(err)
 	}
 	var line string
+	var err error
 	if network == "udp" || strings.HasPrefix(network, "udp") {
 		buf := make([]byte, 2048)
 		n, err := conn.Read(buf)
@@ -166,6 +173,35 @@ func AskTimeout(ctx context.Context, ns *netns.NS, network, addr string, timeout
 		return fail(fmt.Errorf("malformed peer in answer %q: %w", line, err))
 	}
 	return Answer{Backend: f[0], Peer: netip.AddrPortFrom(peer.Addr().Unmap(), peer.Port())}, nil
+}
+
+// BackendsHoldingPorts is Backends whose sockets stay open until the test ends, so that no later
+// socket of the test gets the source port of one of them: a proxy's UDP session outlives the
+// ClientIP affinity timeout, and a new UDP socket that got an old one's port would be answered
+// on that session's endpoint whatever the affinity says.
+func BackendsHoldingPorts(t testing.TB, ctx context.Context, ns *netns.NS, network, addr string, n int) (map[string]int, error) {
+	seen := map[string]int{}
+	for range n {
+		start := time.Now()
+		fail := func(err error) (Answer, error) {
+			return Answer{}, &RequestError{Kind: classify(err), Network: network, Addr: addr, From: ns.Name(), Elapsed: time.Since(start), Err: err}
+		}
+		actx, cancel := context.WithTimeout(ctx, DefaultRequestTimeout)
+		conn, err := ns.DialContext(actx, network, addr)
+		if err != nil {
+			cancel()
+			_, err = fail(err)
+			return seen, err
+		}
+		t.Cleanup(func() { conn.Close() })
+		a, err := askOn(actx, conn, network, fail)
+		cancel()
+		if err != nil {
+			return seen, err
+		}
+		seen[a.Backend]++
+	}
+	return seen, nil
 }
 
 // Backends sends n requests (each on a new socket) and counts the answers per backend; it stops
