@@ -4,6 +4,7 @@ import (
 	"encoding/binary"
 	"fmt"
 	"hash/fnv"
+	"maps"
 	"net/netip"
 	"slices"
 	"sort"
@@ -194,10 +195,20 @@ type familyAddrs map[v1.IPFamily]netip.Addr
 // defaulted and validated) and returns the completed copies (nil for services with a fatal
 // problem), the allocation to carry over, and the problems found.
 func (a *allocator) allocate(svcs []*v1.Service, prev allocation) ([]*v1.Service, allocation, []allocProblem) {
+	return a.allocateAgainst(svcs, prev, nil)
+}
+
+// allocateAgainst is allocate for some of the services, where taken holds what the others hold
+// (nil: svcs are all of them). An address or port of taken that one of svcs claims explicitly
+// is a problem: the full allocation would have moved its holder.
+func (a *allocator) allocateAgainst(svcs []*v1.Service, prev allocation, taken *owners) ([]*v1.Service, allocation, []allocProblem) {
 	var problems []allocProblem
 	next := allocation{ips: map[string]map[v1.IPFamily]netip.Addr{}, ports: map[string]int32{}, done: make(map[*v1.Service]*v1.Service, len(svcs))}
 	plans := make([]*svcPlan, len(svcs))
 	used := map[netip.Addr]string{}
+	if taken != nil {
+		used = maps.Clone(taken.ips)
+	}
 	for i, svc := range svcs {
 		p := a.plan(svc)
 		plans[i] = p
@@ -277,7 +288,7 @@ func (a *allocator) allocate(svcs []*v1.Service, prev allocation) ([]*v1.Service
 		out[i] = complete(p, addrs, prev.done[p.svc])
 		next.done[p.svc] = out[i]
 	}
-	problems = append(problems, a.allocateNodePorts(out, plans, prev, next)...)
+	problems = append(problems, a.allocateNodePorts(out, plans, prev, next, taken)...)
 	return out, next, problems
 }
 
@@ -408,9 +419,12 @@ type nodePortNeed struct {
 
 // allocateNodePorts fills in node ports and health check node ports on out (the completed
 // copies; nil entries are skipped) in place.
-func (a *allocator) allocateNodePorts(out []*v1.Service, plans []*svcPlan, prev, next allocation) []allocProblem {
+func (a *allocator) allocateNodePorts(out []*v1.Service, plans []*svcPlan, prev, next allocation, taken *owners) []allocProblem {
 	var problems []allocProblem
 	used := map[int32]string{}
+	if taken != nil {
+		used = maps.Clone(taken.ports)
+	}
 	reserve := func(p *svcPlan, port int32, what string) {
 		if other, dup := used[port]; dup && other != p.name {
 			problems = append(problems, allocProblem{key: p.key, msg: fmt.Sprintf("%s %d is also used by Service %s", what, port, other)})

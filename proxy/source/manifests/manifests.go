@@ -61,7 +61,10 @@
 // The files read by one scan are decoded in parallel (see parallel.go). Files modified within
 // the last two seconds before they were read are read again on the next scans until they
 // settle, so a same-size rewrite within the file system's timestamp granularity is not missed.
-// An idle scan costs one stat per file.
+// An idle scan costs one stat per file. Merging what the files hold (duplicates, cluster IP and
+// node port allocation) looks only at the objects whose version changed, unless the last merge
+// found a problem (see incremental.go): one more service in a directory of 10,000 is delivered
+// ~9 ms after its file is read, not ~110 ms.
 package manifests
 
 import (
@@ -249,9 +252,18 @@ type Source struct {
 	allocated allocation
 	// reported holds the cross-file problems logged by the last merge, so each is logged once.
 	reported map[string]bool
-	dirErr   string // last error listing the directory, logged once
-	watch    *watcher
-	hint     *hints // what the watcher saw before the current scan; nil for the first
+	// inc is what the delivered services hold when the last merge found no problem, for the
+	// next merge to be an incremental one (see incremental.go); nil otherwise. touched holds the
+	// keys whose version changed since the last merge.
+	inc     *owners
+	touched map[objKey]bool
+	// fullMergesOnly (set by tests) turns the incremental merge off; incrementalMerges counts
+	// the merges that were incremental.
+	fullMergesOnly    bool
+	incrementalMerges int
+	dirErr            string // last error listing the directory, logged once
+	watch             *watcher
+	hint              *hints // what the watcher saw before the current scan; nil for the first
 }
 
 // fileState is what the source knows about one file.
@@ -520,12 +532,13 @@ func (s *Source) scan(h source.Handler, first bool) (time.Time, error) {
 			continue
 		}
 		delete(s.files, name)
+		s.noteTouched(st.objects, nil)
 		if len(st.objects) > 0 {
 			changed = true
 			s.log.Info().Str("file", filepath.Join(s.dir, name)).Msg("file removed; its objects are deleted")
 		}
 	}
-	if changed {
+	if changed && !s.mergeChanged(h) {
 		s.merge(h)
 	}
 	return due, nil
@@ -640,6 +653,7 @@ func (s *Source) apply(l *load) (read, settled bool) {
 			}
 		}
 	}
+	s.noteTouched(prev, next)
 	st.objects = next
 	s.logResult(l.path, res, kept)
 	return true, true
@@ -814,6 +828,10 @@ func (s *Source) merge(h source.Handler) {
 	}
 	s.report(problems)
 	s.deliver(h, final)
+	s.touched, s.inc = nil, nil
+	if len(problems) == 0 {
+		s.inc = ownersOf(final)
+	}
 }
 
 // pick chooses which file's version of an object is served. Fresh versions beat versions kept
@@ -896,24 +914,15 @@ func (s *Source) report(problems []problem) {
 }
 
 // deliver hands the differences between s.delivered and final to h and makes final the
-// delivered state. Order: services, then slices (adds and updates), then slice deletes, then
-// service deletes, each in key order. Only the objects that differ are sorted; an object
+// delivered state (see deliverKeys). Only the objects that differ are sorted; an object
 // delivered before is compared by identity first (unchanged files and documents keep their
 // objects), deeply only when that fails.
 func (s *Source) deliver(h source.Handler, final map[objKey]*delivered) {
 	var keys []objKey
 	for k, cur := range final {
-		prev := s.delivered[k]
-		switch {
-		case prev == nil:
-		case prev.svc != nil && cur.svc != nil && (prev.svc == cur.svc || equality.Semantic.DeepEqual(prev.svc, cur.svc)):
-			cur.svc = prev.svc // hand out one object per version
-			continue
-		case prev.slice != nil && cur.slice != nil && (prev.slice == cur.slice || equality.Semantic.DeepEqual(prev.slice, cur.slice)):
-			cur.slice = prev.slice
-			continue
+		if !s.unchanged(k, cur) {
+			keys = append(keys, k)
 		}
-		keys = append(keys, k)
 	}
 	for k := range s.delivered {
 		if final[k] == nil {
@@ -921,6 +930,50 @@ func (s *Source) deliver(h source.Handler, final map[objKey]*delivered) {
 		}
 	}
 	slices.SortFunc(keys, compareKeys)
+	s.deliverKeys(h, keys, func(k objKey) *delivered { return final[k] })
+	s.delivered = final
+}
+
+// deliverChanges hands h the changes of the objects keys (sorted), each to its version in
+// changes (nil: deleted), and records them in s.delivered.
+func (s *Source) deliverChanges(h source.Handler, keys []objKey, changes map[objKey]*delivered) {
+	differ := keys[:0:0]
+	for _, k := range keys {
+		if cur := changes[k]; (cur != nil || s.delivered[k] != nil) && !s.unchanged(k, cur) {
+			differ = append(differ, k)
+		}
+	}
+	s.deliverKeys(h, differ, func(k objKey) *delivered { return changes[k] })
+	for _, k := range keys {
+		if cur := changes[k]; cur != nil {
+			s.delivered[k] = cur
+		} else {
+			delete(s.delivered, k)
+		}
+	}
+}
+
+// unchanged reports whether cur (nil: deleted) is the version of k delivered last, and if so
+// makes it hand out the same object (one object per version).
+func (s *Source) unchanged(k objKey, cur *delivered) bool {
+	prev := s.delivered[k]
+	switch {
+	case prev == nil || cur == nil:
+		return false
+	case prev.svc != nil && cur.svc != nil && (prev.svc == cur.svc || equality.Semantic.DeepEqual(prev.svc, cur.svc)):
+		cur.svc = prev.svc
+		return true
+	case prev.slice != nil && cur.slice != nil && (prev.slice == cur.slice || equality.Semantic.DeepEqual(prev.slice, cur.slice)):
+		cur.slice = prev.slice
+		return true
+	}
+	return false
+}
+
+// deliverKeys hands h the change of each of keys (sorted) from s.delivered to cur. Order:
+// services, then slices (adds and updates), then slice deletes, then service deletes, each in
+// key order.
+func (s *Source) deliverKeys(h source.Handler, keys []objKey, cur func(objKey) *delivered) {
 	var adds, updates, deletes int
 	for _, pass := range []struct {
 		kind    string
@@ -930,7 +983,7 @@ func (s *Source) deliver(h source.Handler, final map[objKey]*delivered) {
 			if k.Kind != pass.kind {
 				continue
 			}
-			prev, cur := s.delivered[k], final[k]
+			prev, cur := s.delivered[k], cur(k)
 			switch {
 			case cur == nil && pass.deletes:
 				deletes++
@@ -956,7 +1009,6 @@ func (s *Source) deliver(h source.Handler, final map[objKey]*delivered) {
 			}
 		}
 	}
-	s.delivered = final
 	if adds+updates+deletes > 0 {
 		s.log.Info().Int("added", adds).Int("updated", updates).Int("deleted", deletes).Msg("delivered changes")
 	}
