@@ -150,6 +150,7 @@ func (p *Proxier) thawLocked() {
 		if err != nil {
 			l.log.Error().Err(err).Msg("cannot serve again after the failed hand-over; the next sync opens the port anew")
 			l.close(p.alloc, p.opts.Metrics)
+			p.stale = true
 		}
 	}
 }
@@ -320,6 +321,7 @@ func (p *Proxier) releaseFrozenLocked() {
 		l.release(p.alloc)
 	}
 	p.gen++
+	p.stale = true
 	p.holder.closeAll()
 }
 

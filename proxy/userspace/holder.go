@@ -6,7 +6,6 @@ import (
 	"net"
 	"net/netip"
 	"os"
-	"slices"
 	"sort"
 	"syscall"
 
@@ -55,9 +54,11 @@ func (h *holder) reconcile(ports []proxy.PortState, node proxy.NodeAddrs) {
 		if sp.NodePort != 0 {
 			want[holdKey{proto: sp.Protocol, addr: netip.IPv6Unspecified(), port: sp.NodePort}] = true
 		}
-		for _, ip := range slices.Concat(sp.ExternalIPs, sp.LoadBalancerIPs, sp.ClusterIPs) {
-			if node.Contains(ip) {
-				want[holdKey{proto: sp.Protocol, addr: ip, port: sp.Port}] = true
+		for _, ips := range [...][]netip.Addr{sp.ExternalIPs, sp.LoadBalancerIPs, sp.ClusterIPs} {
+			for _, ip := range ips {
+				if node.Contains(ip) {
+					want[holdKey{proto: sp.Protocol, addr: ip, port: sp.Port}] = true
+				}
 			}
 		}
 	}

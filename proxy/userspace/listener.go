@@ -43,6 +43,15 @@ type listener struct {
 	// them to the balancer; under Proxier.mu.
 	endpoints []proxy.Endpoint
 	balanced  *proxy.ServicePort
+	// selfSP and selfPort are what the proxier's selfAddrs hold of this listener (see
+	// selfAddrs.add); nil and 0 when nothing. Under Proxier.mu.
+	selfSP   *proxy.ServicePort
+	selfPort int
+	// state is the port's state as a sync last computed it, valid while stateOK; under
+	// Proxier.mu. A sync recomputes the states of the services it touches, and all of them
+	// when it is periodic (see Proxier.portStatesLocked).
+	state   proxy.PortState
+	stateOK bool
 
 	// The following fields are set by open and cleared by close, under Proxier.mu.
 	proxyPort int // 0 while not open

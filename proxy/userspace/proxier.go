@@ -142,13 +142,17 @@ type Proxier struct {
 	lastFull time.Time
 	// last is the last sync's port states (for Ports).
 	last []proxy.PortState
-	// gen counts the changes to the listeners that selfAddrs and the sorted order depend on:
-	// a port added, removed or redefined, a listener opened or released. self and sorted are
-	// rebuilt when it moved since they were (selfGen, sortedGen): an idle sync of 10,000 ports
-	// then rebuilds neither.
-	gen, selfGen, sortedGen uint64
-	self                    *selfAddrs
-	sorted                  []*listener
+	// gen counts the changes to the listeners: a port added, removed or redefined, a listener
+	// opened or released (see recheckGen).
+	gen uint64
+	// self is the proxy's own addresses, updated for the services a sync touches (see
+	// selfAddrsLocked); sorted is the listeners in the order of their names, updated as they
+	// come and go. A sync of one more service among 10,000 thus rebuilds neither.
+	self   *selfAddrs
+	sorted []*listener
+	// stale is set when listeners changed outside a sync (a hand-over): the next sync rebuilds
+	// self and every port's state.
+	stale bool
 	// recheckGen and recheckNode are gen and the node's addresses at the last periodic check
 	// of every port's endpoints against the proxy's own addresses.
 	recheckGen  uint64
@@ -285,7 +289,7 @@ func (p *Proxier) sync(periodic bool) bool {
 	dirty := p.applyLocked(&ch)
 	var opened []*listener
 	res.Unservable, opened = p.openPendingLocked(dirty)
-	self := p.selfAddrsLocked(node)
+	self := p.selfAddrsLocked(node, dirty)
 	if periodic && (p.recheckGen != p.gen || !slices.Equal(p.recheckNode, node.List())) {
 		// Endpoints are checked against the proxy's own addresses only when their service
 		// changes: once a period, all of them, for addresses other services (or the node)
@@ -305,7 +309,8 @@ func (p *Proxier) sync(periodic bool) bool {
 		l.start(&p.listen)
 	}
 	p.lb.Sweep()
-	res.Ports = p.portStatesLocked()
+	res.Ports = p.portStatesLocked(dirty, periodic || p.stale || ch.ZoneChanged)
+	p.stale = false
 	p.last = res.Ports
 	if p.opts.HoldPorts {
 		p.holder.reconcile(res.Ports, node)
@@ -389,6 +394,9 @@ func (p *Proxier) upsertPortLocked(sp *proxy.ServicePort) {
 	}
 	l.choose.sp.Store(sp)
 	p.ports[sp.Name] = l
+	if i, found := p.sortedIndexLocked(l.key); !found {
+		p.sorted = slices.Insert(p.sorted, i, l)
+	}
 	p.gen++
 	svc := sp.Name.Service()
 	p.bySvc[svc] = append(p.bySvc[svc], l)
@@ -400,6 +408,12 @@ func (p *Proxier) removePortLocked(name proxy.Name) {
 		return
 	}
 	delete(p.ports, name)
+	if i, found := p.sortedIndexLocked(l.key); found {
+		p.sorted = slices.Delete(p.sorted, i, i+1)
+	}
+	if p.self != nil {
+		p.self.drop(l)
+	}
 	p.gen++
 	if ports := slices.DeleteFunc(p.bySvc[name.Service()], func(o *listener) bool { return o == l }); len(ports) == 0 {
 		delete(p.bySvc, name.Service())
@@ -612,44 +626,49 @@ func (p *Proxier) openLocked(l *listener) bool {
 	return true
 }
 
-// portStatesLocked returns the state of every service port, sorted by name: what the balancer
-// says of its endpoints, turned into the portals' actions.
-func (p *Proxier) portStatesLocked() []proxy.PortState {
-	out := make([]proxy.PortState, 0, len(p.ports))
-	for _, l := range p.sortedLocked() {
+// portStatesLocked returns every port's state, in the order of their names: recomputed for
+// the ports of the dirty services, or of all services with all, and as the last sync left it
+// for the others. (What a state depends on changes only with its service: its definition,
+// endpoints and listener. A change of zone, or of listeners outside a sync, asks for all; so
+// does the periodic sync, which thus repairs whatever this reasoning missed.)
+func (p *Proxier) portStatesLocked(dirty map[types.NamespacedName]bool, all bool) []proxy.PortState {
+	out := make([]proxy.PortState, 0, len(p.sorted))
+	for _, l := range p.sorted {
 		sp := l.choose.sp.Load()
-		av := p.lb.Availability(sp.Name)
-		st := proxy.PortState{
-			ServicePort:    sp,
-			ProxyPort:      l.proxyPort,
-			LocalEndpoints: av.LocalEndpoints,
-			LocalReady:     localReady(l.endpoints, p.opts.NodeName),
+		if all || !l.stateOK || dirty[sp.Name.Service()] {
+			av := p.lb.Availability(sp.Name)
+			l.state = proxy.PortState{
+				ServicePort:    sp,
+				ProxyPort:      l.proxyPort,
+				LocalEndpoints: av.LocalEndpoints,
+				LocalReady:     localReady(l.endpoints, p.opts.NodeName),
+			}
+			l.state.Internal, l.state.External = actions(av, l.isOpen())
+			l.stateOK = true
 		}
-		st.Internal, st.External = actions(av, l.isOpen())
-		out = append(out, st)
+		out = append(out, l.state)
 	}
 	return out
 }
 
-// sortedLocked returns the listeners sorted by name, rebuilt only when they changed.
-func (p *Proxier) sortedLocked() []*listener {
-	if p.sorted != nil && p.sortedGen == p.gen {
-		return p.sorted
-	}
-	p.sorted = p.sorted[:0]
-	for _, l := range p.ports {
-		p.sorted = append(p.sorted, l)
-	}
-	slices.SortFunc(p.sorted, func(a, b *listener) int { return strings.Compare(a.key, b.key) })
-	p.sortedGen = p.gen
-	return p.sorted
+// sortedIndexLocked returns where the listener named key is, or would be, in p.sorted.
+func (p *Proxier) sortedIndexLocked(key string) (int, bool) {
+	return slices.BinarySearchFunc(p.sorted, key, func(l *listener, key string) int { return strings.Compare(l.key, key) })
 }
 
 // selfAddrsLocked returns the proxy's own addresses as of this sync (node is its snapshot of
-// the node's addresses), rebuilt only when the listeners changed.
-func (p *Proxier) selfAddrsLocked(node proxy.NodeAddrs) *selfAddrs {
-	if p.self == nil || p.selfGen != p.gen {
-		p.self, p.selfGen = newSelfAddrs(p.ports, node), p.gen
+// the node's addresses): updated for the listeners of the dirty services (a removed listener's
+// are dropped as it goes), or rebuilt when stale or two ports share an address.
+func (p *Proxier) selfAddrsLocked(node proxy.NodeAddrs, dirty map[types.NamespacedName]bool) *selfAddrs {
+	if p.self == nil || p.self.collided || p.stale {
+		p.self = newSelfAddrs(p.ports, node)
+	} else {
+		for svc := range dirty {
+			for _, l := range p.bySvc[svc] {
+				p.self.drop(l)
+				p.self.add(l)
+			}
+		}
 	}
 	p.self.node = node
 	return p.self

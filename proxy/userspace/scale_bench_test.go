@@ -77,7 +77,7 @@ func BenchmarkProxierSync(b *testing.B) {
 			name := fmt.Sprintf("more%d", i)
 			i++
 			svc := service(name, []v1.ServicePort{tcpPort("tcp", 80)})
-			svc.Spec.ClusterIP = "10.97.0.1"
+			svc.Spec.ClusterIP = netip.AddrFrom4([4]byte{10, 97, byte(i >> 8), byte(i)}).String()
 			p.Tracker().OnServiceUpdate(nil, svc)
 			p.Tracker().OnEndpointSliceUpdate(nil, slice(name, name+"-1", "tcp", v1.ProtocolTCP, be))
 			p.sync(false)

@@ -18,6 +18,8 @@ type selfAddrs struct {
 	portals map[protoAddrPort]proxy.Name
 	ports   map[protoPort]portUse // proxy ports and NodePorts on the node's addresses
 	node    proxy.NodeAddrs
+	// collided is set when two ports have one address (see add).
+	collided bool
 }
 
 type protoAddrPort struct {
@@ -51,21 +53,67 @@ func newSelfAddrs(ports map[proxy.Name]*listener, node proxy.NodeAddrs) *selfAdd
 		ports:   make(map[protoPort]portUse, 2*len(ports)),
 		node:    node,
 	}
-	for name, l := range ports {
-		sp := l.choose.sp.Load()
-		for _, ips := range [][]netip.Addr{sp.ClusterIPs, sp.ExternalIPs, sp.LoadBalancerIPs} {
-			for _, ip := range ips {
-				s.portals[protoAddrPort{sp.Protocol, netip.AddrPortFrom(ip.Unmap(), uint16(sp.Port))}] = name
-			}
-		}
-		if l.isOpen() {
-			s.ports[protoPort{sp.Protocol, l.proxyPort}] = portUse{name: name}
-		}
-		if sp.NodePort != 0 {
-			s.ports[protoPort{sp.Protocol, sp.NodePort}] = portUse{nodePort: true, name: name}
-		}
+	for _, l := range ports {
+		s.add(l)
 	}
 	return s
+}
+
+// add records l's addresses as they are now, and on l what it recorded, for drop. An address
+// that another port has too sets collided: drop could then forget it while the other port still
+// has it, so the caller rebuilds instead of updating.
+func (s *selfAddrs) add(l *listener) {
+	sp := l.choose.sp.Load()
+	port := 0
+	if l.isOpen() {
+		port = l.proxyPort
+	}
+	l.selfSP, l.selfPort = sp, port
+	eachSelfAddr(sp, port, func(k protoAddrPort) {
+		if o, dup := s.portals[k]; dup && o != sp.Name {
+			s.collided = true
+		}
+		s.portals[k] = sp.Name
+	}, func(k protoPort, u portUse) {
+		if o, dup := s.ports[k]; dup && o.name != sp.Name {
+			s.collided = true
+		}
+		s.ports[k] = u
+	})
+}
+
+// drop forgets the addresses add recorded for l.
+func (s *selfAddrs) drop(l *listener) {
+	sp := l.selfSP
+	if sp == nil {
+		return
+	}
+	eachSelfAddr(sp, l.selfPort, func(k protoAddrPort) {
+		if s.portals[k] == sp.Name {
+			delete(s.portals, k)
+		}
+	}, func(k protoPort, _ portUse) {
+		if s.ports[k].name == sp.Name {
+			delete(s.ports, k)
+		}
+	})
+	l.selfSP, l.selfPort = nil, 0
+}
+
+// eachSelfAddr calls portal with each portal address of sp, and port with its proxy port (0:
+// none) and NodePort.
+func eachSelfAddr(sp *proxy.ServicePort, proxyPort int, portal func(protoAddrPort), port func(protoPort, portUse)) {
+	for _, ips := range [][]netip.Addr{sp.ClusterIPs, sp.ExternalIPs, sp.LoadBalancerIPs} {
+		for _, ip := range ips {
+			portal(protoAddrPort{sp.Protocol, netip.AddrPortFrom(ip.Unmap(), uint16(sp.Port))})
+		}
+	}
+	if proxyPort != 0 {
+		port(protoPort{sp.Protocol, proxyPort}, portUse{name: sp.Name})
+	}
+	if sp.NodePort != 0 {
+		port(protoPort{sp.Protocol, sp.NodePort}, portUse{nodePort: true, name: sp.Name})
+	}
 }
 
 // check returns why ep, an endpoint of a port of protocol proto, is the proxy itself, or nil.
