@@ -264,7 +264,10 @@ func (m *Manager) updateLocked(portals []Portal, host Host, tables []table, star
 		}
 		deltaBytes += len(delta)
 		m.rewritten = time.Time{} // the next Sync rewrites, in Render's order
-		if err := m.run.Restore(t.table, delta); err != nil {
+		restoreStart := time.Now()
+		err := m.run.Restore(t.table, delta)
+		m.log.Debug().Str("table", t.table).Int("deltaBytes", len(delta)).Dur("took", time.Since(restoreStart)).Msg("wrote changed portal rules")
+		if err != nil {
 			m.log.Warn().Err(err).Str("table", t.table).Msg("writing the changed portal rules failed; rewriting all of them")
 			m.synced = false
 			return errors.Join(m.rewriteLocked(portals, host, tables, start)...)

@@ -6,6 +6,7 @@
 package e2e
 
 import (
+	"context"
 	"fmt"
 	"io"
 	"net/http"
@@ -169,6 +170,7 @@ func measureScale(t *testing.T, n int, window time.Duration) scaleFigures {
 		}
 	}
 	rss, _ := procStatusKiB(pid, "VmRSS")
+	rssAnon, _ := procStatusKiB(pid, "RssAnon") // the rest is mapped files: the binary's pages
 	fds, _ := openFDs(pid)
 	// Idle CPU in the steady state: after the first periodic sync, which checks every service's
 	// endpoints against the proxy's own addresses once (the listeners opened since are new
@@ -177,12 +179,20 @@ func measureScale(t *testing.T, n int, window time.Duration) scaleFigures {
 	a0 := time.Now()
 	a, _ := cpuTicks(pid)
 	if profDir != "" && os.Getenv("KUP_SCALE_IDLE_PROFILE") != "" { // in the window: counts in its figure
+		if err := <-fetchProfile(e.node.NS, "heap", filepath.Join(profDir, fmt.Sprintf("idle-heap-start-%d.pprof", n))); err != nil {
+			t.Log(err)
+		}
 		if err := <-fetchProfile(e.node.NS, "profile?seconds=9", filepath.Join(profDir, fmt.Sprintf("idle-cpu-%d.pprof", n))); err != nil {
 			t.Log(err)
 		}
 	}
 	time.Sleep(window - min(window, time.Since(a0)))
 	b, _ := cpuTicks(pid)
+	if profDir != "" && os.Getenv("KUP_SCALE_IDLE_PROFILE") != "" { // what the idle window allocated: pprof -diff_base
+		if err := <-fetchProfile(e.node.NS, "heap", filepath.Join(profDir, fmt.Sprintf("idle-heap-end-%d.pprof", n))); err != nil {
+			t.Log(err)
+		}
+	}
 	cpu := (b - a) / window.Seconds() // ticks/s = percent of a core
 	// One more service.
 	writeScaleManifests(t, e.dir, n, n+1, e.pod.IP)
@@ -200,9 +210,16 @@ func measureScale(t *testing.T, n int, window time.Duration) scaleFigures {
 		if err := os.WriteFile(filepath.Join(profDir, fmt.Sprintf("proxy-%d.log", n)), []byte(p.Log()), 0o644); err != nil {
 			t.Log(err)
 		}
+		for _, table := range []string{"filter", "nat"} { // what each partial sync's restore works on
+			if out, err := e.node.NS.Exec(context.Background(), "iptables-save", "-t", table); err != nil {
+				t.Log(err)
+			} else if err := os.WriteFile(filepath.Join(profDir, fmt.Sprintf("%s-%d.rules", table, n)), []byte(out), 0o644); err != nil {
+				t.Log(err)
+			}
+		}
 	}
-	line := fmt.Sprintf("MEASURE n=%d start→source-delivered=%v start→all-answering=%v (sample 200, %d never) first-full-sync=%v RSS=%.1fMiB fds=%d idle-CPU=%.2f%% (%v) one-more→answer=%v (missed %d, source loaded it after %v) unservable=%v",
-		n, source.Round(10*time.Millisecond), all.Round(time.Millisecond), missing, full.Round(time.Millisecond), float64(rss)/1024, fds, cpu, window,
+	line := fmt.Sprintf("MEASURE n=%d start→source-delivered=%v start→all-answering=%v (sample 200, %d never) first-full-sync=%v RSS=%.1fMiB (anon %.1f) fds=%d idle-CPU=%.2f%% (%v) one-more→answer=%v (missed %d, source loaded it after %v) unservable=%v",
+		n, source.Round(10*time.Millisecond), all.Round(time.Millisecond), missing, full.Round(time.Millisecond), float64(rss)/1024, float64(rssAnon)/1024, fds, cpu, window,
 		oneMore.Round(time.Millisecond), miss1, oneLoaded.Round(time.Millisecond), m["kube_userspace_proxy_service_ports_unservable"])
 	t.Log(line)
 	if tail := p.Tail(5); strings.Contains(tail, "panic") {

@@ -125,6 +125,9 @@ func (e *scaleEnv) start(t *testing.T, args ...string) *netns.Process {
 		// The range of the manifests' ClusterIPs (scaleClusterIP): none is reported as outside.
 		Args: append([]string{"--service-cluster-ip-range=10.100.0.0/16"}, args...),
 	})
+	if env := strings.Fields(os.Getenv("KUP_SCALE_ENV")); len(env) > 0 { // say GODEBUG=gctrace=1
+		cmd = append(append([]string{"env"}, env...), cmd...)
+	}
 	return e.node.NS.Start(t, cmd...)
 }
 
