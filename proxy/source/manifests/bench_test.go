@@ -39,14 +39,7 @@ func scaleName(files, perFile int) string {
 
 // loadedSource returns a Source that has read and delivered dir, its files settled.
 func loadedSource(b *testing.B, dir string) (*Source, *fakeClock, *rec) {
-	s := New(dir, Options{})
-	clock := newFakeClock()
-	s.now = clock.now
-	if err := s.prepare(); err != nil {
-		b.Fatal(err)
-	}
-	r := newRec(b)
-	settledScan(b, s, clock, r, true)
+	s, clock, r := scannedSource(b, dir, Options{}, nil)
 	for _, st := range s.files {
 		st.racy = false // not re-read as written too recently
 	}

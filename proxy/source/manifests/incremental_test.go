@@ -77,15 +77,8 @@ func TestIncrementalMergeMatchesFull(t *testing.T) {
 			newSide := func(full bool) side {
 				// A small range, so that hashed addresses collide with each other and with
 				// the explicit ones.
-				s := New(dir, Options{ServiceCIDRs: []netip.Prefix{netip.MustParsePrefix("10.96.0.0/28")}})
-				s.fullMergesOnly = full
-				clock := newFakeClock()
-				s.now = clock.now
-				if err := s.prepare(); err != nil {
-					t.Fatal(err)
-				}
-				r := newRec(t)
-				settledScan(t, s, clock, r, true)
+				s, clock, r := scannedSource(t, dir, Options{ServiceCIDRs: []netip.Prefix{netip.MustParsePrefix("10.96.0.0/28")}},
+					func(s *Source) { s.fullMergesOnly = full })
 				return side{s, clock, r}
 			}
 			inc, full := newSide(false), newSide(true)

@@ -237,6 +237,24 @@ func (c *fakeClock) advance(d time.Duration) {
 
 // settledScan scans, lets the debounce pass on s's clock (a fakeClock), and scans again: what
 // was written before it is read, as once the writer has finished and Debounce has passed.
+// scannedSource returns a Source for dir on a fake clock, set up by setUp (when not nil), after
+// its first settled scan, and what it delivered.
+func scannedSource(tb testing.TB, dir string, opts Options, setUp func(*Source)) (*Source, *fakeClock, *rec) {
+	tb.Helper()
+	s := New(dir, opts)
+	if setUp != nil {
+		setUp(s)
+	}
+	clock := newFakeClock()
+	s.now = clock.now
+	if err := s.prepare(); err != nil {
+		tb.Fatal(err)
+	}
+	r := newRec(tb)
+	settledScan(tb, s, clock, r, true)
+	return s, clock, r
+}
+
 func settledScan(tb testing.TB, s *Source, clock *fakeClock, h source.Handler, first bool) {
 	tb.Helper()
 	if _, err := s.scan(h, first); err != nil {
@@ -748,14 +766,7 @@ func TestClusterIPStableAcrossRestarts(t *testing.T) {
 		t.Fatal(err)
 	}
 	ips := func() map[string]string {
-		s := New(dir, Options{})
-		clock := newFakeClock()
-		s.now = clock.now
-		if err := s.prepare(); err != nil {
-			t.Fatal(err)
-		}
-		r := newRec(t)
-		settledScan(t, s, clock, r, true)
+		_, _, r := scannedSource(t, dir, Options{}, nil)
 		out := map[string]string{}
 		for k, o := range r.objects {
 			out[k] = o.(*v1.Service).Spec.ClusterIP
