@@ -138,8 +138,9 @@ type Proxier struct {
 	unservable map[proxy.Name]bool
 	// refused is the last refusal of endpoints that are the proxy itself, per service port.
 	refused map[proxy.Name]string
-	// lastFull is when the last successful full portal sync started; sync goroutine only.
-	lastFull time.Time
+	// lastFull is when the last successful full portal sync started, lastSweep when the last
+	// sync that swept the balancer's affinity entries did; sync goroutine only.
+	lastFull, lastSweep time.Time
 	// last is the last sync's port states (for Ports).
 	last []proxy.PortState
 	// gen counts the changes to the listeners: a port added, removed or redefined, a listener
@@ -308,7 +309,13 @@ func (p *Proxier) sync(periodic bool) bool {
 	for _, l := range opened { // now that the balancer knows their endpoints
 		l.start(&p.listen)
 	}
-	p.lb.Sweep()
+	if periodic || res.Start.Sub(p.lastSweep) >= p.opts.SyncPeriod {
+		// Expired affinity entries are never used; sweeping frees their memory, in a pass over
+		// every port: once a period, not on every partial sync (on a busy cluster the periodic
+		// sync may never come, hence the clock).
+		p.lb.Sweep()
+		p.lastSweep = res.Start
+	}
 	res.Ports = p.portStatesLocked(dirty, periodic || p.stale || ch.ZoneChanged)
 	p.stale = false
 	p.last = res.Ports
