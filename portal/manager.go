@@ -186,7 +186,9 @@ func (m *Manager) Sync(portals []Portal, nodeIPs []netip.Addr) error {
 //
 // Rules of different portals never match the same packets (each names its own address, port
 // and protocol), so appending a changed portal's rules after the others' is equivalent to the
-// sorted order Sync writes.
+// sorted order Sync writes. The guards of KUBE-PORTALS-PROXY-PORTS are changed by the ports they
+// list, so that a new proxy port appends a rule rather than replacing its block's (see
+// guardedDiff): they guard the same ports as Render's, grouped otherwise until the next Sync.
 func (m *Manager) Update(portals []Portal, nodeIPs []netip.Addr) error {
 	m.mu.Lock()
 	defer m.mu.Unlock()
@@ -257,8 +259,13 @@ func (m *Manager) updateLocked(portals []Portal, host Host, tables []table, star
 	var deltaBytes int
 	for _, t := range tables {
 		rules := ruleLines(t.payload)
+		var delta []byte
+		if t.table == tableFilter {
+			delta, rules = guardedDiff(m.written[t.table], rules)
+		} else {
+			delta = diffRules(m.written[t.table], rules)
+		}
 		written[t.table] = rules
-		delta := diffRules(m.written[t.table], rules)
 		if len(delta) == 0 {
 			continue
 		}
