@@ -32,7 +32,9 @@ import (
 // timing. With KUP_SCALE_PROFILE=dir it runs the proxy with --profiling and writes to dir a CPU
 // profile of its first 8 s, a heap profile once it serves, and its log; KUP_SCALE_ARGS adds
 // flags to the proxy's command line (say --log-level=debug), and KUP_SCALE_IDLE_PROFILE=1 takes a
-// CPU profile of 9 s of the idle window too. With KUP_SCALE_OUT=dir it writes
+// CPU profile of 9 s of the idle window too, and a heap profile at each end of it, each after a
+// collection (a heap profile is as of the last one), so that pprof -diff_base shows what the
+// idle window allocated; the profiling counts in that run's idle CPU figure. With KUP_SCALE_OUT=dir it writes
 // the figures as a table (scale.md) and as growth curves (scale.svg) to dir; KUP_SCALE_REPS=k
 // measures every count k times (interleaved) and reports the medians.
 func TestScaleMeasure(t *testing.T) {
@@ -179,7 +181,7 @@ func measureScale(t *testing.T, n int, window time.Duration) scaleFigures {
 	a0 := time.Now()
 	a, _ := cpuTicks(pid)
 	if profDir != "" && os.Getenv("KUP_SCALE_IDLE_PROFILE") != "" { // in the window: counts in its figure
-		if err := <-fetchProfile(e.node.NS, "heap", filepath.Join(profDir, fmt.Sprintf("idle-heap-start-%d.pprof", n))); err != nil {
+		if err := <-fetchProfile(e.node.NS, "heap?gc=1", filepath.Join(profDir, fmt.Sprintf("idle-heap-start-%d.pprof", n))); err != nil {
 			t.Log(err)
 		}
 		if err := <-fetchProfile(e.node.NS, "profile?seconds=9", filepath.Join(profDir, fmt.Sprintf("idle-cpu-%d.pprof", n))); err != nil {
@@ -189,7 +191,7 @@ func measureScale(t *testing.T, n int, window time.Duration) scaleFigures {
 	time.Sleep(window - min(window, time.Since(a0)))
 	b, _ := cpuTicks(pid)
 	if profDir != "" && os.Getenv("KUP_SCALE_IDLE_PROFILE") != "" { // what the idle window allocated: pprof -diff_base
-		if err := <-fetchProfile(e.node.NS, "heap", filepath.Join(profDir, fmt.Sprintf("idle-heap-end-%d.pprof", n))); err != nil {
+		if err := <-fetchProfile(e.node.NS, "heap?gc=1", filepath.Join(profDir, fmt.Sprintf("idle-heap-end-%d.pprof", n))); err != nil {
 			t.Log(err)
 		}
 	}
