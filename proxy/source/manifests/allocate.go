@@ -296,8 +296,13 @@ func (a *allocator) allocateAgainst(svcs []*v1.Service, prev allocation, taken *
 // previous allocation, when it has them and the service needs no node ports (which are
 // allocated on the copies afterwards); else a new copy.
 func complete(p *svcPlan, addrs []netip.Addr, last *v1.Service) *v1.Service {
-	if last != nil && p.svc.Spec.Type == v1.ServiceTypeClusterIP && len(p.families) > 0 && sameAddrs(last.Spec.ClusterIPs, addrs) {
-		return last
+	if p.svc.Spec.Type == v1.ServiceTypeClusterIP && len(p.families) > 0 {
+		if completed(p.svc, p, addrs) {
+			return p.svc // nothing to fill in: no copy (one object per service)
+		}
+		if last != nil && sameAddrs(last.Spec.ClusterIPs, addrs) {
+			return last
+		}
 	}
 	svc := p.svc.DeepCopy()
 	if len(p.families) > 0 {
@@ -312,6 +317,22 @@ func complete(p *svcPlan, addrs []netip.Addr, last *v1.Service) *v1.Service {
 		svc.Spec.IPFamilyPolicy = &policy
 	}
 	return svc
+}
+
+// completed reports whether svc holds already what complete would fill in: the cluster IPs
+// addrs, p's families and policy.
+func completed(svc *v1.Service, p *svcPlan, addrs []netip.Addr) bool {
+	spec := &svc.Spec
+	if len(addrs) == 0 || len(spec.ClusterIPs) != len(addrs) || spec.ClusterIP != spec.ClusterIPs[0] ||
+		!slices.Equal(spec.IPFamilies, p.families) || spec.IPFamilyPolicy == nil || *spec.IPFamilyPolicy != p.policy {
+		return false
+	}
+	for i, a := range addrs {
+		if spec.ClusterIPs[i] != a.String() { // as written by complete: canonical
+			return false
+		}
+	}
+	return true
 }
 
 // sameAddrs reports whether the cluster IPs ips are addrs.

@@ -9,6 +9,7 @@ import (
 	"testing"
 
 	v1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/api/equality"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 )
 
@@ -467,5 +468,48 @@ func TestAllocationReusesCopies(t *testing.T) {
 	}
 	if first[0].Spec.ClusterIP != ip {
 		t.Errorf("the copy handed out before was modified: %s", first[0].Spec.ClusterIP)
+	}
+}
+
+// TestExplicitClusterIPServedWithoutCopy: a ClusterIP service whose manifest gives its single
+// cluster IP is complete once decoded (the family and policy the API server would default are
+// filled in then), so the allocator hands out the decoded object itself, again and again; one
+// that needs anything filled in (no address, a dual-stack policy, a node port) gets a copy and
+// its decoded object stays as it was.
+func TestExplicitClusterIPServedWithoutCopy(t *testing.T) {
+	a := mustAllocator(t, "10.96.0.0/16", "fd00:96::/112")
+	decoded := func(mod func(*v1.Service)) *v1.Service { return testSvc("default", "s", mod) } // as decoded: defaulted
+	explicit := decoded(func(s *v1.Service) { s.Spec.ClusterIP = "10.96.0.10" })
+	explicit6 := decoded(func(s *v1.Service) { s.Spec.ClusterIP = "fd00:96::a" })
+	if got := explicit.Spec.IPFamilies; len(got) != 1 || got[0] != v1.IPv4Protocol || *explicit.Spec.IPFamilyPolicy != v1.IPFamilyPolicySingleStack {
+		t.Fatalf("decoded: families %v, policy %v; want [IPv4] SingleStack", got, explicit.Spec.IPFamilyPolicy)
+	}
+	prefer := v1.IPFamilyPolicyPreferDualStack
+	copied := map[string]*v1.Service{
+		"no address": decoded(func(s *v1.Service) {}),
+		"PreferDualStack": decoded(func(s *v1.Service) {
+			s.Spec.ClusterIP, s.Spec.IPFamilyPolicy = "10.96.0.11", &prefer
+		}),
+		"NodePort": decoded(func(s *v1.Service) { s.Spec.ClusterIP, s.Spec.Type = "10.96.0.12", v1.ServiceTypeNodePort }),
+	}
+	alloc := emptyAlloc()
+	for round := range 2 {
+		for _, svc := range []*v1.Service{explicit, explicit6} {
+			var out []*v1.Service
+			out, alloc, _ = a.allocate([]*v1.Service{svc}, alloc)
+			if out[0] != svc {
+				t.Errorf("round %d, %s: a copy of a complete service", round, svc.Spec.ClusterIP)
+			}
+		}
+	}
+	for name, svc := range copied {
+		before := svc.DeepCopy()
+		out, _, _ := a.allocate([]*v1.Service{svc}, emptyAlloc())
+		if out[0] == svc {
+			t.Errorf("%s: the decoded object was handed out though the allocator filled in fields", name)
+		}
+		if !equality.Semantic.DeepEqual(before, svc) {
+			t.Errorf("%s: the decoded object was modified", name)
+		}
 	}
 }

@@ -238,6 +238,23 @@ func validateClusterIPs(spec *v1.ServiceSpec, bad func(field, format string, arg
 	if spec.Type == v1.ServiceTypeExternalName && len(spec.ClusterIPs) > 0 {
 		bad("spec.clusterIP", "must be empty for an ExternalName service")
 	}
+	// One valid address and no dual-stack policy: the family and policy are what the API server
+	// (and the allocator's plan) would make of them. Filling them in here lets the allocator
+	// serve the decoded object as it is, without a completed copy.
+	if len(fams) == 1 && len(spec.ClusterIPs) == 1 && spec.Type != v1.ServiceTypeExternalName &&
+		(spec.IPFamilyPolicy == nil || *spec.IPFamilyPolicy == v1.IPFamilyPolicySingleStack) {
+		fam := v1.IPv4Protocol
+		if fams[0] {
+			fam = v1.IPv6Protocol
+		}
+		if len(spec.IPFamilies) == 0 {
+			spec.IPFamilies = []v1.IPFamily{fam}
+		}
+		if spec.IPFamilyPolicy == nil {
+			policy := v1.IPFamilyPolicySingleStack
+			spec.IPFamilyPolicy = &policy
+		}
+	}
 }
 
 // maxEndpointAddresses is the API server's limit of addresses per endpoint.
