@@ -3,6 +3,7 @@ package proxy
 import (
 	"maps"
 	"slices"
+	"strings"
 	"sync"
 	"time"
 
@@ -66,8 +67,10 @@ type Tracker struct {
 	// applied is the state handed out by the last Drain.
 	appliedPorts     map[types.NamespacedName]ServicePortMap
 	appliedEndpoints map[types.NamespacedName]EndpointsMap
-	// slices holds the current EndpointSlices per service, by slice name.
-	slices map[types.NamespacedName]map[string]*discovery.EndpointSlice
+	// slices holds the current EndpointSlices per service, sorted by name. A list is replaced,
+	// never changed in place: a list read under mu stays valid after it is released. (A slice,
+	// not a map by name: a service has one or a few, and a map costs ~300 bytes even for one.)
+	slices map[types.NamespacedName][]*discovery.EndpointSlice
 	// pending changes since the last Drain.
 	pendingPorts     map[types.NamespacedName]*Change[ServicePortMap]
 	pendingEndpoints map[types.NamespacedName]*Change[EndpointsMap]
@@ -92,7 +95,7 @@ func NewTracker(opts TrackerOptions) *Tracker {
 		opts:             opts,
 		appliedPorts:     map[types.NamespacedName]ServicePortMap{},
 		appliedEndpoints: map[types.NamespacedName]EndpointsMap{},
-		slices:           map[types.NamespacedName]map[string]*discovery.EndpointSlice{},
+		slices:           map[types.NamespacedName][]*discovery.EndpointSlice{},
 		pendingPorts:     map[types.NamespacedName]*Change[ServicePortMap]{},
 		pendingEndpoints: map[types.NamespacedName]*Change[EndpointsMap]{},
 		lastErr:          map[string]string{},
@@ -157,22 +160,11 @@ func (t *Tracker) OnEndpointSliceUpdate(prev, cur *discovery.EndpointSlice) {
 	}
 
 	t.mu.Lock()
-	byName := t.slices[svc]
-	if cur == nil {
-		delete(byName, obj.Name)
-		if len(byName) == 0 {
-			delete(t.slices, svc)
-		}
+	list := withSlice(t.slices[svc], obj.Name, cur)
+	if len(list) == 0 {
+		delete(t.slices, svc)
 	} else {
-		if byName == nil {
-			byName = map[string]*discovery.EndpointSlice{}
-			t.slices[svc] = byName
-		}
-		byName[obj.Name] = cur
-	}
-	list := make([]*discovery.EndpointSlice, 0, len(byName))
-	for _, k := range slices.Sorted(maps.Keys(byName)) {
-		list = append(list, byName[k])
+		t.slices[svc] = list
 	}
 	t.mu.Unlock()
 
@@ -185,6 +177,25 @@ func (t *Tracker) OnEndpointSliceUpdate(prev, cur *discovery.EndpointSlice) {
 	t.mu.Lock()
 	changed := recordLocked(t.pendingEndpoints, t.appliedEndpoints, svc, eps, endpointsEqual)
 	t.noteLocked(changed)
+}
+
+// withSlice returns a copy of list (sorted by name) where the slice named name is cur, or is
+// left out when cur is nil.
+func withSlice(list []*discovery.EndpointSlice, name string, cur *discovery.EndpointSlice) []*discovery.EndpointSlice {
+	i, found := slices.BinarySearchFunc(list, name, func(s *discovery.EndpointSlice, name string) int {
+		return strings.Compare(s.Name, name)
+	})
+	switch {
+	case cur == nil && !found:
+		return list
+	case cur == nil:
+		return slices.Concat(list[:i], list[i+1:])
+	case found:
+		out := slices.Clone(list)
+		out[i] = cur
+		return out
+	}
+	return slices.Concat(list[:i], []*discovery.EndpointSlice{cur}, list[i:])
 }
 
 // recordLocked makes cur the pending state of name (previous: the state the last Drain handed

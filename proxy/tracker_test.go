@@ -2,6 +2,10 @@ package proxy
 
 import (
 	"bytes"
+	"fmt"
+	"maps"
+	"math/rand/v2"
+	"slices"
 	"strings"
 	"testing"
 
@@ -237,5 +241,33 @@ func TestNodeZone(t *testing.T) {
 		if c.ZoneChanged != st.wantChanged || c.Zone != st.wantZone || c.Empty() == st.wantChanged {
 			t.Errorf("%s: Drain gave ZoneChanged %v Zone %q Empty %v, want %v %q", st.name, c.ZoneChanged, c.Zone, c.Empty(), st.wantChanged, st.wantZone)
 		}
+	}
+}
+
+// TestWithSlice: random adds, updates and deletes of a service's slices keep the list sorted by
+// name and equal to a map model, and never change a list handed out before.
+func TestWithSlice(t *testing.T) {
+	r := rand.New(rand.NewPCG(1, 2))
+	model := map[string]*discovery.EndpointSlice{}
+	var list []*discovery.EndpointSlice
+	for i := range 2000 {
+		name := fmt.Sprintf("s%d", r.IntN(6))
+		var cur *discovery.EndpointSlice
+		if r.IntN(3) > 0 {
+			cur = trackedSlice(name, "svc", 80, fmt.Sprintf("10.0.0.%d", i%250+1))
+			model[name] = cur
+		} else {
+			delete(model, name)
+		}
+		before := slices.Clone(list)
+		next := withSlice(list, name, cur)
+		if !slices.Equal(list, before) {
+			t.Fatalf("step %d: the previous list was changed in place", i)
+		}
+		want := slices.SortedFunc(maps.Values(model), func(a, b *discovery.EndpointSlice) int { return strings.Compare(a.Name, b.Name) })
+		if !slices.Equal(next, want) {
+			t.Fatalf("step %d (%s, delete %v): got %d slices, want %d", i, name, cur == nil, len(next), len(want))
+		}
+		list = next
 	}
 }
