@@ -4,8 +4,12 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"runtime"
 	"strings"
 	"testing"
+
+	v1 "k8s.io/api/core/v1"
+	discovery "k8s.io/api/discovery/v1"
 )
 
 // servicesFile returns the content of a file of perFile services s<file>-<j>, each with an
@@ -137,4 +141,69 @@ func BenchmarkOneFileChange(b *testing.B) {
 			}
 		})
 	}
+}
+
+// discardHandler takes the source's calls and keeps nothing.
+type discardHandler struct{}
+
+func (discardHandler) OnServiceUpdate(_, _ *v1.Service)                    {}
+func (discardHandler) OnEndpointSliceUpdate(_, _ *discovery.EndpointSlice) {}
+func (discardHandler) OnSynced()                                           {}
+
+// BenchmarkSourceMemory reports what a loaded source holds per service (with its EndpointSlice)
+// at 10,000 services in 10 files: the live heap after a collection, less the one before it was
+// made, the handler keeping nothing. "allocated": the manifests give no cluster IP; "explicit":
+// each gives its own.
+func BenchmarkSourceMemory(b *testing.B) {
+	const files, perFile = 10, 1000
+	for _, c := range []struct {
+		name     string
+		explicit bool
+	}{{"allocated", false}, {"explicit", true}} {
+		b.Run(c.name, func(b *testing.B) {
+			dir := b.TempDir()
+			for i := range files {
+				content := servicesFile(i, perFile, 0)
+				if c.explicit {
+					var sb strings.Builder
+					for j, doc := range strings.Split(content, "\nspec:\n") {
+						if j > 0 {
+							n := i*perFile + j - 1
+							fmt.Fprintf(&sb, "\nspec:\n  clusterIP: 10.96.%d.%d\n", n>>8, n&0xff)
+						}
+						sb.WriteString(doc)
+					}
+					content = sb.String()
+				}
+				if err := os.WriteFile(filepath.Join(dir, fmt.Sprintf("f%d.yaml", i)), []byte(content), 0o644); err != nil {
+					b.Fatal(err)
+				}
+			}
+			var perService float64
+			for range b.N {
+				before := liveHeap()
+				s := New(dir, Options{})
+				clock := newFakeClock()
+				s.now = clock.now
+				if err := s.prepare(); err != nil {
+					b.Fatal(err)
+				}
+				settledScan(b, s, clock, discardHandler{}, true)
+				if n := len(s.delivered); n != 2*files*perFile {
+					b.Fatalf("%d objects delivered, want %d", n, 2*files*perFile)
+				}
+				perService = float64(liveHeap()-before) / (files * perFile)
+				runtime.KeepAlive(s)
+			}
+			b.ReportMetric(perService, "B/service")
+		})
+	}
+}
+
+// liveHeap returns the bytes of the heap in use after a collection.
+func liveHeap() int64 {
+	runtime.GC()
+	var ms runtime.MemStats
+	runtime.ReadMemStats(&ms)
+	return int64(ms.HeapAlloc)
 }
