@@ -196,7 +196,11 @@ func measureScale(t *testing.T, n int, window time.Duration) scaleFigures {
 		}
 	}
 	cpu := (b - a) / window.Seconds() // ticks/s = percent of a core
-	// One more service.
+	// One more service, written once the periodic sync due at the window's end (the window is a
+	// sync period long) has run: written during it, the service waited for it, up to its whole
+	// duration (a full check of every rule, ~0.1 s at 10,000), which a change meets about once
+	// in (period / full sync) changes, not every time.
+	waitFullSyncs(e.node.NS, 3, 45*time.Second)
 	writeScaleManifests(t, e.dir, n, n+1, e.pod.IP)
 	added := time.Now()
 	loaded := watchLog(p, fmt.Sprintf("svc-%06d.yaml", n), 30*time.Second) // the source's "manifest file loaded"
