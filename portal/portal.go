@@ -271,8 +271,10 @@ func inFamily(f iptables.Family, a netip.Addr) bool {
 
 // comparePortals orders portals for deterministic output.
 func comparePortals(a, b *Portal) int {
+	if c := strings.Compare(a.Comment, b.Comment); c != 0 {
+		return c // almost always: only a port's protocols share a comment
+	}
 	return cmp.Or(
-		strings.Compare(a.Comment, b.Comment),
 		strings.Compare(a.Protocol, b.Protocol),
 		cmp.Compare(a.Port, b.Port),
 		cmp.Compare(a.NodePort, b.NodePort),

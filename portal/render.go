@@ -32,7 +32,9 @@ func Render(cfg Config, host Host, portals []Portal) (nat, filter []byte) {
 			order = append(order, &portals[i])
 		}
 	}
-	slices.SortFunc(order, comparePortals)
+	if !slices.IsSortedFunc(order, comparePortals) { // the proxier's are, in name order
+		slices.SortFunc(order, comparePortals)
+	}
 	// Sizes from a count keep appends from copying (~170 bytes a rule).
 	var addrs, nodePorts int
 	for _, p := range order {
