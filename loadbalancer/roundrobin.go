@@ -136,9 +136,9 @@ type port struct {
 	order        []proxy.Endpoint
 	topologyNote string
 
-	// errNoEndpoints and errNoLocal are Next's errors for this port, built once so that failing
-	// picks do not allocate.
-	errNoEndpoints, errNoLocal error
+	// errs holds Next's errors for this port, built by its first failing pick (rare: most ports
+	// never need them) and then reused, so that later failing picks do not allocate.
+	errs atomic.Pointer[portErrors]
 
 	// mu guards the following fields. Snapshots are stored under it too, so that a holder of
 	// mu sees a snapshot consistent with the affinity table.
@@ -165,7 +165,6 @@ type pool struct {
 	id    int
 	eps   []proxy.Endpoint       // usable endpoints, in rotation order
 	index map[netip.AddrPort]int // position of each endpoint in eps
-	err   error                  // Next's error when eps is empty
 	next  atomic.Uint64          // rotation counter: the next pick is eps[next % len(eps)]
 	// topology is the topology decision behind eps (poolCluster only).
 	topology topologyChoice
@@ -211,7 +210,7 @@ func (pl *pool) splitFamilies(old *pool) {
 	}
 	pl.families = new([2]*pool)
 	for f, eps := range byFamily {
-		sub := &pool{id: pl.id, eps: eps, index: make(map[netip.AddrPort]int, len(eps)), err: pl.err, topology: pl.topology}
+		sub := &pool{id: pl.id, eps: eps, index: make(map[netip.AddrPort]int, len(eps)), topology: pl.topology}
 		for i, e := range eps {
 			sub.index[e.Addr] = i
 		}
@@ -251,11 +250,7 @@ func (lb *RoundRobin) SetServicePort(sp *proxy.ServicePort, eps []proxy.Endpoint
 	lb.mu.RUnlock()
 	isNew := p == nil
 	if isNew {
-		op := "pick endpoint for " + sp.Name.String()
-		p = &port{
-			errNoEndpoints: fmt.Errorf("%s: %w", op, ErrNoEndpoints),
-			errNoLocal:     fmt.Errorf("%s: %w", op, ErrNoLocalEndpoints),
-		}
+		p = &port{}
 	}
 
 	old := p.snap.Load()
@@ -444,12 +439,39 @@ func (lb *RoundRobin) Next(name proxy.Name, client netip.Addr, external, resetAf
 	s := p.snap.Load()
 	pl := s.class[class].forClient(client)
 	if len(pl.eps) == 0 {
-		return proxy.Endpoint{}, pl.err
+		return proxy.Endpoint{}, p.errNoEndpoints(s, pl)
 	}
 	if !s.affinity || !client.IsValid() {
 		return pl.pick(), nil
 	}
 	return lb.nextAffine(p, class, client.Unmap(), resetAffinity)
+}
+
+// portErrors are Next's errors for one port.
+type portErrors struct {
+	noEndpoints, noLocal error
+}
+
+// errNoEndpoints returns Next's error for traffic whose pool pl (empty) of snapshot s has no
+// endpoint: ErrNoLocalEndpoints for the local rule while other nodes have usable endpoints,
+// ErrNoEndpoints otherwise, wrapped with the operation and the port's name. The same error is
+// returned each time for the port (it is built by the first call).
+func (p *port) errNoEndpoints(s *snapshot, pl *pool) error {
+	errs := p.errs.Load()
+	if errs == nil {
+		op := "pick endpoint for " + s.sp.Name.String()
+		errs = &portErrors{
+			noEndpoints: fmt.Errorf("%s: %w", op, ErrNoEndpoints),
+			noLocal:     fmt.Errorf("%s: %w", op, ErrNoLocalEndpoints),
+		}
+		if !p.errs.CompareAndSwap(nil, errs) {
+			errs = p.errs.Load()
+		}
+	}
+	if pl.id == poolLocal && len(s.pools[poolCluster].eps) > 0 {
+		return errs.noLocal
+	}
+	return errs.noEndpoints
 }
 
 // nextAffine is Next for a port with session affinity. A hit allocates nothing.
@@ -460,7 +482,7 @@ func (lb *RoundRobin) nextAffine(p *port, class int, client netip.Addr, reset bo
 	s := p.snap.Load()
 	pl := s.class[class].forClient(client)
 	if len(pl.eps) == 0 {
-		return proxy.Endpoint{}, pl.err
+		return proxy.Endpoint{}, p.errNoEndpoints(s, pl)
 	}
 	if !s.affinity || p.deleted {
 		return pl.pick(), nil
@@ -565,11 +587,6 @@ func (p *port) buildPools(order []proxy.Endpoint, node Node, old *snapshot) [num
 			pl.next.Store(carryPosition(old.pools[id], pl))
 		}
 		pools[id] = pl
-	}
-	pools[poolCluster].err = p.errNoEndpoints
-	pools[poolLocal].err = p.errNoLocal
-	if len(pools[poolCluster].eps) == 0 {
-		pools[poolLocal].err = p.errNoEndpoints
 	}
 	for id, pl := range pools {
 		var prev *pool
