@@ -164,7 +164,7 @@ type snapshot struct {
 type pool struct {
 	id    int
 	eps   []proxy.Endpoint       // usable endpoints, in rotation order
-	index map[netip.AddrPort]int // position of each endpoint in eps
+	index map[netip.AddrPort]int // position of each endpoint in eps; nil up to indexedPool endpoints
 	next  atomic.Uint64          // rotation counter: the next pick is eps[next % len(eps)]
 	// topology is the topology decision behind eps (poolCluster only).
 	topology topologyChoice
@@ -173,6 +173,37 @@ type pool struct {
 	// keeps its address family, as with kube-proxy's per-family proxiers. Nil otherwise; a
 	// client then gets whatever family eps has (a userspace proxy can bridge them).
 	families *[2]*pool
+}
+
+// indexedPool is the most endpoints a pool finds an address among by scanning eps; longer pools
+// have an index. A Go map allocates a group of 8 slots (~350 bytes here) even for one endpoint,
+// and up to ~20 endpoints a scan is as fast as a map lookup (~5 ns for a few, ~12 for 16).
+const indexedPool = 16
+
+// newPool returns a pool of eps (rotation at 0) with its index when it needs one.
+func newPool(id int, eps []proxy.Endpoint) *pool {
+	pl := &pool{id: id, eps: eps}
+	if len(eps) > indexedPool {
+		pl.index = make(map[netip.AddrPort]int, len(eps))
+		for i, e := range eps {
+			pl.index[e.Addr] = i
+		}
+	}
+	return pl
+}
+
+// find returns the position of the endpoint a in eps.
+func (pl *pool) find(a netip.AddrPort) (int, bool) {
+	if pl.index != nil {
+		i, ok := pl.index[a]
+		return i, ok
+	}
+	for i := range pl.eps {
+		if pl.eps[i].Addr == a {
+			return i, true
+		}
+	}
+	return 0, false
 }
 
 // Address families of families.
@@ -210,10 +241,8 @@ func (pl *pool) splitFamilies(old *pool) {
 	}
 	pl.families = new([2]*pool)
 	for f, eps := range byFamily {
-		sub := &pool{id: pl.id, eps: eps, index: make(map[netip.AddrPort]int, len(eps)), topology: pl.topology}
-		for i, e := range eps {
-			sub.index[e.Addr] = i
-		}
+		sub := newPool(pl.id, eps)
+		sub.topology = pl.topology
 		if old != nil {
 			prev := old
 			if old.families != nil {
@@ -502,7 +531,7 @@ func (lb *RoundRobin) nextAffine(p *port, class int, client netip.Addr, reset bo
 		if reset {
 			failed = e.ep
 		} else if now-e.used < s.timeout {
-			if i, usable := pl.index[e.ep]; usable {
+			if i, usable := pl.find(e.ep); usable {
 				t.use(at, e.ep, now)
 				return pl.eps[i], nil
 			}
@@ -576,12 +605,9 @@ func (p *port) buildPools(order []proxy.Endpoint, node Node, old *snapshot) [num
 			mode = topologyNone
 		}
 		eps := filter(nil, order, node, local, mode)
-		pl := &pool{id: id, eps: eps, index: make(map[netip.AddrPort]int, len(eps))}
+		pl := newPool(id, eps)
 		if !local {
 			pl.topology = choice
-		}
-		for i, e := range eps {
-			pl.index[e.Addr] = i
 		}
 		if old != nil {
 			pl.next.Store(carryPosition(old.pools[id], pl))
@@ -608,7 +634,7 @@ func carryPosition(old, pl *pool) uint64 {
 	}
 	at := old.next.Load() % n
 	for k := range n {
-		if i, ok := pl.index[old.eps[(at+k)%n].Addr]; ok {
+		if i, ok := pl.find(old.eps[(at+k)%n].Addr); ok {
 			return uint64(i)
 		}
 	}
