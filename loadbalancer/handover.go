@@ -76,7 +76,7 @@ func (lb *RoundRobin) restoreAffinityLocked(p *port, s *snapshot, present map[ne
 	slices.SortStableFunc(entries, func(a, b AffinityEntry) int { return int(b.Idle - a.Idle) })
 	now := lb.now().Sub(lb.epoch)
 	for _, e := range entries {
-		if _, ok := present[e.Endpoint]; !ok || e.Idle >= s.timeout {
+		if _, ok := present[e.Endpoint]; !ok || e.Idle >= s.timeout() {
 			continue
 		}
 		pool := poolCluster

@@ -130,9 +130,9 @@ type port struct {
 	// snap is what Next reads; replaced (never modified) by SetServicePort, under mu.
 	snap atomic.Pointer[snapshot]
 
-	// sp is the port's current configuration, order every endpoint in rotation order, and
-	// topologyNote the last topology decision logged. Guarded by RoundRobin.writeMu.
-	sp           *proxy.ServicePort
+	// order is every endpoint in rotation order, and topologyNote the last topology decision
+	// logged. Guarded by RoundRobin.writeMu, as is the choice of snapshot (the port's current
+	// configuration is snap's sp).
 	order        []proxy.Endpoint
 	topologyNote string
 
@@ -150,39 +150,54 @@ type port struct {
 	deleted bool
 }
 
-// snapshot is an immutable view of a port's configuration and usable endpoints.
+// snapshot is an immutable view of a port's configuration and usable endpoints. It is kept small
+// (one 32-byte allocation): there is one per service port.
 type snapshot struct {
-	sp       *proxy.ServicePort // the configuration it was built from
+	sp    *proxy.ServicePort // the configuration it was built from
+	pools [numPools]*pool
+	class [numClasses]uint8 // the pool (poolCluster, poolLocal) each traffic class uses
+	// affinity is sp.SessionAffinity, here so that Next does not read sp.
 	affinity bool
-	timeout  time.Duration
-	pools    [numPools]*pool
-	class    [numClasses]*pool // the pool each traffic class uses
+}
+
+// timeout returns the port's affinity timeout.
+func (s *snapshot) timeout() time.Duration {
+	if s.sp.AffinityTimeout <= 0 {
+		return proxy.DefaultAffinityTimeout
+	}
+	return s.sp.AffinityTimeout
 }
 
 // pool is the usable endpoint list of one selection rule, with its rotation. Everything but next
-// is immutable once published.
+// is immutable once published. The pools of a port's two rules are one pool when both lists are
+// the same single endpoint (a rotation of one needs no counter of its own), and an empty list is
+// the shared emptyPool.
 type pool struct {
-	id    int
-	eps   []proxy.Endpoint       // usable endpoints, in rotation order
+	eps   []proxy.Endpoint       // usable endpoints, in rotation order; may alias port.order
 	index map[netip.AddrPort]int // position of each endpoint in eps; nil up to indexedPool endpoints
 	next  atomic.Uint64          // rotation counter: the next pick is eps[next % len(eps)]
-	// topology is the topology decision behind eps (poolCluster only).
-	topology topologyChoice
 	// families, when eps holds endpoints of both address families, is this pool narrowed to
-	// each family (familyIPv4, familyIPv6), each with its own rotation and the same id: traffic
-	// keeps its address family, as with kube-proxy's per-family proxiers. Nil otherwise; a
-	// client then gets whatever family eps has (a userspace proxy can bridge them).
+	// each family (familyIPv4, familyIPv6), each with its own rotation: traffic keeps its address
+	// family, as with kube-proxy's per-family proxiers. Nil otherwise; a client then gets
+	// whatever family eps has (a userspace proxy can bridge them).
 	families *[2]*pool
 }
+
+// emptyPool is every pool without endpoints. Its counter is never used.
+var emptyPool = new(pool)
 
 // indexedPool is the most endpoints a pool finds an address among by scanning eps; longer pools
 // have an index. A Go map allocates a group of 8 slots (~350 bytes here) even for one endpoint,
 // and up to ~20 endpoints a scan is as fast as a map lookup (~5 ns for a few, ~12 for 16).
 const indexedPool = 16
 
-// newPool returns a pool of eps (rotation at 0) with its index when it needs one.
-func newPool(id int, eps []proxy.Endpoint) *pool {
-	pl := &pool{id: id, eps: eps}
+// newPool returns a pool of eps (rotation at 0) with its index when it needs one; emptyPool
+// when eps is empty.
+func newPool(eps []proxy.Endpoint) *pool {
+	if len(eps) == 0 {
+		return emptyPool
+	}
+	pl := &pool{eps: eps}
 	if len(eps) > indexedPool {
 		pl.index = make(map[netip.AddrPort]int, len(eps))
 		for i, e := range eps {
@@ -241,8 +256,7 @@ func (pl *pool) splitFamilies(old *pool) {
 	}
 	pl.families = new([2]*pool)
 	for f, eps := range byFamily {
-		sub := newPool(pl.id, eps)
-		sub.topology = pl.topology
+		sub := newPool(eps)
 		if old != nil {
 			prev := old
 			if old.families != nil {
@@ -284,19 +298,17 @@ func (lb *RoundRobin) SetServicePort(sp *proxy.ServicePort, eps []proxy.Endpoint
 
 	old := p.snap.Load()
 	order, present, added, changed := lb.mergeOrder(p.order, eps)
-	s := &snapshot{sp: sp, affinity: sp.SessionAffinity, timeout: sp.AffinityTimeout}
-	if s.timeout <= 0 {
-		s.timeout = proxy.DefaultAffinityTimeout
-	}
+	s := &snapshot{sp: sp, affinity: sp.SessionAffinity}
+	var choice topologyChoice
 	if old != nil && !changed {
 		s.pools = old.pools
+		choice = topologyFor(order, lb.node) // what buildPools found for the same order
 	} else {
-		s.pools = p.buildPools(order, lb.node, old)
+		s.pools, choice = buildPools(order, lb.node, old)
 	}
-	s.class[classInternal] = s.pools[poolFor(sp.InternalPolicyLocal)]
-	s.class[classExternal] = s.pools[poolFor(sp.ExternalPolicyLocal)]
-	p.sp = sp
-	lb.noteTopologyLocked(p, s)
+	s.class[classInternal] = uint8(poolFor(sp.InternalPolicyLocal))
+	s.class[classExternal] = uint8(poolFor(sp.ExternalPolicyLocal))
+	lb.noteTopologyLocked(p, s, choice)
 
 	p.mu.Lock()
 	switch {
@@ -347,27 +359,24 @@ func (lb *RoundRobin) SetZone(zone string) {
 		}
 		old := p.snap.Load()
 		s := *old
-		s.pools = p.buildPools(p.order, lb.node, old)
-		for c := range s.class {
-			s.class[c] = s.pools[old.class[c].id]
-		}
+		var choice topologyChoice
+		s.pools, choice = buildPools(p.order, lb.node, old)
 		p.mu.Lock()
 		p.snap.Store(&s)
 		p.mu.Unlock()
-		lb.noteTopologyLocked(p, &s)
+		lb.noteTopologyLocked(p, &s, choice)
 	}
 }
 
-// noteTopologyLocked logs, at debug level, the topology decision for p's new snapshot s when it
+// noteTopologyLocked logs, at debug level, the topology decision c for p's new snapshot s when it
 // differs from the last one logged for p: which hints are used, or why hints (or the service's
 // request for topology) are ignored. Ports that neither ask for topology nor have hinted
 // endpoints stay quiet. lb.writeMu must be held.
-func (lb *RoundRobin) noteTopologyLocked(p *port, s *snapshot) {
-	c := s.pools[poolCluster].topology
-	asked := p.sp.Topology != proxy.TopologyNone
+func (lb *RoundRobin) noteTopologyLocked(p *port, s *snapshot, c topologyChoice) {
+	asked := s.sp.Topology != proxy.TopologyNone
 	var note string
 	switch {
-	case s.class[classInternal].id != poolCluster && s.class[classExternal].id != poolCluster:
+	case s.class[classInternal] != poolCluster && s.class[classExternal] != poolCluster:
 		if asked || c.hinted {
 			note = "hints not used: both traffic policies are Local"
 		}
@@ -388,8 +397,8 @@ func (lb *RoundRobin) noteTopologyLocked(p *port, s *snapshot) {
 	if note == "" {
 		note = "no topology hints: every endpoint used"
 	}
-	lb.log.Debug().Str("servicePort", p.sp.String()).Str("node", lb.node.Name).Str("zone", lb.node.Zone).
-		Str("topologyRequest", string(p.sp.Topology)).Msg("topology: " + note)
+	lb.log.Debug().Str("servicePort", s.sp.String()).Str("node", lb.node.Name).Str("zone", lb.node.Zone).
+		Str("topologyRequest", string(s.sp.Topology)).Msg("topology: " + note)
 }
 
 // Availability says which traffic of one service port has a usable endpoint (see Usable), as of
@@ -416,8 +425,8 @@ func (lb *RoundRobin) Availability(name proxy.Name) Availability {
 	s := p.snap.Load()
 	return Availability{
 		Any:            len(s.pools[poolCluster].eps) > 0,
-		Internal:       len(s.class[classInternal].eps) > 0,
-		External:       len(s.class[classExternal].eps) > 0,
+		Internal:       len(s.pools[s.class[classInternal]].eps) > 0,
+		External:       len(s.pools[s.class[classExternal]].eps) > 0,
 		LocalEndpoints: len(s.pools[poolLocal].eps),
 	}
 }
@@ -466,9 +475,9 @@ func (lb *RoundRobin) Next(name proxy.Name, client netip.Addr, external, resetAf
 		class = classExternal
 	}
 	s := p.snap.Load()
-	pl := s.class[class].forClient(client)
+	pl := s.pools[s.class[class]].forClient(client)
 	if len(pl.eps) == 0 {
-		return proxy.Endpoint{}, p.errNoEndpoints(s, pl)
+		return proxy.Endpoint{}, p.errNoEndpoints(s, class)
 	}
 	if !s.affinity || !client.IsValid() {
 		return pl.pick(), nil
@@ -481,11 +490,11 @@ type portErrors struct {
 	noEndpoints, noLocal error
 }
 
-// errNoEndpoints returns Next's error for traffic whose pool pl (empty) of snapshot s has no
+// errNoEndpoints returns Next's error for traffic of class whose pool in snapshot s has no
 // endpoint: ErrNoLocalEndpoints for the local rule while other nodes have usable endpoints,
 // ErrNoEndpoints otherwise, wrapped with the operation and the port's name. The same error is
 // returned each time for the port (it is built by the first call).
-func (p *port) errNoEndpoints(s *snapshot, pl *pool) error {
+func (p *port) errNoEndpoints(s *snapshot, class int) error {
 	errs := p.errs.Load()
 	if errs == nil {
 		op := "pick endpoint for " + s.sp.Name.String()
@@ -497,7 +506,7 @@ func (p *port) errNoEndpoints(s *snapshot, pl *pool) error {
 			errs = p.errs.Load()
 		}
 	}
-	if pl.id == poolLocal && len(s.pools[poolCluster].eps) > 0 {
+	if s.class[class] == poolLocal && len(s.pools[poolCluster].eps) > 0 {
 		return errs.noLocal
 	}
 	return errs.noEndpoints
@@ -509,9 +518,10 @@ func (lb *RoundRobin) nextAffine(p *port, class int, client netip.Addr, reset bo
 	defer p.mu.Unlock()
 	// Reload: SetServicePort may have replaced the snapshot since Next read it.
 	s := p.snap.Load()
-	pl := s.class[class].forClient(client)
+	id := s.class[class]
+	pl := s.pools[id].forClient(client)
 	if len(pl.eps) == 0 {
-		return proxy.Endpoint{}, p.errNoEndpoints(s, pl)
+		return proxy.Endpoint{}, p.errNoEndpoints(s, class)
 	}
 	if !s.affinity || p.deleted {
 		return pl.pick(), nil
@@ -524,13 +534,13 @@ func (lb *RoundRobin) nextAffine(p *port, class int, client netip.Addr, reset bo
 		failed netip.AddrPort
 	)
 	if t != nil {
-		at, found = t.get(pl.id, client)
+		at, found = t.get(int(id), client)
 	}
 	if found {
 		e := &t.entries[at]
 		if reset {
 			failed = e.ep
-		} else if now-e.used < s.timeout {
+		} else if now-e.used < s.timeout() {
 			if i, usable := pl.find(e.ep); usable {
 				t.use(at, e.ep, now)
 				return pl.eps[i], nil
@@ -546,9 +556,9 @@ func (lb *RoundRobin) nextAffine(p *port, class int, client netip.Addr, reset bo
 		t.use(at, ep.Addr, now)
 	case t == nil:
 		p.affinity = newAffinityTable(lb.maxAffinity)
-		p.affinity.add(pl.id, client, ep.Addr, now)
+		p.affinity.add(int(id), client, ep.Addr, now)
 	default:
-		if t.add(pl.id, client, ep.Addr, now) && lb.onEvicted != nil {
+		if t.add(int(id), client, ep.Addr, now) && lb.onEvicted != nil {
 			lb.onEvicted(s.sp.Name, s.sp.Protocol)
 		}
 	}
@@ -582,7 +592,7 @@ func (p *port) sweep(now time.Duration) {
 	if p.affinity == nil {
 		return
 	}
-	p.affinity.expire(now - p.snap.Load().timeout)
+	p.affinity.expire(now - p.snap.Load().timeout())
 	p.affinity = p.affinity.compact()
 }
 
@@ -594,34 +604,47 @@ func poolFor(local bool) int {
 }
 
 // buildPools computes the usable lists of both selection rules from order, carrying each rule's
-// rotation position over from old (nil for a new port). The cluster-wide rule follows the
-// topology hints of order for node; the local rule never does.
-func (p *port) buildPools(order []proxy.Endpoint, node Node, old *snapshot) [numPools]*pool {
-	var pools [numPools]*pool
+// rotation position over from old (nil for a new port), and returns them with the topology
+// decision for the cluster-wide rule: it follows the topology hints of order for node; the local
+// rule never does. A list that is all of order is order itself, and the local list is the
+// cluster-wide one when they are equal.
+func buildPools(order []proxy.Endpoint, node Node, old *snapshot) ([numPools]*pool, topologyChoice) {
 	choice := topologyFor(order, node)
-	for id := range numPools {
-		local, mode := id == poolLocal, choice.mode
-		if local {
-			mode = topologyNone
+	cluster := usableOf(order, node, false, choice.mode)
+	local := usableOf(order, node, true, topologyNone)
+	if slices.Equal(local, cluster) {
+		local = cluster
+	}
+	var pools [numPools]*pool
+	for id, eps := range [numPools][]proxy.Endpoint{cluster, local} {
+		if id == poolLocal && len(eps) == 1 && len(cluster) == 1 && &eps[0] == &cluster[0] {
+			pools[id] = pools[poolCluster] // the same single endpoint: no rotation to keep apart
+			continue
 		}
-		eps := filter(nil, order, node, local, mode)
-		pl := newPool(id, eps)
-		if !local {
-			pl.topology = choice
-		}
-		if old != nil {
-			pl.next.Store(carryPosition(old.pools[id], pl))
+		pl := newPool(eps)
+		if pl != emptyPool {
+			var prev *pool
+			if old != nil {
+				prev = old.pools[id]
+				pl.next.Store(carryPosition(prev, pl))
+			}
+			pl.splitFamilies(prev)
 		}
 		pools[id] = pl
 	}
-	for id, pl := range pools {
-		var prev *pool
-		if old != nil {
-			prev = old.pools[id]
+	return pools, choice
+}
+
+// usableOf returns filter(nil, order, node, local, mode), or order itself when every endpoint
+// of it is usable.
+func usableOf(order []proxy.Endpoint, node Node, local bool, mode topologyMode) []proxy.Endpoint {
+	for i := range order {
+		e := &order[i]
+		if !e.Ready || (local && !isLocal(e, node.Name)) || !availableForTopology(e, mode, node) {
+			return filter(nil, order, node, local, mode)
 		}
-		pl.splitFamilies(prev)
 	}
-	return pools
+	return order
 }
 
 // carryPosition returns the rotation counter for pl that continues old's rotation: the next pick
