@@ -31,7 +31,7 @@ func (lb *RoundRobin) Affinity() []AffinityEntry {
 	var out []AffinityEntry
 	for name, p := range ports {
 		p.mu.Lock()
-		if t := p.affinity; t != nil && !p.deleted {
+		if t := p.affinity; t != nil { // nil once deleted
 			for i := t.oldest; i >= 0; i = t.entries[i].newer {
 				e := &t.entries[i]
 				out = append(out, AffinityEntry{Port: name, Client: e.client, Local: e.pool == poolLocal,

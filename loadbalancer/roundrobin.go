@@ -72,7 +72,7 @@ type RoundRobin struct {
 	onEvicted   func(proxy.Name, v1.Protocol)
 
 	// writeMu serialises SetServicePort, DeleteServicePort and SetZone. It guards the following
-	// fields, and every port's sp, order and topologyNote fields.
+	// fields, and every port's order and topologyNote fields.
 	writeMu sync.Mutex
 	rand    *rand.Rand
 	node    Node // Name is fixed; Zone changes with SetZone
@@ -125,16 +125,17 @@ const (
 	numClasses
 )
 
-// port is the balancer's state for one service port.
+// port is the balancer's state for one service port. It is kept to 64 bytes: there is one per
+// service port.
 type port struct {
 	// snap is what Next reads; replaced (never modified) by SetServicePort, under mu.
 	snap atomic.Pointer[snapshot]
 
 	// order is every endpoint in rotation order, and topologyNote the last topology decision
-	// logged. Guarded by RoundRobin.writeMu, as is the choice of snapshot (the port's current
-	// configuration is snap's sp).
+	// logged (nil for none, as for most ports). Guarded by RoundRobin.writeMu, as is the choice
+	// of snapshot (the port's current configuration is snap's sp).
 	order        []proxy.Endpoint
-	topologyNote string
+	topologyNote *string
 
 	// errs holds Next's errors for this port, built by its first failing pick (rare: most ports
 	// never need them) and then reused, so that later failing picks do not allocate.
@@ -144,10 +145,9 @@ type port struct {
 	// mu sees a snapshot consistent with the affinity table.
 	mu sync.Mutex
 	// affinity holds the last endpoint chosen for each client IP under each pool, at most
-	// RoundRobin.maxAffinity of them; nil when empty.
+	// RoundRobin.maxAffinity of them; nil when empty, and once DeleteServicePort has turned
+	// the port's affinity off.
 	affinity *affinityTable
-	// deleted is set by DeleteServicePort: Next no longer records affinity for the port.
-	deleted bool
 }
 
 // snapshot is an immutable view of a port's configuration and usable endpoints. It is kept small
@@ -390,10 +390,17 @@ func (lb *RoundRobin) noteTopologyLocked(p *port, s *snapshot, c topologyChoice)
 	case asked && !c.hinted:
 		note = "service asks for topology but no ready endpoint has hints: every endpoint used"
 	}
-	if note == p.topologyNote {
+	last := ""
+	if p.topologyNote != nil {
+		last = *p.topologyNote
+	}
+	if note == last {
 		return
 	}
-	p.topologyNote = note
+	p.topologyNote = nil
+	if note != "" {
+		p.topologyNote = &note
+	}
 	if note == "" {
 		note = "no topology hints: every endpoint used"
 	}
@@ -444,9 +451,14 @@ func (lb *RoundRobin) DeleteServicePort(name proxy.Name) {
 		return
 	}
 	// A Next that found p before the delete may still be running: from here on it records no
-	// affinity, so it evicts nothing and reports no eviction.
+	// affinity (the snapshot it reloads under p.mu has affinity off), so it evicts nothing and
+	// reports no eviction.
 	p.mu.Lock()
-	p.deleted = true
+	if s := p.snap.Load(); s.affinity {
+		off := *s
+		off.affinity = false
+		p.snap.Store(&off)
+	}
 	p.affinity = nil
 	p.mu.Unlock()
 }
@@ -523,7 +535,7 @@ func (lb *RoundRobin) nextAffine(p *port, class int, client netip.Addr, reset bo
 	if len(pl.eps) == 0 {
 		return proxy.Endpoint{}, p.errNoEndpoints(s, class)
 	}
-	if !s.affinity || p.deleted {
+	if !s.affinity {
 		return pl.pick(), nil
 	}
 	now := lb.now().Sub(lb.epoch)
