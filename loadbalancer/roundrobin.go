@@ -128,7 +128,8 @@ const (
 // port is the balancer's state for one service port. It is kept to 64 bytes: there is one per
 // service port.
 type port struct {
-	// snap is what Next reads; replaced (never modified) by SetServicePort, under mu.
+	// snap is what Next reads; replaced (never modified) by SetServicePort, SetZone and
+	// DeleteServicePort (which turns affinity off), under mu.
 	snap atomic.Pointer[snapshot]
 
 	// order is every endpoint in rotation order, and topologyNote the last topology decision
