@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"net/netip"
+	"runtime"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -128,5 +129,42 @@ func BenchmarkAffinityChurn(b *testing.B) {
 	}
 	if evicted == 0 {
 		b.Fatal("nothing evicted")
+	}
+}
+
+// BenchmarkMemoryPerPort reports the live heap the balancer holds per service port ("B/port",
+// runtime.MemStats.HeapAlloc after a collection) once 10,000 ports of one TCP port and one ready
+// endpoint each are set: the endpoint on another node (remote) or on this one (local). The
+// ServicePorts and endpoint lists, which the caller owns, are built before the first reading.
+func BenchmarkMemoryPerPort(b *testing.B) {
+	const ports = 10000
+	for _, node := range []string{"remote", thisNode} {
+		sps := make([]*proxy.ServicePort, ports)
+		eps := make([][]proxy.Endpoint, ports)
+		for i := range ports {
+			sps[i] = svcPort(name(fmt.Sprintf("svc-%05d", i), ""))
+			eps[i] = []proxy.Endpoint{ready(netip.AddrFrom4([4]byte{10, 1, byte(i >> 8), byte(i)}).String()+":8080", node)}
+		}
+		label := "remote"
+		if node == thisNode {
+			label = "local"
+		}
+		b.Run("endpoint="+label, func(b *testing.B) {
+			var perPort float64
+			for b.Loop() {
+				var before, after runtime.MemStats
+				runtime.GC()
+				runtime.ReadMemStats(&before)
+				lb := New(Options{NodeName: thisNode, Rand: rand.New(rand.NewPCG(1, 2))})
+				for i := range ports {
+					lb.SetServicePort(sps[i], eps[i])
+				}
+				runtime.GC()
+				runtime.ReadMemStats(&after)
+				runtime.KeepAlive(lb)
+				perPort = float64(int64(after.HeapAlloc)-int64(before.HeapAlloc)) / ports
+			}
+			b.ReportMetric(perPort, "B/port")
+		})
 	}
 }

@@ -31,7 +31,7 @@ func (lb *RoundRobin) Affinity() []AffinityEntry {
 	var out []AffinityEntry
 	for name, p := range ports {
 		p.mu.Lock()
-		if t := p.affinity; t != nil && !p.deleted {
+		if t := p.affinity; t != nil { // nil once deleted
 			for i := t.oldest; i >= 0; i = t.entries[i].newer {
 				e := &t.entries[i]
 				out = append(out, AffinityEntry{Port: name, Client: e.client, Local: e.pool == poolLocal,
@@ -76,7 +76,7 @@ func (lb *RoundRobin) restoreAffinityLocked(p *port, s *snapshot, present map[ne
 	slices.SortStableFunc(entries, func(a, b AffinityEntry) int { return int(b.Idle - a.Idle) })
 	now := lb.now().Sub(lb.epoch)
 	for _, e := range entries {
-		if _, ok := present[e.Endpoint]; !ok || e.Idle >= s.timeout {
+		if _, ok := present[e.Endpoint]; !ok || e.Idle >= s.timeout() {
 			continue
 		}
 		pool := poolCluster

@@ -72,7 +72,7 @@ type RoundRobin struct {
 	onEvicted   func(proxy.Name, v1.Protocol)
 
 	// writeMu serialises SetServicePort, DeleteServicePort and SetZone. It guards the following
-	// fields, and every port's sp, order and topologyNote fields.
+	// fields, and every port's order and topologyNote fields.
 	writeMu sync.Mutex
 	rand    *rand.Rand
 	node    Node // Name is fixed; Zone changes with SetZone
@@ -125,55 +125,101 @@ const (
 	numClasses
 )
 
-// port is the balancer's state for one service port.
+// port is the balancer's state for one service port. It is kept to 64 bytes: there is one per
+// service port.
 type port struct {
-	// snap is what Next reads; replaced (never modified) by SetServicePort, under mu.
+	// snap is what Next reads; replaced (never modified) by SetServicePort, SetZone and
+	// DeleteServicePort (which turns affinity off), under mu.
 	snap atomic.Pointer[snapshot]
 
-	// sp is the port's current configuration, order every endpoint in rotation order, and
-	// topologyNote the last topology decision logged. Guarded by RoundRobin.writeMu.
-	sp           *proxy.ServicePort
+	// order is every endpoint in rotation order, and topologyNote the last topology decision
+	// logged (nil for none, as for most ports). Guarded by RoundRobin.writeMu, as is the choice
+	// of snapshot (the port's current configuration is snap's sp).
 	order        []proxy.Endpoint
-	topologyNote string
+	topologyNote *string
 
-	// errNoEndpoints and errNoLocal are Next's errors for this port, built once so that failing
-	// picks do not allocate.
-	errNoEndpoints, errNoLocal error
+	// errs holds Next's errors for this port, built by its first failing pick (rare: most ports
+	// never need them) and then reused, so that later failing picks do not allocate.
+	errs atomic.Pointer[portErrors]
 
 	// mu guards the following fields. Snapshots are stored under it too, so that a holder of
 	// mu sees a snapshot consistent with the affinity table.
 	mu sync.Mutex
 	// affinity holds the last endpoint chosen for each client IP under each pool, at most
-	// RoundRobin.maxAffinity of them; nil when empty.
+	// RoundRobin.maxAffinity of them; nil when empty, and once DeleteServicePort has turned
+	// the port's affinity off.
 	affinity *affinityTable
-	// deleted is set by DeleteServicePort: Next no longer records affinity for the port.
-	deleted bool
 }
 
-// snapshot is an immutable view of a port's configuration and usable endpoints.
+// snapshot is an immutable view of a port's configuration and usable endpoints. It is kept small
+// (one 32-byte allocation): there is one per service port.
 type snapshot struct {
-	sp       *proxy.ServicePort // the configuration it was built from
+	sp    *proxy.ServicePort // the configuration it was built from
+	pools [numPools]*pool
+	class [numClasses]uint8 // the pool (poolCluster, poolLocal) each traffic class uses
+	// affinity is sp.SessionAffinity, here so that Next does not read sp.
 	affinity bool
-	timeout  time.Duration
-	pools    [numPools]*pool
-	class    [numClasses]*pool // the pool each traffic class uses
+}
+
+// timeout returns the port's affinity timeout.
+func (s *snapshot) timeout() time.Duration {
+	if s.sp.AffinityTimeout <= 0 {
+		return proxy.DefaultAffinityTimeout
+	}
+	return s.sp.AffinityTimeout
 }
 
 // pool is the usable endpoint list of one selection rule, with its rotation. Everything but next
-// is immutable once published.
+// is immutable once published. The pools of a port's two rules are one pool when both lists are
+// the same single endpoint (a rotation of one needs no counter of its own), and an empty list is
+// the shared emptyPool.
 type pool struct {
-	id    int
-	eps   []proxy.Endpoint       // usable endpoints, in rotation order
-	index map[netip.AddrPort]int // position of each endpoint in eps
-	err   error                  // Next's error when eps is empty
+	eps   []proxy.Endpoint       // usable endpoints, in rotation order; may alias port.order
+	index map[netip.AddrPort]int // position of each endpoint in eps; nil up to indexedPool endpoints
 	next  atomic.Uint64          // rotation counter: the next pick is eps[next % len(eps)]
-	// topology is the topology decision behind eps (poolCluster only).
-	topology topologyChoice
 	// families, when eps holds endpoints of both address families, is this pool narrowed to
-	// each family (familyIPv4, familyIPv6), each with its own rotation and the same id: traffic
-	// keeps its address family, as with kube-proxy's per-family proxiers. Nil otherwise; a
-	// client then gets whatever family eps has (a userspace proxy can bridge them).
+	// each family (familyIPv4, familyIPv6), each with its own rotation: traffic keeps its address
+	// family, as with kube-proxy's per-family proxiers. Nil otherwise; a client then gets
+	// whatever family eps has (a userspace proxy can bridge them).
 	families *[2]*pool
+}
+
+// emptyPool is every pool without endpoints. Its counter is never used.
+var emptyPool = new(pool)
+
+// indexedPool is the most endpoints a pool finds an address among by scanning eps; longer pools
+// have an index. A Go map allocates a group of 8 slots (~350 bytes here) even for one endpoint,
+// and up to ~20 endpoints a scan is as fast as a map lookup (~5 ns for a few, ~12 for 16).
+const indexedPool = 16
+
+// newPool returns a pool of eps (rotation at 0) with its index when it needs one; emptyPool
+// when eps is empty.
+func newPool(eps []proxy.Endpoint) *pool {
+	if len(eps) == 0 {
+		return emptyPool
+	}
+	pl := &pool{eps: eps}
+	if len(eps) > indexedPool {
+		pl.index = make(map[netip.AddrPort]int, len(eps))
+		for i, e := range eps {
+			pl.index[e.Addr] = i
+		}
+	}
+	return pl
+}
+
+// find returns the position of the endpoint a in eps.
+func (pl *pool) find(a netip.AddrPort) (int, bool) {
+	if pl.index != nil {
+		i, ok := pl.index[a]
+		return i, ok
+	}
+	for i := range pl.eps {
+		if pl.eps[i].Addr == a {
+			return i, true
+		}
+	}
+	return 0, false
 }
 
 // Address families of families.
@@ -211,10 +257,7 @@ func (pl *pool) splitFamilies(old *pool) {
 	}
 	pl.families = new([2]*pool)
 	for f, eps := range byFamily {
-		sub := &pool{id: pl.id, eps: eps, index: make(map[netip.AddrPort]int, len(eps)), err: pl.err, topology: pl.topology}
-		for i, e := range eps {
-			sub.index[e.Addr] = i
-		}
+		sub := newPool(eps)
 		if old != nil {
 			prev := old
 			if old.families != nil {
@@ -251,28 +294,22 @@ func (lb *RoundRobin) SetServicePort(sp *proxy.ServicePort, eps []proxy.Endpoint
 	lb.mu.RUnlock()
 	isNew := p == nil
 	if isNew {
-		op := "pick endpoint for " + sp.Name.String()
-		p = &port{
-			errNoEndpoints: fmt.Errorf("%s: %w", op, ErrNoEndpoints),
-			errNoLocal:     fmt.Errorf("%s: %w", op, ErrNoLocalEndpoints),
-		}
+		p = &port{}
 	}
 
 	old := p.snap.Load()
 	order, present, added, changed := lb.mergeOrder(p.order, eps)
-	s := &snapshot{sp: sp, affinity: sp.SessionAffinity, timeout: sp.AffinityTimeout}
-	if s.timeout <= 0 {
-		s.timeout = proxy.DefaultAffinityTimeout
-	}
+	s := &snapshot{sp: sp, affinity: sp.SessionAffinity}
+	var choice topologyChoice
 	if old != nil && !changed {
 		s.pools = old.pools
+		choice = topologyFor(order, lb.node) // what buildPools found for the same order
 	} else {
-		s.pools = p.buildPools(order, lb.node, old)
+		s.pools, choice = buildPools(order, lb.node, old)
 	}
-	s.class[classInternal] = s.pools[poolFor(sp.InternalPolicyLocal)]
-	s.class[classExternal] = s.pools[poolFor(sp.ExternalPolicyLocal)]
-	p.sp = sp
-	lb.noteTopologyLocked(p, s)
+	s.class[classInternal] = uint8(poolFor(sp.InternalPolicyLocal))
+	s.class[classExternal] = uint8(poolFor(sp.ExternalPolicyLocal))
+	lb.noteTopologyLocked(p, s, choice)
 
 	p.mu.Lock()
 	switch {
@@ -323,27 +360,24 @@ func (lb *RoundRobin) SetZone(zone string) {
 		}
 		old := p.snap.Load()
 		s := *old
-		s.pools = p.buildPools(p.order, lb.node, old)
-		for c := range s.class {
-			s.class[c] = s.pools[old.class[c].id]
-		}
+		var choice topologyChoice
+		s.pools, choice = buildPools(p.order, lb.node, old)
 		p.mu.Lock()
 		p.snap.Store(&s)
 		p.mu.Unlock()
-		lb.noteTopologyLocked(p, &s)
+		lb.noteTopologyLocked(p, &s, choice)
 	}
 }
 
-// noteTopologyLocked logs, at debug level, the topology decision for p's new snapshot s when it
+// noteTopologyLocked logs, at debug level, the topology decision c for p's new snapshot s when it
 // differs from the last one logged for p: which hints are used, or why hints (or the service's
 // request for topology) are ignored. Ports that neither ask for topology nor have hinted
 // endpoints stay quiet. lb.writeMu must be held.
-func (lb *RoundRobin) noteTopologyLocked(p *port, s *snapshot) {
-	c := s.pools[poolCluster].topology
-	asked := p.sp.Topology != proxy.TopologyNone
+func (lb *RoundRobin) noteTopologyLocked(p *port, s *snapshot, c topologyChoice) {
+	asked := s.sp.Topology != proxy.TopologyNone
 	var note string
 	switch {
-	case s.class[classInternal].id != poolCluster && s.class[classExternal].id != poolCluster:
+	case s.class[classInternal] != poolCluster && s.class[classExternal] != poolCluster:
 		if asked || c.hinted {
 			note = "hints not used: both traffic policies are Local"
 		}
@@ -357,15 +391,22 @@ func (lb *RoundRobin) noteTopologyLocked(p *port, s *snapshot) {
 	case asked && !c.hinted:
 		note = "service asks for topology but no ready endpoint has hints: every endpoint used"
 	}
-	if note == p.topologyNote {
+	last := ""
+	if p.topologyNote != nil {
+		last = *p.topologyNote
+	}
+	if note == last {
 		return
 	}
-	p.topologyNote = note
+	p.topologyNote = nil
+	if note != "" {
+		p.topologyNote = &note
+	}
 	if note == "" {
 		note = "no topology hints: every endpoint used"
 	}
-	lb.log.Debug().Str("servicePort", p.sp.String()).Str("node", lb.node.Name).Str("zone", lb.node.Zone).
-		Str("topologyRequest", string(p.sp.Topology)).Msg("topology: " + note)
+	lb.log.Debug().Str("servicePort", s.sp.String()).Str("node", lb.node.Name).Str("zone", lb.node.Zone).
+		Str("topologyRequest", string(s.sp.Topology)).Msg("topology: " + note)
 }
 
 // Availability says which traffic of one service port has a usable endpoint (see Usable), as of
@@ -392,8 +433,8 @@ func (lb *RoundRobin) Availability(name proxy.Name) Availability {
 	s := p.snap.Load()
 	return Availability{
 		Any:            len(s.pools[poolCluster].eps) > 0,
-		Internal:       len(s.class[classInternal].eps) > 0,
-		External:       len(s.class[classExternal].eps) > 0,
+		Internal:       len(s.pools[s.class[classInternal]].eps) > 0,
+		External:       len(s.pools[s.class[classExternal]].eps) > 0,
 		LocalEndpoints: len(s.pools[poolLocal].eps),
 	}
 }
@@ -411,9 +452,14 @@ func (lb *RoundRobin) DeleteServicePort(name proxy.Name) {
 		return
 	}
 	// A Next that found p before the delete may still be running: from here on it records no
-	// affinity, so it evicts nothing and reports no eviction.
+	// affinity (the snapshot it reloads under p.mu has affinity off), so it evicts nothing and
+	// reports no eviction.
 	p.mu.Lock()
-	p.deleted = true
+	if s := p.snap.Load(); s.affinity {
+		off := *s
+		off.affinity = false
+		p.snap.Store(&off)
+	}
 	p.affinity = nil
 	p.mu.Unlock()
 }
@@ -442,14 +488,41 @@ func (lb *RoundRobin) Next(name proxy.Name, client netip.Addr, external, resetAf
 		class = classExternal
 	}
 	s := p.snap.Load()
-	pl := s.class[class].forClient(client)
+	pl := s.pools[s.class[class]].forClient(client)
 	if len(pl.eps) == 0 {
-		return proxy.Endpoint{}, pl.err
+		return proxy.Endpoint{}, p.errNoEndpoints(s, class)
 	}
 	if !s.affinity || !client.IsValid() {
 		return pl.pick(), nil
 	}
 	return lb.nextAffine(p, class, client.Unmap(), resetAffinity)
+}
+
+// portErrors are Next's errors for one port.
+type portErrors struct {
+	noEndpoints, noLocal error
+}
+
+// errNoEndpoints returns Next's error for traffic of class whose pool in snapshot s has no
+// endpoint: ErrNoLocalEndpoints for the local rule while other nodes have usable endpoints,
+// ErrNoEndpoints otherwise, wrapped with the operation and the port's name. The same error is
+// returned each time for the port (it is built by the first call).
+func (p *port) errNoEndpoints(s *snapshot, class int) error {
+	errs := p.errs.Load()
+	if errs == nil {
+		op := "pick endpoint for " + s.sp.Name.String()
+		errs = &portErrors{
+			noEndpoints: fmt.Errorf("%s: %w", op, ErrNoEndpoints),
+			noLocal:     fmt.Errorf("%s: %w", op, ErrNoLocalEndpoints),
+		}
+		if !p.errs.CompareAndSwap(nil, errs) {
+			errs = p.errs.Load()
+		}
+	}
+	if s.class[class] == poolLocal && len(s.pools[poolCluster].eps) > 0 {
+		return errs.noLocal
+	}
+	return errs.noEndpoints
 }
 
 // nextAffine is Next for a port with session affinity. A hit allocates nothing.
@@ -458,11 +531,12 @@ func (lb *RoundRobin) nextAffine(p *port, class int, client netip.Addr, reset bo
 	defer p.mu.Unlock()
 	// Reload: SetServicePort may have replaced the snapshot since Next read it.
 	s := p.snap.Load()
-	pl := s.class[class].forClient(client)
+	id := s.class[class]
+	pl := s.pools[id].forClient(client)
 	if len(pl.eps) == 0 {
-		return proxy.Endpoint{}, pl.err
+		return proxy.Endpoint{}, p.errNoEndpoints(s, class)
 	}
-	if !s.affinity || p.deleted {
+	if !s.affinity {
 		return pl.pick(), nil
 	}
 	now := lb.now().Sub(lb.epoch)
@@ -473,14 +547,14 @@ func (lb *RoundRobin) nextAffine(p *port, class int, client netip.Addr, reset bo
 		failed netip.AddrPort
 	)
 	if t != nil {
-		at, found = t.get(pl.id, client)
+		at, found = t.get(int(id), client)
 	}
 	if found {
 		e := &t.entries[at]
 		if reset {
 			failed = e.ep
-		} else if now-e.used < s.timeout {
-			if i, usable := pl.index[e.ep]; usable {
+		} else if now-e.used < s.timeout() {
+			if i, usable := pl.find(e.ep); usable {
 				t.use(at, e.ep, now)
 				return pl.eps[i], nil
 			}
@@ -495,9 +569,9 @@ func (lb *RoundRobin) nextAffine(p *port, class int, client netip.Addr, reset bo
 		t.use(at, ep.Addr, now)
 	case t == nil:
 		p.affinity = newAffinityTable(lb.maxAffinity)
-		p.affinity.add(pl.id, client, ep.Addr, now)
+		p.affinity.add(int(id), client, ep.Addr, now)
 	default:
-		if t.add(pl.id, client, ep.Addr, now) && lb.onEvicted != nil {
+		if t.add(int(id), client, ep.Addr, now) && lb.onEvicted != nil {
 			lb.onEvicted(s.sp.Name, s.sp.Protocol)
 		}
 	}
@@ -531,7 +605,7 @@ func (p *port) sweep(now time.Duration) {
 	if p.affinity == nil {
 		return
 	}
-	p.affinity.expire(now - p.snap.Load().timeout)
+	p.affinity.expire(now - p.snap.Load().timeout())
 	p.affinity = p.affinity.compact()
 }
 
@@ -543,42 +617,47 @@ func poolFor(local bool) int {
 }
 
 // buildPools computes the usable lists of both selection rules from order, carrying each rule's
-// rotation position over from old (nil for a new port). The cluster-wide rule follows the
-// topology hints of order for node; the local rule never does.
-func (p *port) buildPools(order []proxy.Endpoint, node Node, old *snapshot) [numPools]*pool {
-	var pools [numPools]*pool
+// rotation position over from old (nil for a new port), and returns them with the topology
+// decision for the cluster-wide rule: it follows the topology hints of order for node; the local
+// rule never does. A list that is all of order is order itself, and the local list is the
+// cluster-wide one when they are equal.
+func buildPools(order []proxy.Endpoint, node Node, old *snapshot) ([numPools]*pool, topologyChoice) {
 	choice := topologyFor(order, node)
-	for id := range numPools {
-		local, mode := id == poolLocal, choice.mode
-		if local {
-			mode = topologyNone
+	cluster := usableOf(order, node, false, choice.mode)
+	local := usableOf(order, node, true, topologyNone)
+	if slices.Equal(local, cluster) {
+		local = cluster
+	}
+	var pools [numPools]*pool
+	for id, eps := range [numPools][]proxy.Endpoint{cluster, local} {
+		if id == poolLocal && len(eps) == 1 && len(cluster) == 1 && &eps[0] == &cluster[0] {
+			pools[id] = pools[poolCluster] // the same single endpoint: no rotation to keep apart
+			continue
 		}
-		eps := filter(nil, order, node, local, mode)
-		pl := &pool{id: id, eps: eps, index: make(map[netip.AddrPort]int, len(eps))}
-		if !local {
-			pl.topology = choice
-		}
-		for i, e := range eps {
-			pl.index[e.Addr] = i
-		}
-		if old != nil {
-			pl.next.Store(carryPosition(old.pools[id], pl))
+		pl := newPool(eps)
+		if pl != emptyPool {
+			var prev *pool
+			if old != nil {
+				prev = old.pools[id]
+				pl.next.Store(carryPosition(prev, pl))
+			}
+			pl.splitFamilies(prev)
 		}
 		pools[id] = pl
 	}
-	pools[poolCluster].err = p.errNoEndpoints
-	pools[poolLocal].err = p.errNoLocal
-	if len(pools[poolCluster].eps) == 0 {
-		pools[poolLocal].err = p.errNoEndpoints
-	}
-	for id, pl := range pools {
-		var prev *pool
-		if old != nil {
-			prev = old.pools[id]
+	return pools, choice
+}
+
+// usableOf returns filter(nil, order, node, local, mode), or order itself when every endpoint
+// of it is usable.
+func usableOf(order []proxy.Endpoint, node Node, local bool, mode topologyMode) []proxy.Endpoint {
+	for i := range order {
+		e := &order[i]
+		if !e.Ready || (local && !isLocal(e, node.Name)) || !availableForTopology(e, mode, node) {
+			return filter(nil, order, node, local, mode)
 		}
-		pl.splitFamilies(prev)
 	}
-	return pools
+	return order
 }
 
 // carryPosition returns the rotation counter for pl that continues old's rotation: the next pick
@@ -591,7 +670,7 @@ func carryPosition(old, pl *pool) uint64 {
 	}
 	at := old.next.Load() % n
 	for k := range n {
-		if i, ok := pl.index[old.eps[(at+k)%n].Addr]; ok {
+		if i, ok := pl.find(old.eps[(at+k)%n].Addr); ok {
 			return uint64(i)
 		}
 	}
