@@ -45,6 +45,9 @@ type TCPProxy struct {
 	// Log receives the proxy's events; the zero Logger discards them. Scope it to the service
 	// port. Per-connection events are at debug level.
 	Log zerolog.Logger
+	// LogScope, if set, adds the fields naming the service port to each event, at log time
+	// (see LogScope); Log then need not be scoped.
+	LogScope LogScope
 	// DialTimeouts are the timeouts of the successive dial attempts of one connection. nil or
 	// empty means 250ms, 500ms, 1s, 2s, as kube-proxy had it.
 	DialTimeouts []time.Duration
@@ -117,11 +120,12 @@ func (p *TCPProxy) Start(poller *Poller) error {
 		return err
 	}
 	p.prepare()
-	startParked(&p.run, poller, p.Listener, done, p.acceptLoop, func(err error) {
-		p.Log.Error().Err(err).Msg("proxy listener stopped serving")
-	}, p.Log)
+	startParked(&p.run, poller, p.Listener, done, p)
 	return nil
 }
+
+// serveLoop is Start's loop (loopOwner).
+func (p *TCPProxy) serveLoop(idle bool) error { return p.acceptLoop(idle) }
 
 // socketFD returns the descriptor of a socket (or of an *os.File, without Fd(), which would put
 // it into blocking mode); it stays valid until the socket is closed.
@@ -229,14 +233,14 @@ func (p *TCPProxy) acceptLoop(idle bool) error {
 					return nil
 				}
 			case isPendingConnError(err):
-				p.Log.Debug().Err(err).Msg("accept: connection failed before it was accepted")
+				p.logDebug().Err(err).Msg("accept: connection failed before it was accepted")
 			default:
 				return fmt.Errorf("accept on %s: %w", p.Listener.Addr(), err)
 			}
 			continue
 		}
 		if pause.attempts > 0 {
-			p.Log.Info().Int("retries", pause.attempts).Dur("paused", time.Since(pause.start)).
+			p.logInfo().Int("retries", pause.attempts).Dur("paused", time.Since(pause.start)).
 				Msg("accepting connections again")
 			pause = resourcePause{}
 		}
@@ -248,7 +252,7 @@ func (p *TCPProxy) acceptLoop(idle bool) error {
 // per episode. It returns false if the proxy was closed meanwhile.
 func (p *TCPProxy) pauseAccepting(pause *resourcePause, err error) bool {
 	if pause.attempts == 0 {
-		p.Log.Warn().Err(err).Msg("accept: out of file descriptors or memory; pausing new connections until some close")
+		p.logWarn().Err(err).Msg("accept: out of file descriptors or memory; pausing new connections until some close")
 	}
 	d := pause.next()
 	if h := p.testHookAcceptPause; h != nil {
@@ -286,7 +290,7 @@ func (p *TCPProxy) startConn(client *net.TCPConn) {
 		p.metrics.ConnRefused() // counted before the client can see the reset
 		resetConn(client)
 		if p.refusedWarned.CompareAndSwap(false, true) {
-			p.Log.Warn().Int("maxConns", p.MaxConns).Int("budget", p.Budget.Limit()).Int("budgetInUse", p.Budget.InUse()).
+			p.logWarn().Int("maxConns", p.MaxConns).Int("budget", p.Budget.Limit()).Int("budgetInUse", p.Budget.InUse()).
 				Msg("connection refused: this port's connection limit or the data path's descriptor budget is reached (logged once)")
 		}
 		return
@@ -422,7 +426,7 @@ func (c *tcpConn) finish(backend *net.TCPConn, toEndpoint, fromEndpoint copyResu
 	backend.Close()
 	p.metrics.BytesCopied(toEndpoint.n, fromEndpoint.n)
 	p.metrics.ConnClosed()
-	if e := p.Log.Debug(); e.Enabled() {
+	if e := p.logDebug(); e.Enabled() {
 		e.Stringer("client", clientAddr).Stringer("endpoint", c.endpointNow()).
 			Int64("toEndpoint", toEndpoint.n).Int64("fromEndpoint", fromEndpoint.n).
 			AnErr("toEndpointErr", toEndpoint.err).AnErr("fromEndpointErr", fromEndpoint.err).
@@ -452,7 +456,7 @@ func (c *tcpConn) connect(clientAddr netip.AddrPort) *net.TCPConn {
 	for attempt, timeout := range p.timeouts {
 		target, err := p.Chooser.Choose(clientAddr, dst, reset)
 		if err != nil {
-			p.Log.Debug().Err(err).Stringer("client", clientAddr).Stringer("dst", dst).
+			p.logDebug().Err(err).Stringer("client", clientAddr).Stringer("dst", dst).
 				Msg("no endpoint; resetting the client")
 			return nil
 		}
@@ -481,15 +485,15 @@ func (c *tcpConn) connect(clientAddr netip.AddrPort) *net.TCPConn {
 			return nil // cut while dialling
 		case isResourceExhausted(err):
 			// Our own shortage, not the endpoint's fault: another endpoint will not help.
-			p.Log.Warn().Err(err).Stringer("client", clientAddr).Stringer("endpoint", ep).
+			p.logWarn().Err(err).Stringer("client", clientAddr).Stringer("endpoint", ep).
 				Msg("cannot create a socket to the endpoint; closing the client")
 			return nil
 		}
-		p.Log.Debug().Err(err).Stringer("client", clientAddr).Stringer("endpoint", ep).
+		p.logDebug().Err(err).Stringer("client", clientAddr).Stringer("endpoint", ep).
 			Int("attempt", attempt+1).Dur("timeout", timeout).Msg("dial endpoint failed")
 		reset = true
 	}
-	p.Log.Warn().Stringer("client", clientAddr).Stringer("dst", dst).Int("attempts", len(p.timeouts)).
+	p.logWarn().Stringer("client", clientAddr).Stringer("dst", dst).Int("attempts", len(p.timeouts)).
 		Msg("no endpoint could be reached; resetting the client")
 	return nil
 }
@@ -508,7 +512,7 @@ func (c *tcpConn) dial(target Target, client netip.AddrPort, timeout time.Durati
 	if err == nil || !isTransparentSetupError(err) {
 		return conn, err
 	}
-	logTransparentFallback(c.p.Log, &c.p.transparentWarned, err, client, ep)
+	logTransparentFallback(c.p.Log, c.p.LogScope, &c.p.transparentWarned, err, client, ep)
 	return dialTCP(c.ctx, newDialer(timeout), ep)
 }
 
@@ -537,7 +541,7 @@ func (c *tcpConn) sendProxyHeader(backend *net.TCPConn, v ProxyProtocol, client,
 		_, err = backend.Write(hdr)
 	}
 	if err != nil {
-		c.p.Log.Debug().Err(err).Stringer("client", client).Stringer("endpoint", c.endpointNow()).
+		c.p.logDebug().Err(err).Stringer("client", client).Stringer("endpoint", c.endpointNow()).
 			Msg("sending the PROXY protocol header failed; resetting the client")
 		return false
 	}
@@ -656,3 +660,10 @@ func resetConn(conn *net.TCPConn) {
 	_ = conn.SetLinger(0)
 	_ = conn.Close()
 }
+
+// logDebug, logInfo, logWarn and logError start an event of Log at their level, with LogScope's
+// fields.
+func (p *TCPProxy) logDebug() *zerolog.Event { return scoped(p.LogScope, p.Log.Debug()) }
+func (p *TCPProxy) logInfo() *zerolog.Event  { return scoped(p.LogScope, p.Log.Info()) }
+func (p *TCPProxy) logWarn() *zerolog.Event  { return scoped(p.LogScope, p.Log.Warn()) }
+func (p *TCPProxy) logError() *zerolog.Event { return scoped(p.LogScope, p.Log.Error()) }

@@ -148,7 +148,7 @@ func (p *Proxier) thawLocked() {
 			}
 		}
 		if err != nil {
-			l.log.Error().Err(err).Msg("cannot serve again after the failed hand-over; the next sync opens the port anew")
+			l.logError().Err(err).Msg("cannot serve again after the failed hand-over; the next sync opens the port anew")
 			l.close(p.alloc, p.opts.Metrics)
 			p.stale = true
 		}

@@ -33,7 +33,10 @@ const maxOpenAttempts = 16
 
 // listener is one service port's proxy listener and the forwarder serving it.
 type listener struct {
-	log zerolog.Logger
+	// log is the proxier's logger; each event gets the servicePort field at log time (see
+	// ScopeEvent): a logger scoped with With would hold its context, some 500 bytes, for every
+	// listener, most of which never log.
+	log *zerolog.Logger
 	// choose picks the endpoints of its connections and flows; it holds the port's current
 	// definition, swapped by the sync.
 	choose chooser
@@ -66,6 +69,18 @@ type listener struct {
 	started  bool
 	frozen   bool // a hand-over froze it (Proxier.Freeze); thawed if it fails
 }
+
+// ScopeEvent adds the service port to an event of the listener or its forwarder
+// (forward.LogScope), as a logger scoped with With would. A nil e (the level is off) stays nil.
+func (l *listener) ScopeEvent(e *zerolog.Event) *zerolog.Event {
+	return e.Stringer("servicePort", l.choose.sp.Load())
+}
+
+// logDebug, logInfo, logWarn and logError start an event of the listener's log, at their level.
+func (l *listener) logDebug() *zerolog.Event { return l.ScopeEvent(l.log.Debug()) }
+func (l *listener) logInfo() *zerolog.Event  { return l.ScopeEvent(l.log.Info()) }
+func (l *listener) logWarn() *zerolog.Event  { return l.ScopeEvent(l.log.Warn()) }
+func (l *listener) logError() *zerolog.Event { return l.ScopeEvent(l.log.Error()) }
 
 func (l *listener) protocol() v1.Protocol { return l.choose.sp.Load().Protocol }
 
@@ -149,7 +164,7 @@ func (l *listener) open(cfg *listenConfig) error {
 			return nil
 		}
 		cfg.alloc.Release(in.proxyPort)
-		l.log.Warn().Err(err).Int("proxyPort", in.proxyPort).Msg("cannot serve the handed-over listener; opening a new one")
+		l.logWarn().Err(err).Int("proxyPort", in.proxyPort).Msg("cannot serve the handed-over listener; opening a new one")
 	}
 	if l.openPreferred(cfg, sp, metrics) {
 		return nil
@@ -221,40 +236,40 @@ func (l *listener) start(cfg *listenConfig) {
 		conns := l.adoptTCP
 		l.adoptTCP = nil
 		if err := l.tcp.Adopt(conns); err != nil {
-			l.log.Error().Err(err).Msg("handed-over connections not adopted; the others go on")
+			l.logError().Err(err).Msg("handed-over connections not adopted; the others go on")
 		}
 		l.serveTCP(cfg)
 	case l.udp != nil:
 		sessions := l.adoptUDP
 		l.adoptUDP = nil
 		if err := l.udp.Adopt(sessions); err != nil {
-			l.log.Error().Err(err).Msg("handed-over UDP sessions not adopted; the others go on")
+			l.logError().Err(err).Msg("handed-over UDP sessions not adopted; the others go on")
 		}
 		l.serveUDP(cfg)
 	}
 }
 
 func (l *listener) newUDP(cfg *listenConfig, conn *net.UDPConn, metrics forward.Metrics) *forward.UDPProxy {
-	return &forward.UDPProxy{Conn: conn, Chooser: &l.choose, Timeout: cfg.udpTimeout, Log: l.log, Metrics: metrics,
+	return &forward.UDPProxy{Conn: conn, Chooser: &l.choose, Timeout: cfg.udpTimeout, Log: *l.log, LogScope: l, Metrics: metrics,
 		Budget: cfg.budget, MaxSessions: cfg.maxSessions}
 }
 
 func (l *listener) newTCP(cfg *listenConfig, ln *net.TCPListener, metrics forward.Metrics) *forward.TCPProxy {
-	return &forward.TCPProxy{Listener: ln, Chooser: &l.choose, Log: l.log, Metrics: metrics,
+	return &forward.TCPProxy{Listener: ln, Chooser: &l.choose, Log: *l.log, LogScope: l, Metrics: metrics,
 		Budget: cfg.budget, MaxConns: cfg.maxConns, IdleTimeout: cfg.idleTimeout}
 }
 
 // serveTCP starts the TCP proxy; with cfg's poller, an idle listener holds no goroutine.
 func (l *listener) serveTCP(cfg *listenConfig) {
 	if err := l.tcp.Start(cfg.poller); err != nil {
-		l.log.Error().Err(err).Str("protocol", string(v1.ProtocolTCP)).Msg("proxy listener not serving")
+		l.logError().Err(err).Str("protocol", string(v1.ProtocolTCP)).Msg("proxy listener not serving")
 	}
 }
 
 // serveUDP starts the UDP proxy; with cfg's poller, a port without datagrams holds no goroutine.
 func (l *listener) serveUDP(cfg *listenConfig) {
 	if err := l.udp.Start(cfg.poller); err != nil {
-		l.log.Error().Err(err).Str("protocol", string(v1.ProtocolUDP)).Msg("proxy listener not serving")
+		l.logError().Err(err).Str("protocol", string(v1.ProtocolUDP)).Msg("proxy listener not serving")
 	}
 }
 
@@ -290,7 +305,7 @@ func (l *listener) stopAccepting() {
 		err = l.udp.Close()
 	}
 	if err != nil && !errors.Is(err, net.ErrClosed) {
-		l.log.Warn().Err(err).Msg("closing proxy listener")
+		l.logWarn().Err(err).Msg("closing proxy listener")
 	}
 }
 
