@@ -445,7 +445,7 @@ func (p *TCPProxy) admitAdopted(c *tcpConn) error {
 	if closed, frozen := p.run.state(); closed || frozen || p.freezing {
 		return stateErr(closed, true)
 	}
-	p.conns[c] = struct{}{}
+	p.addConnLocked(c)
 	p.Budget.force(tcpConnFDs)
 	p.connWG.Add(1)
 	return nil

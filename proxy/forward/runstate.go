@@ -15,8 +15,11 @@ import (
 type runState struct {
 	mu                      sync.Mutex // guards the following fields
 	started, closed, frozen bool
-	stop                    chan struct{} // closed by Close or freeze; wakes a pausing loop
-	done                    chan struct{} // closed when Serve's loop returns; nil until it starts
+	// stop is closed by Close or freeze, and wakes a pausing loop; made by the first stopChan
+	// (closed already when it comes after them), as few loops ever pause: every listener has a
+	// runState.
+	stop chan struct{}
+	done chan struct{} // closed when Serve's loop returns; nil until it starts
 	// parked: the loop ended for want of work and waits, without a goroutine, for resume (see
 	// park); close and freeze then close done themselves. disarm, set by the first park, stops
 	// the watch of the socket; close and freeze call it.
@@ -24,10 +27,10 @@ type runState struct {
 	disarm func()
 }
 
-// initLocked creates stop; s.mu must be held.
-func (s *runState) initLocked() {
-	if s.stop == nil {
-		s.stop = make(chan struct{})
+// closeStopLocked closes stop, if made; s.mu must be held.
+func (s *runState) closeStopLocked() {
+	if s.stop != nil {
+		close(s.stop)
 	}
 }
 
@@ -40,7 +43,6 @@ func (s *runState) start(what string) (done chan struct{}, ok bool, err error) {
 		return nil, false, fmt.Errorf("serve %s: Serve called twice", what)
 	}
 	s.started = true
-	s.initLocked()
 	if s.frozen {
 		return nil, false, fmt.Errorf("serve %s: %w", what, ErrFrozen)
 	}
@@ -55,12 +57,11 @@ func (s *runState) start(what string) (done chan struct{}, ok bool, err error) {
 // and reports whether this call was the first. sock may be nil.
 func (s *runState) close(sock io.Closer, what string) (first bool, err error) {
 	s.mu.Lock()
-	s.initLocked()
 	first = !s.closed
 	if first {
 		s.closed = true
 		if !s.frozen {
-			close(s.stop)
+			s.closeStopLocked()
 		}
 		s.unparkLocked()
 	}
@@ -82,7 +83,6 @@ func (s *runState) close(sock io.Closer, what string) (first bool, err error) {
 // past) and waits for the loop to return. It fails when the proxy was closed or frozen before.
 func (s *runState) freeze(what string, wake func()) error {
 	s.mu.Lock()
-	s.initLocked()
 	switch {
 	case s.closed:
 		s.mu.Unlock()
@@ -92,7 +92,7 @@ func (s *runState) freeze(what string, wake func()) error {
 		return fmt.Errorf("freeze %s: %w", what, ErrFrozen)
 	}
 	s.frozen = true
-	close(s.stop)
+	s.closeStopLocked()
 	s.unparkLocked()
 	done := s.done
 	s.mu.Unlock()
@@ -156,7 +156,7 @@ func (s *runState) thaw() bool {
 		return false
 	}
 	s.frozen, s.started, s.done = false, false, nil
-	s.stop = make(chan struct{})
+	s.stop = nil // made again by the next stopChan
 	return true
 }
 
@@ -179,20 +179,22 @@ func (s *runState) state() (closed, frozen bool) {
 	return s.closed, s.frozen
 }
 
-// stopChan returns the channel Close closes.
+// stopChan returns the channel Close (or freeze) closes.
 func (s *runState) stopChan() <-chan struct{} {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	s.initLocked()
+	if s.stop == nil {
+		s.stop = make(chan struct{})
+		if s.closed || s.frozen {
+			close(s.stop)
+		}
+	}
 	return s.stop
 }
 
-// stopping reports whether Close was called.
+// stopping reports whether Close (or freeze) was called: whether stopChan's channel is closed.
 func (s *runState) stopping() bool {
-	select {
-	case <-s.stopChan():
-		return true
-	default:
-		return false
-	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.closed || s.frozen
 }

@@ -21,6 +21,9 @@ func defaultDialTimeouts() []time.Duration {
 	return []time.Duration{250 * time.Millisecond, 500 * time.Millisecond, time.Second, 2 * time.Second}
 }
 
+// sharedDialTimeouts is defaultDialTimeouts for every proxy without DialTimeouts: read only.
+var sharedDialTimeouts = defaultDialTimeouts()
+
 // TCPProxy forwards every connection accepted on Listener to an endpoint picked by Chooser.
 //
 // Set the fields, then run Serve in a goroutine; the fields must not change after that. Close
@@ -147,15 +150,12 @@ func (p *TCPProxy) prepare() {
 		p.metrics = metricsOrNone(p.Metrics)
 		p.timeouts = p.DialTimeouts
 		if len(p.timeouts) == 0 {
-			p.timeouts = defaultDialTimeouts()
+			p.timeouts = sharedDialTimeouts
 		}
 		p.pool = &p.pipes
 		if p.Budget != nil {
 			p.pool = &p.Budget.pipes
 		}
-		p.mu.Lock()
-		p.conns = make(map[*tcpConn]struct{})
-		p.mu.Unlock()
 	})
 }
 
@@ -282,7 +282,7 @@ func (p *TCPProxy) startConn(client *net.TCPConn) {
 	p.mu.Lock()
 	admitted := (p.MaxConns <= 0 || len(p.conns) < p.MaxConns) && p.Budget.take(tcpConnFDs)
 	if admitted {
-		p.conns[c] = struct{}{}
+		p.addConnLocked(c)
 	}
 	p.mu.Unlock()
 	if !admitted {
@@ -298,6 +298,15 @@ func (p *TCPProxy) startConn(client *net.TCPConn) {
 	p.metrics.ConnAccepted()
 	p.connWG.Add(1)
 	go c.handle()
+}
+
+// addConnLocked records c among the proxy's connections; p.mu must be held. The set is made by
+// the first connection: most listeners of a large cluster never see one.
+func (p *TCPProxy) addConnLocked(c *tcpConn) {
+	if p.conns == nil {
+		p.conns = make(map[*tcpConn]struct{})
+	}
+	p.conns[c] = struct{}{}
 }
 
 // newConn returns the state of a connection from client, not yet admitted.
