@@ -484,7 +484,7 @@ func (l *listener) openInherited(cfg *listenConfig, in *inherited, metrics forwa
 			return err
 		}
 		l.udp = l.newUDP(cfg, conn, metrics)
-		l.adoptUDP = in.sessions
+		l.adopt = &inherited{sessions: in.sessions}
 		l.proxyPort = in.proxyPort
 		return nil
 	}
@@ -494,7 +494,7 @@ func (l *listener) openInherited(cfg *listenConfig, in *inherited, metrics forwa
 		return err
 	}
 	l.tcp = l.newTCP(cfg, ln, metrics)
-	l.adoptTCP = in.conns
+	l.adopt = &inherited{conns: in.conns}
 	l.proxyPort = in.proxyPort
 	return nil
 }

@@ -62,12 +62,11 @@ type listener struct {
 	inherit *inherited
 	tcp     *forward.TCPProxy
 	udp     *forward.UDPProxy
-	// adoptTCP and adoptUDP are the handed-over connections and sessions of a listener open
-	// yet not started: start adopts them.
-	adoptTCP []forward.TCPConnState
-	adoptUDP []forward.UDPSessionState
-	started  bool
-	frozen   bool // a hand-over froze it (Proxier.Freeze); thawed if it fails
+	// adopt holds the handed-over connections (conns) and sessions (sessions) of a listener
+	// open yet not started: start adopts them. (One pointer: most listeners never have any.)
+	adopt   *inherited
+	started bool
+	frozen  bool // a hand-over froze it (Proxier.Freeze); thawed if it fails
 }
 
 // ScopeEvent adds the service port to an event of the listener or its forwarder
@@ -233,15 +232,19 @@ func (l *listener) start(cfg *listenConfig) {
 	}
 	switch {
 	case l.tcp != nil:
-		conns := l.adoptTCP
-		l.adoptTCP = nil
+		var conns []forward.TCPConnState
+		if l.adopt != nil {
+			conns, l.adopt = l.adopt.conns, nil
+		}
 		if err := l.tcp.Adopt(conns); err != nil {
 			l.logError().Err(err).Msg("handed-over connections not adopted; the others go on")
 		}
 		l.serveTCP(cfg)
 	case l.udp != nil:
-		sessions := l.adoptUDP
-		l.adoptUDP = nil
+		var sessions []forward.UDPSessionState
+		if l.adopt != nil {
+			sessions, l.adopt = l.adopt.sessions, nil
+		}
 		if err := l.udp.Adopt(sessions); err != nil {
 			l.logError().Err(err).Msg("handed-over UDP sessions not adopted; the others go on")
 		}
@@ -289,14 +292,16 @@ func (l *listener) endpointsChanged(eps []proxy.Endpoint) {
 
 // stopAccepting closes the listening socket; established TCP connections go on.
 func (l *listener) stopAccepting() {
-	for _, c := range l.adoptTCP { // open, never started: nobody adopted them
-		resetFile(c.Client)
-		resetFile(c.Backend)
+	if in := l.adopt; in != nil { // open, never started: nobody adopted them
+		for _, c := range in.conns {
+			resetFile(c.Client)
+			resetFile(c.Backend)
+		}
+		for _, s := range in.sessions {
+			_ = s.Backend.Close()
+		}
+		l.adopt = nil
 	}
-	for _, s := range l.adoptUDP {
-		_ = s.Backend.Close()
-	}
-	l.adoptTCP, l.adoptUDP = nil, nil
 	var err error
 	switch {
 	case l.tcp != nil:
