@@ -71,16 +71,9 @@ type TCPProxy struct {
 	// testHookDialed, if set, is called with each socket dialled to an endpoint.
 	testHookDialed func(*net.TCPConn)
 
-	// Resolved from the fields above by Serve or Adopt (prepare), before any connection
-	// goroutine starts.
-	prepared sync.Once
-	metrics  Metrics
-	timeouts []time.Duration
-
 	connWG sync.WaitGroup // one count per connection goroutine
 
-	pipes pipePool  // splice pipes of the connections, idle ones only, when there is no Budget
-	pool  *pipePool // the pool connections use: the Budget's (shared by every port) or pipes
+	pipes pipePool // splice pipes of the connections, idle ones only, when there is no Budget
 
 	transparentWarned atomic.Bool // a failed transparent dial was logged at warning level
 	refusedWarned     atomic.Bool // a refused connection was logged at warning level
@@ -104,7 +97,6 @@ func (p *TCPProxy) Serve() error {
 		return err
 	}
 	defer close(done)
-	p.prepare()
 	return p.acceptLoop(false)
 }
 
@@ -122,7 +114,6 @@ func (p *TCPProxy) Start(poller *Poller) error {
 	if !ok {
 		return err
 	}
-	p.prepare()
 	startParked(&p.run, poller, p.Listener, done, p)
 	return nil
 }
@@ -144,19 +135,27 @@ func socketFD(sc syscall.Conn) (int, error) {
 	return fd, nil
 }
 
-// prepare resolves the configuration once, for Serve and Adopt alike.
-func (p *TCPProxy) prepare() {
-	p.prepared.Do(func() {
-		p.metrics = metricsOrNone(p.Metrics)
-		p.timeouts = p.DialTimeouts
-		if len(p.timeouts) == 0 {
-			p.timeouts = sharedDialTimeouts
-		}
-		p.pool = &p.pipes
-		if p.Budget != nil {
-			p.pool = &p.Budget.pipes
-		}
-	})
+// The configuration the fields give, resolved where it is used (the fields do not change once
+// the proxy serves): nothing derived from them is kept, as every listener has a TCPProxy.
+
+// sink returns Metrics, or a Metrics that discards everything.
+func (p *TCPProxy) sink() Metrics { return metricsOrNone(p.Metrics) }
+
+// dialTimeouts returns DialTimeouts, or the default ones.
+func (p *TCPProxy) dialTimeouts() []time.Duration {
+	if len(p.DialTimeouts) == 0 {
+		return sharedDialTimeouts
+	}
+	return p.DialTimeouts
+}
+
+// pipePool returns the pool of splice pipes the connections use: the Budget's (shared by every
+// port), or the proxy's own.
+func (p *TCPProxy) pipePool() *pipePool {
+	if p.Budget != nil {
+		return &p.Budget.pipes
+	}
+	return &p.pipes
 }
 
 // Close stops accepting: it closes the Listener and returns once the accept loop is gone.
@@ -287,7 +286,7 @@ func (p *TCPProxy) startConn(client *net.TCPConn) {
 	p.mu.Unlock()
 	if !admitted {
 		c.cancel()
-		p.metrics.ConnRefused() // counted before the client can see the reset
+		p.sink().ConnRefused() // counted before the client can see the reset
 		resetConn(client)
 		if p.refusedWarned.CompareAndSwap(false, true) {
 			p.logWarn().Int("maxConns", p.MaxConns).Int("budget", p.Budget.Limit()).Int("budgetInUse", p.Budget.InUse()).
@@ -295,7 +294,7 @@ func (p *TCPProxy) startConn(client *net.TCPConn) {
 		}
 		return
 	}
-	p.metrics.ConnAccepted()
+	p.sink().ConnAccepted()
 	p.connWG.Add(1)
 	go c.handle()
 }
@@ -345,7 +344,7 @@ func (c *tcpConn) handle() {
 			return
 		}
 		resetConn(c.client)
-		c.p.metrics.ConnFailed()
+		c.p.sink().ConnFailed()
 		c.end()
 		return
 	}
@@ -433,8 +432,8 @@ func (c *tcpConn) finish(backend *net.TCPConn, toEndpoint, fromEndpoint copyResu
 	p, clientAddr := c.p, c.clientAddr
 	c.client.Close()
 	backend.Close()
-	p.metrics.BytesCopied(toEndpoint.n, fromEndpoint.n)
-	p.metrics.ConnClosed()
+	p.sink().BytesCopied(toEndpoint.n, fromEndpoint.n)
+	p.sink().ConnClosed()
 	if e := p.logDebug(); e.Enabled() {
 		e.Stringer("client", clientAddr).Stringer("endpoint", c.endpointNow()).
 			Int64("toEndpoint", toEndpoint.n).Int64("fromEndpoint", fromEndpoint.n).
@@ -462,7 +461,7 @@ func (c *tcpConn) connect(clientAddr netip.AddrPort) *net.TCPConn {
 	p := c.p
 	dst := tcpOriginalDst(c.client)
 	reset := false
-	for attempt, timeout := range p.timeouts {
+	for attempt, timeout := range p.dialTimeouts() {
 		target, err := p.Chooser.Choose(clientAddr, dst, reset)
 		if err != nil {
 			p.logDebug().Err(err).Stringer("client", clientAddr).Stringer("dst", dst).
@@ -488,7 +487,7 @@ func (c *tcpConn) connect(clientAddr netip.AddrPort) *net.TCPConn {
 			}
 			return backend
 		}
-		p.metrics.DialFailed(ep)
+		p.sink().DialFailed(ep)
 		switch {
 		case c.ctx.Err() != nil:
 			return nil // cut while dialling
@@ -502,7 +501,7 @@ func (c *tcpConn) connect(clientAddr netip.AddrPort) *net.TCPConn {
 			Int("attempt", attempt+1).Dur("timeout", timeout).Msg("dial endpoint failed")
 		reset = true
 	}
-	p.logWarn().Stringer("client", clientAddr).Stringer("dst", dst).Int("attempts", len(p.timeouts)).
+	p.logWarn().Stringer("client", clientAddr).Stringer("dst", dst).Int("attempts", len(p.dialTimeouts())).
 		Msg("no endpoint could be reached; resetting the client")
 	return nil
 }
@@ -620,7 +619,7 @@ func (c *tcpConn) pump(r *copyResult, dst, src *net.TCPConn, pending []byte, don
 		}
 		c.idle.touch()
 	}
-	n, rest, err := spliceCopy(c.p.pool, dst, src, c.idle, &c.frozen)
+	n, rest, err := spliceCopy(c.p.pipePool(), dst, src, c.idle, &c.frozen)
 	r.n += n
 	r.pending = rest
 	if err == nil {
