@@ -181,13 +181,12 @@ func (d *idleDeadline) renew(run *runState, setDeadline func(time.Time) error) b
 
 // parkedLoop is the loop of a proxy's Start, run while there is work and parked on a Poller
 // while there is none. owner.serveLoop(true) returns errLoopIdle when it found no work for a
-// while; any other return ends it for good, and closes done. It is small, and holds no closure:
+// while; any other return ends it for good (runState.ended). It is small, and holds no closure:
 // every idle listener has one.
 type parkedLoop struct {
 	run    *runState
 	poller *Poller
 	fd     int
-	done   chan struct{}
 	owner  loopOwner
 }
 
@@ -203,8 +202,8 @@ type loopOwner interface {
 // startParked starts owner's loop for Start: parked on poller at once (the first readiness of
 // sock starts it), or on a goroutine of its own for good when there is no poller or it cannot
 // watch sock. An error that ends the loop is logged.
-func startParked(run *runState, poller *Poller, sock syscall.Conn, done chan struct{}, owner loopOwner) {
-	l := &parkedLoop{run: run, poller: poller, done: done, owner: owner}
+func startParked(run *runState, poller *Poller, sock syscall.Conn, owner loopOwner) {
+	l := &parkedLoop{run: run, poller: poller, owner: owner}
 	if poller != nil {
 		if fd, err := socketFD(sock); err == nil {
 			l.fd = fd
@@ -245,10 +244,10 @@ func (l *parkedLoop) parkOrEnd(err error) {
 	}
 }
 
-// end logs err, if any, and closes done: the loop is over.
+// end logs err, if any, and ends the loop's run: it is over.
 func (l *parkedLoop) end(err error) {
 	if err != nil {
 		l.owner.logError().Err(err).Msg("proxy listener stopped serving")
 	}
-	close(l.done)
+	l.run.ended()
 }

@@ -19,9 +19,13 @@ type runState struct {
 	// (closed already when it comes after them), as few loops ever pause: every listener has a
 	// runState.
 	stop chan struct{}
-	done chan struct{} // closed when Serve's loop returns; nil until it starts
+	// running is set from start until Serve's loop returns (ended); done is closed then, made
+	// by the first close or freeze that waits for it (the loop of an idle listener never meets
+	// one).
+	running bool
+	done    chan struct{}
 	// parked: the loop ended for want of work and waits, without a goroutine, for resume (see
-	// park); close and freeze then close done themselves. disarm, set by the first park, stops
+	// park); close and freeze then end it themselves. disarm, set by the first park, stops
 	// the watch of the socket; close and freeze call it.
 	parked bool
 	disarm func()
@@ -35,22 +39,48 @@ func (s *runState) closeStopLocked() {
 }
 
 // start is Serve's admission: an error when Serve was called before, ok=false (and no error)
-// when Close came first. When ok, the caller closes done as its loop returns.
-func (s *runState) start(what string) (done chan struct{}, ok bool, err error) {
+// when Close came first. When ok, the caller calls ended as its loop returns.
+func (s *runState) start(what string) (ok bool, err error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.started {
-		return nil, false, fmt.Errorf("serve %s: Serve called twice", what)
+		return false, fmt.Errorf("serve %s: Serve called twice", what)
 	}
 	s.started = true
 	if s.frozen {
-		return nil, false, fmt.Errorf("serve %s: %w", what, ErrFrozen)
+		return false, fmt.Errorf("serve %s: %w", what, ErrFrozen)
 	}
 	if s.closed {
-		return nil, false, nil
+		return false, nil
 	}
-	s.done = make(chan struct{})
-	return s.done, true, nil
+	s.running = true
+	return true, nil
+}
+
+// ended is the loop's last act when it returns for good: close and freeze stop waiting.
+func (s *runState) ended() {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.endedLocked()
+}
+
+func (s *runState) endedLocked() {
+	s.running = false
+	if s.done != nil {
+		close(s.done)
+	}
+}
+
+// doneLocked returns what close and freeze wait on: nil when the loop is not running, else
+// done, made by the first of them. s.mu must be held.
+func (s *runState) doneLocked() chan struct{} {
+	if !s.running {
+		return nil
+	}
+	if s.done == nil {
+		s.done = make(chan struct{})
+	}
+	return s.done
 }
 
 // close marks the state closed, closes sock on the first call, waits for Serve's loop to return,
@@ -65,7 +95,7 @@ func (s *runState) close(sock io.Closer, what string) (first bool, err error) {
 		}
 		s.unparkLocked()
 	}
-	done := s.done
+	done := s.doneLocked()
 	s.mu.Unlock()
 	if first && sock != nil {
 		if cerr := sock.Close(); cerr != nil && !errors.Is(cerr, net.ErrClosed) {
@@ -94,7 +124,7 @@ func (s *runState) freeze(what string, wake func()) error {
 	s.frozen = true
 	s.closeStopLocked()
 	s.unparkLocked()
-	done := s.done
+	done := s.doneLocked()
 	s.mu.Unlock()
 	if done != nil {
 		wake()
@@ -143,7 +173,7 @@ func (s *runState) unparkLocked() {
 	}
 	if s.parked {
 		s.parked = false
-		close(s.done)
+		s.endedLocked()
 	}
 }
 
@@ -155,7 +185,7 @@ func (s *runState) thaw() bool {
 	if !s.frozen || s.closed {
 		return false
 	}
-	s.frozen, s.started, s.done = false, false, nil
+	s.frozen, s.started, s.running, s.done = false, false, false, nil
 	s.stop = nil // made again by the next stopChan
 	return true
 }

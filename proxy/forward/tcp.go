@@ -92,11 +92,11 @@ func (p *TCPProxy) Serve() error {
 	if p.Listener == nil || p.Chooser == nil {
 		return errors.New("serve TCP proxy: Listener and Chooser are required")
 	}
-	done, ok, err := p.run.start("TCP proxy")
+	ok, err := p.run.start("TCP proxy")
 	if !ok {
 		return err
 	}
-	defer close(done)
+	defer p.run.ended()
 	return p.acceptLoop(false)
 }
 
@@ -110,11 +110,11 @@ func (p *TCPProxy) Start(poller *Poller) error {
 	if p.Listener == nil || p.Chooser == nil {
 		return errors.New("start TCP proxy: Listener and Chooser are required")
 	}
-	done, ok, err := p.run.start("TCP proxy")
+	ok, err := p.run.start("TCP proxy")
 	if !ok {
 		return err
 	}
-	startParked(&p.run, poller, p.Listener, done, p)
+	startParked(&p.run, poller, p.Listener, p)
 	return nil
 }
 

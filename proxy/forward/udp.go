@@ -125,12 +125,12 @@ func (p *UDPProxy) Serve() error {
 	if p.Conn == nil || p.Chooser == nil {
 		return errors.New("serve UDP proxy: Conn and Chooser are required")
 	}
-	done, ok, err := p.run.start("UDP proxy")
+	ok, err := p.run.start("UDP proxy")
 	if !ok {
 		return err
 	}
 	p.prepare()
-	defer close(done)
+	defer p.run.ended()
 	ct := p.openOrigDst()
 	if ct != nil {
 		defer ct.Close()
@@ -148,7 +148,7 @@ func (p *UDPProxy) Start(poller *Poller) error {
 	if p.Conn == nil || p.Chooser == nil {
 		return errors.New("start UDP proxy: Conn and Chooser are required")
 	}
-	done, ok, err := p.run.start("UDP proxy")
+	ok, err := p.run.start("UDP proxy")
 	if !ok {
 		return err
 	}
@@ -157,7 +157,7 @@ func (p *UDPProxy) Start(poller *Poller) error {
 	p.mu.Lock()
 	p.startCT = ct
 	p.mu.Unlock()
-	startParked(&p.run, poller, p.Conn, done, &udpStartLoop{p, ct})
+	startParked(&p.run, poller, p.Conn, &udpStartLoop{p, ct})
 	return nil
 }
 
