@@ -15,15 +15,15 @@ import (
 type runState struct {
 	mu                      sync.Mutex // guards the following fields
 	started, closed, frozen bool
-	// stop is closed by Close or freeze, and wakes a pausing loop; made by the first stopChan
-	// (closed already when it comes after them), as few loops ever pause: every listener has a
-	// runState.
-	stop chan struct{}
 	// running is set from start until Serve's loop returns (ended); done is closed then, made
 	// by the first close or freeze that waits for it (the loop of an idle listener never meets
 	// one).
 	running bool
-	done    chan struct{}
+	// stop is closed by Close or freeze, and wakes a pausing loop; made by the first stopChan
+	// (closed already when it comes after them), as few loops ever pause: every listener has a
+	// runState.
+	stop chan struct{}
+	done chan struct{} // see running
 	// parked: the loop ended for want of work and waits, without a goroutine, for resume (see
 	// park); close and freeze then end it themselves. disarm, set by the first park, stops
 	// the watch of the socket; close and freeze call it.
