@@ -6,6 +6,8 @@ import (
 	"net/netip"
 	"syscall"
 	"time"
+
+	"github.com/rs/zerolog"
 )
 
 // Chooser picks endpoints for new connections and flows.
@@ -43,6 +45,22 @@ type Target struct {
 	// (with the client's address and the original destination) before any payload. TCP only:
 	// UDP sessions ignore it.
 	ProxyProtocol ProxyProtocol
+}
+
+// LogScope adds the fields naming what a proxy serves (its service port) to each event the proxy
+// logs, at log time (TCPProxy.LogScope, UDPProxy.LogScope): a Log scoped with With instead holds
+// its context, hundreds of bytes, for every proxy, even one that never logs. The fields come
+// where With's context would have put them, after the Log's own context.
+type LogScope interface {
+	ScopeEvent(e *zerolog.Event) *zerolog.Event
+}
+
+// scoped returns e with s's fields; a nil e (the level is off) stays nil, and costs nothing.
+func scoped(s LogScope, e *zerolog.Event) *zerolog.Event {
+	if s == nil || e == nil {
+		return e
+	}
+	return s.ScopeEvent(e)
 }
 
 // Metrics receives the traffic events of one service port. Calls come from many goroutines at

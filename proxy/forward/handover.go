@@ -192,7 +192,7 @@ func (p *TCPProxy) abandonDials(conns []*tcpConn) {
 // bytes this process moved are reported now.
 func (c *tcpConn) park(backend *net.TCPConn, start relayStart, toEndpoint, fromEndpoint int64) {
 	p := c.p
-	p.metrics.BytesCopied(toEndpoint, fromEndpoint)
+	p.sink().BytesCopied(toEndpoint, fromEndpoint)
 	p.mu.Lock()
 	c.parked = &parkedConn{backend: backend, start: start}
 	p.mu.Unlock()
@@ -338,7 +338,7 @@ func (p *TCPProxy) Release() {
 		delete(p.conns, c)
 	}
 	p.mu.Unlock()
-	hm, _ := p.metrics.(HandoverMetrics)
+	hm, _ := p.sink().(HandoverMetrics)
 	for _, c := range conns {
 		c.release()
 		if hm != nil {
@@ -376,7 +376,6 @@ func (p *TCPProxy) Adopt(conns []TCPConnState) error {
 		}
 		return fmt.Errorf("adopt TCP connections: %w", stateErr(closed, frozen))
 	}
-	p.prepare()
 	var errs []error
 	for i := range conns {
 		if err := p.adoptConn(conns[i]); err != nil {
@@ -428,7 +427,7 @@ func (p *TCPProxy) adoptConn(cs TCPConnState) error {
 		c.cancel()
 		return err
 	}
-	p.metrics.ConnAccepted()
+	p.sink().ConnAccepted()
 	if backend == nil {
 		go c.handle()
 		return nil
@@ -445,7 +444,7 @@ func (p *TCPProxy) admitAdopted(c *tcpConn) error {
 	if closed, frozen := p.run.state(); closed || frozen || p.freezing {
 		return stateErr(closed, true)
 	}
-	p.conns[c] = struct{}{}
+	p.addConnLocked(c)
 	p.Budget.force(tcpConnFDs)
 	p.connWG.Add(1)
 	return nil

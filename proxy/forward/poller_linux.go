@@ -180,22 +180,30 @@ func (d *idleDeadline) renew(run *runState, setDeadline func(time.Time) error) b
 }
 
 // parkedLoop is the loop of a proxy's Start, run while there is work and parked on a Poller
-// while there is none. loop(true) returns errLoopIdle when it found no work for a while; any
-// other return ends it for good, and closes done.
+// while there is none. owner.serveLoop(true) returns errLoopIdle when it found no work for a
+// while; any other return ends it for good (runState.ended). It is small, and holds no closure:
+// every idle listener has one.
 type parkedLoop struct {
 	run    *runState
 	poller *Poller
 	fd     int
-	done   chan struct{}
-	loop   func(idle bool) error
-	failed func(error) // logs why the loop stopped, when it was not told to
-	log    zerolog.Logger
+	owner  loopOwner
 }
 
-// startParked starts loop for Start: parked on poller at once (the first readiness of sock starts
-// it), or on a goroutine of its own for good when there is no poller or it cannot watch sock.
-func startParked(run *runState, poller *Poller, sock syscall.Conn, done chan struct{}, loop func(idle bool) error, failed func(error), log zerolog.Logger) {
-	l := &parkedLoop{run: run, poller: poller, done: done, loop: loop, failed: failed, log: log}
+// loopOwner is the proxy whose loop a parkedLoop runs.
+type loopOwner interface {
+	// serveLoop is the loop (see parkedLoop).
+	serveLoop(idle bool) error
+	// logWarn and logError start events of the proxy's log.
+	logWarn() *zerolog.Event
+	logError() *zerolog.Event
+}
+
+// startParked starts owner's loop for Start: parked on poller at once (the first readiness of
+// sock starts it), or on a goroutine of its own for good when there is no poller or it cannot
+// watch sock. An error that ends the loop is logged.
+func startParked(run *runState, poller *Poller, sock syscall.Conn, owner loopOwner) {
+	l := &parkedLoop{run: run, poller: poller, owner: owner}
 	if poller != nil {
 		if fd, err := socketFD(sock); err == nil {
 			l.fd = fd
@@ -207,10 +215,10 @@ func startParked(run *runState, poller *Poller, sock syscall.Conn, done chan str
 }
 
 // runOnce runs the loop until it is idle, then parks it.
-func (l *parkedLoop) runOnce() { l.parkOrEnd(l.loop(true)) }
+func (l *parkedLoop) runOnce() { l.parkOrEnd(l.owner.serveLoop(true)) }
 
 // runForGood runs the loop without parking, until it ends.
-func (l *parkedLoop) runForGood() { l.end(l.loop(false)) }
+func (l *parkedLoop) runForGood() { l.end(l.owner.serveLoop(false)) }
 
 // parkOrEnd follows a loop that ended with err: idle, it parks on the poller (whose call resumes
 // the loop on a new goroutine) unless the proxy is stopping; otherwise it ends.
@@ -229,17 +237,17 @@ func (l *parkedLoop) parkOrEnd(err error) {
 	switch {
 	case parked:
 	case perr != nil: // on a goroutine: parkOrEnd may run on Start's caller's
-		l.log.Warn().Err(perr).Msg("cannot watch the idle socket; its loop keeps a goroutine")
+		l.owner.logWarn().Err(perr).Msg("cannot watch the idle socket; its loop keeps a goroutine")
 		go l.runForGood()
 	default:
 		l.end(nil) // stopping
 	}
 }
 
-// end logs err, if any, and closes done: the loop is over.
+// end logs err, if any, and ends the loop's run: it is over.
 func (l *parkedLoop) end(err error) {
 	if err != nil {
-		l.failed(err)
+		l.owner.logError().Err(err).Msg("proxy listener stopped serving")
 	}
-	close(l.done)
+	l.run.ended()
 }

@@ -15,56 +15,87 @@ import (
 type runState struct {
 	mu                      sync.Mutex // guards the following fields
 	started, closed, frozen bool
-	stop                    chan struct{} // closed by Close or freeze; wakes a pausing loop
-	done                    chan struct{} // closed when Serve's loop returns; nil until it starts
+	// running is set from start until Serve's loop returns (ended); done is closed then, made
+	// by the first close or freeze that waits for it (the loop of an idle listener never meets
+	// one).
+	running bool
+	// stop is closed by Close or freeze, and wakes a pausing loop; made by the first stopChan
+	// (closed already when it comes after them), as few loops ever pause: every listener has a
+	// runState.
+	stop chan struct{}
+	done chan struct{} // see running
 	// parked: the loop ended for want of work and waits, without a goroutine, for resume (see
-	// park); close and freeze then close done themselves. disarm, set by the first park, stops
+	// park); close and freeze then end it themselves. disarm, set by the first park, stops
 	// the watch of the socket; close and freeze call it.
 	parked bool
 	disarm func()
 }
 
-// initLocked creates stop; s.mu must be held.
-func (s *runState) initLocked() {
-	if s.stop == nil {
-		s.stop = make(chan struct{})
+// closeStopLocked closes stop, if made; s.mu must be held.
+func (s *runState) closeStopLocked() {
+	if s.stop != nil {
+		close(s.stop)
 	}
 }
 
 // start is Serve's admission: an error when Serve was called before, ok=false (and no error)
-// when Close came first. When ok, the caller closes done as its loop returns.
-func (s *runState) start(what string) (done chan struct{}, ok bool, err error) {
+// when Close came first. When ok, the caller calls ended as its loop returns.
+func (s *runState) start(what string) (ok bool, err error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.started {
-		return nil, false, fmt.Errorf("serve %s: Serve called twice", what)
+		return false, fmt.Errorf("serve %s: Serve called twice", what)
 	}
 	s.started = true
-	s.initLocked()
 	if s.frozen {
-		return nil, false, fmt.Errorf("serve %s: %w", what, ErrFrozen)
+		return false, fmt.Errorf("serve %s: %w", what, ErrFrozen)
 	}
 	if s.closed {
-		return nil, false, nil
+		return false, nil
 	}
-	s.done = make(chan struct{})
-	return s.done, true, nil
+	s.running = true
+	return true, nil
+}
+
+// ended is the loop's last act when it returns for good: close and freeze stop waiting.
+func (s *runState) ended() {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.endedLocked()
+}
+
+func (s *runState) endedLocked() {
+	s.running = false
+	if s.done != nil {
+		close(s.done)
+	}
+}
+
+// doneLocked returns what close and freeze wait on: nil when the loop is not running, else
+// done, made by the first of them. s.mu must be held.
+func (s *runState) doneLocked() chan struct{} {
+	if !s.running {
+		return nil
+	}
+	if s.done == nil {
+		s.done = make(chan struct{})
+	}
+	return s.done
 }
 
 // close marks the state closed, closes sock on the first call, waits for Serve's loop to return,
 // and reports whether this call was the first. sock may be nil.
 func (s *runState) close(sock io.Closer, what string) (first bool, err error) {
 	s.mu.Lock()
-	s.initLocked()
 	first = !s.closed
 	if first {
 		s.closed = true
 		if !s.frozen {
-			close(s.stop)
+			s.closeStopLocked()
 		}
 		s.unparkLocked()
 	}
-	done := s.done
+	done := s.doneLocked()
 	s.mu.Unlock()
 	if first && sock != nil {
 		if cerr := sock.Close(); cerr != nil && !errors.Is(cerr, net.ErrClosed) {
@@ -82,7 +113,6 @@ func (s *runState) close(sock io.Closer, what string) (first bool, err error) {
 // past) and waits for the loop to return. It fails when the proxy was closed or frozen before.
 func (s *runState) freeze(what string, wake func()) error {
 	s.mu.Lock()
-	s.initLocked()
 	switch {
 	case s.closed:
 		s.mu.Unlock()
@@ -92,9 +122,9 @@ func (s *runState) freeze(what string, wake func()) error {
 		return fmt.Errorf("freeze %s: %w", what, ErrFrozen)
 	}
 	s.frozen = true
-	close(s.stop)
+	s.closeStopLocked()
 	s.unparkLocked()
-	done := s.done
+	done := s.doneLocked()
 	s.mu.Unlock()
 	if done != nil {
 		wake()
@@ -143,7 +173,7 @@ func (s *runState) unparkLocked() {
 	}
 	if s.parked {
 		s.parked = false
-		close(s.done)
+		s.endedLocked()
 	}
 }
 
@@ -155,8 +185,8 @@ func (s *runState) thaw() bool {
 	if !s.frozen || s.closed {
 		return false
 	}
-	s.frozen, s.started, s.done = false, false, nil
-	s.stop = make(chan struct{})
+	s.frozen, s.started, s.running, s.done = false, false, false, nil
+	s.stop = nil // made again by the next stopChan
 	return true
 }
 
@@ -179,20 +209,22 @@ func (s *runState) state() (closed, frozen bool) {
 	return s.closed, s.frozen
 }
 
-// stopChan returns the channel Close closes.
+// stopChan returns the channel Close (or freeze) closes.
 func (s *runState) stopChan() <-chan struct{} {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	s.initLocked()
+	if s.stop == nil {
+		s.stop = make(chan struct{})
+		if s.closed || s.frozen {
+			close(s.stop)
+		}
+	}
 	return s.stop
 }
 
-// stopping reports whether Close was called.
+// stopping reports whether Close (or freeze) was called: whether stopChan's channel is closed.
 func (s *runState) stopping() bool {
-	select {
-	case <-s.stopChan():
-		return true
-	default:
-		return false
-	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.closed || s.frozen
 }

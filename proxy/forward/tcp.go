@@ -21,6 +21,9 @@ func defaultDialTimeouts() []time.Duration {
 	return []time.Duration{250 * time.Millisecond, 500 * time.Millisecond, time.Second, 2 * time.Second}
 }
 
+// sharedDialTimeouts is defaultDialTimeouts for every proxy without DialTimeouts: read only.
+var sharedDialTimeouts = defaultDialTimeouts()
+
 // TCPProxy forwards every connection accepted on Listener to an endpoint picked by Chooser.
 //
 // Set the fields, then run Serve in a goroutine; the fields must not change after that. Close
@@ -45,6 +48,9 @@ type TCPProxy struct {
 	// Log receives the proxy's events; the zero Logger discards them. Scope it to the service
 	// port. Per-connection events are at debug level.
 	Log zerolog.Logger
+	// LogScope, if set, adds the fields naming the service port to each event, at log time
+	// (see LogScope); Log then need not be scoped.
+	LogScope LogScope
 	// DialTimeouts are the timeouts of the successive dial attempts of one connection. nil or
 	// empty means 250ms, 500ms, 1s, 2s, as kube-proxy had it.
 	DialTimeouts []time.Duration
@@ -65,16 +71,9 @@ type TCPProxy struct {
 	// testHookDialed, if set, is called with each socket dialled to an endpoint.
 	testHookDialed func(*net.TCPConn)
 
-	// Resolved from the fields above by Serve or Adopt (prepare), before any connection
-	// goroutine starts.
-	prepared sync.Once
-	metrics  Metrics
-	timeouts []time.Duration
-
 	connWG sync.WaitGroup // one count per connection goroutine
 
-	pipes pipePool  // splice pipes of the connections, idle ones only, when there is no Budget
-	pool  *pipePool // the pool connections use: the Budget's (shared by every port) or pipes
+	pipes pipePool // splice pipes of the connections, idle ones only, when there is no Budget
 
 	transparentWarned atomic.Bool // a failed transparent dial was logged at warning level
 	refusedWarned     atomic.Bool // a refused connection was logged at warning level
@@ -93,12 +92,11 @@ func (p *TCPProxy) Serve() error {
 	if p.Listener == nil || p.Chooser == nil {
 		return errors.New("serve TCP proxy: Listener and Chooser are required")
 	}
-	done, ok, err := p.run.start("TCP proxy")
+	ok, err := p.run.start("TCP proxy")
 	if !ok {
 		return err
 	}
-	defer close(done)
-	p.prepare()
+	defer p.run.ended()
 	return p.acceptLoop(false)
 }
 
@@ -112,16 +110,16 @@ func (p *TCPProxy) Start(poller *Poller) error {
 	if p.Listener == nil || p.Chooser == nil {
 		return errors.New("start TCP proxy: Listener and Chooser are required")
 	}
-	done, ok, err := p.run.start("TCP proxy")
+	ok, err := p.run.start("TCP proxy")
 	if !ok {
 		return err
 	}
-	p.prepare()
-	startParked(&p.run, poller, p.Listener, done, p.acceptLoop, func(err error) {
-		p.Log.Error().Err(err).Msg("proxy listener stopped serving")
-	}, p.Log)
+	startParked(&p.run, poller, p.Listener, p)
 	return nil
 }
+
+// serveLoop is Start's loop (loopOwner).
+func (p *TCPProxy) serveLoop(idle bool) error { return p.acceptLoop(idle) }
 
 // socketFD returns the descriptor of a socket (or of an *os.File, without Fd(), which would put
 // it into blocking mode); it stays valid until the socket is closed.
@@ -137,22 +135,27 @@ func socketFD(sc syscall.Conn) (int, error) {
 	return fd, nil
 }
 
-// prepare resolves the configuration once, for Serve and Adopt alike.
-func (p *TCPProxy) prepare() {
-	p.prepared.Do(func() {
-		p.metrics = metricsOrNone(p.Metrics)
-		p.timeouts = p.DialTimeouts
-		if len(p.timeouts) == 0 {
-			p.timeouts = defaultDialTimeouts()
-		}
-		p.pool = &p.pipes
-		if p.Budget != nil {
-			p.pool = &p.Budget.pipes
-		}
-		p.mu.Lock()
-		p.conns = make(map[*tcpConn]struct{})
-		p.mu.Unlock()
-	})
+// The configuration the fields give, resolved where it is used (the fields do not change once
+// the proxy serves): nothing derived from them is kept, as every listener has a TCPProxy.
+
+// sink returns Metrics, or a Metrics that discards everything.
+func (p *TCPProxy) sink() Metrics { return metricsOrNone(p.Metrics) }
+
+// dialTimeouts returns DialTimeouts, or the default ones.
+func (p *TCPProxy) dialTimeouts() []time.Duration {
+	if len(p.DialTimeouts) == 0 {
+		return sharedDialTimeouts
+	}
+	return p.DialTimeouts
+}
+
+// pipePool returns the pool of splice pipes the connections use: the Budget's (shared by every
+// port), or the proxy's own.
+func (p *TCPProxy) pipePool() *pipePool {
+	if p.Budget != nil {
+		return &p.Budget.pipes
+	}
+	return &p.pipes
 }
 
 // Close stops accepting: it closes the Listener and returns once the accept loop is gone.
@@ -229,14 +232,14 @@ func (p *TCPProxy) acceptLoop(idle bool) error {
 					return nil
 				}
 			case isPendingConnError(err):
-				p.Log.Debug().Err(err).Msg("accept: connection failed before it was accepted")
+				p.logDebug().Err(err).Msg("accept: connection failed before it was accepted")
 			default:
 				return fmt.Errorf("accept on %s: %w", p.Listener.Addr(), err)
 			}
 			continue
 		}
 		if pause.attempts > 0 {
-			p.Log.Info().Int("retries", pause.attempts).Dur("paused", time.Since(pause.start)).
+			p.logInfo().Int("retries", pause.attempts).Dur("paused", time.Since(pause.start)).
 				Msg("accepting connections again")
 			pause = resourcePause{}
 		}
@@ -248,7 +251,7 @@ func (p *TCPProxy) acceptLoop(idle bool) error {
 // per episode. It returns false if the proxy was closed meanwhile.
 func (p *TCPProxy) pauseAccepting(pause *resourcePause, err error) bool {
 	if pause.attempts == 0 {
-		p.Log.Warn().Err(err).Msg("accept: out of file descriptors or memory; pausing new connections until some close")
+		p.logWarn().Err(err).Msg("accept: out of file descriptors or memory; pausing new connections until some close")
 	}
 	d := pause.next()
 	if h := p.testHookAcceptPause; h != nil {
@@ -278,22 +281,31 @@ func (p *TCPProxy) startConn(client *net.TCPConn) {
 	p.mu.Lock()
 	admitted := (p.MaxConns <= 0 || len(p.conns) < p.MaxConns) && p.Budget.take(tcpConnFDs)
 	if admitted {
-		p.conns[c] = struct{}{}
+		p.addConnLocked(c)
 	}
 	p.mu.Unlock()
 	if !admitted {
 		c.cancel()
-		p.metrics.ConnRefused() // counted before the client can see the reset
+		p.sink().ConnRefused() // counted before the client can see the reset
 		resetConn(client)
 		if p.refusedWarned.CompareAndSwap(false, true) {
-			p.Log.Warn().Int("maxConns", p.MaxConns).Int("budget", p.Budget.Limit()).Int("budgetInUse", p.Budget.InUse()).
+			p.logWarn().Int("maxConns", p.MaxConns).Int("budget", p.Budget.Limit()).Int("budgetInUse", p.Budget.InUse()).
 				Msg("connection refused: this port's connection limit or the data path's descriptor budget is reached (logged once)")
 		}
 		return
 	}
-	p.metrics.ConnAccepted()
+	p.sink().ConnAccepted()
 	p.connWG.Add(1)
 	go c.handle()
+}
+
+// addConnLocked records c among the proxy's connections; p.mu must be held. The set is made by
+// the first connection: most listeners of a large cluster never see one.
+func (p *TCPProxy) addConnLocked(c *tcpConn) {
+	if p.conns == nil {
+		p.conns = make(map[*tcpConn]struct{})
+	}
+	p.conns[c] = struct{}{}
 }
 
 // newConn returns the state of a connection from client, not yet admitted.
@@ -332,7 +344,7 @@ func (c *tcpConn) handle() {
 			return
 		}
 		resetConn(c.client)
-		c.p.metrics.ConnFailed()
+		c.p.sink().ConnFailed()
 		c.end()
 		return
 	}
@@ -420,9 +432,9 @@ func (c *tcpConn) finish(backend *net.TCPConn, toEndpoint, fromEndpoint copyResu
 	p, clientAddr := c.p, c.clientAddr
 	c.client.Close()
 	backend.Close()
-	p.metrics.BytesCopied(toEndpoint.n, fromEndpoint.n)
-	p.metrics.ConnClosed()
-	if e := p.Log.Debug(); e.Enabled() {
+	p.sink().BytesCopied(toEndpoint.n, fromEndpoint.n)
+	p.sink().ConnClosed()
+	if e := p.logDebug(); e.Enabled() {
 		e.Stringer("client", clientAddr).Stringer("endpoint", c.endpointNow()).
 			Int64("toEndpoint", toEndpoint.n).Int64("fromEndpoint", fromEndpoint.n).
 			AnErr("toEndpointErr", toEndpoint.err).AnErr("fromEndpointErr", fromEndpoint.err).
@@ -449,10 +461,10 @@ func (c *tcpConn) connect(clientAddr netip.AddrPort) *net.TCPConn {
 	p := c.p
 	dst := tcpOriginalDst(c.client)
 	reset := false
-	for attempt, timeout := range p.timeouts {
+	for attempt, timeout := range p.dialTimeouts() {
 		target, err := p.Chooser.Choose(clientAddr, dst, reset)
 		if err != nil {
-			p.Log.Debug().Err(err).Stringer("client", clientAddr).Stringer("dst", dst).
+			p.logDebug().Err(err).Stringer("client", clientAddr).Stringer("dst", dst).
 				Msg("no endpoint; resetting the client")
 			return nil
 		}
@@ -475,21 +487,21 @@ func (c *tcpConn) connect(clientAddr netip.AddrPort) *net.TCPConn {
 			}
 			return backend
 		}
-		p.metrics.DialFailed(ep)
+		p.sink().DialFailed(ep)
 		switch {
 		case c.ctx.Err() != nil:
 			return nil // cut while dialling
 		case isResourceExhausted(err):
 			// Our own shortage, not the endpoint's fault: another endpoint will not help.
-			p.Log.Warn().Err(err).Stringer("client", clientAddr).Stringer("endpoint", ep).
+			p.logWarn().Err(err).Stringer("client", clientAddr).Stringer("endpoint", ep).
 				Msg("cannot create a socket to the endpoint; closing the client")
 			return nil
 		}
-		p.Log.Debug().Err(err).Stringer("client", clientAddr).Stringer("endpoint", ep).
+		p.logDebug().Err(err).Stringer("client", clientAddr).Stringer("endpoint", ep).
 			Int("attempt", attempt+1).Dur("timeout", timeout).Msg("dial endpoint failed")
 		reset = true
 	}
-	p.Log.Warn().Stringer("client", clientAddr).Stringer("dst", dst).Int("attempts", len(p.timeouts)).
+	p.logWarn().Stringer("client", clientAddr).Stringer("dst", dst).Int("attempts", len(p.dialTimeouts())).
 		Msg("no endpoint could be reached; resetting the client")
 	return nil
 }
@@ -508,7 +520,7 @@ func (c *tcpConn) dial(target Target, client netip.AddrPort, timeout time.Durati
 	if err == nil || !isTransparentSetupError(err) {
 		return conn, err
 	}
-	logTransparentFallback(c.p.Log, &c.p.transparentWarned, err, client, ep)
+	logTransparentFallback(c.p.Log, c.p.LogScope, &c.p.transparentWarned, err, client, ep)
 	return dialTCP(c.ctx, newDialer(timeout), ep)
 }
 
@@ -537,7 +549,7 @@ func (c *tcpConn) sendProxyHeader(backend *net.TCPConn, v ProxyProtocol, client,
 		_, err = backend.Write(hdr)
 	}
 	if err != nil {
-		c.p.Log.Debug().Err(err).Stringer("client", client).Stringer("endpoint", c.endpointNow()).
+		c.p.logDebug().Err(err).Stringer("client", client).Stringer("endpoint", c.endpointNow()).
 			Msg("sending the PROXY protocol header failed; resetting the client")
 		return false
 	}
@@ -607,7 +619,7 @@ func (c *tcpConn) pump(r *copyResult, dst, src *net.TCPConn, pending []byte, don
 		}
 		c.idle.touch()
 	}
-	n, rest, err := spliceCopy(c.p.pool, dst, src, c.idle, &c.frozen)
+	n, rest, err := spliceCopy(c.p.pipePool(), dst, src, c.idle, &c.frozen)
 	r.n += n
 	r.pending = rest
 	if err == nil {
@@ -656,3 +668,10 @@ func resetConn(conn *net.TCPConn) {
 	_ = conn.SetLinger(0)
 	_ = conn.Close()
 }
+
+// logDebug, logInfo, logWarn and logError start an event of Log at their level, with LogScope's
+// fields.
+func (p *TCPProxy) logDebug() *zerolog.Event { return scoped(p.LogScope, p.Log.Debug()) }
+func (p *TCPProxy) logInfo() *zerolog.Event  { return scoped(p.LogScope, p.Log.Info()) }
+func (p *TCPProxy) logWarn() *zerolog.Event  { return scoped(p.LogScope, p.Log.Warn()) }
+func (p *TCPProxy) logError() *zerolog.Event { return scoped(p.LogScope, p.Log.Error()) }

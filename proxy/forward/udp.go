@@ -62,6 +62,9 @@ type UDPProxy struct {
 	// Log receives the proxy's events; the zero Logger discards them. Scope it to the service
 	// port. Per-session and per-drop events are at debug level.
 	Log zerolog.Logger
+	// LogScope, if set, adds the fields naming the service port to each event, at log time
+	// (see LogScope); Log then need not be scoped.
+	LogScope LogScope
 	// Metrics receives traffic events; nil means none.
 	Metrics Metrics
 	// Budget is the descriptor budget shared with the other service ports; nil means
@@ -122,12 +125,12 @@ func (p *UDPProxy) Serve() error {
 	if p.Conn == nil || p.Chooser == nil {
 		return errors.New("serve UDP proxy: Conn and Chooser are required")
 	}
-	done, ok, err := p.run.start("UDP proxy")
+	ok, err := p.run.start("UDP proxy")
 	if !ok {
 		return err
 	}
 	p.prepare()
-	defer close(done)
+	defer p.run.ended()
 	ct := p.openOrigDst()
 	if ct != nil {
 		defer ct.Close()
@@ -145,7 +148,7 @@ func (p *UDPProxy) Start(poller *Poller) error {
 	if p.Conn == nil || p.Chooser == nil {
 		return errors.New("start UDP proxy: Conn and Chooser are required")
 	}
-	done, ok, err := p.run.start("UDP proxy")
+	ok, err := p.run.start("UDP proxy")
 	if !ok {
 		return err
 	}
@@ -154,11 +157,17 @@ func (p *UDPProxy) Start(poller *Poller) error {
 	p.mu.Lock()
 	p.startCT = ct
 	p.mu.Unlock()
-	startParked(&p.run, poller, p.Conn, done, func(idle bool) error { return p.readLoop(ct, idle) }, func(err error) {
-		p.Log.Error().Err(err).Msg("proxy listener stopped serving")
-	}, p.Log)
+	startParked(&p.run, poller, p.Conn, &udpStartLoop{p, ct})
 	return nil
 }
+
+// udpStartLoop is Start's loop (loopOwner): the read loop with Start's conntrack socket.
+type udpStartLoop struct {
+	*UDPProxy
+	ct *conntrackConn
+}
+
+func (u *udpStartLoop) serveLoop(idle bool) error { return u.readLoop(u.ct, idle) }
 
 // closeStartCT closes the conntrack socket of Start's loop, once the loop is over (Close, Freeze).
 func (p *UDPProxy) closeStartCT() {
@@ -175,12 +184,12 @@ func (p *UDPProxy) closeStartCT() {
 // finds the original destinations of new flows; nil when that is unavailable (logged).
 func (p *UDPProxy) openOrigDst() *conntrackConn {
 	if err := enableOrigDst(p.Conn); err != nil {
-		p.Log.Warn().Err(err).Msg("destinations of datagrams unavailable: original destinations unknown, replies leave from the routing's choice of source")
+		p.logWarn().Err(err).Msg("destinations of datagrams unavailable: original destinations unknown, replies leave from the routing's choice of source")
 		return nil
 	}
 	ct, err := openConntrack()
 	if err != nil {
-		p.Log.Warn().Err(err).Msg("conntrack unavailable: original destinations of UDP flows unknown")
+		p.logWarn().Err(err).Msg("conntrack unavailable: original destinations of UDP flows unknown")
 		return nil
 	}
 	return ct
@@ -272,7 +281,7 @@ func (p *UDPProxy) readLoop(ct *conntrackConn, idle bool) error {
 		}
 		if isResourceExhausted(err) {
 			if pause.attempts == 0 {
-				p.Log.Warn().Err(err).Msg("receive: out of memory; pausing")
+				p.logWarn().Err(err).Msg("receive: out of memory; pausing")
 			}
 			if !sleepUnlessStopped(pause.next(), stop) {
 				return nil
@@ -339,7 +348,7 @@ func (p *UDPProxy) originalDst(ct *conntrackConn, client, to netip.AddrPort) net
 	dst, err := ct.originalDst(unix.IPPROTO_UDP, client, to)
 	if err != nil {
 		if !errors.Is(err, unix.ENOENT) { // ENOENT: conntrack does not track the flow
-			p.Log.Debug().Err(err).Stringer("client", client).Msg("conntrack lookup failed")
+			p.logDebug().Err(err).Stringer("client", client).Msg("conntrack lookup failed")
 		}
 		return netip.AddrPort{}
 	}
@@ -390,7 +399,7 @@ func (p *UDPProxy) forward(ct *conntrackConn, b *udpBatch, from, to int, client,
 			s.markRefused(err)
 			tries++
 		default:
-			p.Log.Debug().Err(err).Stringer("client", client).Stringer("endpoint", s.endpoint).
+			p.logDebug().Err(err).Stringer("client", client).Stringer("endpoint", s.endpoint).
 				Msg("sending datagram to endpoint failed; dropped")
 			p.metrics.DatagramDropped()
 			from, tries = from+1, 0
@@ -420,20 +429,20 @@ func (p *UDPProxy) session(ct *conntrackConn, client, to netip.AddrPort) *udpSes
 	dst := p.originalDst(ct, client, to)
 	target, err := p.Chooser.Choose(clientAddr, dst, reset)
 	if err != nil {
-		p.Log.Debug().Err(err).Stringer("client", clientAddr).Stringer("dst", dst).
+		p.logDebug().Err(err).Stringer("client", clientAddr).Stringer("dst", dst).
 			Msg("no endpoint; datagram dropped")
 		return nil
 	}
 	ep := target.Endpoint
 	if !p.admitSession() {
-		p.Log.Debug().Stringer("client", clientAddr).Msg("no room for a new UDP session; datagram dropped")
+		p.logDebug().Stringer("client", clientAddr).Msg("no room for a new UDP session; datagram dropped")
 		return nil
 	}
 	backend, err := p.dialEndpoint(target, clientAddr)
 	if err != nil {
 		p.Budget.give(udpSessionFDs)
 		p.metrics.DialFailed(ep)
-		p.Log.Debug().Err(err).Stringer("client", clientAddr).Stringer("endpoint", ep).
+		p.logDebug().Err(err).Stringer("client", clientAddr).Stringer("endpoint", ep).
 			Msg("cannot open a socket to the endpoint; datagram dropped")
 		return nil
 	}
@@ -448,7 +457,7 @@ func (p *UDPProxy) session(ct *conntrackConn, client, to netip.AddrPort) *udpSes
 	p.sessionWG.Add(1)
 	p.mu.Unlock()
 	p.metrics.UDPSessionOpened()
-	p.Log.Debug().Stringer("client", clientAddr).Stringer("dst", dst).Stringer("endpoint", ep).
+	p.logDebug().Stringer("client", clientAddr).Stringer("dst", dst).Stringer("endpoint", ep).
 		Bool("reset", reset).Msg("UDP session opened")
 	go s.relayReplies()
 	return s
@@ -481,7 +490,7 @@ func (p *UDPProxy) admitSession() bool {
 		}
 	}
 	if p.refusedWarned.CompareAndSwap(false, true) {
-		p.Log.Warn().Int("maxSessions", p.MaxSessions).Int("budget", p.Budget.Limit()).Int("budgetInUse", p.Budget.InUse()).
+		p.logWarn().Int("maxSessions", p.MaxSessions).Int("budget", p.Budget.Limit()).Int("budgetInUse", p.Budget.InUse()).
 			Msg("UDP datagram dropped: no room for a new session (logged once)")
 	}
 	return false
@@ -527,7 +536,7 @@ func (p *UDPProxy) dialEndpoint(target Target, client netip.AddrPort) (*net.UDPC
 		if err == nil || !isTransparentSetupError(err) {
 			return c, err
 		}
-		logTransparentFallback(p.Log, &p.transparentWarned, err, client, ep)
+		logTransparentFallback(p.Log, p.LogScope, &p.transparentWarned, err, client, ep)
 	}
 	return net.DialUDP("udp", nil, net.UDPAddrFromAddrPort(ep))
 }
@@ -537,7 +546,7 @@ func (p *UDPProxy) dialEndpoint(target Target, client netip.AddrPort) (*net.UDPC
 func (s *udpSession) markRefused(err error) {
 	if s.refused.CompareAndSwap(false, true) {
 		s.p.metrics.DialFailed(s.endpoint)
-		s.p.Log.Debug().Err(err).Stringer("client", s.client).Stringer("endpoint", s.endpoint).
+		s.p.logDebug().Err(err).Stringer("client", s.client).Stringer("endpoint", s.endpoint).
 			Msg("endpoint refused the flow")
 	}
 }
@@ -605,7 +614,7 @@ func (s *udpSession) relay() (frozen bool) {
 		case errors.Is(rerr, net.ErrClosed): // Conn: the proxy is closing
 			return false
 		default:
-			p.Log.Debug().Err(rerr).Stringer("endpoint", s.endpoint).Msg("reading from endpoint failed; session ended")
+			p.logDebug().Err(rerr).Stringer("endpoint", s.endpoint).Msg("reading from endpoint failed; session ended")
 			return false
 		}
 	}
@@ -671,7 +680,7 @@ func (s *udpSession) sendReplies(b *udpBatch, n int) error {
 		if errors.Is(err, net.ErrClosed) {
 			return err
 		}
-		p.Log.Debug().Err(err).Stringer("client", s.client).Msg("sending reply to client failed; dropped")
+		p.logDebug().Err(err).Stringer("client", s.client).Msg("sending reply to client failed; dropped")
 		from++
 	}
 	return nil
@@ -703,7 +712,7 @@ func (s *udpSession) finish() {
 	s.release()
 	p.metrics.BytesCopied(s.toEndpoint.Load(), s.fromEndpoint.Load())
 	p.metrics.UDPSessionClosed()
-	p.Log.Debug().Stringer("client", s.client).Stringer("endpoint", s.endpoint).
+	p.logDebug().Stringer("client", s.client).Stringer("endpoint", s.endpoint).
 		Int64("toEndpoint", s.toEndpoint.Load()).Int64("fromEndpoint", s.fromEndpoint.Load()).
 		Msg("UDP session closed")
 }
@@ -721,3 +730,10 @@ func isUnreachable(err error) bool {
 	return errors.Is(err, syscall.ECONNREFUSED) || errors.Is(err, syscall.EHOSTUNREACH) ||
 		errors.Is(err, syscall.ENETUNREACH) || errors.Is(err, syscall.EHOSTDOWN)
 }
+
+// logDebug, logInfo, logWarn and logError start an event of Log at their level, with LogScope's
+// fields.
+func (p *UDPProxy) logDebug() *zerolog.Event { return scoped(p.LogScope, p.Log.Debug()) }
+func (p *UDPProxy) logInfo() *zerolog.Event  { return scoped(p.LogScope, p.Log.Info()) }
+func (p *UDPProxy) logWarn() *zerolog.Event  { return scoped(p.LogScope, p.Log.Warn()) }
+func (p *UDPProxy) logError() *zerolog.Event { return scoped(p.LogScope, p.Log.Error()) }

@@ -27,6 +27,7 @@ import (
 	"net/netip"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -303,11 +304,11 @@ func (m *Metrics) Queued(at time.Time) {
 // ForPort returns the traffic sink of one service port (the proxier's TrafficMetrics). Its series
 // appear with their first event.
 func (m *Metrics) ForPort(name proxy.Name, protocol v1.Protocol) forward.Metrics {
-	lv := labelValues(name, protocol)
 	// Bound at the first event of each series (then the per-event cost is an atomic add): a
-	// port that never sees traffic has no series, so 10,000 idle service ports cost no memory
-	// and no scrape time.
-	return &portMetrics{m: m, labels: lv}
+	// port that never sees traffic has no series, so 10,000 idle service ports cost no scrape
+	// time, and hold only this small struct (the label values and series come with the first
+	// event).
+	return &portMetrics{m: m, name: name, protocol: protocol}
 }
 
 // lazy is one series of a port, created with its first use (get). It holds no more than that
@@ -366,9 +367,17 @@ func labelValues(name proxy.Name, protocol v1.Protocol) []string {
 	return []string{name.Namespace, name.Name, name.Port, string(protocol)}
 }
 
-// portMetrics is one service port's forward.Metrics.
+// portMetrics is one service port's forward.Metrics: its name until the first event, which
+// creates its series holder.
 type portMetrics struct {
-	m         *Metrics
+	m        *Metrics
+	name     proxy.Name
+	protocol v1.Protocol
+	s        atomic.Pointer[portSeries]
+}
+
+// portSeries is the label values and series of a port that saw traffic.
+type portSeries struct {
 	labels    []string
 	accepted  lazy[prometheus.Counter]
 	active    lazy[prometheus.Gauge]
@@ -382,21 +391,36 @@ type portMetrics struct {
 	evicted   lazy[prometheus.Counter]
 }
 
+// series returns the port's series holder, created by the first event.
+func (p *portMetrics) series() *portSeries {
+	if s := p.s.Load(); s != nil {
+		return s
+	}
+	s := &portSeries{labels: labelValues(p.name, p.protocol)}
+	if p.s.CompareAndSwap(nil, s) {
+		return s
+	}
+	return p.s.Load()
+}
+
 var _ forward.Metrics = (*portMetrics)(nil)
 
 func (p *portMetrics) ConnAccepted() {
-	p.accepted.get(p.m.accepted, p.labels).Inc()
-	p.active.get(p.m.active, p.labels).Inc()
+	s := p.series()
+	s.accepted.get(p.m.accepted, s.labels).Inc()
+	s.active.get(p.m.active, s.labels).Inc()
 }
-func (p *portMetrics) ConnClosed() { p.active.get(p.m.active, p.labels).Dec() }
+func (p *portMetrics) ConnClosed() { s := p.series(); s.active.get(p.m.active, s.labels).Dec() }
 func (p *portMetrics) ConnFailed() {
-	p.active.get(p.m.active, p.labels).Dec()
-	p.failed.get(p.m.failed, p.labels).Inc()
+	s := p.series()
+	s.active.get(p.m.active, s.labels).Dec()
+	s.failed.get(p.m.failed, s.labels).Inc()
 }
 
 func (p *portMetrics) DialFailed(endpoint netip.AddrPort) {
-	p.m.dialFailures.WithLabelValues(append(append([]string{}, p.labels...), endpoint.String())...).Inc()
-	key := strings.Join(p.labels, "\x00")
+	labels := p.series().labels
+	p.m.dialFailures.WithLabelValues(append(append([]string{}, labels...), endpoint.String())...).Inc()
+	key := strings.Join(labels, "\x00")
 	p.m.mu.Lock()
 	if p.m.dialed[key] == nil {
 		p.m.dialed[key] = map[netip.AddrPort]struct{}{}
@@ -406,24 +430,38 @@ func (p *portMetrics) DialFailed(endpoint netip.AddrPort) {
 }
 
 func (p *portMetrics) BytesCopied(toEndpoint, fromEndpoint int64) {
+	if toEndpoint <= 0 && fromEndpoint <= 0 {
+		return
+	}
+	s := p.series()
 	if toEndpoint > 0 {
-		p.bytesTo.get(p.m.bytesTo, p.labels).Add(float64(toEndpoint))
+		s.bytesTo.get(p.m.bytesTo, s.labels).Add(float64(toEndpoint))
 	}
 	if fromEndpoint > 0 {
-		p.bytesFrom.get(p.m.bytesFrom, p.labels).Add(float64(fromEndpoint))
+		s.bytesFrom.get(p.m.bytesFrom, s.labels).Add(float64(fromEndpoint))
 	}
 }
 
 func (p *portMetrics) UDPSessionOpened() {
-	p.udpOpened.get(p.m.udpOpened, p.labels).Inc()
-	p.udpActive.get(p.m.udpActive, p.labels).Inc()
+	s := p.series()
+	s.udpOpened.get(p.m.udpOpened, s.labels).Inc()
+	s.udpActive.get(p.m.udpActive, s.labels).Inc()
 }
-func (p *portMetrics) UDPSessionClosed()  { p.udpActive.get(p.m.udpActive, p.labels).Dec() }
-func (p *portMetrics) DatagramDropped()   { p.dropped.get(p.m.dropped, p.labels).Inc() }
-func (p *portMetrics) ConnRefused()       { p.refused.get(p.m.refused, p.labels).Inc() }
-func (p *portMetrics) UDPSessionEvicted() { p.evicted.get(p.m.evicted, p.labels).Inc() }
+func (p *portMetrics) UDPSessionClosed() {
+	s := p.series()
+	s.udpActive.get(p.m.udpActive, s.labels).Dec()
+}
+func (p *portMetrics) DatagramDropped() { s := p.series(); s.dropped.get(p.m.dropped, s.labels).Inc() }
+func (p *portMetrics) ConnRefused()     { s := p.series(); s.refused.get(p.m.refused, s.labels).Inc() }
+func (p *portMetrics) UDPSessionEvicted() {
+	s := p.series()
+	s.evicted.get(p.m.evicted, s.labels).Inc()
+}
 
 // ConnReleased and UDPSessionReleased (forward.HandoverMetrics): a connection or session handed
 // over to a successor leaves this process's gauges.
-func (p *portMetrics) ConnReleased()       { p.active.get(p.m.active, p.labels).Dec() }
-func (p *portMetrics) UDPSessionReleased() { p.udpActive.get(p.m.udpActive, p.labels).Dec() }
+func (p *portMetrics) ConnReleased() { s := p.series(); s.active.get(p.m.active, s.labels).Dec() }
+func (p *portMetrics) UDPSessionReleased() {
+	s := p.series()
+	s.udpActive.get(p.m.udpActive, s.labels).Dec()
+}

@@ -148,7 +148,7 @@ func (p *Proxier) thawLocked() {
 			}
 		}
 		if err != nil {
-			l.log.Error().Err(err).Msg("cannot serve again after the failed hand-over; the next sync opens the port anew")
+			l.logError().Err(err).Msg("cannot serve again after the failed hand-over; the next sync opens the port anew")
 			l.close(p.alloc, p.opts.Metrics)
 			p.stale = true
 		}
@@ -484,7 +484,7 @@ func (l *listener) openInherited(cfg *listenConfig, in *inherited, metrics forwa
 			return err
 		}
 		l.udp = l.newUDP(cfg, conn, metrics)
-		l.adoptUDP = in.sessions
+		l.adopt = &inherited{sessions: in.sessions}
 		l.proxyPort = in.proxyPort
 		return nil
 	}
@@ -494,7 +494,7 @@ func (l *listener) openInherited(cfg *listenConfig, in *inherited, metrics forwa
 		return err
 	}
 	l.tcp = l.newTCP(cfg, ln, metrics)
-	l.adoptTCP = in.conns
+	l.adopt = &inherited{conns: in.conns}
 	l.proxyPort = in.proxyPort
 	return nil
 }

@@ -33,7 +33,10 @@ const maxOpenAttempts = 16
 
 // listener is one service port's proxy listener and the forwarder serving it.
 type listener struct {
-	log zerolog.Logger
+	// log is the proxier's logger; each event gets the servicePort field at log time (see
+	// ScopeEvent): a logger scoped with With would hold its context, some 500 bytes, for every
+	// listener, most of which never log.
+	log *zerolog.Logger
 	// choose picks the endpoints of its connections and flows; it holds the port's current
 	// definition, swapped by the sync.
 	choose chooser
@@ -59,13 +62,24 @@ type listener struct {
 	inherit *inherited
 	tcp     *forward.TCPProxy
 	udp     *forward.UDPProxy
-	// adoptTCP and adoptUDP are the handed-over connections and sessions of a listener open
-	// yet not started: start adopts them.
-	adoptTCP []forward.TCPConnState
-	adoptUDP []forward.UDPSessionState
-	started  bool
-	frozen   bool // a hand-over froze it (Proxier.Freeze); thawed if it fails
+	// adopt holds the handed-over connections (conns) and sessions (sessions) of a listener
+	// open yet not started: start adopts them. (One pointer: most listeners never have any.)
+	adopt   *inherited
+	started bool
+	frozen  bool // a hand-over froze it (Proxier.Freeze); thawed if it fails
 }
+
+// ScopeEvent adds the service port to an event of the listener or its forwarder
+// (forward.LogScope), as a logger scoped with With would. A nil e (the level is off) stays nil.
+func (l *listener) ScopeEvent(e *zerolog.Event) *zerolog.Event {
+	return e.Stringer("servicePort", l.choose.sp.Load())
+}
+
+// logDebug, logInfo, logWarn and logError start an event of the listener's log, at their level.
+func (l *listener) logDebug() *zerolog.Event { return l.ScopeEvent(l.log.Debug()) }
+func (l *listener) logInfo() *zerolog.Event  { return l.ScopeEvent(l.log.Info()) }
+func (l *listener) logWarn() *zerolog.Event  { return l.ScopeEvent(l.log.Warn()) }
+func (l *listener) logError() *zerolog.Event { return l.ScopeEvent(l.log.Error()) }
 
 func (l *listener) protocol() v1.Protocol { return l.choose.sp.Load().Protocol }
 
@@ -149,7 +163,7 @@ func (l *listener) open(cfg *listenConfig) error {
 			return nil
 		}
 		cfg.alloc.Release(in.proxyPort)
-		l.log.Warn().Err(err).Int("proxyPort", in.proxyPort).Msg("cannot serve the handed-over listener; opening a new one")
+		l.logWarn().Err(err).Int("proxyPort", in.proxyPort).Msg("cannot serve the handed-over listener; opening a new one")
 	}
 	if l.openPreferred(cfg, sp, metrics) {
 		return nil
@@ -218,43 +232,47 @@ func (l *listener) start(cfg *listenConfig) {
 	}
 	switch {
 	case l.tcp != nil:
-		conns := l.adoptTCP
-		l.adoptTCP = nil
+		var conns []forward.TCPConnState
+		if l.adopt != nil {
+			conns, l.adopt = l.adopt.conns, nil
+		}
 		if err := l.tcp.Adopt(conns); err != nil {
-			l.log.Error().Err(err).Msg("handed-over connections not adopted; the others go on")
+			l.logError().Err(err).Msg("handed-over connections not adopted; the others go on")
 		}
 		l.serveTCP(cfg)
 	case l.udp != nil:
-		sessions := l.adoptUDP
-		l.adoptUDP = nil
+		var sessions []forward.UDPSessionState
+		if l.adopt != nil {
+			sessions, l.adopt = l.adopt.sessions, nil
+		}
 		if err := l.udp.Adopt(sessions); err != nil {
-			l.log.Error().Err(err).Msg("handed-over UDP sessions not adopted; the others go on")
+			l.logError().Err(err).Msg("handed-over UDP sessions not adopted; the others go on")
 		}
 		l.serveUDP(cfg)
 	}
 }
 
 func (l *listener) newUDP(cfg *listenConfig, conn *net.UDPConn, metrics forward.Metrics) *forward.UDPProxy {
-	return &forward.UDPProxy{Conn: conn, Chooser: &l.choose, Timeout: cfg.udpTimeout, Log: l.log, Metrics: metrics,
+	return &forward.UDPProxy{Conn: conn, Chooser: &l.choose, Timeout: cfg.udpTimeout, Log: *l.log, LogScope: l, Metrics: metrics,
 		Budget: cfg.budget, MaxSessions: cfg.maxSessions}
 }
 
 func (l *listener) newTCP(cfg *listenConfig, ln *net.TCPListener, metrics forward.Metrics) *forward.TCPProxy {
-	return &forward.TCPProxy{Listener: ln, Chooser: &l.choose, Log: l.log, Metrics: metrics,
+	return &forward.TCPProxy{Listener: ln, Chooser: &l.choose, Log: *l.log, LogScope: l, Metrics: metrics,
 		Budget: cfg.budget, MaxConns: cfg.maxConns, IdleTimeout: cfg.idleTimeout}
 }
 
 // serveTCP starts the TCP proxy; with cfg's poller, an idle listener holds no goroutine.
 func (l *listener) serveTCP(cfg *listenConfig) {
 	if err := l.tcp.Start(cfg.poller); err != nil {
-		l.log.Error().Err(err).Str("protocol", string(v1.ProtocolTCP)).Msg("proxy listener not serving")
+		l.logError().Err(err).Str("protocol", string(v1.ProtocolTCP)).Msg("proxy listener not serving")
 	}
 }
 
 // serveUDP starts the UDP proxy; with cfg's poller, a port without datagrams holds no goroutine.
 func (l *listener) serveUDP(cfg *listenConfig) {
 	if err := l.udp.Start(cfg.poller); err != nil {
-		l.log.Error().Err(err).Str("protocol", string(v1.ProtocolUDP)).Msg("proxy listener not serving")
+		l.logError().Err(err).Str("protocol", string(v1.ProtocolUDP)).Msg("proxy listener not serving")
 	}
 }
 
@@ -274,14 +292,16 @@ func (l *listener) endpointsChanged(eps []proxy.Endpoint) {
 
 // stopAccepting closes the listening socket; established TCP connections go on.
 func (l *listener) stopAccepting() {
-	for _, c := range l.adoptTCP { // open, never started: nobody adopted them
-		resetFile(c.Client)
-		resetFile(c.Backend)
+	if in := l.adopt; in != nil { // open, never started: nobody adopted them
+		for _, c := range in.conns {
+			resetFile(c.Client)
+			resetFile(c.Backend)
+		}
+		for _, s := range in.sessions {
+			_ = s.Backend.Close()
+		}
+		l.adopt = nil
 	}
-	for _, s := range l.adoptUDP {
-		_ = s.Backend.Close()
-	}
-	l.adoptTCP, l.adoptUDP = nil, nil
 	var err error
 	switch {
 	case l.tcp != nil:
@@ -290,7 +310,7 @@ func (l *listener) stopAccepting() {
 		err = l.udp.Close()
 	}
 	if err != nil && !errors.Is(err, net.ErrClosed) {
-		l.log.Warn().Err(err).Msg("closing proxy listener")
+		l.logWarn().Err(err).Msg("closing proxy listener")
 	}
 }
 

@@ -38,13 +38,13 @@ func (l *listener) openPreferred(cfg *listenConfig, sp *proxy.ServicePort, metri
 		return false
 	}
 	if !cfg.alloc.Reserve(port) {
-		l.log.Info().Int("preferredPort", port).Str("proxyPortRange", cfg.alloc.Range().String()).
+		l.logInfo().Int("preferredPort", port).Str("proxyPortRange", cfg.alloc.Range().String()).
 			Msg("the proxy port of the earlier run is taken or out of the range; allocating another")
 		return false
 	}
 	if err := l.listen(sp.Protocol, cfg, port, metrics); err != nil {
 		cfg.alloc.Release(port)
-		l.log.Info().Err(err).Int("preferredPort", port).Msg("cannot listen on the proxy port of the earlier run; allocating another")
+		l.logInfo().Err(err).Int("preferredPort", port).Msg("cannot listen on the proxy port of the earlier run; allocating another")
 		return false
 	}
 	return true

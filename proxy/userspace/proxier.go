@@ -395,7 +395,7 @@ func (p *Proxier) upsertPortLocked(sp *proxy.ServicePort) {
 		p.removePortLocked(sp.Name)
 	}
 	l := &listener{
-		log:    p.log.With().Str("servicePort", sp.String()).Logger(),
+		log:    &p.log,
 		key:    sp.Name.String(),
 		choose: chooser{lb: p.lb, routing: p.routing},
 	}
@@ -431,7 +431,7 @@ func (p *Proxier) removePortLocked(name proxy.Name) {
 	delete(p.unservable, name)
 	p.lb.DeleteServicePort(name)
 	l.close(p.alloc, p.opts.Metrics)
-	l.log.Info().Msg("closed proxy listener")
+	l.logInfo().Msg("closed proxy listener")
 }
 
 // updateBudgetLocked gives the data path what the file limit leaves after the reserve and the
@@ -561,14 +561,14 @@ func (p *Proxier) noteUnservableLocked(over []*listener) {
 		name := l.choose.sp.Load().Name
 		now[name] = true
 		if !p.unservable[name] {
-			l.log.Error().Int("openFilesLimit", p.opts.Limits.FileLimit).
+			l.logError().Int("openFilesLimit", p.opts.Limits.FileLimit).
 				Msg("service port not served: the open-files limit leaves no descriptor for its listener (its portals reject); raise the limit (RLIMIT_NOFILE) or lower --fd-reserve")
 		}
 	}
 	for name := range p.unservable {
 		if !now[name] {
 			if l := p.ports[name]; l != nil && l.isOpen() {
-				l.log.Info().Msg("service port served again: descriptors freed up for its listener")
+				l.logInfo().Msg("service port served again: descriptors freed up for its listener")
 			}
 		}
 	}
@@ -626,10 +626,10 @@ func (p *Proxier) noteRefusedLocked(name proxy.Name, err error) {
 // distinct listeners.
 func (p *Proxier) openLocked(l *listener) bool {
 	if err := l.open(&p.listen); err != nil {
-		l.log.Error().Err(err).Msg("cannot open the proxy listener; retrying at the next sync")
+		l.logError().Err(err).Msg("cannot open the proxy listener; retrying at the next sync")
 		return false
 	}
-	l.log.Debug().Int("proxyPort", l.proxyPort).Msg("opened proxy listener")
+	l.logDebug().Int("proxyPort", l.proxyPort).Msg("opened proxy listener")
 	return true
 }
 

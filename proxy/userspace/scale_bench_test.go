@@ -4,11 +4,13 @@ import (
 	"context"
 	"fmt"
 	"net/netip"
+	"runtime"
 	"testing"
 
 	v1 "k8s.io/api/core/v1"
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/metrics"
 )
 
 // discardPortals is Portals that programs nothing: the benchmarks below measure the proxier's
@@ -23,9 +25,13 @@ func (discardPortals) Sync(context.Context, []proxy.PortState, proxy.NodeAddrs, 
 // endpoint each (not yet synced).
 func scaleProxier(b *testing.B, n int) *Proxier { return scaleProxierT(b, n) }
 
-func scaleProxierT(b testing.TB, n int) *Proxier {
+func scaleProxierT(b testing.TB, n int) *Proxier { return scaleProxierM(b, n, nil) }
+
+// scaleProxierM is scaleProxierT with m as the traffic metrics (nil: none).
+func scaleProxierM(b testing.TB, n int, m TrafficMetrics) *Proxier {
 	b.Helper()
-	p := New(Options{Portals: discardPortals{}, HoldPorts: true, NodeAddrs: noNodeAddrs, BindAddress: netip.MustParseAddr("127.0.0.1")})
+	p := New(Options{Portals: discardPortals{}, HoldPorts: true, NodeAddrs: noNodeAddrs, BindAddress: netip.MustParseAddr("127.0.0.1"),
+		Metrics: m})
 	p.Tracker().OnSynced()
 	b.Cleanup(func() {
 		p.closeListeners()
@@ -45,9 +51,19 @@ func scaleProxierT(b testing.TB, n int) *Proxier {
 	return p
 }
 
+// liveHeap returns the live heap after a collection.
+func liveHeap() uint64 {
+	runtime.GC()
+	var ms runtime.MemStats
+	runtime.ReadMemStats(&ms)
+	return ms.HeapAlloc
+}
+
 // BenchmarkProxierSync measures, at 10,000 service ports, the proxier's first sync (every
 // listener opened), an idle periodic sync (nothing changed: what the proxy spends every sync
-// period), and a sync after one more service.
+// period), and a sync after one more service. live-heap is the first sync with the traffic
+// metrics the proxy has, reporting B/port: the live heap the sync adds (listeners, forwarders,
+// their metrics sinks, the proxier's maps, the balancer's state), per port.
 func BenchmarkProxierSync(b *testing.B) {
 	const n = 10_000
 	b.Run("first", func(b *testing.B) {
@@ -60,6 +76,21 @@ func BenchmarkProxierSync(b *testing.B) {
 			p.closeListeners()
 			b.StartTimer()
 		}
+	})
+	b.Run("live-heap", func(b *testing.B) {
+		var perPort float64
+		for b.Loop() {
+			b.StopTimer()
+			p := scaleProxierM(b, n, metrics.New(metrics.Options{NoRuntimeCollectors: true}))
+			before := liveHeap()
+			b.StartTimer()
+			p.sync(true)
+			b.StopTimer()
+			perPort = (float64(liveHeap()) - float64(before)) / n
+			p.closeListeners()
+			b.StartTimer()
+		}
+		b.ReportMetric(perPort, "B/port")
 	})
 	b.Run("periodic-idle", func(b *testing.B) {
 		p := scaleProxier(b, n)

@@ -14,8 +14,11 @@ import (
 // which answer on every address of the node. An endpoint there would have the proxy connect to
 // itself, each connection opening another until the node runs out of descriptors; such
 // endpoints are refused.
+//
+// Its maps hold the listener whose address each is (named by what add recorded of it, selfSP),
+// not its name: a pointer is a sixth of a proxy.Name, at 10,000 ports and more.
 type selfAddrs struct {
-	portals map[protoAddrPort]proxy.Name
+	portals map[protoAddrPort]*listener
 	ports   map[protoPort]portUse // proxy ports and NodePorts on the node's addresses
 	node    proxy.NodeAddrs
 	// collided is set when two ports have one address (see add).
@@ -35,22 +38,34 @@ type protoPort struct {
 // portUse says what a port of the node is to the proxy: formatted only for an error, as every
 // sync collects one per service port.
 type portUse struct {
-	nodePort bool // the NodePort of name; false: its proxy port
-	name     proxy.Name
+	nodePort bool // the NodePort of l; false: its proxy port
+	l        *listener
 }
 
 func (u portUse) String() string {
 	if u.nodePort {
-		return "the NodePort of " + u.name.String()
+		return "the NodePort of " + u.l.selfSP.Name.String()
 	}
-	return "the proxy port of " + u.name.String()
+	return "the proxy port of " + u.l.selfSP.Name.String()
 }
 
-// newSelfAddrs collects the proxy's own addresses from its listeners and the node's addresses.
+// newSelfAddrs collects the proxy's own addresses from its listeners and the node's addresses,
+// in maps sized to what they hold.
 func newSelfAddrs(ports map[proxy.Name]*listener, node proxy.NodeAddrs) *selfAddrs {
+	nPortals, nPorts := 0, 0
+	for _, l := range ports {
+		sp := l.choose.sp.Load()
+		nPortals += len(sp.ClusterIPs) + len(sp.ExternalIPs) + len(sp.LoadBalancerIPs)
+		if l.isOpen() {
+			nPorts++
+		}
+		if sp.NodePort != 0 {
+			nPorts++
+		}
+	}
 	s := &selfAddrs{
-		portals: make(map[protoAddrPort]proxy.Name, len(ports)),
-		ports:   make(map[protoPort]portUse, 2*len(ports)),
+		portals: make(map[protoAddrPort]*listener, nPortals),
+		ports:   make(map[protoPort]portUse, nPorts),
 		node:    node,
 	}
 	for _, l := range ports {
@@ -69,13 +84,13 @@ func (s *selfAddrs) add(l *listener) {
 		port = l.proxyPort
 	}
 	l.selfSP, l.selfPort = sp, port
-	eachSelfAddr(sp, port, func(k protoAddrPort) {
-		if o, dup := s.portals[k]; dup && o != sp.Name {
+	eachSelfAddr(l, sp, port, func(k protoAddrPort) {
+		if o, dup := s.portals[k]; dup && o != l {
 			s.collided = true
 		}
-		s.portals[k] = sp.Name
+		s.portals[k] = l
 	}, func(k protoPort, u portUse) {
-		if o, dup := s.ports[k]; dup && o.name != sp.Name {
+		if o, dup := s.ports[k]; dup && o.l != l {
 			s.collided = true
 		}
 		s.ports[k] = u
@@ -88,31 +103,31 @@ func (s *selfAddrs) drop(l *listener) {
 	if sp == nil {
 		return
 	}
-	eachSelfAddr(sp, l.selfPort, func(k protoAddrPort) {
-		if s.portals[k] == sp.Name {
+	eachSelfAddr(l, sp, l.selfPort, func(k protoAddrPort) {
+		if s.portals[k] == l {
 			delete(s.portals, k)
 		}
 	}, func(k protoPort, _ portUse) {
-		if s.ports[k].name == sp.Name {
+		if s.ports[k].l == l {
 			delete(s.ports, k)
 		}
 	})
 	l.selfSP, l.selfPort = nil, 0
 }
 
-// eachSelfAddr calls portal with each portal address of sp, and port with its proxy port (0:
-// none) and NodePort.
-func eachSelfAddr(sp *proxy.ServicePort, proxyPort int, portal func(protoAddrPort), port func(protoPort, portUse)) {
+// eachSelfAddr calls portal with each portal address of sp (l's port), and port with its proxy
+// port (0: none) and NodePort.
+func eachSelfAddr(l *listener, sp *proxy.ServicePort, proxyPort int, portal func(protoAddrPort), port func(protoPort, portUse)) {
 	for _, ips := range [][]netip.Addr{sp.ClusterIPs, sp.ExternalIPs, sp.LoadBalancerIPs} {
 		for _, ip := range ips {
 			portal(protoAddrPort{sp.Protocol, netip.AddrPortFrom(ip.Unmap(), uint16(sp.Port))})
 		}
 	}
 	if proxyPort != 0 {
-		port(protoPort{sp.Protocol, proxyPort}, portUse{name: sp.Name})
+		port(protoPort{sp.Protocol, proxyPort}, portUse{l: l})
 	}
 	if sp.NodePort != 0 {
-		port(protoPort{sp.Protocol, sp.NodePort}, portUse{nodePort: true, name: sp.Name})
+		port(protoPort{sp.Protocol, sp.NodePort}, portUse{nodePort: true, l: l})
 	}
 }
 
@@ -120,7 +135,7 @@ func eachSelfAddr(sp *proxy.ServicePort, proxyPort int, portal func(protoAddrPor
 func (s *selfAddrs) check(proto v1.Protocol, ep netip.AddrPort) error {
 	ap := netip.AddrPortFrom(ep.Addr().Unmap(), ep.Port())
 	if owner, ok := s.portals[protoAddrPort{proto, ap}]; ok {
-		return fmt.Errorf("endpoint %s is a service address of %s, served by this proxy", ep, owner)
+		return fmt.Errorf("endpoint %s is a service address of %s, served by this proxy", ep, owner.selfSP.Name)
 	}
 	a := ap.Addr()
 	if a.IsLoopback() || a.IsUnspecified() || s.node.Contains(a) {
