@@ -15,23 +15,66 @@ import (
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/source"
 )
 
-// ServicePortMap is a service's ports by port name.
-type ServicePortMap map[string]*ServicePort
+// ServicePorts is a service's ports, sorted by port name (unique within a service). A sorted
+// slice rather than a map by name: a service has one or a few ports, and a Go map costs a few
+// hundred bytes even for one entry, held for every service of the node.
+type ServicePorts []*ServicePort
 
-// EndpointsMap is a service's endpoints by port name.
-type EndpointsMap map[string][]Endpoint
+// Get returns the port named port, nil when there is none.
+func (ps ServicePorts) Get(port string) *ServicePort {
+	for _, sp := range ps {
+		if sp.Name.Port == port {
+			return sp
+		}
+	}
+	return nil
+}
 
-// Change is the change of one service's ports (ServicePortMap) or endpoints (EndpointsMap)
+// PortEndpoints is the endpoints of one port of a service, by the port's name.
+type PortEndpoints struct {
+	Port      string
+	Endpoints []Endpoint
+}
+
+// EndpointsByPort is a service's endpoints per port name, sorted by port name, no name twice
+// and no port without endpoints (a slice for the reason ServicePorts is one).
+type EndpointsByPort []PortEndpoints
+
+// Get returns the endpoints of the port named port (nil when it has none).
+func (eps EndpointsByPort) Get(port string) []Endpoint {
+	for _, pe := range eps {
+		if pe.Port == port {
+			return pe.Endpoints
+		}
+	}
+	return nil
+}
+
+// endpointsByPort returns m's lists as an EndpointsByPort (nil when m has none).
+func endpointsByPort(m map[string][]Endpoint) EndpointsByPort {
+	var out EndpointsByPort
+	for _, port := range slices.Sorted(maps.Keys(m)) {
+		if len(m[port]) > 0 {
+			if out == nil {
+				out = make(EndpointsByPort, 0, len(m))
+			}
+			out = append(out, PortEndpoints{Port: port, Endpoints: m[port]})
+		}
+	}
+	return out
+}
+
+// Change is the change of one service's ports (ServicePorts) or endpoints (EndpointsByPort)
 // between two Drains. Previous is nil for an added service, Current nil for a deleted (or now
 // skipped) one.
-type Change[T ServicePortMap | EndpointsMap] struct {
+type Change[T ServicePorts | EndpointsByPort] struct {
 	Previous, Current T
 }
 
 // Changes is what Drain hands out.
 type Changes struct {
-	Services  map[types.NamespacedName]Change[ServicePortMap]
-	Endpoints map[types.NamespacedName]Change[EndpointsMap]
+	Services  map[types.NamespacedName]Change[ServicePorts]
+	Endpoints map[types.NamespacedName]Change[EndpointsByPort]
 	// ZoneChanged is true when this node's zone changed since the previous Drain; Zone is then
 	// the new zone ("" when the node has none).
 	ZoneChanged bool
@@ -65,15 +108,15 @@ type Tracker struct {
 
 	mu sync.Mutex // guards the following fields
 	// applied is the state handed out by the last Drain.
-	appliedPorts     map[types.NamespacedName]ServicePortMap
-	appliedEndpoints map[types.NamespacedName]EndpointsMap
+	appliedPorts     map[types.NamespacedName]ServicePorts
+	appliedEndpoints map[types.NamespacedName]EndpointsByPort
 	// slices holds the current EndpointSlices per service, sorted by name. A list is replaced,
 	// never changed in place: a list read under mu stays valid after it is released. (A slice,
 	// not a map by name: a service has one or a few, and a map costs ~300 bytes even for one.)
 	slices map[types.NamespacedName][]*discovery.EndpointSlice
 	// pending changes since the last Drain.
-	pendingPorts     map[types.NamespacedName]*Change[ServicePortMap]
-	pendingEndpoints map[types.NamespacedName]*Change[EndpointsMap]
+	pendingPorts     map[types.NamespacedName]*Change[ServicePorts]
+	pendingEndpoints map[types.NamespacedName]*Change[EndpointsByPort]
 	// zone is this node's zone as last reported, appliedZone the one the last Drain handed out.
 	zone, appliedZone string
 	oldest            time.Time
@@ -93,11 +136,11 @@ func NewTracker(opts TrackerOptions) *Tracker {
 	}
 	return &Tracker{
 		opts:             opts,
-		appliedPorts:     map[types.NamespacedName]ServicePortMap{},
-		appliedEndpoints: map[types.NamespacedName]EndpointsMap{},
+		appliedPorts:     map[types.NamespacedName]ServicePorts{},
+		appliedEndpoints: map[types.NamespacedName]EndpointsByPort{},
 		slices:           map[types.NamespacedName][]*discovery.EndpointSlice{},
-		pendingPorts:     map[types.NamespacedName]*Change[ServicePortMap]{},
-		pendingEndpoints: map[types.NamespacedName]*Change[EndpointsMap]{},
+		pendingPorts:     map[types.NamespacedName]*Change[ServicePorts]{},
+		pendingEndpoints: map[types.NamespacedName]*Change[EndpointsByPort]{},
 		lastErr:          map[string]string{},
 	}
 }
@@ -112,15 +155,13 @@ func (t *Tracker) OnServiceUpdate(prev, cur *v1.Service) {
 		return
 	}
 	name := types.NamespacedName{Namespace: obj.Namespace, Name: obj.Name}
-	var ports ServicePortMap
+	var ports ServicePorts
 	if cur != nil {
 		list, err := FromService(cur)
 		t.report("Service", name, err)
 		if len(list) > 0 {
-			ports = make(ServicePortMap, len(list))
-			for _, sp := range list {
-				ports[sp.Name.Port] = sp
-			}
+			slices.SortFunc(list, func(a, b *ServicePort) int { return strings.Compare(a.Name.Port, b.Name.Port) })
+			ports = slices.Clip(ServicePorts(list))
 		}
 		if reason := SkipReason(cur); reason != "" {
 			t.opts.Log.Debug().Str("service", name.String()).Str("reason", reason).Msg("not proxied")
@@ -168,11 +209,9 @@ func (t *Tracker) OnEndpointSliceUpdate(prev, cur *discovery.EndpointSlice) {
 	}
 	t.mu.Unlock()
 
-	eps, err := EndpointsFromSlices(svc, list)
+	byPort, err := EndpointsFromSlices(svc, list)
 	t.report("EndpointSlices of", svc, err)
-	if len(eps) == 0 {
-		eps = nil
-	}
+	eps := endpointsByPort(byPort)
 
 	t.mu.Lock()
 	changed := recordLocked(t.pendingEndpoints, t.appliedEndpoints, svc, eps, endpointsEqual)
@@ -200,7 +239,7 @@ func withSlice(list []*discovery.EndpointSlice, name string, cur *discovery.Endp
 
 // recordLocked makes cur the pending state of name (previous: the state the last Drain handed
 // out) and reports whether a change is now pending; a change back to that state is none.
-func recordLocked[T ServicePortMap | EndpointsMap](pending map[types.NamespacedName]*Change[T], applied map[types.NamespacedName]T,
+func recordLocked[T ServicePorts | EndpointsByPort](pending map[types.NamespacedName]*Change[T], applied map[types.NamespacedName]T,
 	name types.NamespacedName, cur T, equal func(a, b T) bool) bool {
 	ch, ok := pending[name]
 	if !ok {
@@ -240,7 +279,7 @@ func (t *Tracker) OnNodeTopology(zone string) {
 // was empty (the first Drain after a source's initial state fills it at once, without growing
 // it step by step); and an empty pending map, a new one after a large batch, since a cleared
 // map keeps its size and every later Drain would walk it.
-func drainLocked[T ServicePortMap | EndpointsMap](pending map[types.NamespacedName]*Change[T], applied map[types.NamespacedName]T,
+func drainLocked[T ServicePorts | EndpointsByPort](pending map[types.NamespacedName]*Change[T], applied map[types.NamespacedName]T,
 	out map[types.NamespacedName]Change[T]) (map[types.NamespacedName]T, map[types.NamespacedName]*Change[T]) {
 	if len(applied) == 0 {
 		applied = make(map[types.NamespacedName]T, len(pending))
@@ -275,8 +314,8 @@ func (t *Tracker) Drain() Changes {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	c := Changes{
-		Services:  make(map[types.NamespacedName]Change[ServicePortMap], len(t.pendingPorts)),
-		Endpoints: make(map[types.NamespacedName]Change[EndpointsMap], len(t.pendingEndpoints)),
+		Services:  make(map[types.NamespacedName]Change[ServicePorts], len(t.pendingPorts)),
+		Endpoints: make(map[types.NamespacedName]Change[EndpointsByPort], len(t.pendingEndpoints)),
 		Oldest:    t.oldest,
 	}
 	if t.zone != t.appliedZone {
@@ -316,10 +355,10 @@ func (t *Tracker) report(kind string, name types.NamespacedName, err error) {
 	t.opts.Log.Error().Err(err).Str("object", obj).Msg("invalid fields ignored; serving the rest")
 }
 
-func portsEqual(a, b ServicePortMap) bool {
-	return maps.EqualFunc(a, b, (*ServicePort).Equal)
+func portsEqual(a, b ServicePorts) bool {
+	return slices.EqualFunc(a, b, (*ServicePort).Equal)
 }
 
-func endpointsEqual(a, b EndpointsMap) bool {
-	return maps.EqualFunc(a, b, func(x, y []Endpoint) bool { return slices.Equal(x, y) })
+func endpointsEqual(a, b EndpointsByPort) bool {
+	return slices.EqualFunc(a, b, func(x, y PortEndpoints) bool { return x.Port == y.Port && slices.Equal(x.Endpoints, y.Endpoints) })
 }

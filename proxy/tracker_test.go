@@ -103,13 +103,13 @@ func TestServiceCoalescing(t *testing.T) {
 	}
 }
 
-func checkPorts(t *testing.T, what string, got ServicePortMap, want []int) {
+func checkPorts(t *testing.T, what string, got ServicePorts, want []int) {
 	t.Helper()
 	if len(got) != len(want) {
 		t.Fatalf("%s: got %d ports, want %v", what, len(got), want)
 	}
 	for i, p := range want {
-		sp := got[string(rune('a'+i))]
+		sp := got.Get(string(rune('a'+i)))
 		if sp == nil || sp.Port != p {
 			t.Fatalf("%s: port %d: got %+v, want %d", what, i, sp, p)
 		}
@@ -123,7 +123,7 @@ func TestEndpointsTracking(t *testing.T) {
 	tr.OnEndpointSliceUpdate(nil, s1)
 	c := tr.Drain()
 	ch := c.Endpoints[nsName("s")]
-	if ch.Previous != nil || len(ch.Current["a"]) != 1 || ch.Current["a"][0].Addr.String() != "10.1.0.1:8080" {
+	if ch.Previous != nil || len(ch.Current.Get("a")) != 1 || ch.Current.Get("a")[0].Addr.String() != "10.1.0.1:8080" {
 		t.Fatalf("first slice: got %+v", ch)
 	}
 
@@ -131,7 +131,7 @@ func TestEndpointsTracking(t *testing.T) {
 	s2 := trackedSlice("s-2", "s", 8080, "10.1.0.2")
 	tr.OnEndpointSliceUpdate(nil, s2)
 	c = tr.Drain()
-	if got := c.Endpoints[nsName("s")].Current["a"]; len(got) != 2 {
+	if got := c.Endpoints[nsName("s")].Current.Get("a"); len(got) != 2 {
 		t.Fatalf("two slices: got %v", got)
 	}
 
@@ -146,10 +146,10 @@ func TestEndpointsTracking(t *testing.T) {
 	moved.Labels[discovery.LabelServiceName] = "other"
 	tr.OnEndpointSliceUpdate(s2, moved)
 	c = tr.Drain()
-	if got := c.Endpoints[nsName("s")].Current["a"]; len(got) != 1 {
+	if got := c.Endpoints[nsName("s")].Current.Get("a"); len(got) != 1 {
 		t.Errorf("after move, s: got %v", got)
 	}
-	if got := c.Endpoints[nsName("other")].Current["a"]; len(got) != 1 {
+	if got := c.Endpoints[nsName("other")].Current.Get("a"); len(got) != 1 {
 		t.Errorf("after move, other: got %v", got)
 	}
 
@@ -169,7 +169,7 @@ func TestInvalidObjectsReportedOnce(t *testing.T) {
 	tr.OnServiceUpdate(nil, bad)
 	tr.OnServiceUpdate(bad, bad.DeepCopy())
 	c := tr.Drain()
-	if sp := c.Services[nsName("bad")].Current["a"]; sp == nil || len(sp.ExternalIPs) != 0 {
+	if sp := c.Services[nsName("bad")].Current.Get("a"); sp == nil || len(sp.ExternalIPs) != 0 {
 		t.Fatalf("valid part of the service not served: %+v", c.Services)
 	}
 	out := buf.String()
@@ -269,5 +269,28 @@ func TestWithSlice(t *testing.T) {
 			t.Fatalf("step %d (%s, delete %v): got %d slices, want %d", i, name, cur == nil, len(next), len(want))
 		}
 		list = next
+	}
+}
+
+// TestPortsAndEndpointsSortedByName: a service's ports and endpoints are handed out sorted by
+// port name whatever the order of the spec and the slice, Get finds each, and a port whose
+// endpoints are all invalid is left out.
+func TestPortsAndEndpointsSortedByName(t *testing.T) {
+	tr := NewTracker(TrackerOptions{})
+	svc := trackedSvc("s", "10.0.0.1", 81, 80)
+	svc.Spec.Ports[0].Name, svc.Spec.Ports[1].Name = "z", "a"
+	tr.OnServiceUpdate(nil, svc)
+	sl := trackedSlice("s-1", "s", 8080, "10.1.0.1")
+	sl.Ports = append(sl.Ports, discovery.EndpointPort{Name: ptr.To("a"), Port: ptr.To[int32](8081)}, discovery.EndpointPort{Name: ptr.To("m"), Port: ptr.To[int32](0)})
+	sl.Ports[0].Name = ptr.To("z")
+	tr.OnEndpointSliceUpdate(nil, sl)
+	c := tr.Drain()
+	ports := c.Services[nsName("s")].Current
+	if len(ports) != 2 || ports[0].Name.Port != "a" || ports[1].Name.Port != "z" || ports.Get("z").Port != 81 || ports.Get("m") != nil {
+		t.Fatalf("ports: %v", ports)
+	}
+	eps := c.Endpoints[nsName("s")].Current
+	if len(eps) != 2 || eps[0].Port != "a" || eps[1].Port != "z" || eps.Get("a")[0].Addr.Port() != 8081 || eps.Get("m") != nil {
+		t.Fatalf("endpoints: %+v", eps)
 	}
 }

@@ -127,7 +127,7 @@ type Proxier struct {
 	mu        sync.Mutex
 	ports     map[proxy.Name]*listener
 	bySvc     map[types.NamespacedName][]*listener // ports, by service (a slice: most services have one)
-	endpoints map[types.NamespacedName]proxy.EndpointsMap
+	endpoints map[types.NamespacedName]proxy.EndpointsByPort
 	holder    *holder
 	closed    bool
 	// frozen is set by Freeze: syncs do nothing until Resume.
@@ -182,7 +182,7 @@ func New(opts Options) *Proxier {
 		synced:    make(chan struct{}),
 		ports:     map[proxy.Name]*listener{},
 		bySvc:     map[types.NamespacedName][]*listener{},
-		endpoints: map[types.NamespacedName]proxy.EndpointsMap{},
+		endpoints: map[types.NamespacedName]proxy.EndpointsByPort{},
 		holder:    newHolder(opts.Log),
 		refused:   map[proxy.Name]string{},
 		stash:     map[listenerKey]*inherited{},
@@ -357,8 +357,8 @@ func (p *Proxier) applyLocked(ch *proxy.Changes) map[types.NamespacedName]bool {
 	}
 	for svc, c := range ch.Services {
 		dirty[svc] = true
-		for portName, sp := range c.Previous {
-			if c.Current[portName] == nil {
+		for _, sp := range c.Previous {
+			if c.Current.Get(sp.Name.Port) == nil {
 				p.removePortLocked(sp.Name)
 			}
 		}
@@ -592,7 +592,7 @@ func (p *Proxier) refreshServiceLocked(svc types.NamespacedName, self *selfAddrs
 	for _, l := range p.bySvc[svc] {
 		sp := l.choose.sp.Load()
 		name := sp.Name
-		list, err := self.filter(sp, eps[name.Port])
+		list, err := self.filter(sp, eps.Get(name.Port))
 		p.noteRefusedLocked(name, err)
 		if sp == l.balanced && slices.Equal(list, l.endpoints) {
 			continue // the periodic recheck found nothing new: the balancer has it all
