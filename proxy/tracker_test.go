@@ -109,7 +109,7 @@ func checkPorts(t *testing.T, what string, got ServicePorts, want []int) {
 		t.Fatalf("%s: got %d ports, want %v", what, len(got), want)
 	}
 	for i, p := range want {
-		sp := got.Get(string(rune('a'+i)))
+		sp := got.Get(string(rune('a' + i)))
 		if sp == nil || sp.Port != p {
 			t.Fatalf("%s: port %d: got %+v, want %d", what, i, sp, p)
 		}
