@@ -292,9 +292,10 @@ func (a *allocator) allocateAgainst(svcs []*v1.Service, prev allocation, taken *
 	return out, next, problems
 }
 
-// complete returns the copy of p.svc with the cluster IPs addrs: last, the copy made by the
-// previous allocation, when it has them and the service needs no node ports (which are
-// allocated on the copies afterwards); else a new copy.
+// complete returns p.svc completed with the cluster IPs addrs. For a service that needs no node
+// ports (which are allocated on the copies afterwards): p.svc itself when it holds all of that
+// already (an explicit cluster IP, defaulted when decoded), else last, the copy made by the
+// previous allocation, when it has them. Otherwise a new copy.
 func complete(p *svcPlan, addrs []netip.Addr, last *v1.Service) *v1.Service {
 	if p.svc.Spec.Type == v1.ServiceTypeClusterIP && len(p.families) > 0 {
 		if completed(p.svc, p, addrs) {
