@@ -301,21 +301,60 @@ func (d *decoder) decodeSpan(job *fileJob, sp span) *fileResult {
 			}
 		}
 	}
+	// Two passes: every document new to the cache is converted to JSON first, then decoded.
+	// YAML parsing makes most of the garbage of a decode; done in a pass of its own, that
+	// garbage is not interleaved with the objects that stay (which would leave them scattered
+	// over many partly used spans of the heap).
+	var pending []pendingDoc
+	for doc := range docs {
+		pd := pendingDoc{document: doc, sum: sha256.Sum256(doc.data)}
+		if job.cache[pd.sum] == nil {
+			pd.conv = convertDocument(doc.data)
+		}
+		pending = append(pending, pd)
+	}
 	seen := map[objKey]docPos{}
 	i := sp.firstDoc - 1
-	for doc := range docs {
+	for k := range pending {
 		i++
-		d.decodeTop(res, seen, job, &DocError{File: job.path, Doc: i, Line: doc.line + sp.line - 1, Item: -1}, doc.data)
+		pd := &pending[k]
+		d.decodeTop(res, seen, job, &DocError{File: job.path, Doc: i, Line: pd.line + sp.line - 1, Item: -1}, pd)
+		pending[k] = pendingDoc{} // let the JSON go
 	}
 	return res
+}
+
+// pendingDoc is a document of a span, with its hash and, unless the cache holds it, its JSON.
+type pendingDoc struct {
+	document
+	sum  [sha256.Size]byte
+	conv *converted
+}
+
+// converted is the result of toJSON for one document (or the panic it raised).
+type converted struct {
+	js             []byte
+	strictErr, err error
+}
+
+// convertDocument runs toJSON, turning a panic of the YAML library into an error.
+func convertDocument(data []byte) (c *converted) {
+	c = &converted{}
+	defer func() {
+		if r := recover(); r != nil {
+			c.js, c.strictErr, c.err = nil, nil, fmt.Errorf("internal error: panic while decoding: %v", r)
+		}
+	}()
+	c.js, c.strictErr, c.err = toJSON(data)
+	return c
 }
 
 // decodeTop decodes one document of a file, from the cache of the file's previous content when
 // it holds the same bytes. It records in res.cache the documents of this content that can be
 // served from the cache next time: those that decoded into one object (not a List item)
 // without errors. Decoding is deterministic, so a cached object is what decoding would give.
-func (d *decoder) decodeTop(res *fileResult, seen map[objKey]docPos, job *fileJob, pos *DocError, data []byte) {
-	sum := sha256.Sum256(data)
+func (d *decoder) decodeTop(res *fileResult, seen map[objKey]docPos, job *fileJob, pos *DocError, pd *pendingDoc) {
+	sum := pd.sum
 	if e := job.cache[sum]; e != nil {
 		at := docPos{doc: pos.Doc, line: pos.Line, item: -1}
 		if first, dup := seen[e.key]; dup {
@@ -333,7 +372,7 @@ func (d *decoder) decodeTop(res *fileResult, seen map[objKey]docPos, job *fileJo
 		return
 	}
 	before, errs, skipped := len(res.objects), res.errCount, res.skippedCount
-	d.decodeDocument(res, seen, job.track, pos, data, true)
+	d.decodeDocument(res, seen, job.track, pos, pd.data, pd.conv, true)
 	if res.errCount == errs && res.skippedCount == skipped && len(res.objects) == before+1 && res.objects[before].pos.item < 0 {
 		res.remember(sum, res.objects[before])
 	}
@@ -359,7 +398,7 @@ func duplicateError(file string, at docPos, key objKey, first docPos) *DocError 
 
 // decodeDocument decodes one document, or one List item when top is false. pos carries the
 // position for errors.
-func (d *decoder) decodeDocument(res *fileResult, seen map[objKey]docPos, track func(objKey) bool, pos *DocError, data []byte, top bool) {
+func (d *decoder) decodeDocument(res *fileResult, seen map[objKey]docPos, track func(objKey) bool, pos *DocError, data []byte, conv *converted, top bool) {
 	fail := func(key *objKey, field, format string, args ...any) {
 		if key != nil {
 			if track(*key) {
@@ -386,7 +425,10 @@ func (d *decoder) decodeDocument(res *fileResult, seen map[objKey]docPos, track 
 		}
 	}()
 
-	js, strictErr, err := toJSON(data)
+	if conv == nil {
+		conv = convertDocument(data)
+	}
+	js, strictErr, err := conv.js, conv.strictErr, conv.err
 	if err != nil {
 		fail(nil, "", "%s", fileLines(err.Error(), pos.Line))
 		return
@@ -562,7 +604,7 @@ func (d *decoder) decodeList(res *fileResult, seen map[objKey]docPos, track func
 				}
 			}
 		}
-		d.decodeDocument(res, seen, track, &ipos, item, false)
+		d.decodeDocument(res, seen, track, &ipos, item, nil, false)
 	}
 }
 
