@@ -528,13 +528,23 @@ func runControlPlane(t *testing.T, rep *Report, cfg settings, c *cluster.Cluster
 		}
 		wg.Wait()
 
+		// Memory of both right after that window: each has served every service since its
+		// restart, and has been idle for the window.
+		mem := rep.Metric(fmt.Sprintf("RSS after restart, %d services", scale), "", "MiB", false)
+		mem.Note(PathDirect, "n/a")
+		mem.Note(PathHAProxy, "n/a")
+		for p, pid := range map[string]int{PathIPTables: kp.Pid(), PathKUP: kup.Pid()} {
+			kib, err := rssKiB(pid)
+			record(t, mem, p, float64(kib)/1024, err)
+		}
+
 		if scale == cfg.handoverAt() {
 			kup = handover(kup, scale)
 		}
 	}
 	rep.Notes = append(rep.Notes,
 		"Control plane: both proxies watch the same API server; `one more service` is the time, in a steady state (2 s after the last change), from the EndpointSlice's creation (the Service exists already) to the first TCP connection that gets an answer from the node (a fresh connection every 5 ms, so a SYN lost before the rules existed does not delay the figure). Both run with their default --iptables-min-sync-period (kube-proxy: 1 s).",
-		"Full sync after restart: the mean of kubeproxy_sync_full_proxy_rules_duration_seconds (both proxies count full syncs separately from partial ones) scraped right after the restarted proxy served everything. Idle CPU: utime+stime from /proc/PID/stat over "+cfg.cpuWindow.String()+".")
+		"Full sync after restart: the mean of kubeproxy_sync_full_proxy_rules_duration_seconds (both proxies count full syncs separately from partial ones) scraped right after the restarted proxy served everything. Idle CPU: utime+stime from /proc/PID/stat over "+cfg.cpuWindow.String()+". RSS after restart: VmRSS of each proxy at the end of that window (upstream kube-proxy holds the informers' copies of every Service and EndpointSlice and its iptables rule text; kube-userspace-proxy the same objects, a listener per service port and its rules).")
 }
 
 // createServices creates services bulk-<from>..bulk-<to-1> with one endpoint each (8 workers)
