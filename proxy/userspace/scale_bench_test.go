@@ -53,10 +53,17 @@ func scaleProxierM(b testing.TB, n int, m TrafficMetrics) *Proxier {
 
 // liveHeap returns the live heap after a collection.
 func liveHeap() uint64 {
+	live, _ := heapAfterGC()
+	return live
+}
+
+// heapAfterGC returns, after a collection, the bytes of live objects and of the heap's spans in
+// use (live objects plus the free slots of partly used spans).
+func heapAfterGC() (live, inuse uint64) {
 	runtime.GC()
 	var ms runtime.MemStats
 	runtime.ReadMemStats(&ms)
-	return ms.HeapAlloc
+	return ms.HeapAlloc, ms.HeapInuse
 }
 
 // BenchmarkProxierSync measures, at 10,000 service ports, the proxier's first sync (every
@@ -78,19 +85,24 @@ func BenchmarkProxierSync(b *testing.B) {
 		}
 	})
 	b.Run("live-heap", func(b *testing.B) {
-		var perPort float64
+		var perPort, inusePerPort float64
 		for b.Loop() {
 			b.StopTimer()
 			p := scaleProxierM(b, n, metrics.New(metrics.Options{NoRuntimeCollectors: true}))
-			before := liveHeap()
+			before, inuseBefore := heapAfterGC()
 			b.StartTimer()
 			p.sync(true)
 			b.StopTimer()
-			perPort = (float64(liveHeap()) - float64(before)) / n
+			after, inuseAfter := heapAfterGC()
+			perPort = (float64(after) - float64(before)) / n
+			inusePerPort = (float64(inuseAfter) - float64(inuseBefore)) / n
 			p.closeListeners()
 			b.StartTimer()
 		}
 		b.ReportMetric(perPort, "B/port")
+		// In use: the heap's spans holding objects, with the free slots the sync's garbage left
+		// between them.
+		b.ReportMetric(inusePerPort, "inuse-B/port")
 	})
 	b.Run("periodic-idle", func(b *testing.B) {
 		p := scaleProxier(b, n)
