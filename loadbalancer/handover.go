@@ -63,7 +63,7 @@ func (lb *RoundRobin) RestoreAffinity(entries []AffinityEntry) {
 
 // restoreAffinityLocked applies the handed-over entries of a port just set; lb.writeMu and
 // p.mu are held, s is the port's new snapshot and present its endpoints.
-func (lb *RoundRobin) restoreAffinityLocked(p *port, s *snapshot, present map[netip.AddrPort]int) {
+func (lb *RoundRobin) restoreAffinityLocked(p *port, s *snapshot, present endpointSet) {
 	entries, ok := lb.restore[s.sp.Name]
 	if !ok {
 		return
@@ -76,7 +76,7 @@ func (lb *RoundRobin) restoreAffinityLocked(p *port, s *snapshot, present map[ne
 	slices.SortStableFunc(entries, func(a, b AffinityEntry) int { return int(b.Idle - a.Idle) })
 	now := lb.now().Sub(lb.epoch)
 	for _, e := range entries {
-		if _, ok := present[e.Endpoint]; !ok || e.Idle >= s.timeout() {
+		if _, ok := present.index(e.Endpoint); !ok || e.Idle >= s.timeout() {
 			continue
 		}
 		pool := poolCluster

@@ -318,7 +318,7 @@ func (lb *RoundRobin) SetServicePort(sp *proxy.ServicePort, eps []proxy.Endpoint
 		p.affinity = nil
 	case len(order) < len(p.order)+added: // some endpoint left
 		p.affinity.removeFunc(func(e *affinityEntry) bool {
-			_, ok := present[e.ep]
+			_, ok := present.index(e.ep)
 			return !ok
 		})
 		p.affinity = p.affinity.compact()
@@ -682,24 +682,25 @@ func carryPosition(old, pl *pool) uint64 {
 // uniformly random positions, so the first order is a uniform shuffle. present holds the
 // addresses in eps, nAdded how many of them are new; changed reports whether order differs from
 // prev (addresses, order or conditions).
-func (lb *RoundRobin) mergeOrder(prev, eps []proxy.Endpoint) (order []proxy.Endpoint, present map[netip.AddrPort]int, nAdded int, changed bool) {
-	present = make(map[netip.AddrPort]int, len(eps))
-	for i, e := range eps {
-		if _, dup := present[e.Addr]; !dup {
-			present[e.Addr] = i
-		}
+func (lb *RoundRobin) mergeOrder(prev, eps []proxy.Endpoint) (order []proxy.Endpoint, present endpointSet, nAdded int, changed bool) {
+	present = newEndpointSet(eps)
+	kept := make([]proxy.Endpoint, 0, len(eps))
+	var takenSmall [indexedPool]bool
+	var taken []bool
+	if len(eps) > indexedPool {
+		taken = make([]bool, len(eps))
+	} else {
+		taken = takenSmall[:len(eps)]
 	}
-	kept := make([]proxy.Endpoint, 0, len(present))
-	taken := make([]bool, len(eps))
 	for _, e := range prev {
-		if i, ok := present[e.Addr]; ok {
+		if i, ok := present.index(e.Addr); ok {
 			kept = append(kept, eps[i])
 			taken[i] = true
 		}
 	}
 	var added []proxy.Endpoint
 	for i, e := range eps {
-		if !taken[i] && present[e.Addr] == i {
+		if first, _ := present.index(e.Addr); !taken[i] && first == i {
 			added = append(added, e)
 		}
 	}
@@ -720,4 +721,39 @@ func (lb *RoundRobin) mergeOrder(prev, eps []proxy.Endpoint) (order []proxy.Endp
 		}
 	}
 	return order, present, len(added), true
+}
+
+// endpointSet finds the first position of an address in a list of endpoints: by scanning for
+// up to indexedPool endpoints (a Go map allocates a group of 8 slots even for one entry, and
+// SetServicePort makes a set on every call), through an index beyond.
+type endpointSet struct {
+	eps []proxy.Endpoint
+	idx map[netip.AddrPort]int
+}
+
+func newEndpointSet(eps []proxy.Endpoint) endpointSet {
+	s := endpointSet{eps: eps}
+	if len(eps) > indexedPool {
+		s.idx = make(map[netip.AddrPort]int, len(eps))
+		for i, e := range eps {
+			if _, dup := s.idx[e.Addr]; !dup {
+				s.idx[e.Addr] = i
+			}
+		}
+	}
+	return s
+}
+
+// index returns the position of a's first endpoint, and whether there is one.
+func (s endpointSet) index(a netip.AddrPort) (int, bool) {
+	if s.idx != nil {
+		i, ok := s.idx[a]
+		return i, ok
+	}
+	for i, e := range s.eps {
+		if e.Addr == a {
+			return i, true
+		}
+	}
+	return 0, false
 }

@@ -814,3 +814,30 @@ func TestAddressFamilies(t *testing.T) {
 		})
 	}
 }
+
+// TestEndpointSetFirstIndex checks that an endpoint set finds the first position of every
+// address, and none for an absent one, by scanning (small lists) and through its index (longer
+// ones) alike, with repeated addresses in both.
+func TestEndpointSetFirstIndex(t *testing.T) {
+	for _, n := range []int{1, indexedPool, indexedPool + 1, 3 * indexedPool} {
+		t.Run(fmt.Sprint(n), func(t *testing.T) {
+			var eps []proxy.Endpoint
+			for i := range n {
+				eps = append(eps, ready(fmt.Sprintf("10.0.%d.%d", i/2/250, i/2%250+1), "n1")) // each address twice in a row
+			}
+			s := newEndpointSet(eps)
+			if indexed := s.idx != nil; indexed != (n > indexedPool) {
+				t.Fatalf("indexed = %v with %d endpoints", indexed, n)
+			}
+			for i, e := range eps {
+				got, ok := s.index(e.Addr)
+				if want := i - i%2; !ok || got != want {
+					t.Errorf("index(%v) = %d, %v; want %d, true", e.Addr, got, ok, want)
+				}
+			}
+			if got, ok := s.index(netip.MustParseAddrPort("192.0.2.1:80")); ok {
+				t.Errorf("absent address found at %d", got)
+			}
+		})
+	}
+}
