@@ -108,9 +108,14 @@ func TestKubeAPISource(t *testing.T) {
 	pre := harness.CreateService(ctx, t, c.Client, harness.ClusterIPService("pre", harness.TCPPort("tcp", 80, 8080)))
 	harness.ApplySlice(ctx, t, c.Client, harness.Slice(pre))
 
+	// The proxy's own API client (kubeapi.NewClient), as the binary builds it.
+	apiClient, err := kubeapi.NewClient(c.RESTConfig)
+	if err != nil {
+		t.Fatal(err)
+	}
 	var logBuf syncBuffer
 	rec := &recorder{}
-	src := kubeapi.New(c.Client, kubeapi.Options{Log: zerolog.New(&logBuf), WaitLogInterval: time.Second})
+	src := kubeapi.New(apiClient, kubeapi.Options{Log: zerolog.New(&logBuf), WaitLogInterval: time.Second})
 	srcCtx, stopSrc := context.WithCancel(ctx)
 	done := make(chan error, 1)
 	go func() { done <- src.Run(srcCtx, rec) }()
@@ -199,7 +204,7 @@ func TestKubeAPISource(t *testing.T) {
 		// says so, and syncs once the server is back.
 		var lateLog syncBuffer
 		late := &recorder{}
-		lateSrc := kubeapi.New(c.Client, kubeapi.Options{Log: zerolog.New(&lateLog), WaitLogInterval: time.Second})
+		lateSrc := kubeapi.New(apiClient, kubeapi.Options{Log: zerolog.New(&lateLog), WaitLogInterval: time.Second})
 		lateCtx, stopLate := context.WithCancel(ctx)
 		lateDone := make(chan error, 1)
 		go func() { lateDone <- lateSrc.Run(lateCtx, late) }()

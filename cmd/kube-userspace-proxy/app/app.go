@@ -15,7 +15,6 @@ import (
 
 	"github.com/rs/zerolog"
 	"github.com/spf13/pflag"
-	"k8s.io/client-go/kubernetes"
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/portal"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy"
@@ -368,9 +367,9 @@ func newSource(opts *Options, v *Validated, log zerolog.Logger) (runner, healthc
 	if err != nil {
 		return nil, nil, fmt.Errorf("API server configuration: %w", err)
 	}
-	client, err := kubernetes.NewForConfig(cfg)
+	client, err := kubeapi.NewClient(cfg)
 	if err != nil {
-		return nil, nil, fmt.Errorf("API client for %s: %w", cfg.Host, err)
+		return nil, nil, err
 	}
 	src := kubeapi.New(client, kubeapi.Options{Log: log.With().Str("component", "kubeapi").Logger(), NodeName: v.NodeName})
 	return src, src, nil

@@ -44,7 +44,6 @@ import (
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/selection"
 	"k8s.io/apimachinery/pkg/watch"
-	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/cache"
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy"
@@ -75,7 +74,7 @@ func (o *Options) waitLogInterval() time.Duration {
 
 // Source watches Services and EndpointSlices on an API server. Create it with New; Run it once.
 type Source struct {
-	client kubernetes.Interface
+	client Client
 	opts   Options
 	log    zerolog.Logger
 
@@ -88,7 +87,7 @@ type Source struct {
 }
 
 // New returns a Source that watches through client. Nothing happens until Run.
-func New(client kubernetes.Interface, opts Options) *Source {
+func New(client Client, opts Options) *Source {
 	log := opts.Log.With().Str("source", "kubeapi").Logger()
 	return &Source{client: client, opts: opts, log: log,
 		svcW:   &watchState{resource: "services", log: log},
@@ -154,8 +153,8 @@ func (s *Source) Run(ctx context.Context, h source.Handler) error {
 	svcLabels, svcFields := ServiceSelectors()
 	sliceLabels := EndpointSliceSelector()
 	svcW, sliceW := s.svcW, s.sliceW
-	services := s.client.CoreV1().Services(metav1.NamespaceAll)
-	slices := s.client.DiscoveryV1().EndpointSlices(metav1.NamespaceAll)
+	services := s.client.Services()
+	slices := s.client.EndpointSlices()
 	svcInf := newInformer(s.client, &v1.Service{}, svcW, s.opts.ResyncPeriod,
 		func(o *metav1.ListOptions) {
 			o.LabelSelector = svcLabels
@@ -265,7 +264,7 @@ type waitItem struct {
 // list and watch call reporting its outcome to w. client-go retries some failures (connection
 // refused, 429) inside the reflector without telling the watch error handler; this is how Run
 // still knows and logs why the initial sync is not happening.
-func newInformer(client kubernetes.Interface, example runtime.Object, w *watchState, resync time.Duration,
+func newInformer(client Client, example runtime.Object, w *watchState, resync time.Duration,
 	tweak func(*metav1.ListOptions),
 	list func(context.Context, metav1.ListOptions) (runtime.Object, error),
 	watchFn func(context.Context, metav1.ListOptions) (watch.Interface, error),

@@ -169,11 +169,49 @@ func fakeClient(objs ...runtime.Object) (*fake.Clientset, chan string) {
 	return c, watches
 }
 
+// clientsetClient adapts a client-go clientset (the fake one, in these tests) to Client.
+type clientsetClient struct{ cs kubernetes.Interface }
+
+func (c clientsetClient) Services() ListWatcher {
+	return typedListWatcher[*v1.ServiceList]{c.cs.CoreV1().Services(metav1.NamespaceAll)}
+}
+
+func (c clientsetClient) EndpointSlices() ListWatcher {
+	return typedListWatcher[*discovery.EndpointSliceList]{c.cs.DiscoveryV1().EndpointSlices(metav1.NamespaceAll)}
+}
+
+func (c clientsetClient) Nodes() ListWatcher {
+	return typedListWatcher[*v1.NodeList]{c.cs.CoreV1().Nodes()}
+}
+
+// typedListWatcher is a typed client's list and watch as a ListWatcher.
+type typedListWatcher[L runtime.Object] struct {
+	c interface {
+		List(context.Context, metav1.ListOptions) (L, error)
+		Watch(context.Context, metav1.ListOptions) (watch.Interface, error)
+	}
+}
+
+func (t typedListWatcher[L]) List(ctx context.Context, o metav1.ListOptions) (runtime.Object, error) {
+	return t.c.List(ctx, o)
+}
+
+func (t typedListWatcher[L]) Watch(ctx context.Context, o metav1.ListOptions) (watch.Interface, error) {
+	return t.c.Watch(ctx, o)
+}
+
+// IsWatchListSemanticsUnSupported passes on what the clientset says of itself to the
+// reflector (the fake clientset cannot serve watch-list requests).
+func (c clientsetClient) IsWatchListSemanticsUnSupported() bool {
+	u, ok := c.cs.(interface{ IsWatchListSemanticsUnSupported() bool })
+	return ok && u.IsWatchListSemanticsUnSupported()
+}
+
 func startSource(t *testing.T, client kubernetes.Interface, opts Options, h source.Handler) {
 	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
-	go func() { done <- New(client, opts).Run(ctx, h) }()
+	go func() { done <- New(clientsetClient{client}, opts).Run(ctx, h) }()
 	t.Cleanup(func() {
 		cancel()
 		select {
@@ -427,7 +465,7 @@ func (c *countSynced) OnSynced()                                           { *c.
 
 func TestRunTwice(t *testing.T) {
 	client, _ := fakeClient()
-	s := New(client, Options{})
+	s := New(clientsetClient{client}, Options{})
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	rec := newRecorder(t)
@@ -481,7 +519,7 @@ func TestUnreachableAPIServer(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	client, err := kubernetes.NewForConfig(cfg)
+	client, err := NewClient(cfg)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -39,7 +39,7 @@ func (s *Source) NodeEligible() bool { return !s.nodeIneligible.Load() }
 // up to date and, when h implements source.TopologyHandler, telling it the Node's zone label
 // (through d, which serialises Handler calls).
 func (s *Source) watchNode(ctx context.Context, d *dispatcher, h source.Handler) {
-	nodes := s.client.CoreV1().Nodes()
+	nodes := s.client.Nodes()
 	selector := fields.OneTermEqualSelector("metadata.name", s.opts.NodeName).String()
 	inf := newInformer(s.client, &v1.Node{}, s.nodeW, 0,
 		func(o *metav1.ListOptions) { o.FieldSelector = selector },

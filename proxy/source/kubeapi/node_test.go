@@ -34,7 +34,7 @@ func TestNodeEligibleRules(t *testing.T) {
 func TestSourceWatchesItsNode(t *testing.T) {
 	node := &v1.Node{ObjectMeta: metav1.ObjectMeta{Name: "node1"}}
 	client, watches := fakeClient(node)
-	s := New(client, Options{NodeName: "node1"})
+	s := New(clientsetClient{client}, Options{NodeName: "node1"})
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	go func() { done <- s.Run(ctx, &countSynced{n: new(int)}) }()
