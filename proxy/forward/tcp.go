@@ -465,7 +465,10 @@ func (c *tcpConn) end() {
 // asks for one. It returns nil when no endpoint could be reached (or the connection was cut).
 func (c *tcpConn) connect(clientAddr netip.AddrPort) *net.TCPConn {
 	p := c.p
-	dst := tcpOriginalDst(c.client)
+	dst, dstAsked := netip.AddrPort{}, false
+	if oc, ok := p.Chooser.(OriginalDstChooser); !ok || oc.NeedsOriginalDst() {
+		dst, dstAsked = tcpOriginalDst(c.client), true
+	}
 	reset := false
 	for attempt, timeout := range p.dialTimeouts() {
 		target, err := p.Chooser.Choose(clientAddr, dst, reset)
@@ -486,6 +489,9 @@ func (c *tcpConn) connect(clientAddr netip.AddrPort) *net.TCPConn {
 			if !c.setBackend(backend) {
 				resetConn(backend)
 				return nil
+			}
+			if target.ProxyProtocol != ProxyProtocolNone && !dstAsked {
+				dst, dstAsked = tcpOriginalDst(c.client), true // the chooser did not need it: the header does
 			}
 			if target.ProxyProtocol != ProxyProtocolNone && !c.sendProxyHeader(backend, target.ProxyProtocol, clientAddr, dst) {
 				resetConn(backend)
