@@ -35,7 +35,7 @@ var sharedDialTimeouts = defaultDialTimeouts()
 // whose connection cannot reach any endpoint is reset (RST), so it learns at once that the
 // service is unavailable instead of mistaking a FIN for an empty answer. Once connected, the
 // proxy splices bytes both ways, passes a half-close (EOF) from either side on as a CloseWrite
-// to the other, and resets both sides if either fails.
+// to the other (the second one as the close of both), and resets both sides if either fails.
 //
 // Both sockets have TCP_NODELAY (Go's default). The endpoint side has TCP keepalive; the client
 // side has it when the Listener came from ListenTCP (see keepalive_linux.go).
