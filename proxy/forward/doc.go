@@ -20,7 +20,8 @@
 // service (DropSessions), or when the proxy closes.
 //
 // Both report the original destination of the traffic (before the portal's REDIRECT/DNAT) to the
-// Chooser, read from conntrack: with getsockopt SO_ORIGINAL_DST for TCP, and with a ctnetlink
+// Chooser, read from conntrack: with getsockopt SO_ORIGINAL_DST for TCP (skipped when the
+// Chooser says it does not need it: OriginalDstChooser), and with a ctnetlink
 // lookup once per new UDP session (UDP has no SO_ORIGINAL_DST, and IP_RECVORIGDSTADDR reports
 // the NATed destination, not the original one, except under TPROXY).
 //

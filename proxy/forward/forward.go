@@ -27,6 +27,16 @@ type Chooser interface {
 	Choose(client, dst netip.AddrPort, reset bool) (Target, error)
 }
 
+// OriginalDstChooser is a Chooser that can tell, before a TCP connection's Choose, whether it
+// will look at dst: when NeedsOriginalDst reports false, the TCP proxy does not ask the kernel
+// for the connection's original destination (a getsockopt(2) per connection) and passes the
+// zero AddrPort. It is asked once per connection and must be cheap. A Target asking for the
+// PROXY protocol gets the original destination in its header all the same (asked for then).
+type OriginalDstChooser interface {
+	Chooser
+	NeedsOriginalDst() bool
+}
+
 // Target is a Chooser's answer: the endpoint, and how to reach it. The zero values of Transparent
 // and ProxyProtocol are a plain connection from one of the node's own addresses.
 type Target struct {

@@ -18,10 +18,17 @@ const (
 	ip6tSoOriginalDst = 80
 )
 
+// testHookOriginalDst, if set, is called each time tcpOriginalDst asks the kernel. Tests that
+// set it do so before their proxy starts and clear it after it ends.
+var testHookOriginalDst func()
+
 // tcpOriginalDst returns the destination conn had before the portal's REDIRECT/DNAT, or the
 // zero AddrPort when it is unknown: conntrack is not loaded (ENOPROTOOPT), the connection has no
 // conntrack entry (ENOENT), or it was not NATed (conntrack then returns the local address).
 func tcpOriginalDst(conn *net.TCPConn) netip.AddrPort {
+	if h := testHookOriginalDst; h != nil {
+		h()
+	}
 	local := tcpAddrPort(conn.LocalAddr())
 	if !local.IsValid() {
 		return netip.AddrPort{}

@@ -35,7 +35,7 @@ var sharedDialTimeouts = defaultDialTimeouts()
 // whose connection cannot reach any endpoint is reset (RST), so it learns at once that the
 // service is unavailable instead of mistaking a FIN for an empty answer. Once connected, the
 // proxy splices bytes both ways, passes a half-close (EOF) from either side on as a CloseWrite
-// to the other, and resets both sides if either fails.
+// to the other (the second one as the close of both), and resets both sides if either fails.
 //
 // Both sockets have TCP_NODELAY (Go's default). The endpoint side has TCP keepalive; the client
 // side has it when the Listener came from ListenTCP (see keepalive_linux.go).
@@ -315,6 +315,11 @@ func (p *TCPProxy) newConn(client *net.TCPConn) *tcpConn {
 		idle: newIdleClock(p.IdleTimeout), stopped: make(chan struct{})}
 }
 
+// testHookCloseWriteSkipped, if set, is called when a copier leaves its EOF to the close of
+// both sockets (see pump). A package variable, not a field: it costs the proxies nothing; tests
+// that set it do so before their proxy starts and clear it after it ends.
+var testHookCloseWriteSkipped func()
+
 // tcpConn is one proxied connection; handle runs it from accept to close.
 type tcpConn struct {
 	p          *TCPProxy
@@ -382,6 +387,7 @@ type relayRun struct {
 	backend *net.TCPConn
 	start   relayStart
 	left    atomic.Int32 // copiers still running
+	eofs    atomic.Int32 // directions whose source's EOF was read (see pump)
 	// to and from are the copiers' results, each written by its copier before it counts down.
 	to, from copyResult
 }
@@ -389,14 +395,14 @@ type relayRun struct {
 // copyToEndpoint copies client→endpoint (pending first) until the client's EOF, then
 // half-closes the endpoint.
 func (r *relayRun) copyToEndpoint() {
-	r.c.pump(&r.to, r.backend, r.c.client, r.start.toEndpoint, r.start.toEndpointDone)
+	r.pump(&r.to, r.backend, r.c.client, r.start.toEndpoint, r.start.toEndpointDone)
 	r.copierDone()
 }
 
 // copyToClient copies endpoint→client (pending first) until the endpoint's EOF, then
 // half-closes the client.
 func (r *relayRun) copyToClient() {
-	r.c.pump(&r.from, r.c.client, r.backend, r.start.toClient, r.start.toClientDone)
+	r.pump(&r.from, r.c.client, r.backend, r.start.toClient, r.start.toClientDone)
 	r.copierDone()
 }
 
@@ -459,7 +465,10 @@ func (c *tcpConn) end() {
 // asks for one. It returns nil when no endpoint could be reached (or the connection was cut).
 func (c *tcpConn) connect(clientAddr netip.AddrPort) *net.TCPConn {
 	p := c.p
-	dst := tcpOriginalDst(c.client)
+	dst, dstAsked := netip.AddrPort{}, false
+	if oc, ok := p.Chooser.(OriginalDstChooser); !ok || oc.NeedsOriginalDst() {
+		dst, dstAsked = tcpOriginalDst(c.client), true
+	}
 	reset := false
 	for attempt, timeout := range p.dialTimeouts() {
 		target, err := p.Chooser.Choose(clientAddr, dst, reset)
@@ -480,6 +489,9 @@ func (c *tcpConn) connect(clientAddr netip.AddrPort) *net.TCPConn {
 			if !c.setBackend(backend) {
 				resetConn(backend)
 				return nil
+			}
+			if target.ProxyProtocol != ProxyProtocolNone && !dstAsked {
+				dst, dstAsked = tcpOriginalDst(c.client), true // the chooser did not need it: the header does
 			}
 			if target.ProxyProtocol != ProxyProtocolNone && !c.sendProxyHeader(backend, target.ProxyProtocol, clientAddr, dst) {
 				resetConn(backend)
@@ -597,15 +609,20 @@ func frozenAt(to, from copyResult) (bool, relayStart) {
 }
 
 // pump writes pending to dst, then copies src to dst and passes src's EOF on to dst with
-// CloseWrite; a direction already done does nothing. The bytes move with splice(2) through a
+// CloseWrite, or, when it is the connection's second EOF, with the close of both sockets that
+// follows once the other copier has ended (a FIN all the same: both EOFs were read, so the close
+// finds no unread data and sends no RST; one system call less per connection). A direction
+// already done does nothing. The bytes move with splice(2) through a
 // pipe taken from the proxy's pool only while data flows (see spliceCopy): no user-space copy,
 // and no pipe held by an idle connection. On an error in either direction both sockets are
 // reset, which also ends the other direction. A freeze stops it with what it has not written.
 //
 // It writes its result into r, rather than returning it: the copier goroutines wait inside it
 // for data, and a smaller frame keeps their parked stacks small (see relay).
-func (c *tcpConn) pump(r *copyResult, dst, src *net.TCPConn, pending []byte, done bool) {
+func (rr *relayRun) pump(r *copyResult, dst, src *net.TCPConn, pending []byte, done bool) {
+	c := rr.c
 	if done {
+		rr.eofs.Add(1)
 		r.done = true
 		return
 	}
@@ -623,6 +640,13 @@ func (c *tcpConn) pump(r *copyResult, dst, src *net.TCPConn, pending []byte, don
 	r.n += n
 	r.pending = rest
 	if err == nil {
+		if rr.eofs.Add(1) == 2 {
+			r.done = true // the second EOF: copierDone's close passes it on
+			if h := testHookCloseWriteSkipped; h != nil {
+				h()
+			}
+			return
+		}
 		if err = dst.CloseWrite(); err == nil {
 			r.done = true
 			return

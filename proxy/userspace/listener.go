@@ -98,7 +98,7 @@ type chooser struct {
 	routing *routing
 }
 
-var _ forward.Chooser = (*chooser)(nil)
+var _ forward.OriginalDstChooser = (*chooser)(nil)
 
 // Choose picks the endpoint for a new connection or flow (forward.Chooser). Traffic whose
 // original destination is not one of the ClusterIPs arrived on a NodePort, externalIP or LB IP
@@ -135,6 +135,17 @@ func (c *chooser) Choose(client, dst netip.AddrPort, reset bool) (forward.Target
 		ep.NodeName != "" && ep.NodeName == r.nodeName && !r.isNodeAddr(ep.Addr.Addr()) &&
 		!r.nodeAddrs().OnSameLink(client.Addr(), ep.Addr.Addr())
 	return forward.Target{Endpoint: ep.Addr, Transparent: transparent, ProxyProtocol: proxyProtocol(sp.ProxyProtocol)}, nil
+}
+
+// NeedsOriginalDst reports whether Choose looks at dst (forward.OriginalDstChooser): only to tell
+// ClusterIP traffic from external traffic, which differ only when either traffic policy is Local
+// (both classes use the cluster-wide endpoints otherwise; transparent dialling needs Local), and
+// for the PROXY protocol header. Without it, the TCP proxy saves a getsockopt(2) per connection.
+// (A policy that changes between this call and Choose misclassifies at most the connections
+// accepted in between, as when the change came a moment later.)
+func (c *chooser) NeedsOriginalDst() bool {
+	sp := c.sp.Load()
+	return sp.ExternalPolicyLocal || sp.InternalPolicyLocal || sp.ProxyProtocol != proxy.ProxyProtocolNone
 }
 
 // proxyProtocol maps the service's PROXY protocol annotation to forward's setting.
