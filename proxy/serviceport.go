@@ -46,6 +46,10 @@ const (
 // "v2") to the service's endpoints.
 const ProxyProtocolAnnotation = "kube-userspace-proxy.io/proxy-protocol"
 
+// UsedServiceAnnotations are the annotations of a Service the proxy reads (FromService); a
+// source may drop the others (package kubeapi does, before caching).
+var UsedServiceAnnotations = []string{ProxyProtocolAnnotation, v1.DeprecatedAnnotationTopologyAwareHints, v1.AnnotationTopologyMode}
+
 // ServicePort is everything the proxy needs to know about one port of one service.
 // A ServicePort is immutable once built: a change in the service produces a new value.
 type ServicePort struct {

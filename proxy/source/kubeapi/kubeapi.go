@@ -196,9 +196,10 @@ func (s *Source) Run(ctx context.Context, h source.Handler) error {
 	return nil
 }
 
-// setup configures one informer: strip managed fields, log watch errors, add the handler.
+// setup configures one informer: trim what the proxy does not read, log watch errors, add the
+// handler.
 func setup(inf cache.SharedIndexInformer, w *watchState, eh cache.ResourceEventHandler, resync time.Duration) (cache.ResourceEventHandlerRegistration, error) {
-	if err := inf.SetTransform(stripManagedFields); err != nil {
+	if err := inf.SetTransform(trimObject); err != nil {
 		return nil, fmt.Errorf("kubeapi: set %s transform: %w", w.resource, err)
 	}
 	if err := inf.SetWatchErrorHandlerWithContext(w.onError); err != nil {
@@ -211,13 +212,58 @@ func setup(inf cache.SharedIndexInformer, w *watchState, eh cache.ResourceEventH
 	return reg, nil
 }
 
-// stripManagedFields drops metadata.managedFields, which the proxy never reads and which is
-// often the largest part of a cached object. Transforms may modify the freshly decoded object.
-func stripManagedFields(obj any) (any, error) {
+// trimObject is every informer's transform: it drops from each freshly decoded object (which
+// transforms may modify) what the proxy never reads, before the informer caches it — kept for
+// every object of the cluster for the life of the process:
+//   - every object: metadata.managedFields (often the largest part of an object);
+//   - a Service: its annotations other than those the proxy reads (proxy.UsedServiceAnnotations;
+//     kubectl's last-applied-configuration alone repeats the whole object);
+//   - an EndpointSlice: its annotations and owner references, and of each endpoint its
+//     targetRef (a Pod reference: kind, namespace, name, uid), hostname and deprecatedTopology;
+//   - a Node: its annotations and its status (images, volumes, addresses, conditions); the
+//     proxy reads its labels, taints and deletion.
+func trimObject(obj any) (any, error) {
 	if m, ok := obj.(metav1.Object); ok {
 		m.SetManagedFields(nil)
 	}
+	switch o := obj.(type) {
+	case *v1.Service:
+		o.Annotations = keepAnnotations(o.Annotations, proxy.UsedServiceAnnotations)
+	case *discovery.EndpointSlice:
+		o.Annotations, o.OwnerReferences = nil, nil
+		for i := range o.Endpoints {
+			e := &o.Endpoints[i]
+			e.TargetRef, e.Hostname, e.DeprecatedTopology = nil, nil, nil
+		}
+	case *v1.Node:
+		o.Annotations = nil
+		o.Status = v1.NodeStatus{}
+	}
 	return obj, nil
+}
+
+// keepAnnotations returns the entries of a whose keys are in keep: a itself when that is all
+// of them, nil when none.
+func keepAnnotations(a map[string]string, keep []string) map[string]string {
+	n := 0
+	for _, k := range keep {
+		if _, ok := a[k]; ok {
+			n++
+		}
+	}
+	switch n {
+	case len(a):
+		return a
+	case 0:
+		return nil
+	}
+	out := make(map[string]string, n)
+	for _, k := range keep {
+		if v, ok := a[k]; ok {
+			out[k] = v
+		}
+	}
+	return out
 }
 
 // waitForSync waits until both registrations have delivered their initial list (true) or ctx
