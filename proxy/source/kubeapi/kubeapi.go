@@ -13,14 +13,19 @@
 // source.TopologyHandler (the proxy's zone for topology hints). The initial sync does not wait
 // for the Node: until it is seen, the zone is unknown and hints are ignored.
 //
-// Everything else is passed through unchanged; in particular ExternalName Services reach the
-// Handler and are skipped by the model (proxy.FromService), as are headless Services on a
-// server or fake that ignores the field selector.
+// Every object is passed through, less what the proxy never reads (trimObject: managed fields,
+// other annotations, owner references, endpoints' pod references, a Node's status), which the
+// informers would otherwise cache for the life of the process; in particular ExternalName
+// Services reach the Handler and are skipped by the model (proxy.FromService), as are headless
+// Services on a server or fake that ignores the field selector.
+//
+// The API client is the package's own (NewClient: REST clients for the two API groups it
+// reads), not client-go's clientset, which would link every API group into the binary.
 //
 // Use:
 //
 //	cfg, err := kubeapi.BuildConfig(kubeconfig, master)
-//	client, err := kubernetes.NewForConfig(cfg)
+//	client, err := kubeapi.NewClient(cfg)
 //	err = kubeapi.New(client, kubeapi.Options{Log: log}).Run(ctx, handler)
 package kubeapi
 
