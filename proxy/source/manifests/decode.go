@@ -301,28 +301,41 @@ func (d *decoder) decodeSpan(job *fileJob, sp span) *fileResult {
 			}
 		}
 	}
-	// Two passes: every document new to the cache is converted to JSON first, then decoded.
-	// YAML parsing makes most of the garbage of a decode; done in a pass of its own, that
-	// garbage is not interleaved with the objects that stay (which would leave them scattered
-	// over many partly used spans of the heap).
+	// Two passes over each batch of documents: every document new to the cache is converted to
+	// JSON first, then the batch is decoded. YAML parsing makes most of the garbage of a decode;
+	// done in a pass of its own, that garbage is not interleaved with the objects that stay
+	// (which would leave them scattered over many partly used spans of the heap). A batch ends
+	// after convertBatchBytes of JSON, which bounds what a large span holds at once.
+	seen := map[objKey]docPos{}
+	i := sp.firstDoc - 1
 	var pending []pendingDoc
+	held := 0
+	flush := func() {
+		for k := range pending {
+			i++
+			pd := &pending[k]
+			d.decodeTop(res, seen, job, &DocError{File: job.path, Doc: i, Line: pd.line + sp.line - 1, Item: -1}, pd)
+			pending[k] = pendingDoc{} // let the JSON go
+		}
+		pending, held = pending[:0], 0
+	}
 	for doc := range docs {
 		pd := pendingDoc{document: doc, sum: sha256.Sum256(doc.data)}
 		if job.cache[pd.sum] == nil {
 			pd.conv = convertDocument(doc.data)
+			held += len(pd.conv.js)
 		}
 		pending = append(pending, pd)
+		if held >= convertBatchBytes {
+			flush()
+		}
 	}
-	seen := map[objKey]docPos{}
-	i := sp.firstDoc - 1
-	for k := range pending {
-		i++
-		pd := &pending[k]
-		d.decodeTop(res, seen, job, &DocError{File: job.path, Doc: i, Line: pd.line + sp.line - 1, Item: -1}, pd)
-		pending[k] = pendingDoc{} // let the JSON go
-	}
+	flush()
 	return res
 }
+
+// convertBatchBytes is how much JSON decodeSpan converts before decoding it.
+const convertBatchBytes = 1 << 20
 
 // pendingDoc is a document of a span, with its hash and, unless the cache holds it, its JSON.
 type pendingDoc struct {
