@@ -2,6 +2,7 @@ package manifests
 
 import (
 	"bytes"
+	"cmp"
 	"crypto/sha256"
 	"encoding/json"
 	"errors"
@@ -158,6 +159,9 @@ type decoder struct {
 	// minSpan is the least size of a span decoded in parallel (see spans); 0 means minSpanBytes.
 	// Tests lower it.
 	minSpan int
+	// batch is how much JSON decodeSpan converts before decoding it; 0 means
+	// convertBatchBytes. Tests lower it.
+	batch int
 }
 
 func newDecoder() *decoder {
@@ -326,7 +330,7 @@ func (d *decoder) decodeSpan(job *fileJob, sp span) *fileResult {
 			held += len(pd.conv.js)
 		}
 		pending = append(pending, pd)
-		if held >= convertBatchBytes {
+		if held >= cmp.Or(d.batch, convertBatchBytes) {
 			flush()
 		}
 	}

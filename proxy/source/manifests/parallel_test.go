@@ -48,7 +48,8 @@ func sameResult(want, got *fileResult) string {
 }
 
 // checkParallel decodes data in one piece, in spans of a document or so on several goroutines,
-// and again with the cache of the first decode, and fails unless all three agree.
+// converting and decoding one document at a time, and again with the cache of the first decode,
+// and fails unless all four agree.
 func checkParallel(t *testing.T, data []byte, isJSON bool) {
 	t.Helper()
 	seq := newDecoder().decodeFile("/m/f.yaml", isJSON, data, trackAll)
@@ -57,6 +58,11 @@ func checkParallel(t *testing.T, data []byte, isJSON bool) {
 	job := &fileJob{path: "/m/f.yaml", isJSON: isJSON, data: data, track: trackAll}
 	if diff := sameResult(seq, par.decodeFiles([]*fileJob{job}, 4)[0]); diff != "" {
 		t.Fatalf("decoded in spans: %s", diff)
+	}
+	small := newDecoder()
+	small.batch = 1 // decoded as soon as converted: a batch of one document
+	if diff := sameResult(seq, small.decodeFile("/m/f.yaml", isJSON, data, trackAll)); diff != "" {
+		t.Fatalf("decoded in batches of one document: %s", diff)
 	}
 	job.cache = seq.cache
 	cached := par.decodeFiles([]*fileJob{job}, 4)[0]
