@@ -1,3 +1,7 @@
+//go:build udpmeasure
+
+// Measurements of the UDP data path with external tools; not tests: go test -tags udpmeasure -run External ./proxy/forward/ (see each function for its environment).
+
 package forward
 
 import (
