@@ -110,10 +110,12 @@ type Tracker struct {
 	// applied is the state handed out by the last Drain.
 	appliedPorts     map[types.NamespacedName]ServicePorts
 	appliedEndpoints map[types.NamespacedName]EndpointsByPort
-	// slices holds the current EndpointSlices per service, sorted by name. A list is replaced,
-	// never changed in place: a list read under mu stays valid after it is released. (A slice,
-	// not a map by name: a service has one or a few, and a map costs ~300 bytes even for one.)
-	slices map[types.NamespacedName][]*discovery.EndpointSlice
+	// slices holds what each current EndpointSlice of a service contributes (not the slice:
+	// a source need not keep its objects once delivered), sorted by slice name. A list is
+	// replaced, never changed in place: a list read under mu stays valid after it is released.
+	// (A slice, not a map by name: a service has one or a few, and a map costs ~300 bytes even
+	// for one.)
+	slices map[types.NamespacedName][]SliceEndpoints
 	// pending changes since the last Drain.
 	pendingPorts     map[types.NamespacedName]*Change[ServicePorts]
 	pendingEndpoints map[types.NamespacedName]*Change[EndpointsByPort]
@@ -138,7 +140,7 @@ func NewTracker(opts TrackerOptions) *Tracker {
 		opts:             opts,
 		appliedPorts:     map[types.NamespacedName]ServicePorts{},
 		appliedEndpoints: map[types.NamespacedName]EndpointsByPort{},
-		slices:           map[types.NamespacedName][]*discovery.EndpointSlice{},
+		slices:           map[types.NamespacedName][]SliceEndpoints{},
 		pendingPorts:     map[types.NamespacedName]*Change[ServicePorts]{},
 		pendingEndpoints: map[types.NamespacedName]*Change[EndpointsByPort]{},
 		lastErr:          map[string]string{},
@@ -200,8 +202,13 @@ func (t *Tracker) OnEndpointSliceUpdate(prev, cur *discovery.EndpointSlice) {
 		}
 	}
 
+	var se *SliceEndpoints
+	if cur != nil {
+		v := FromSlice(cur)
+		se = &v
+	}
 	t.mu.Lock()
-	list := withSlice(t.slices[svc], obj.Name, cur)
+	list := withSlice(t.slices[svc], obj.Name, se)
 	if len(list) == 0 {
 		delete(t.slices, svc)
 	} else {
@@ -209,9 +216,8 @@ func (t *Tracker) OnEndpointSliceUpdate(prev, cur *discovery.EndpointSlice) {
 	}
 	t.mu.Unlock()
 
-	byPort, err := EndpointsFromSlices(svc, list)
+	eps, err := MergeSlices(list)
 	t.report("EndpointSlices of", svc, err)
-	eps := endpointsByPort(byPort)
 
 	t.mu.Lock()
 	changed := recordLocked(t.pendingEndpoints, t.appliedEndpoints, svc, eps, endpointsEqual)
@@ -220,8 +226,8 @@ func (t *Tracker) OnEndpointSliceUpdate(prev, cur *discovery.EndpointSlice) {
 
 // withSlice returns a copy of list (sorted by name) where the slice named name is cur, or is
 // left out when cur is nil.
-func withSlice(list []*discovery.EndpointSlice, name string, cur *discovery.EndpointSlice) []*discovery.EndpointSlice {
-	i, found := slices.BinarySearchFunc(list, name, func(s *discovery.EndpointSlice, name string) int {
+func withSlice(list []SliceEndpoints, name string, cur *SliceEndpoints) []SliceEndpoints {
+	i, found := slices.BinarySearchFunc(list, name, func(s SliceEndpoints, name string) int {
 		return strings.Compare(s.Name, name)
 	})
 	switch {
@@ -231,10 +237,10 @@ func withSlice(list []*discovery.EndpointSlice, name string, cur *discovery.Endp
 		return slices.Concat(list[:i], list[i+1:])
 	case found:
 		out := slices.Clone(list)
-		out[i] = cur
+		out[i] = *cur
 		return out
 	}
-	return slices.Concat(list[:i], []*discovery.EndpointSlice{cur}, list[i:])
+	return slices.Concat(list[:i], []SliceEndpoints{*cur}, list[i:])
 }
 
 // recordLocked makes cur the pending state of name (previous: the state the last Drain handed

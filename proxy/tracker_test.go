@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"maps"
 	"math/rand/v2"
+	"reflect"
 	"slices"
 	"strings"
 	"testing"
@@ -248,24 +249,31 @@ func TestNodeZone(t *testing.T) {
 // name and equal to a map model, and never change a list handed out before.
 func TestWithSlice(t *testing.T) {
 	r := rand.New(rand.NewPCG(1, 2))
-	model := map[string]*discovery.EndpointSlice{}
-	var list []*discovery.EndpointSlice
+	model := map[string]SliceEndpoints{}
+	var list []SliceEndpoints
 	for i := range 2000 {
 		name := fmt.Sprintf("s%d", r.IntN(6))
-		var cur *discovery.EndpointSlice
+		var cur *SliceEndpoints
 		if r.IntN(3) > 0 {
-			cur = trackedSlice(name, "svc", 80, fmt.Sprintf("10.0.0.%d", i%250+1))
-			model[name] = cur
+			se := FromSlice(trackedSlice(name, "svc", 80, fmt.Sprintf("10.0.0.%d", i%250+1)))
+			cur = &se
+			model[name] = se
 		} else {
 			delete(model, name)
 		}
 		before := slices.Clone(list)
 		next := withSlice(list, name, cur)
-		if !slices.Equal(list, before) {
+		if !reflect.DeepEqual(list, before) {
 			t.Fatalf("step %d: the previous list was changed in place", i)
 		}
-		want := slices.SortedFunc(maps.Values(model), func(a, b *discovery.EndpointSlice) int { return strings.Compare(a.Name, b.Name) })
-		if !slices.Equal(next, want) {
+		want := slices.SortedFunc(maps.Values(model), func(a, b SliceEndpoints) int { return strings.Compare(a.Name, b.Name) })
+		if len(want) == 0 {
+			want = nil
+		}
+		if len(next) == 0 {
+			next = nil
+		}
+		if !reflect.DeepEqual(next, want) {
 			t.Fatalf("step %d (%s, delete %v): got %d slices, want %d", i, name, cur == nil, len(next), len(want))
 		}
 		list = next
