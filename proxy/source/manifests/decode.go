@@ -51,12 +51,58 @@ func (k objKey) String() string { return k.Kind + " " + k.Namespace + "/" + k.Na
 // entry is one decoded, defaulted and validated object of one file.
 type entry struct {
 	key   objKey
-	svc   *v1.Service              // set for kind Service
-	slice *discovery.EndpointSlice // set for kind EndpointSlice
+	svc   *v1.Service // set for kind Service
+	slice *sliceDoc   // set for kind EndpointSlice
 	pos   docPos                   // where in its file
 	// stale is true when the object is the last good version kept from an earlier content of
 	// the file, because the current content failed to decode where the object may be.
 	stale bool
+}
+
+// sliceDoc is an EndpointSlice as the source keeps it: its JSON, and the decoded object only
+// from its decoding until the end of the scan that delivered it. The decoded object of a slice
+// of one endpoint is ~1.2 KB (its labels map alone ~450 B), its compact JSON ~300 B, and the
+// proxy keeps what a slice contributes, not the slice (proxy.SliceEndpoints): at 10,000
+// services this is ~9 MB. The rare paths that hand out a slice that was not decoded in the
+// same scan (the previous version of an update or a delete, another file's copy becoming the
+// one served, a version kept from a file's earlier content) decode its JSON again.
+type sliceDoc struct {
+	js  []byte                   // compact JSON, as decoded; never changed
+	obj *discovery.EndpointSlice // the decoded, defaulted object; nil once released
+}
+
+// newSliceDoc holds obj, decoded, defaulted and validated from the JSON js.
+func newSliceDoc(obj *discovery.EndpointSlice, js []byte) *sliceDoc {
+	var b bytes.Buffer
+	b.Grow(len(js))
+	if json.Compact(&b, js) != nil { // cannot fail on JSON that decoded; keep it as it is then
+		b.Reset()
+		b.Write(js)
+	}
+	return &sliceDoc{js: bytes.Clone(b.Bytes()), obj: obj} // its own array: js may be part of a batch
+}
+
+// release lets the decoded object go (it has been delivered, or is not served).
+func (sd *sliceDoc) release() { sd.obj = nil }
+
+// slice returns sd's decoded object, decoding the JSON again (and defaulting it) when it was
+// released. Called from the source's own goroutine only.
+func (d *decoder) slice(sd *sliceDoc) (*discovery.EndpointSlice, error) {
+	if sd.obj != nil {
+		return sd.obj, nil
+	}
+	obj, _, err := d.codec.Decode(sd.js, nil, nil)
+	if err != nil {
+		return nil, fmt.Errorf("decode the kept JSON of an EndpointSlice again: %w", err)
+	}
+	o, ok := obj.(*discovery.EndpointSlice)
+	if !ok {
+		return nil, fmt.Errorf("decode the kept JSON of an EndpointSlice again: got %T", obj)
+	}
+	if errs := defaultAndValidateSlice(o); len(errs) > 0 {
+		return nil, fmt.Errorf("decode the kept JSON of an EndpointSlice again: %w", errors.Join(errs...))
+	}
+	return o, nil
 }
 
 // docPos is where an object is in its file: document doc (1-based) starting at line, and item of
@@ -525,7 +571,7 @@ func (d *decoder) decodeDocument(res *fileResult, seen map[objKey]docPos, track 
 			e.svc = o
 		case *discovery.EndpointSlice:
 			errs = defaultAndValidateSlice(o)
-			e.slice = o
+			e.slice = newSliceDoc(o, js)
 		default:
 			fail(keyp, "", "decoded into unexpected type %T", obj)
 			return

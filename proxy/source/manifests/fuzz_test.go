@@ -9,6 +9,7 @@ import (
 
 	v1 "k8s.io/api/core/v1"
 	discovery "k8s.io/api/discovery/v1"
+	"k8s.io/apimachinery/pkg/api/equality"
 	"k8s.io/apimachinery/pkg/types"
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy"
@@ -79,14 +80,20 @@ func FuzzDecode(f *testing.F) {
 				svcs = append(svcs, e.svc)
 				continue
 			}
-			if e.key != (objKey{kindEndpointSlice, e.slice.Namespace, e.slice.Name}) {
-				t.Fatalf("key %s for EndpointSlice %s/%s", e.key, e.slice.Namespace, e.slice.Name)
+			sl := e.slice.obj
+			if e.key != (objKey{kindEndpointSlice, sl.Namespace, sl.Name}) {
+				t.Fatalf("key %s for EndpointSlice %s/%s", e.key, sl.Namespace, sl.Name)
 			}
-			n, ok := proxy.SliceServiceName(e.slice)
+			// The JSON the source keeps decodes again into the same object (see sliceDoc).
+			again, err := d.slice(&sliceDoc{js: e.slice.js})
+			if err != nil || !equality.Semantic.DeepEqual(again, sl) {
+				t.Fatalf("%s: the kept JSON %s decodes again into %+v, %v; want %+v", e.key, e.slice.js, again, err, sl)
+			}
+			n, ok := proxy.SliceServiceName(sl)
 			if !ok {
 				t.Fatalf("%s: no service name, yet valid", e.key)
 			}
-			slicesOf[n] = append(slicesOf[n], e.slice)
+			slicesOf[n] = append(slicesOf[n], sl)
 		}
 		// What the source delivers (validated, then allocated) the model takes without a word.
 		done, _, _ := alloc.allocate(svcs, emptyAlloc())

@@ -305,7 +305,7 @@ func statKeyOf(fi os.FileInfo) statKey {
 type delivered struct {
 	svc   *v1.Service
 	from  *v1.Service // the decoded service svc was allocated from
-	slice *discovery.EndpointSlice
+	slice *sliceDoc
 	file  string
 }
 
@@ -541,6 +541,7 @@ func (s *Source) scan(h source.Handler, first bool) (time.Time, error) {
 	if changed && !s.mergeChanged(h) {
 		s.merge(h)
 	}
+	releaseDecoded(loads)
 	return due, nil
 }
 
@@ -963,7 +964,7 @@ func (s *Source) unchanged(k objKey, cur *delivered) bool {
 	case prev.svc != nil && cur.svc != nil && (prev.svc == cur.svc || equality.Semantic.DeepEqual(prev.svc, cur.svc)):
 		cur.svc = prev.svc
 		return true
-	case prev.slice != nil && cur.slice != nil && (prev.slice == cur.slice || equality.Semantic.DeepEqual(prev.slice, cur.slice)):
+	case prev.slice != nil && cur.slice != nil && (prev.slice == cur.slice || bytes.Equal(prev.slice.js, cur.slice.js)):
 		cur.slice = prev.slice
 		return true
 	}
@@ -989,27 +990,59 @@ func (s *Source) deliverKeys(h source.Handler, keys []objKey, cur func(objKey) *
 				deletes++
 				if k.Kind == kindService {
 					h.OnServiceUpdate(prev.svc, nil)
-				} else {
-					h.OnEndpointSliceUpdate(prev.slice, nil)
+				} else if p, ok := s.sliceOf(k, prev); ok {
+					h.OnEndpointSliceUpdate(p, nil)
 				}
 			case cur == nil || pass.deletes:
 			case prev == nil:
 				adds++
 				if k.Kind == kindService {
 					h.OnServiceUpdate(nil, cur.svc)
-				} else {
-					h.OnEndpointSliceUpdate(nil, cur.slice)
+				} else if c, ok := s.sliceOf(k, cur); ok {
+					h.OnEndpointSliceUpdate(nil, c)
 				}
 			case k.Kind == kindService:
 				updates++
 				h.OnServiceUpdate(prev.svc, cur.svc)
 			default:
 				updates++
-				h.OnEndpointSliceUpdate(prev.slice, cur.slice)
+				p, okp := s.sliceOf(k, prev)
+				c, okc := s.sliceOf(k, cur)
+				if okp && okc {
+					h.OnEndpointSliceUpdate(p, c)
+				}
 			}
 		}
 	}
 	if adds+updates+deletes > 0 {
 		s.log.Info().Int("added", adds).Int("updated", updates).Int("deleted", deletes).Msg("delivered changes")
+	}
+}
+
+// sliceOf returns the EndpointSlice d holds (decoded again when it was released, see sliceDoc).
+// That cannot fail for JSON that decoded before; should it, the error is logged and ok is false:
+// the change is not delivered, and the version delivered before keeps serving.
+func (s *Source) sliceOf(k objKey, d *delivered) (*discovery.EndpointSlice, bool) {
+	obj, err := s.dec.slice(d.slice)
+	if err != nil {
+		s.log.Error().Err(err).Str("object", k.String()).Str("file", filepath.Join(s.dir, d.file)).
+			Msg("internal error: an EndpointSlice kept by the source does not decode again; its change is not delivered")
+		return nil, false
+	}
+	return obj, true
+}
+
+// releaseDecoded lets go of the decoded EndpointSlices of loads once they have been merged and
+// delivered: the source keeps their JSON, the proxy what they contribute (see sliceDoc).
+func releaseDecoded(loads []*load) {
+	for _, l := range loads {
+		if l.res == nil {
+			continue
+		}
+		for _, e := range l.res.objects {
+			if e.slice != nil {
+				e.slice.release()
+			}
+		}
 	}
 }
