@@ -53,7 +53,7 @@ type entry struct {
 	key   objKey
 	svc   *v1.Service // set for kind Service
 	slice *sliceDoc   // set for kind EndpointSlice
-	pos   docPos                   // where in its file
+	pos   docPos      // where in its file
 	// stale is true when the object is the last good version kept from an earlier content of
 	// the file, because the current content failed to decode where the object may be.
 	stale bool
