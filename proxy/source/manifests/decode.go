@@ -57,6 +57,11 @@ type entry struct {
 	// stale is true when the object is the last good version kept from an earlier content of
 	// the file, because the current content failed to decode where the object may be.
 	stale bool
+	// cacheable is true when the object is all its document decoded into, without errors (not a
+	// List item); sum is then the SHA-256 of the document's bytes. When the file changes, a
+	// document of the same bytes is taken from here, not decoded again (see docCache).
+	cacheable bool
+	sum       [sha256.Size]byte
 }
 
 // sliceDoc is an EndpointSlice as the source keeps it: its JSON, and the decoded object only
@@ -177,9 +182,6 @@ type fileResult struct {
 	// skipped holds the first maxErrorsKept documents of other kinds; skippedCount counts them all.
 	skipped      []skippedDoc
 	skippedCount int
-	// cache holds the documents that can be served from a cache when the file changes (see
-	// docCache).
-	cache docCache
 }
 
 // addErr records an error, keeping it if fewer than maxErrorsKept are kept.
@@ -413,9 +415,10 @@ func convertDocument(data []byte) (c *converted) {
 }
 
 // decodeTop decodes one document of a file, from the cache of the file's previous content when
-// it holds the same bytes. It records in res.cache the documents of this content that can be
-// served from the cache next time: those that decoded into one object (not a List item)
-// without errors. Decoding is deterministic, so a cached object is what decoding would give.
+// it holds the same bytes. It marks the objects of this content that can be served from the
+// cache next time (entry.cacheable): those that are all their document decoded into, without
+// errors (not a List item). Decoding is deterministic, so a cached object is what decoding
+// would give.
 func (d *decoder) decodeTop(res *fileResult, seen map[objKey]docPos, job *fileJob, pos *DocError, pd *pendingDoc) {
 	sum := pd.sum
 	if e := job.cache[sum]; e != nil {
@@ -430,14 +433,14 @@ func (d *decoder) decodeTop(res *fileResult, seen map[objKey]docPos, job *fileJo
 			c.pos = at
 			e = &c
 		}
-		res.objects = append(res.objects, e)
-		res.remember(sum, e)
+		res.objects = append(res.objects, e) // cacheable, with its sum, already
 		return
 	}
 	before, errs, skipped := len(res.objects), res.errCount, res.skippedCount
 	d.decodeDocument(res, seen, job.track, pos, pd.data, pd.conv, true)
 	if res.errCount == errs && res.skippedCount == skipped && len(res.objects) == before+1 && res.objects[before].pos.item < 0 {
-		res.remember(sum, res.objects[before])
+		e := res.objects[before] // new: this goroutine's alone
+		e.cacheable, e.sum = true, sum
 	}
 }
 

@@ -274,7 +274,6 @@ type fileState struct {
 	decoded bool // sum is the hash of decoded content
 	readErr string
 	objects map[objKey]*entry
-	cache   docCache // the documents of the decoded content that decoded cleanly
 
 	// seen is the stat last observed, and seenSince when it was first observed (by s.now): the
 	// file is read once it has been seen unchanged for Debounce.
@@ -597,7 +596,7 @@ func (s *Source) decodeLoads(loads []*load) {
 		}
 		prev := l.st.objects
 		jobs = append(jobs, &fileJob{path: l.path, isJSON: strings.EqualFold(filepath.Ext(l.path), ".json"), data: l.data,
-			track: func(k objKey) bool { return prev[k] != nil }, cache: l.st.cache})
+			track: func(k objKey) bool { return prev[k] != nil }, cache: cacheOf(prev)})
 		todo = append(todo, l)
 	}
 	for i, res := range s.dec.decodeFiles(jobs, 0) {
@@ -632,7 +631,7 @@ func (s *Source) apply(l *load) (read, settled bool) {
 	if l.res == nil {
 		return false, true // the content decoded last
 	}
-	st.sum, st.decoded, st.cache = l.sum, true, l.res.cache
+	st.sum, st.decoded = l.sum, true
 
 	res, prev := l.res, st.objects
 	next := make(map[objKey]*entry, len(res.objects))

@@ -64,7 +64,11 @@ func checkParallel(t *testing.T, data []byte, isJSON bool) {
 	if diff := sameResult(seq, small.decodeFile("/m/f.yaml", isJSON, data, trackAll)); diff != "" {
 		t.Fatalf("decoded in batches of one document: %s", diff)
 	}
-	job.cache = seq.cache
+	objects := map[objKey]*entry{}
+	for _, e := range seq.objects {
+		objects[e.key] = e
+	}
+	job.cache = cacheOf(objects)
 	cached := par.decodeFiles([]*fileJob{job}, 4)[0]
 	if diff := sameResult(seq, cached); diff != "" {
 		t.Fatalf("decoded with the cache: %s", diff)
