@@ -64,49 +64,51 @@ type entry struct {
 	sum       [sha256.Size]byte
 }
 
-// sliceDoc is an EndpointSlice as the source keeps it: its JSON, and the decoded object only
-// from its decoding until the end of the scan that delivered it. The decoded object of a slice
-// of one endpoint is ~1.2 KB (its labels map alone ~450 B), its compact JSON ~300 B, and the
-// proxy keeps what a slice contributes, not the slice (proxy.SliceEndpoints): at 10,000
-// services this is ~9 MB. The rare paths that hand out a slice that was not decoded in the
-// same scan (the previous version of an update or a delete, another file's copy becoming the
-// one served, a version kept from a file's earlier content) decode its JSON again.
+// sliceDoc is an EndpointSlice as the source keeps it: its protobuf encoding, and the decoded
+// object only from its decoding until the end of the scan that delivered it. The decoded object
+// of a slice of one endpoint is ~1.2 KB (its labels map alone ~450 B), its protobuf ~110 B (its
+// JSON ~300), and the proxy keeps what a slice contributes, not the slice
+// (proxy.SliceEndpoints): at 10,000 services this is ~10 MB. The rare paths that hand out a
+// slice that was not decoded in the same scan (the previous version of an update or a delete,
+// another file's copy becoming the one served, a version kept from a file's earlier content)
+// unmarshal it again. The encoding is deterministic (map keys sorted), so equal bytes are an
+// unchanged slice.
 type sliceDoc struct {
-	js  []byte                   // compact JSON, as decoded; never changed
+	pb  []byte                   // the defaulted object, protobuf-encoded; never changed
 	obj *discovery.EndpointSlice // the decoded, defaulted object; nil once released
 }
 
-// newSliceDoc holds obj, decoded, defaulted and validated from the JSON js.
-func newSliceDoc(obj *discovery.EndpointSlice, js []byte) *sliceDoc {
-	var b bytes.Buffer
-	b.Grow(len(js))
-	if json.Compact(&b, js) != nil { // cannot fail on JSON that decoded; keep it as it is then
-		b.Reset()
-		b.Write(js)
+// newSliceDoc holds obj, decoded, defaulted and validated.
+func newSliceDoc(obj *discovery.EndpointSlice) *sliceDoc {
+	pb, err := obj.Marshal()
+	if err != nil {
+		pb = nil // cannot happen for a valid object; the object is then kept, never released
 	}
-	return &sliceDoc{js: bytes.Clone(b.Bytes()), obj: obj} // its own array: js may be part of a batch
+	return &sliceDoc{pb: pb, obj: obj}
 }
 
 // release lets the decoded object go (it has been delivered, or is not served).
-func (sd *sliceDoc) release() { sd.obj = nil }
+func (sd *sliceDoc) release() {
+	if sd.pb != nil {
+		sd.obj = nil
+	}
+}
 
-// slice returns sd's decoded object, decoding the JSON again (and defaulting it) when it was
-// released. Called from the source's own goroutine only.
+// same reports whether sd and o hold the same slice.
+func (sd *sliceDoc) same(o *sliceDoc) bool {
+	return sd == o || (sd.pb != nil && bytes.Equal(sd.pb, o.pb))
+}
+
+// slice returns sd's decoded object, unmarshalling it again when it was released.
 func (d *decoder) slice(sd *sliceDoc) (*discovery.EndpointSlice, error) {
 	if sd.obj != nil {
 		return sd.obj, nil
 	}
-	obj, _, err := d.codec.Decode(sd.js, nil, nil)
-	if err != nil {
-		return nil, fmt.Errorf("decode the kept JSON of an EndpointSlice again: %w", err)
+	o := &discovery.EndpointSlice{}
+	if err := o.Unmarshal(sd.pb); err != nil {
+		return nil, fmt.Errorf("unmarshal a kept EndpointSlice again: %w", err)
 	}
-	o, ok := obj.(*discovery.EndpointSlice)
-	if !ok {
-		return nil, fmt.Errorf("decode the kept JSON of an EndpointSlice again: got %T", obj)
-	}
-	if errs := defaultAndValidateSlice(o); len(errs) > 0 {
-		return nil, fmt.Errorf("decode the kept JSON of an EndpointSlice again: %w", errors.Join(errs...))
-	}
+	o.APIVersion, o.Kind = discoveryV1, kindEndpointSlice // not part of the encoding
 	return o, nil
 }
 
@@ -574,7 +576,7 @@ func (d *decoder) decodeDocument(res *fileResult, seen map[objKey]docPos, track 
 			e.svc = o
 		case *discovery.EndpointSlice:
 			errs = defaultAndValidateSlice(o)
-			e.slice = newSliceDoc(o, js)
+			e.slice = newSliceDoc(o)
 		default:
 			fail(keyp, "", "decoded into unexpected type %T", obj)
 			return

@@ -84,10 +84,10 @@ func FuzzDecode(f *testing.F) {
 			if e.key != (objKey{kindEndpointSlice, sl.Namespace, sl.Name}) {
 				t.Fatalf("key %s for EndpointSlice %s/%s", e.key, sl.Namespace, sl.Name)
 			}
-			// The JSON the source keeps decodes again into the same object (see sliceDoc).
-			again, err := d.slice(&sliceDoc{js: e.slice.js})
+			// What the source keeps decodes again into the same object (see sliceDoc).
+			again, err := d.slice(&sliceDoc{pb: e.slice.pb})
 			if err != nil || !equality.Semantic.DeepEqual(again, sl) {
-				t.Fatalf("%s: the kept JSON %s decodes again into %+v, %v; want %+v", e.key, e.slice.js, again, err, sl)
+				t.Fatalf("%s: the kept encoding decodes again into %+v, %v; want %+v", e.key, again, err, sl)
 			}
 			n, ok := proxy.SliceServiceName(sl)
 			if !ok {

@@ -963,7 +963,7 @@ func (s *Source) unchanged(k objKey, cur *delivered) bool {
 	case prev.svc != nil && cur.svc != nil && (prev.svc == cur.svc || equality.Semantic.DeepEqual(prev.svc, cur.svc)):
 		cur.svc = prev.svc
 		return true
-	case prev.slice != nil && cur.slice != nil && (prev.slice == cur.slice || bytes.Equal(prev.slice.js, cur.slice.js)):
+	case prev.slice != nil && cur.slice != nil && prev.slice.same(cur.slice):
 		cur.slice = prev.slice
 		return true
 	}
@@ -1032,7 +1032,7 @@ func (s *Source) sliceOf(k objKey, d *delivered) (*discovery.EndpointSlice, bool
 }
 
 // releaseDecoded lets go of the decoded EndpointSlices of loads once they have been merged and
-// delivered: the source keeps their JSON, the proxy what they contribute (see sliceDoc).
+// delivered: the source keeps their encoding, the proxy what they contribute (see sliceDoc).
 func releaseDecoded(loads []*load) {
 	for _, l := range loads {
 		if l.res == nil {

@@ -106,7 +106,7 @@ func (r *rec) record(kind string, meta func(any) (string, string), prev, cur any
 
 // lastDelivered reports whether prev, handed to the Handler as the previous version, is have,
 // the version delivered last: the same Service; the same EndpointSlice or, when the source had
-// let the decoded slice go, one decoded again from its JSON (see sliceDoc) and equal to it.
+// let the decoded slice go, one decoded again from its encoding (see sliceDoc) and equal to it.
 func lastDelivered(have, prev any) bool {
 	if have == prev {
 		return true
@@ -931,11 +931,11 @@ func sliceYAML(name, svc, ip string) string {
 		"addressType: IPv4\nports: [{name: http, port: 8080}]\nendpoints:\n- addresses: [%q]\n", name, svc, ip)
 }
 
-// TestSlicesKeptAsJSON: once a scan has delivered them, the source holds no decoded
-// EndpointSlice, only its JSON (see sliceDoc); the paths that hand out a slice decoded in an
+// TestSlicesKeptEncoded: once a scan has delivered them, the source holds no decoded
+// EndpointSlice, only its encoding (see sliceDoc); the paths that hand out a slice decoded in an
 // earlier scan (an update's previous version, a delete, another file's copy taking over) decode
-// the JSON again, into the object the first decode gave.
-func TestSlicesKeptAsJSON(t *testing.T) {
+// it again, into the object the first decode gave.
+func TestSlicesKeptEncoded(t *testing.T) {
 	f := newFixture(t, Options{})
 	f.write(t, "a.yaml", service("web", 80, "")+"---\n"+sliceYAML("web-1", "web", "10.0.0.1"))
 	f.write(t, "b.yaml", sliceYAML("web-1", "web", "10.0.0.2")) // a duplicate: a.yaml's is served
@@ -976,7 +976,7 @@ func TestSlicesKeptAsJSON(t *testing.T) {
 	if ip := served(); ip != "10.0.0.2" {
 		t.Fatalf("web-1 serves %s, want b.yaml's 10.0.0.2", ip)
 	}
-	// The same content written again delivers nothing (compared by JSON).
+	// The same content written again delivers nothing (compared by encoding).
 	f.write(t, "b.yaml", "# a comment\n"+sliceYAML("web-1", "web", "10.0.0.2"))
 	f.scan(t)
 	expect(t, "same slice rewritten", f.rec)
