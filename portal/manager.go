@@ -211,28 +211,29 @@ func (m *Manager) syncLocked(portals []Portal, nodeIPs []netip.Addr, full bool) 
 	}
 	host := m.hostLocked(portals, nodeIPs)
 	// What Render was last given for the rules written: the same rules again, no need to render.
-	same := m.synced && m.written != nil && m.input.same(portals, host)
+	in := newSyncInput(portals, host)
+	same := m.synced && m.written != nil && m.input.same(in)
 	if same && !full {
 		m.log.Debug().Int("portals", len(portals)).Dur("total", time.Since(start)).Msg("portal rules unchanged")
 		return errors.Join(invalid...)
 	}
-	if same && m.keepLocked(portals, host, start) {
+	if same && m.keepLocked(portals, host, in, start) {
 		return errors.Join(invalid...)
 	}
 	nat, filter := Render(m.cfg, host, portals)
 	tables := []table{{tableFilter, withCanary(filter, filterChains())}, {tableNAT, withCanary(nat, natChains())}}
 	if !full && m.synced && m.written != nil {
-		return errors.Join(append(invalid, m.updateLocked(portals, host, tables, start))...)
+		return errors.Join(append(invalid, m.updateLocked(portals, host, in, tables, start))...)
 	}
-	if !same && full && m.sameRulesLocked(tables) && m.keepLocked(portals, host, start) {
+	if !same && full && m.sameRulesLocked(tables) && m.keepLocked(portals, host, in, start) {
 		return errors.Join(invalid...)
 	}
-	return errors.Join(append(invalid, m.rewriteLocked(portals, host, tables, start)...)...)
+	return errors.Join(append(invalid, m.rewriteLocked(portals, host, in, tables, start)...)...)
 }
 
 // keepLocked is the periodic Sync with nothing to write: when no rewrite is due (see Sync) and
 // our rules are intact, it remembers the input and returns true; otherwise the caller rewrites.
-func (m *Manager) keepLocked(portals []Portal, host Host, start time.Time) bool {
+func (m *Manager) keepLocked(portals []Portal, host Host, in *syncInput, start time.Time) bool {
 	if m.rewriteDueLocked() {
 		return false
 	}
@@ -242,8 +243,8 @@ func (m *Manager) keepLocked(portals []Portal, host Host, start time.Time) bool 
 		m.log.Warn().Str("reason", why).Msg("portal rules were changed by someone else; rewriting all of them")
 		return false
 	}
-	if !m.input.same(portals, host) {
-		m.input = newSyncInput(portals, host)
+	if !m.input.same(in) {
+		m.input = in
 		m.deleteStaleFlowsLocked(portals, host.NodeIPs)
 	}
 	m.log.Debug().Int("portals", len(portals)).Dur("check", time.Since(checked)).
@@ -253,7 +254,7 @@ func (m *Manager) keepLocked(portals []Portal, host Host, start time.Time) bool 
 
 // updateLocked writes the difference between what was written and tables (see Update), or
 // everything when that fails.
-func (m *Manager) updateLocked(portals []Portal, host Host, tables []table, start time.Time) error {
+func (m *Manager) updateLocked(portals []Portal, host Host, in *syncInput, tables []table, start time.Time) error {
 	rendered := time.Now()
 	written := map[string][]string{}
 	var deltaBytes int
@@ -277,11 +278,11 @@ func (m *Manager) updateLocked(portals []Portal, host Host, tables []table, star
 		if err != nil {
 			m.log.Warn().Err(err).Str("table", t.table).Msg("writing the changed portal rules failed; rewriting all of them")
 			m.synced = false
-			return errors.Join(m.rewriteLocked(portals, host, tables, start)...)
+			return errors.Join(m.rewriteLocked(portals, host, in, tables, start)...)
 		}
 	}
 	m.written = written
-	m.input = newSyncInput(portals, host)
+	m.input = in
 	m.deleteStaleFlowsLocked(portals, host.NodeIPs)
 	m.log.Debug().Int("portals", len(portals)).Int("deltaBytes", deltaBytes).
 		Dur("restore", time.Since(rendered)).Dur("total", time.Since(start)).Msg("updated portal rules")
@@ -292,7 +293,7 @@ func (m *Manager) updateLocked(portals []Portal, host Host, tables []table, star
 // declares our chains (creating or flushing them) and adds the jumps into them that are
 // missing. Finding those takes one listing per built-in chain; before, a fresh start spent about
 // 50 iptables execs (0.8 s with iptables-nft) creating chains and inserting jumps one at a time.
-func (m *Manager) rewriteLocked(portals []Portal, host Host, tables []table, start time.Time) []error {
+func (m *Manager) rewriteLocked(portals []Portal, host Host, in *syncInput, tables []table, start time.Time) []error {
 	rendered := time.Now()
 	missing := m.missingJumpsLocked()
 	jumped := time.Now()
@@ -316,7 +317,7 @@ func (m *Manager) rewriteLocked(portals []Portal, host Host, tables []table, sta
 	m.synced = len(errs) == 0
 	m.written, m.input, m.rewritten = nil, nil, time.Time{}
 	if m.synced {
-		m.written, m.input, m.rewritten = written, newSyncInput(portals, host), start
+		m.written, m.input, m.rewritten = written, in, start
 		m.deleteStaleFlowsLocked(portals, host.NodeIPs)
 	}
 	m.log.Debug().Int("portals", len(portals)).Int("natBytes", len(tables[1].payload)).Int("filterBytes", len(tables[0].payload)).

@@ -3,8 +3,11 @@ package portal
 import (
 	"bufio"
 	"bytes"
+	"crypto/sha256"
+	"encoding/binary"
 	"fmt"
 	"maps"
+	"net/netip"
 	"slices"
 	"strings"
 	"time"
@@ -66,44 +69,68 @@ func (m *Manager) sameRulesLocked(tables []table) bool {
 	return true
 }
 
-// syncInput is what Render was given: comparing it costs far less than rendering.
+// syncInput is what Render was given, as a digest: comparing it costs far less than rendering,
+// and it holds 32 bytes where a copy of the portals held ~170 bytes per portal (1.7 MB at
+// 10,000). Every field of every portal and of the host is in it (TestSyncInputSeesEveryField).
 type syncInput struct {
-	portals []Portal
-	host    Host
+	sum [sha256.Size]byte
 }
 
-// newSyncInput returns a copy of portals and host that shares no memory with them.
+// newSyncInput returns the digest of portals and host.
 func newSyncInput(portals []Portal, host Host) *syncInput {
-	in := &syncInput{portals: slices.Clone(portals), host: Host{NodeIPs: slices.Clone(host.NodeIPs), NoPhysdev: host.NoPhysdev}}
-	for i := range in.portals {
-		p := &in.portals[i]
-		p.ExternalIPs = slices.Clone(p.ExternalIPs)
-		p.LoadBalancerIPs = slices.Clone(p.LoadBalancerIPs)
-		p.LoadBalancerSourceRanges = slices.Clone(p.LoadBalancerSourceRanges)
+	h := sha256.New()
+	var b []byte
+	putInt := func(v int) { b = binary.AppendVarint(b, int64(v)) }
+	putString := func(s string) { putInt(len(s)); b = append(b, s...) }
+	addr := func(a netip.Addr) {
+		raw, _ := a.MarshalBinary() // 0, 4 or 16 bytes (with a zone for IPv6): never fails
+		putInt(len(raw))
+		b = append(b, raw...)
 	}
+	addrs := func(as []netip.Addr) {
+		putInt(len(as))
+		for _, a := range as {
+			addr(a)
+		}
+	}
+	addrs(host.NodeIPs)
+	if host.NoPhysdev {
+		putInt(1)
+	} else {
+		putInt(0)
+	}
+	putInt(len(portals))
+	for i := range portals {
+		p := &portals[i]
+		putString(p.Comment)
+		putString(p.Protocol)
+		putInt(p.Port)
+		addr(p.ClusterIP)
+		addrs(p.ExternalIPs)
+		addrs(p.LoadBalancerIPs)
+		putInt(len(p.LoadBalancerSourceRanges))
+		for _, r := range p.LoadBalancerSourceRanges {
+			addr(r.Addr())
+			putInt(r.Bits())
+		}
+		putInt(p.NodePort)
+		putInt(p.ProxyPort)
+		putInt(int(p.Internal))
+		putInt(int(p.External))
+		if len(b) > 32<<10 {
+			h.Write(b)
+			b = b[:0]
+		}
+	}
+	h.Write(b)
+	in := &syncInput{}
+	h.Sum(in.sum[:0])
 	return in
 }
 
-// same reports whether in holds portals and host; a nil in holds nothing.
-func (in *syncInput) same(portals []Portal, host Host) bool {
-	if in == nil || in.host.NoPhysdev != host.NoPhysdev || !slices.Equal(in.host.NodeIPs, host.NodeIPs) || len(in.portals) != len(portals) {
-		return false
-	}
-	for i := range portals {
-		if !samePortal(&in.portals[i], &portals[i]) {
-			return false
-		}
-	}
-	return true
-}
-
-// samePortal reports whether p and q are equal in every field (TestSamePortal checks that it
-// knows them all).
-func samePortal(p, q *Portal) bool {
-	return p.Comment == q.Comment && p.Protocol == q.Protocol && p.Port == q.Port && p.ClusterIP == q.ClusterIP &&
-		slices.Equal(p.ExternalIPs, q.ExternalIPs) && slices.Equal(p.LoadBalancerIPs, q.LoadBalancerIPs) &&
-		slices.Equal(p.LoadBalancerSourceRanges, q.LoadBalancerSourceRanges) &&
-		p.NodePort == q.NodePort && p.ProxyPort == q.ProxyPort && p.Internal == q.Internal && p.External == q.External
+// same reports whether in and o are digests of the same input; a nil one is of none.
+func (in *syncInput) same(o *syncInput) bool {
+	return in != nil && o != nil && in.sum == o.sum
 }
 
 // intactLocked reports whether our rules are as the last write left them, and if not, why.

@@ -167,12 +167,23 @@ func checkSnapshot(t *testing.T, b backend, what, want string) {
 	}
 }
 
-// TestSamePortal changes each field of a Portal in turn: samePortal must notice every one, or a
-// periodic Sync would keep the rules of a changed portal until the next rewrite.
-func TestSamePortal(t *testing.T) {
-	base := Portal{Comment: "a/b:c", Protocol: "tcp", Port: 80, ClusterIP: a("10.96.0.1"), ProxyPort: 40000}
-	if !samePortal(&base, &base) {
-		t.Fatal("a portal differs from itself")
+// TestSyncInputSeesEveryField changes each field of a Portal in turn, and of the Host: the
+// digest must change with every one, or a periodic Sync would keep the rules of a changed portal
+// until the next rewrite. Values that move between neighbouring fields, a portal split in two,
+// an address of a list replaced, count too.
+func TestSyncInputSeesEveryField(t *testing.T) {
+	host := Host{NodeIPs: []netip.Addr{a("10.0.0.5")}}
+	base := Portal{Comment: "a/b:c", Protocol: "tcp", Port: 80, ClusterIP: a("10.96.0.1"), ProxyPort: 40000,
+		ExternalIPs: []netip.Addr{a("192.0.2.1")}, LoadBalancerSourceRanges: []netip.Prefix{netip.MustParsePrefix("198.51.100.0/24")}}
+	in := newSyncInput([]Portal{base}, host)
+	if !in.same(newSyncInput([]Portal{base}, Host{NodeIPs: []netip.Addr{a("10.0.0.5")}})) {
+		t.Fatal("the digest of an input differs from that of a copy")
+	}
+	differs := func(what string, portals []Portal, host Host) {
+		t.Helper()
+		if in.same(newSyncInput(portals, host)) {
+			t.Errorf("the digest misses a change of %s", what)
+		}
 	}
 	typ := reflect.TypeOf(base)
 	for i := range typ.NumField() {
@@ -184,30 +195,29 @@ func TestSamePortal(t *testing.T) {
 		case reflect.Int:
 			f.SetInt(f.Int() + 1)
 		case reflect.Slice:
-			f.Set(reflect.Append(f, reflect.Zero(f.Type().Elem())))
+			f.Set(reflect.Append(reflect.Zero(f.Type()), reflect.Zero(f.Type().Elem())))
 		default:
 			if f.Type() != reflect.TypeOf(netip.Addr{}) {
 				t.Fatalf("field %s: kind %v: teach this test to change it", typ.Field(i).Name, f.Kind())
 			}
 			f.Set(reflect.ValueOf(a("10.96.0.2")))
 		}
-		if samePortal(&base, &changed) || samePortal(&changed, &base) {
-			t.Errorf("samePortal misses a change of %s", typ.Field(i).Name)
-		}
+		differs(typ.Field(i).Name, []Portal{changed}, host)
 	}
-	in := newSyncInput([]Portal{base}, Host{NodeIPs: []netip.Addr{a("10.0.0.5")}})
-	if !in.same([]Portal{base}, Host{NodeIPs: []netip.Addr{a("10.0.0.5")}}) {
-		t.Error("syncInput differs from its own input")
-	}
-	for name, host := range map[string]Host{
-		"node IPs":  {NodeIPs: []netip.Addr{a("10.0.0.6")}},
-		"NoPhysdev": {NodeIPs: []netip.Addr{a("10.0.0.5")}, NoPhysdev: true},
-	} {
-		if in.same([]Portal{base}, host) {
-			t.Errorf("syncInput misses a change of %s", name)
-		}
-	}
-	if in.same(nil, Host{NodeIPs: []netip.Addr{a("10.0.0.5")}}) || (*syncInput)(nil).same(nil, Host{}) {
-		t.Error("syncInput misses a portal gone, or a nil one holds something")
+	moved := base
+	moved.Comment, moved.Protocol = "a/b:ct", "cp"
+	differs("a byte moved from one string to the next", []Portal{moved}, host)
+	replaced := base
+	replaced.ExternalIPs = []netip.Addr{a("192.0.2.2")}
+	differs("an external IP replaced", []Portal{replaced}, host)
+	narrower := base
+	narrower.LoadBalancerSourceRanges = []netip.Prefix{netip.MustParsePrefix("198.51.100.0/25")}
+	differs("a source range's length", []Portal{narrower}, host)
+	differs("a second portal", []Portal{base, base}, host)
+	differs("no portal", nil, host)
+	differs("the node IPs", []Portal{base}, Host{NodeIPs: []netip.Addr{a("10.0.0.6")}})
+	differs("NoPhysdev", []Portal{base}, Host{NodeIPs: host.NodeIPs, NoPhysdev: true})
+	if (*syncInput)(nil).same(in) || in.same(nil) {
+		t.Error("a nil digest (no input known) is the same as one")
 	}
 }
