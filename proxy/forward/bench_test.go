@@ -26,7 +26,7 @@ func tcpTarget(b *testing.B, proxied bool, backend netip.AddrPort) netip.AddrPor
 		return backend
 	}
 	return startTCPProxy(b, "4", &fakeChooser{endpoints: []netip.AddrPort{backend}}, func(p *TCPProxy) {
-		p.Log = zerolog.Nop()
+		p.Log = new(zerolog.Nop())
 	}).addr
 }
 
@@ -51,7 +51,7 @@ func startedUDPProxy(b *testing.B, backend netip.AddrPort) netip.AddrPort {
 	if err != nil {
 		b.Fatal(err)
 	}
-	p := &UDPProxy{Conn: conn, Chooser: &fakeChooser{endpoints: []netip.AddrPort{backend}}, Log: zerolog.Nop()}
+	p := &UDPProxy{Conn: conn, Chooser: &fakeChooser{endpoints: []netip.AddrPort{backend}}, Log: new(zerolog.Nop())}
 	if err := p.Start(poller); err != nil {
 		b.Fatal(err)
 	}
@@ -68,7 +68,7 @@ func startedTCPProxy(b *testing.B, backend netip.AddrPort) netip.AddrPort {
 	if err != nil {
 		b.Fatal(err)
 	}
-	p := &TCPProxy{Listener: listenTCP(b, loopback("4")), Chooser: &fakeChooser{endpoints: []netip.AddrPort{backend}}, Log: zerolog.Nop()}
+	p := &TCPProxy{Listener: listenTCP(b, loopback("4")), Chooser: &fakeChooser{endpoints: []netip.AddrPort{backend}}, Log: new(zerolog.Nop())}
 	if err := p.Start(poller); err != nil {
 		b.Fatal(err)
 	}
@@ -86,7 +86,7 @@ func udpTarget(b *testing.B, proxied bool, backend netip.AddrPort) netip.AddrPor
 		return backend
 	}
 	return startUDPProxy(b, "4", &fakeChooser{endpoints: []netip.AddrPort{backend}}, func(p *UDPProxy) {
-		p.Log = zerolog.Nop()
+		p.Log = new(zerolog.Nop())
 	}).addr
 }
 

@@ -60,7 +60,7 @@ func emfileChild() int {
 	p := &TCPProxy{
 		Listener: ln,
 		Chooser:  &fakeChooser{endpoints: []netip.AddrPort{backend}},
-		Log:      zerolog.New(os.Stderr).Level(zerolog.DebugLevel),
+		Log:      new(zerolog.New(os.Stderr).Level(zerolog.DebugLevel)),
 		testHookAcceptPause: func(attempt int, delay time.Duration) {
 			say("PAUSE %d", attempt)
 		},

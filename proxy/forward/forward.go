@@ -186,3 +186,14 @@ func sleepUnlessStopped(d time.Duration, stop <-chan struct{}) bool {
 		return false
 	}
 }
+
+// nopLog discards everything.
+var nopLog = zerolog.Nop()
+
+// logOrNop returns l, or a Logger that discards everything when l is nil.
+func logOrNop(l *zerolog.Logger) *zerolog.Logger {
+	if l == nil {
+		return &nopLog
+	}
+	return l
+}

@@ -47,7 +47,7 @@ func adoptChild() int {
 	}
 	m := &fakeMetrics{}
 	p := &TCPProxy{Listener: ln, Chooser: &fakeChooser{endpoints: []netip.AddrPort{backend}}, Metrics: m,
-		Log: zerolog.New(os.Stderr).Level(zerolog.DebugLevel)}
+		Log: new(zerolog.New(os.Stderr).Level(zerolog.DebugLevel))}
 	if err := p.Adopt(st.Conns); err != nil {
 		return fail("adopt", err)
 	}

@@ -147,7 +147,7 @@ func pipesHolding(t testing.TB, before map[string]string) int {
 // down.
 func serveAdopted(t *testing.T, ln *net.TCPListener, chooser Chooser, configure func(*TCPProxy), conns []TCPConnState) *proxyRun {
 	t.Helper()
-	p := &TCPProxy{Listener: ln, Chooser: chooser, Log: testLogger(t)}
+	p := &TCPProxy{Listener: ln, Chooser: chooser, Log: new(testLogger(t))}
 	if configure != nil {
 		configure(p)
 	}

@@ -55,7 +55,7 @@ func TestUDPHandOver(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	b := &UDPProxy{Conn: conn, Chooser: &fakeChooser{endpoints: []netip.AddrPort{e3}}, Metrics: mb, Log: testLogger(t)}
+	b := &UDPProxy{Conn: conn, Chooser: &fakeChooser{endpoints: []netip.AddrPort{e3}}, Metrics: mb, Log: new(testLogger(t))}
 	if err := b.Adopt(st.Sessions); err != nil {
 		t.Fatalf("Adopt: %v", err)
 	}
@@ -113,7 +113,7 @@ func TestUDPHandOverKeepsIdleClock(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	b := &UDPProxy{Conn: conn, Chooser: &fakeChooser{}, Timeout: 300 * time.Millisecond, Log: testLogger(t)}
+	b := &UDPProxy{Conn: conn, Chooser: &fakeChooser{}, Timeout: 300 * time.Millisecond, Log: new(testLogger(t))}
 	if err := b.Adopt(st.Sessions); err != nil {
 		t.Fatal(err)
 	}

@@ -344,7 +344,7 @@ func startTCPProxy(t testing.TB, family string, chooser Chooser, configure func(
 	if err != nil {
 		t.Fatalf("listen: %v", err)
 	}
-	p := &TCPProxy{Listener: ln, Chooser: chooser, Log: testLogger(t)}
+	p := &TCPProxy{Listener: ln, Chooser: chooser, Log: new(testLogger(t))}
 	if configure != nil {
 		configure(p)
 	}
@@ -425,7 +425,7 @@ func startUDPProxy(t testing.TB, family string, chooser Chooser, configure func(
 	if err != nil {
 		t.Fatalf("listen UDP: %v", err)
 	}
-	p := &UDPProxy{Conn: conn, Chooser: chooser, Log: testLogger(t)}
+	p := &UDPProxy{Conn: conn, Chooser: chooser, Log: new(testLogger(t))}
 	if configure != nil {
 		configure(p)
 	}

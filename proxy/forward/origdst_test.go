@@ -181,7 +181,7 @@ func originalDestinationInNetns(t *testing.T, ns string) {
 				if err != nil {
 					t.Fatal(err)
 				}
-				p := &TCPProxy{Listener: ln, Chooser: chooser, Log: testLogger(t)}
+				p := &TCPProxy{Listener: ln, Chooser: chooser, Log: new(testLogger(t))}
 				done := make(chan error, 1)
 				go func() { done <- p.Serve() }()
 				t.Cleanup(func() {
@@ -195,7 +195,7 @@ func originalDestinationInNetns(t *testing.T, ns string) {
 				if err != nil {
 					t.Fatal(err)
 				}
-				p := &UDPProxy{Conn: conn, Chooser: chooser, Log: testLogger(t)}
+				p := &UDPProxy{Conn: conn, Chooser: chooser, Log: new(testLogger(t))}
 				done := make(chan error, 1)
 				go func() { done <- p.Serve() }()
 				t.Cleanup(func() {

@@ -115,7 +115,7 @@ func TestTCPStartParksIdleListeners(t *testing.T) {
 	proxies := make([]*TCPProxy, n)
 	for i := range proxies {
 		ln := listenTCP(t, loopback("4"))
-		p := &TCPProxy{Listener: ln, Chooser: &fakeChooser{endpoints: []netip.AddrPort{backend}}, Log: testLogger(t)}
+		p := &TCPProxy{Listener: ln, Chooser: &fakeChooser{endpoints: []netip.AddrPort{backend}}, Log: new(testLogger(t))}
 		if err := p.Start(poller); err != nil {
 			t.Fatalf("Start: %v", err)
 		}
@@ -203,7 +203,7 @@ func TestUDPStartParksIdleSockets(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		p := &UDPProxy{Conn: conn, Chooser: &fakeChooser{endpoints: []netip.AddrPort{backend}}, Log: testLogger(t)}
+		p := &UDPProxy{Conn: conn, Chooser: &fakeChooser{endpoints: []netip.AddrPort{backend}}, Log: new(testLogger(t))}
 		if err := p.Start(poller); err != nil {
 			t.Fatalf("Start: %v", err)
 		}

@@ -45,9 +45,10 @@ type TCPProxy struct {
 	Listener *net.TCPListener
 	// Chooser picks the endpoint of each connection. Required.
 	Chooser Chooser
-	// Log receives the proxy's events; the zero Logger discards them. Scope it to the service
-	// port. Per-connection events are at debug level.
-	Log zerolog.Logger
+	// Log receives the proxy's events; nil discards them. Scope it to the service port.
+	// Per-connection events are at debug level. (A pointer: a Logger is 112 bytes, held by
+	// every service port's proxy.)
+	Log *zerolog.Logger
 	// LogScope, if set, adds the fields naming the service port to each event, at log time
 	// (see LogScope); Log then need not be scoped.
 	LogScope LogScope
@@ -532,7 +533,7 @@ func (c *tcpConn) dial(target Target, client netip.AddrPort, timeout time.Durati
 	if err == nil || !isTransparentSetupError(err) {
 		return conn, err
 	}
-	logTransparentFallback(c.p.Log, c.p.LogScope, &c.p.transparentWarned, err, client, ep)
+	logTransparentFallback(logOrNop(c.p.Log), c.p.LogScope, &c.p.transparentWarned, err, client, ep)
 	return dialTCP(c.ctx, newDialer(timeout), ep)
 }
 
@@ -695,7 +696,7 @@ func resetConn(conn *net.TCPConn) {
 
 // logDebug, logInfo, logWarn and logError start an event of Log at their level, with LogScope's
 // fields.
-func (p *TCPProxy) logDebug() *zerolog.Event { return scoped(p.LogScope, p.Log.Debug()) }
-func (p *TCPProxy) logInfo() *zerolog.Event  { return scoped(p.LogScope, p.Log.Info()) }
-func (p *TCPProxy) logWarn() *zerolog.Event  { return scoped(p.LogScope, p.Log.Warn()) }
-func (p *TCPProxy) logError() *zerolog.Event { return scoped(p.LogScope, p.Log.Error()) }
+func (p *TCPProxy) logDebug() *zerolog.Event { return scoped(p.LogScope, logOrNop(p.Log).Debug()) }
+func (p *TCPProxy) logInfo() *zerolog.Event  { return scoped(p.LogScope, logOrNop(p.Log).Info()) }
+func (p *TCPProxy) logWarn() *zerolog.Event  { return scoped(p.LogScope, logOrNop(p.Log).Warn()) }
+func (p *TCPProxy) logError() *zerolog.Event { return scoped(p.LogScope, logOrNop(p.Log).Error()) }

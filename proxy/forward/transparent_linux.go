@@ -88,7 +88,7 @@ func dialUDPFrom(client netip.Addr, ep netip.AddrPort) (*net.UDPConn, error) {
 
 // logTransparentFallback logs that a transparent socket could not be set up and a plain one is
 // used instead: at warning level the first time for a proxy (warned), at debug level after.
-func logTransparentFallback(log zerolog.Logger, scope LogScope, warned *atomic.Bool, err error, client, ep netip.AddrPort) {
+func logTransparentFallback(log *zerolog.Logger, scope LogScope, warned *atomic.Bool, err error, client, ep netip.AddrPort) {
 	e := log.Debug()
 	if warned.CompareAndSwap(false, true) {
 		e = log.Warn()

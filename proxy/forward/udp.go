@@ -59,9 +59,9 @@ type UDPProxy struct {
 	// Timeout is how long a session lives without traffic in either direction; zero means
 	// DefaultUDPTimeout.
 	Timeout time.Duration
-	// Log receives the proxy's events; the zero Logger discards them. Scope it to the service
-	// port. Per-session and per-drop events are at debug level.
-	Log zerolog.Logger
+	// Log receives the proxy's events; nil discards them. Scope it to the service port.
+	// Per-session and per-drop events are at debug level. (A pointer, as TCPProxy's.)
+	Log *zerolog.Logger
 	// LogScope, if set, adds the fields naming the service port to each event, at log time
 	// (see LogScope); Log then need not be scoped.
 	LogScope LogScope
@@ -536,7 +536,7 @@ func (p *UDPProxy) dialEndpoint(target Target, client netip.AddrPort) (*net.UDPC
 		if err == nil || !isTransparentSetupError(err) {
 			return c, err
 		}
-		logTransparentFallback(p.Log, p.LogScope, &p.transparentWarned, err, client, ep)
+		logTransparentFallback(logOrNop(p.Log), p.LogScope, &p.transparentWarned, err, client, ep)
 	}
 	return net.DialUDP("udp", nil, net.UDPAddrFromAddrPort(ep))
 }
@@ -733,7 +733,7 @@ func isUnreachable(err error) bool {
 
 // logDebug, logInfo, logWarn and logError start an event of Log at their level, with LogScope's
 // fields.
-func (p *UDPProxy) logDebug() *zerolog.Event { return scoped(p.LogScope, p.Log.Debug()) }
-func (p *UDPProxy) logInfo() *zerolog.Event  { return scoped(p.LogScope, p.Log.Info()) }
-func (p *UDPProxy) logWarn() *zerolog.Event  { return scoped(p.LogScope, p.Log.Warn()) }
-func (p *UDPProxy) logError() *zerolog.Event { return scoped(p.LogScope, p.Log.Error()) }
+func (p *UDPProxy) logDebug() *zerolog.Event { return scoped(p.LogScope, logOrNop(p.Log).Debug()) }
+func (p *UDPProxy) logInfo() *zerolog.Event  { return scoped(p.LogScope, logOrNop(p.Log).Info()) }
+func (p *UDPProxy) logWarn() *zerolog.Event  { return scoped(p.LogScope, logOrNop(p.Log).Warn()) }
+func (p *UDPProxy) logError() *zerolog.Event { return scoped(p.LogScope, logOrNop(p.Log).Error()) }

@@ -122,7 +122,7 @@ func TestUDPBatchMixedSources(t *testing.T) {
 		t.Fatal(err)
 	}
 	metrics := &fakeMetrics{}
-	p := &UDPProxy{Conn: conn, Chooser: &fakeChooser{endpoints: []netip.AddrPort{backend}}, Log: testLogger(t),
+	p := &UDPProxy{Conn: conn, Chooser: &fakeChooser{endpoints: []netip.AddrPort{backend}}, Log: new(testLogger(t)),
 		Metrics: metrics, testHookRecv: gate.hook}
 	served := make(chan error, 1)
 	go func() { served <- p.Serve() }()

@@ -82,7 +82,7 @@ func TestUDPRRExternal(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	p := &UDPProxy{Conn: conn, Chooser: &fakeChooser{endpoints: []netip.AddrPort{echoAddr}}, Log: zerolog.Nop()}
+	p := &UDPProxy{Conn: conn, Chooser: &fakeChooser{endpoints: []netip.AddrPort{echoAddr}}, Log: new(zerolog.Nop())}
 	if err := p.Start(poller); err != nil {
 		t.Fatal(err)
 	}
@@ -154,7 +154,7 @@ func TestUDPBulkExternal(t *testing.T) {
 	}
 	proxyAddr := conn.LocalAddr().(*net.UDPAddr).AddrPort()
 	chooser := &fakeChooser{endpoints: []netip.AddrPort{serverAddr}}
-	p := &UDPProxy{Conn: conn, Chooser: chooser, Log: zerolog.Nop()}
+	p := &UDPProxy{Conn: conn, Chooser: chooser, Log: new(zerolog.Nop())}
 	if err := p.Start(poller); err != nil {
 		t.Fatal(err)
 	}
@@ -163,7 +163,7 @@ func TestUDPBulkExternal(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	tp := &TCPProxy{Listener: ln, Chooser: chooser, Log: zerolog.Nop()}
+	tp := &TCPProxy{Listener: ln, Chooser: chooser, Log: new(zerolog.Nop())}
 	go tp.Serve()
 	t.Cleanup(func() { tp.Close() })
 	run("proxy", proxyAddr)

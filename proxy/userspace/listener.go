@@ -264,12 +264,12 @@ func (l *listener) start(cfg *listenConfig) {
 }
 
 func (l *listener) newUDP(cfg *listenConfig, conn *net.UDPConn, metrics forward.Metrics) *forward.UDPProxy {
-	return &forward.UDPProxy{Conn: conn, Chooser: &l.choose, Timeout: cfg.udpTimeout, Log: *l.log, LogScope: l, Metrics: metrics,
+	return &forward.UDPProxy{Conn: conn, Chooser: &l.choose, Timeout: cfg.udpTimeout, Log: l.log, LogScope: l, Metrics: metrics,
 		Budget: cfg.budget, MaxSessions: cfg.maxSessions}
 }
 
 func (l *listener) newTCP(cfg *listenConfig, ln *net.TCPListener, metrics forward.Metrics) *forward.TCPProxy {
-	return &forward.TCPProxy{Listener: ln, Chooser: &l.choose, Log: *l.log, LogScope: l, Metrics: metrics,
+	return &forward.TCPProxy{Listener: ln, Chooser: &l.choose, Log: l.log, LogScope: l, Metrics: metrics,
 		Budget: cfg.budget, MaxConns: cfg.maxConns, IdleTimeout: cfg.idleTimeout}
 }
 
