@@ -281,7 +281,9 @@ func (pl *pool) pick() proxy.Endpoint {
 // The rotation position is kept when the usable endpoints did not change, and carried over to the
 // surviving endpoints when they did. Affinity entries are dropped when their endpoint is no longer
 // in eps, and all of them when sp turns affinity off; a changed affinity timeout applies at once,
-// to existing entries too. sp must not be modified afterwards (ServicePorts are immutable).
+// to existing entries too. sp must not be modified afterwards (ServicePorts are immutable), nor
+// eps (it may be kept as the rotation order: the proxy's endpoint lists are never changed in
+// place).
 func (lb *RoundRobin) SetServicePort(sp *proxy.ServicePort, eps []proxy.Endpoint) {
 	if sp == nil {
 		return
@@ -705,6 +707,9 @@ func (lb *RoundRobin) mergeOrder(prev, eps []proxy.Endpoint) (order []proxy.Endp
 		}
 	}
 	if len(added) == 0 {
+		if slices.Equal(kept, eps) {
+			kept = eps // eps itself, not a copy (kept is garbage)
+		}
 		return kept, present, 0, !slices.Equal(kept, prev)
 	}
 	lb.rand.Shuffle(len(added), func(i, j int) { added[i], added[j] = added[j], added[i] })
@@ -719,6 +724,11 @@ func (lb *RoundRobin) mergeOrder(prev, eps []proxy.Endpoint) (order []proxy.Endp
 			order = append(order, added[a])
 			a++
 		}
+	}
+	if slices.Equal(order, eps) {
+		// eps itself, not a copy: a port of one endpoint (most of them, at scale) keeps no
+		// second list of ~100 bytes per endpoint.
+		order = eps
 	}
 	return order, present, len(added), true
 }

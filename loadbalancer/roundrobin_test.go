@@ -841,3 +841,24 @@ func TestEndpointSetFirstIndex(t *testing.T) {
 		})
 	}
 }
+
+// TestOrderSharesTheEndpointList: a port of one endpoint (and any port whose rotation order is
+// the list given, as given) keeps that list, not a copy of it.
+func TestOrderSharesTheEndpointList(t *testing.T) {
+	lb := New(Options{NodeName: thisNode, Rand: rand.New(rand.NewPCG(1, 1))})
+	svc := name("web", "http")
+	eps := []proxy.Endpoint{ready("10.0.0.1", "n2")}
+	lb.SetServicePort(svcPort(svc), eps)
+	order := lb.ports[svc].snap.Load().pools[poolCluster].eps
+	if len(order) != 1 || &order[0] != &eps[0] {
+		t.Fatalf("the rotation order of one endpoint is a copy of the list given")
+	}
+	// The same endpoints again, in the order kept: still that list.
+	lb.SetServicePort(svcPort(svc), eps)
+	if order := lb.ports[svc].snap.Load().pools[poolCluster].eps; &order[0] != &eps[0] {
+		t.Fatalf("the rotation order of an unchanged endpoint is a copy of the list given")
+	}
+	if got, err := lb.Next(svc, netip.MustParseAddr("192.168.0.1"), false, false); err != nil || got.Addr != eps[0].Addr {
+		t.Fatalf("Next: %v, %v", got, err)
+	}
+}
