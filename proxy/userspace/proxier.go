@@ -126,7 +126,6 @@ type Proxier struct {
 	// such as Ports and Close.
 	mu        sync.Mutex
 	ports     map[proxy.Name]*listener
-	bySvc     map[types.NamespacedName][]*listener // ports, by service (a slice: most services have one)
 	endpoints map[types.NamespacedName]proxy.EndpointsByPort
 	holder    *holder
 	closed    bool
@@ -181,7 +180,6 @@ func New(opts Options) *Proxier {
 		alloc:     newAllocator(opts.PortRange),
 		synced:    make(chan struct{}),
 		ports:     map[proxy.Name]*listener{},
-		bySvc:     map[types.NamespacedName][]*listener{},
 		endpoints: map[types.NamespacedName]proxy.EndpointsByPort{},
 		holder:    newHolder(opts.Log),
 		refused:   map[proxy.Name]string{},
@@ -405,8 +403,6 @@ func (p *Proxier) upsertPortLocked(sp *proxy.ServicePort) {
 		p.sorted = slices.Insert(p.sorted, i, l)
 	}
 	p.gen++
-	svc := sp.Name.Service()
-	p.bySvc[svc] = append(p.bySvc[svc], l)
 }
 
 func (p *Proxier) removePortLocked(name proxy.Name) {
@@ -422,11 +418,6 @@ func (p *Proxier) removePortLocked(name proxy.Name) {
 		p.self.drop(l)
 	}
 	p.gen++
-	if ports := slices.DeleteFunc(p.bySvc[name.Service()], func(o *listener) bool { return o == l }); len(ports) == 0 {
-		delete(p.bySvc, name.Service())
-	} else {
-		p.bySvc[name.Service()] = ports
-	}
 	delete(p.refused, name)
 	delete(p.unservable, name)
 	p.lb.DeleteServicePort(name)
@@ -463,7 +454,7 @@ func (p *Proxier) Budget() *forward.Budget { return p.budget }
 func (p *Proxier) openPendingLocked(dirty map[types.NamespacedName]bool) (int, []*listener) {
 	var pending []*listener
 	for svc := range dirty {
-		for _, l := range p.bySvc[svc] {
+		for _, l := range p.servicePortsLocked(svc) {
 			if !l.isOpen() {
 				pending = append(pending, l)
 			}
@@ -589,7 +580,7 @@ func (p *Proxier) noteUnservableLocked(over []*listener) {
 // UDP sessions, leaving out endpoints that are the proxy itself (self).
 func (p *Proxier) refreshServiceLocked(svc types.NamespacedName, self *selfAddrs) {
 	eps := p.endpoints[svc]
-	for _, l := range p.bySvc[svc] {
+	for _, l := range p.servicePortsLocked(svc) {
 		sp := l.choose.sp.Load()
 		name := sp.Name
 		list, err := self.filter(sp, eps.Get(name.Port))
@@ -658,6 +649,20 @@ func (p *Proxier) portStatesLocked(dirty map[types.NamespacedName]bool, all bool
 	return out
 }
 
+// servicePortsLocked returns the listeners of svc's ports: a run of p.sorted, as their keys
+// ("namespace/name:port") all start with "namespace/name:" (a namespace holds no "/", a name no
+// ":"). A run of the sorted list rather than a map by service: ~100 bytes per service less. The
+// caller must not change p.sorted while it uses the run.
+func (p *Proxier) servicePortsLocked(svc types.NamespacedName) []*listener {
+	prefix := svc.Namespace + "/" + svc.Name + ":"
+	i, _ := p.sortedIndexLocked(prefix)
+	j := i
+	for j < len(p.sorted) && strings.HasPrefix(p.sorted[j].key, prefix) {
+		j++
+	}
+	return p.sorted[i:j:j]
+}
+
 // sortedIndexLocked returns where the listener named key is, or would be, in p.sorted.
 func (p *Proxier) sortedIndexLocked(key string) (int, bool) {
 	return slices.BinarySearchFunc(p.sorted, key, func(l *listener, key string) int { return strings.Compare(l.key, key) })
@@ -671,7 +676,7 @@ func (p *Proxier) selfAddrsLocked(node proxy.NodeAddrs, dirty map[types.Namespac
 		p.self = newSelfAddrs(p.ports, node)
 	} else {
 		for svc := range dirty {
-			for _, l := range p.bySvc[svc] {
+			for _, l := range p.servicePortsLocked(svc) {
 				p.self.drop(l)
 				p.self.add(l)
 			}
