@@ -15,7 +15,9 @@ import (
 // Handler receives the changes a source sees. prev is nil for an add, cur is nil for a delete.
 // Calls are made from one goroutine at a time; a Handler must not block for long (it records the
 // change and returns; the proxy applies changes in its own sync loop). Objects passed in are
-// owned by the source and must not be modified.
+// owned by the source and must not be modified. prev equals the version delivered before but
+// need not be the same object: both sources keep objects encoded once delivered and decode them
+// again when they hand them out, so a Handler should keep what it derives, not the objects.
 type Handler interface {
 	OnServiceUpdate(prev, cur *v1.Service)
 	OnEndpointSliceUpdate(prev, cur *discovery.EndpointSlice)

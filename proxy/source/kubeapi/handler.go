@@ -44,6 +44,9 @@ type eventHandler[T any] struct {
 	log     zerolog.Logger
 	d       *dispatcher
 	deliver func(prev, cur *T)
+	// unpack decodes the packed form the informer caches (see packed); nil for a kind that is
+	// cached as it is.
+	unpack func(*packed) (*T, error)
 }
 
 var _ cache.ResourceEventHandler = &eventHandler[struct{}]{}
@@ -55,6 +58,14 @@ func (e *eventHandler[T]) call(prev, cur *T) {
 }
 
 func (e *eventHandler[T]) cast(obj any, op string) (*T, bool) {
+	if p, ok := obj.(*packed); ok && p != nil && e.unpack != nil {
+		o, err := e.unpack(p)
+		if err != nil {
+			e.log.Error().Err(err).Str("kind", e.kind).Str("op", op).Msg("internal error: a cached object does not decode again; its change is not delivered")
+			return nil, false
+		}
+		return o, true
+	}
 	o, ok := obj.(*T)
 	if !ok || o == nil {
 		e.log.Error().Str("kind", e.kind).Str("op", op).Str("type", typeName(obj)).Msg("informer delivered an unexpected object, ignoring it")
@@ -74,6 +85,10 @@ func (e *eventHandler[T]) OnAdd(obj any, _ bool) {
 func (e *eventHandler[T]) OnUpdate(oldObj, newObj any) {
 	prev, ok := e.cast(oldObj, "update")
 	if !ok {
+		return
+	}
+	if newObj == oldObj { // a resync: one object, decoded once, delivered as both
+		e.call(prev, prev)
 		return
 	}
 	cur, ok := e.cast(newObj, "update")

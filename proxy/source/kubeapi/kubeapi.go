@@ -15,7 +15,8 @@
 //
 // Every object is passed through, less what the proxy never reads (trimObject: managed fields,
 // other annotations, owner references, endpoints' pod references, a Node's status), which the
-// informers would otherwise cache for the life of the process; in particular ExternalName
+// informers would otherwise cache for the life of the process; the informers cache Services and
+// EndpointSlices protobuf-encoded (packed), and the Handler gets each decoded anew; in particular ExternalName
 // Services reach the Handler and are skipped by the model (proxy.FromService), as are headless
 // Services on a server or fake that ignores the field selector.
 //
@@ -173,11 +174,12 @@ func (s *Source) Run(ctx context.Context, h source.Handler) error {
 		slices.Watch)
 
 	d := &dispatcher{h: h}
-	svcReg, err := setup(svcInf, svcW, &eventHandler[v1.Service]{kind: "Service", log: s.log, d: d, deliver: h.OnServiceUpdate}, s.opts.ResyncPeriod)
+	svcReg, err := setup(svcInf, svcW, &eventHandler[v1.Service]{kind: "Service", log: s.log, d: d, deliver: h.OnServiceUpdate, unpack: unpack[v1.Service]}, s.opts.ResyncPeriod)
 	if err != nil {
 		return err
 	}
-	sliceReg, err := setup(sliceInf, sliceW, &eventHandler[discovery.EndpointSlice]{kind: "EndpointSlice", log: s.log, d: d, deliver: h.OnEndpointSliceUpdate}, s.opts.ResyncPeriod)
+	sliceReg, err := setup(sliceInf, sliceW, &eventHandler[discovery.EndpointSlice]{kind: "EndpointSlice", log: s.log, d: d, deliver: h.OnEndpointSliceUpdate,
+		unpack: unpack[discovery.EndpointSlice]}, s.opts.ResyncPeriod)
 	if err != nil {
 		return err
 	}
@@ -201,10 +203,10 @@ func (s *Source) Run(ctx context.Context, h source.Handler) error {
 	return nil
 }
 
-// setup configures one informer: trim what the proxy does not read, log watch errors, add the
-// handler.
+// setup configures one informer: trim what the proxy does not read and pack Services and
+// EndpointSlices (trimAndPack), log watch errors, add the handler.
 func setup(inf cache.SharedIndexInformer, w *watchState, eh cache.ResourceEventHandler, resync time.Duration) (cache.ResourceEventHandlerRegistration, error) {
-	if err := inf.SetTransform(trimObject); err != nil {
+	if err := inf.SetTransform(trimAndPack); err != nil {
 		return nil, fmt.Errorf("kubeapi: set %s transform: %w", w.resource, err)
 	}
 	if err := inf.SetWatchErrorHandlerWithContext(w.onError); err != nil {

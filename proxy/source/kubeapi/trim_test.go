@@ -8,8 +8,11 @@ import (
 
 	v1 "k8s.io/api/core/v1"
 	discovery "k8s.io/api/discovery/v1"
+	"k8s.io/apimachinery/pkg/api/equality"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	kruntime "k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/tools/cache"
 	"k8s.io/utils/ptr"
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy"
@@ -187,4 +190,57 @@ func heapLive() int64 {
 	var ms runtime.MemStats
 	runtime.ReadMemStats(&ms)
 	return int64(ms.HeapAlloc)
+}
+
+// TestPackedRoundTrip: what the informers cache for a Service and an EndpointSlice is packed
+// (identity and encoding, no decoded object), keyed as the object would be, and unpacks into
+// the trimmed object; a Node is cached as it is. The event handler takes both forms.
+func TestPackedRoundTrip(t *testing.T) {
+	for _, obj := range []any{realService(), realSlice("web-abc", 5)} {
+		trimmed, _ := trimObject(obj.(kruntime.Object).DeepCopyObject())
+		got, err := trimAndPack(obj)
+		if err != nil {
+			t.Fatal(err)
+		}
+		p, ok := got.(*packed)
+		if !ok {
+			t.Fatalf("%T cached as %T, want *packed", obj, got)
+		}
+		key, err := cache.MetaNamespaceKeyFunc(p)
+		if want, _ := cache.MetaNamespaceKeyFunc(trimmed); err != nil || key != want {
+			t.Errorf("packed key %q (%v), want %q", key, err, want)
+		}
+		if p.ResourceVersion == "" || p.UID == "" || p.Labels != nil {
+			t.Errorf("packed identity: %+v", p.ObjectMeta)
+		}
+		var back any
+		switch trimmed.(type) {
+		case *v1.Service:
+			back, err = unpack[v1.Service](p)
+		case *discovery.EndpointSlice:
+			back, err = unpack[discovery.EndpointSlice](p)
+		}
+		if err != nil || !equality.Semantic.DeepEqual(back, trimmed) {
+			t.Errorf("%T unpacks into %+v (%v), want the trimmed %+v", obj, back, err, trimmed)
+		}
+		if c := p.DeepCopyObject().(*packed); &c.pb[0] != &p.pb[0] || c.Name != p.Name {
+			t.Errorf("a deep copy of a packed object: %+v", c)
+		}
+	}
+	node := &v1.Node{ObjectMeta: metav1.ObjectMeta{Name: "node-1"}}
+	if got, _ := trimAndPack(node); got != any(node) {
+		t.Errorf("a Node is cached as %T", got)
+	}
+
+	// The handler delivers the decoded object for a packed one, tombstones included.
+	var delivered []*discovery.EndpointSlice
+	h := &eventHandler[discovery.EndpointSlice]{kind: "EndpointSlice", d: &dispatcher{}, unpack: unpack[discovery.EndpointSlice],
+		deliver: func(prev, cur *discovery.EndpointSlice) { delivered = append(delivered, prev, cur) }}
+	p, _ := trimAndPack(realSlice("web-abc", 2))
+	h.OnAdd(p, false)
+	h.OnDelete(cache.DeletedFinalStateUnknown{Key: "shop/web-abc", Obj: p})
+	if len(delivered) != 4 || delivered[0] != nil || delivered[1] == nil || delivered[1].Name != "web-abc" || len(delivered[1].Endpoints) != 2 ||
+		delivered[2] == nil || delivered[2].Name != "web-abc" || delivered[3] != nil {
+		t.Errorf("delivered %+v", delivered)
+	}
 }
