@@ -210,8 +210,8 @@ func TestPackedRoundTrip(t *testing.T) {
 		if want, _ := cache.MetaNamespaceKeyFunc(trimmed); err != nil || key != want {
 			t.Errorf("packed key %q (%v), want %q", key, err, want)
 		}
-		if p.ResourceVersion == "" || p.UID == "" || p.Labels != nil {
-			t.Errorf("packed identity: %+v", p.ObjectMeta)
+		if m := trimmed.(metav1.Object); p.GetResourceVersion() != m.GetResourceVersion() || p.GetUID() != m.GetUID() || p.GetUID() == "" {
+			t.Errorf("packed identity: %+v", p)
 		}
 		var back any
 		switch trimmed.(type) {
@@ -223,7 +223,7 @@ func TestPackedRoundTrip(t *testing.T) {
 		if err != nil || !equality.Semantic.DeepEqual(back, trimmed) {
 			t.Errorf("%T unpacks into %+v (%v), want the trimmed %+v", obj, back, err, trimmed)
 		}
-		if c := p.DeepCopyObject().(*packed); &c.pb[0] != &p.pb[0] || c.Name != p.Name {
+		if c := p.DeepCopyObject().(*packed); &c.pb[0] != &p.pb[0] || c.GetName() != p.GetName() || c == p {
 			t.Errorf("a deep copy of a packed object: %+v", c)
 		}
 	}
