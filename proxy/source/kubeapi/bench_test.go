@@ -20,7 +20,7 @@ type syncedHandler struct{ synced chan struct{} }
 
 func (syncedHandler) OnServiceUpdate(_, _ *v1.Service)                    {}
 func (syncedHandler) OnEndpointSliceUpdate(_, _ *discovery.EndpointSlice) {}
-func (h syncedHandler) OnSynced()                                        { close(h.synced) }
+func (h syncedHandler) OnSynced()                                         { close(h.synced) }
 
 // BenchmarkInformerCacheMemory reports what the source's informers hold per service (a Service
 // of one port and its EndpointSlice of one endpoint, as the API server and the EndpointSlice
@@ -38,11 +38,11 @@ func BenchmarkInformerCacheMemory(b *testing.B) {
 				ClusterIPs: []string{fmt.Sprintf("10.96.%d.%d", i/250, i%250+1)}, IPFamilies: []v1.IPFamily{v1.IPv4Protocol},
 				IPFamilyPolicy: ptr.To(v1.IPFamilyPolicySingleStack), SessionAffinity: v1.ServiceAffinityNone,
 				InternalTrafficPolicy: ptr.To(v1.ServiceInternalTrafficPolicyCluster),
-				Ports: []v1.ServicePort{{Name: "tcp", Port: 80, Protocol: v1.ProtocolTCP}}},
+				Ports:                 []v1.ServicePort{{Name: "tcp", Port: 80, Protocol: v1.ProtocolTCP}}},
 		}, &discovery.EndpointSlice{
 			ObjectMeta: metav1.ObjectMeta{Namespace: "scale", Name: name + "-abcde", UID: "1c7e6f9f-7b5c-4068-8b4f-1d1e2f3a4b51", ResourceVersion: fmt.Sprint(5000 + i),
 				CreationTimestamp: metav1.Now(),
-				Labels: map[string]string{discovery.LabelServiceName: name, discovery.LabelManagedBy: "endpointslice-controller.k8s.io"}},
+				Labels:            map[string]string{discovery.LabelServiceName: name, discovery.LabelManagedBy: "endpointslice-controller.k8s.io"}},
 			AddressType: discovery.AddressTypeIPv4,
 			Ports:       []discovery.EndpointPort{{Name: ptr.To("tcp"), Port: ptr.To[int32](8080), Protocol: ptr.To(v1.ProtocolTCP)}},
 			Endpoints: []discovery.Endpoint{{Addresses: []string{fmt.Sprintf("10.244.%d.%d", i/250, i%250+1)},
