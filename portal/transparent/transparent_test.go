@@ -225,8 +225,8 @@ func proxyChild() int {
 		return 2
 	}
 	log := zerolog.New(os.Stderr).Level(zerolog.DebugLevel)
-	tp := &forward.TCPProxy{Listener: ln, Chooser: chooser{ep}, Log: log, DialTimeouts: []time.Duration{time.Second}}
-	up := &forward.UDPProxy{Conn: uc, Chooser: chooser{ep}, Log: log}
+	tp := &forward.TCPProxy{Listener: ln, Chooser: chooser{ep}, Log: &log, DialTimeouts: []time.Duration{time.Second}}
+	up := &forward.UDPProxy{Conn: uc, Chooser: chooser{ep}, Log: &log}
 	var wg sync.WaitGroup
 	wg.Add(2)
 	go func() { defer wg.Done(); tp.Serve() }()
