@@ -48,6 +48,9 @@ func TestReportOutputs(t *testing.T) {
 		lat.Add(p, 200)
 	}
 	lat.Samples[PathKUP] = []float64{150, 260}
+	rss := r.Metric("RSS after restart, 100 services", "", "MiB", false)
+	rss.Add(PathKUP, 96)
+	rss.Add(PathKUP, 94)
 	lat.Notes = map[string]string{PathHAProxy: "n/a (no UDP)"}
 	added := r.AddDifference(lat, "keep-alive latency p99 added (vs direct)", PathDirect)
 	if got := added.Summarize(PathKUP); got.Median != 55 || got.Min != 50 || got.Max != 60 {
@@ -60,7 +63,8 @@ func TestReportOutputs(t *testing.T) {
 	if err := r.WriteTargets(&md, Targets(100)); err != nil {
 		t.Fatal(err)
 	}
-	for _, want := range []string{"| keep-alive latency p99 | pod | µs (↓ better) |", "205 [150–260] ×1.37", "added p99 latency ≤ 100 µs (vs direct) | keep-alive latency p99 added (vs direct) | pod | 55.0 µs | yes |"} {
+	for _, want := range []string{"| keep-alive latency p99 | pod | µs (↓ better) |", "205 [150–260] ×1.37", "added p99 latency ≤ 100 µs (vs direct) | keep-alive latency p99 added (vs direct) | pod | 55.0 µs | yes |",
+		"| issue 16: RSS ≤ 100 MB (95.4 MiB) | RSS after restart, 100 services |  | 95.0 MiB | yes |"} {
 		if !strings.Contains(md.String(), want) {
 			t.Errorf("markdown lacks %q:\n%s", want, md.String())
 		}
