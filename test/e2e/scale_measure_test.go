@@ -236,6 +236,38 @@ func measureScale(t *testing.T, n int, window time.Duration) scaleFigures {
 		unservable: int(m["kube_userspace_proxy_service_ports_unservable"]), line: line}
 }
 
+// writeScaleTargets appends issue 16's targets at 10,000 service ports (when measured), met or
+// not, and the growth per doubling of the service ports measured.
+func writeScaleTargets(md *strings.Builder, figs []scaleFigures) {
+	byN := map[int]scaleFigures{}
+	for _, f := range figs {
+		byN[f.n] = f
+	}
+	yes := func(ok bool) string {
+		if ok {
+			return "yes"
+		}
+		return "no"
+	}
+	if f, ok := byN[10000]; ok {
+		md.WriteString("\n## Issue 16's targets at 10,000 service ports (medians above)\n\n| target | measured | met |\n|---|---|---|\n")
+		fmt.Fprintf(md, "| start → every service answering ≤ 3 s | %v | %s |\n", f.all.Round(10*time.Millisecond), yes(f.neverAnswered == 0 && f.all <= 3*time.Second))
+		fmt.Fprintf(md, "| first full sync ≤ 1 s | %v | %s |\n", f.firstSync.Round(10*time.Millisecond), yes(f.firstSync <= time.Second))
+		fmt.Fprintf(md, "| one more service → first answer ≤ 100 ms | %v | %s |\n", f.oneMore.Round(time.Millisecond), yes(f.oneMore > 0 && f.oneMore <= 100*time.Millisecond))
+		fmt.Fprintf(md, "| RSS ≤ 100 MB (95.4 MiB) | %.1f MiB | %s |\n", f.rssMiB, yes(f.rssMiB <= 100e6/(1<<20)))
+		fmt.Fprintf(md, "| idle CPU ≤ 0.2 %% of a core | %.2f %% | %s |\n", f.cpu, yes(f.cpu <= 0.2))
+	}
+	md.WriteString("\nGrowth per doubling of the service ports (2.0 = linear; the 20,000 step serves only the ports the descriptor limit allows, see unservable):\n\n| step | start → every service answering | first full sync | RSS |\n|---|---|---|---|\n")
+	for _, f := range figs {
+		g, ok := byN[2*f.n]
+		if !ok || f.all <= 0 || f.firstSync <= 0 || f.rssMiB <= 0 {
+			continue
+		}
+		fmt.Fprintf(md, "| %d → %d | ×%.2f | ×%.2f | ×%.2f |\n", f.n, g.n, g.all.Seconds()/f.all.Seconds(),
+			g.firstSync.Seconds()/f.firstSync.Seconds(), g.rssMiB/f.rssMiB)
+	}
+}
+
 // writeScaleReport writes figs to dir as scale.md (a table) and scale.svg (one panel per figure,
 // service ports across, each measured point joined, and a dotted line through the origin and
 // the first point: what linear growth would give).
@@ -260,6 +292,7 @@ func writeScaleReport(dir string, figs []scaleFigures, window time.Duration, rep
 		fmt.Fprintf(&md, "| %d | %v | %s | %v | %s (%v) | %.0f MiB | %.2f %% | %d | %d |\n", f.n, f.source.Round(10*time.Millisecond),
 			all, f.firstSync.Round(10*time.Millisecond), oneMore, f.oneLoaded.Round(time.Millisecond), f.rssMiB, f.cpu, f.fds, f.unservable)
 	}
+	writeScaleTargets(&md, figs)
 	if err := os.WriteFile(filepath.Join(dir, "scale.md"), []byte(md.String()), 0o644); err != nil {
 		return err
 	}
