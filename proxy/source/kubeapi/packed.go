@@ -43,36 +43,36 @@ func (p *packed) DeepCopyObject() runtime.Object {
 // nothing and the other setters do nothing. (ObjectMeta embedded would cost ~240 bytes per
 // cached object.)
 
-func (p *packed) GetNamespace() string                                       { return p.namespace }
-func (p *packed) SetNamespace(v string)                                      { p.namespace = v }
-func (p *packed) GetName() string                                            { return p.name }
-func (p *packed) SetName(v string)                                           { p.name = v }
-func (p *packed) GetGenerateName() string                                    { return "" }
-func (p *packed) SetGenerateName(string)                                     {}
-func (p *packed) GetUID() types.UID                                          { return p.uid }
-func (p *packed) SetUID(v types.UID)                                         { p.uid = v }
-func (p *packed) GetResourceVersion() string                                 { return p.resourceVersion }
-func (p *packed) SetResourceVersion(v string)                                { p.resourceVersion = v }
-func (p *packed) GetGeneration() int64                                       { return 0 }
-func (p *packed) SetGeneration(int64)                                        {}
-func (p *packed) GetSelfLink() string                                        { return "" }
-func (p *packed) SetSelfLink(string)                                         {}
-func (p *packed) GetCreationTimestamp() metav1.Time                          { return metav1.Time{} }
-func (p *packed) SetCreationTimestamp(metav1.Time)                           {}
-func (p *packed) GetDeletionTimestamp() *metav1.Time                         { return nil }
-func (p *packed) SetDeletionTimestamp(*metav1.Time)                          {}
-func (p *packed) GetDeletionGracePeriodSeconds() *int64                      { return nil }
-func (p *packed) SetDeletionGracePeriodSeconds(*int64)                       {}
-func (p *packed) GetLabels() map[string]string                               { return nil }
-func (p *packed) SetLabels(map[string]string)                                {}
-func (p *packed) GetAnnotations() map[string]string                          { return nil }
-func (p *packed) SetAnnotations(map[string]string)                           {}
-func (p *packed) GetFinalizers() []string                                    { return nil }
-func (p *packed) SetFinalizers([]string)                                     {}
-func (p *packed) GetOwnerReferences() []metav1.OwnerReference                { return nil }
-func (p *packed) SetOwnerReferences([]metav1.OwnerReference)                 {}
-func (p *packed) GetManagedFields() []metav1.ManagedFieldsEntry              { return nil }
-func (p *packed) SetManagedFields(managedFields []metav1.ManagedFieldsEntry) {}
+func (p *packed) GetNamespace() string                          { return p.namespace }
+func (p *packed) SetNamespace(v string)                         { p.namespace = v }
+func (p *packed) GetName() string                               { return p.name }
+func (p *packed) SetName(v string)                              { p.name = v }
+func (p *packed) GetGenerateName() string                       { return "" }
+func (p *packed) SetGenerateName(string)                        {}
+func (p *packed) GetUID() types.UID                             { return p.uid }
+func (p *packed) SetUID(v types.UID)                            { p.uid = v }
+func (p *packed) GetResourceVersion() string                    { return p.resourceVersion }
+func (p *packed) SetResourceVersion(v string)                   { p.resourceVersion = v }
+func (p *packed) GetGeneration() int64                          { return 0 }
+func (p *packed) SetGeneration(int64)                           {}
+func (p *packed) GetSelfLink() string                           { return "" }
+func (p *packed) SetSelfLink(string)                            {}
+func (p *packed) GetCreationTimestamp() metav1.Time             { return metav1.Time{} }
+func (p *packed) SetCreationTimestamp(metav1.Time)              {}
+func (p *packed) GetDeletionTimestamp() *metav1.Time            { return nil }
+func (p *packed) SetDeletionTimestamp(*metav1.Time)             {}
+func (p *packed) GetDeletionGracePeriodSeconds() *int64         { return nil }
+func (p *packed) SetDeletionGracePeriodSeconds(*int64)          {}
+func (p *packed) GetLabels() map[string]string                  { return nil }
+func (p *packed) SetLabels(map[string]string)                   {}
+func (p *packed) GetAnnotations() map[string]string             { return nil }
+func (p *packed) SetAnnotations(map[string]string)              {}
+func (p *packed) GetFinalizers() []string                       { return nil }
+func (p *packed) SetFinalizers([]string)                        {}
+func (p *packed) GetOwnerReferences() []metav1.OwnerReference   { return nil }
+func (p *packed) SetOwnerReferences([]metav1.OwnerReference)    {}
+func (p *packed) GetManagedFields() []metav1.ManagedFieldsEntry { return nil }
+func (p *packed) SetManagedFields([]metav1.ManagedFieldsEntry)  {}
 
 // protoObject is what pack encodes: the k8s.io/api types' generated protobuf marshalling.
 type protoObject interface {

@@ -1019,7 +1019,7 @@ func (s *Source) deliverKeys(h source.Handler, keys []objKey, cur func(objKey) *
 }
 
 // sliceOf returns the EndpointSlice d holds (decoded again when it was released, see sliceDoc).
-// That cannot fail for JSON that decoded before; should it, the error is logged and ok is false:
+// That cannot fail for an encoding of a decoded object; should it, the error is logged and ok is false:
 // the change is not delivered, and the version delivered before keeps serving.
 func (s *Source) sliceOf(k objKey, d *delivered) (*discovery.EndpointSlice, bool) {
 	obj, err := s.dec.slice(d.slice)
