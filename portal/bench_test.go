@@ -6,6 +6,7 @@ import (
 	"github.com/rs/zerolog"
 	"net/netip"
 	"os"
+	"slices"
 	"testing"
 	"time"
 
@@ -194,4 +195,38 @@ func BenchmarkUpdateDiff(b *testing.B) {
 	self2, _ := cpuTimes(b)
 	b.ReportMetric(float64(delta), "delta-bytes")
 	b.ReportMetric(float64(self2-self)/float64(time.Millisecond)/float64(ops), "cpu-ms/op") // less moved by a busy machine than ns/op
+}
+
+// BenchmarkUpdateByPortal is BenchmarkUpdateDiff's partial syncs worked out by portal, as Update
+// does them now (planByPortal): digest every portal, render the one added, delete the one
+// removed.
+func BenchmarkUpdateByPortal(b *testing.B) {
+	const n = 10000
+	ps := scalePortals(n + 1)
+	slices.SortFunc(ps[:n], func(a, b Portal) int { return comparePortals(&a, &b) }) // as the proxier's are
+	m := &Manager{cfg: v4Config()}
+	state := func(ps []Portal) (map[string][]string, *layout) {
+		tables, lay := m.renderLocked(Host{}, renderOrder(ps))
+		return map[string][]string{tableFilter: ruleLines(tables[0].payload), tableNAT: ruleLines(tables[1].payload)}, lay
+	}
+	wasW, wasL := state(ps[:n])
+	moreW, moreL := state(ps)
+	var delta, ops int
+	self, _ := cpuTimes(b)
+	for i := 0; b.Loop(); i++ {
+		ops++
+		m.written, m.layout = wasW, wasL
+		now := ps
+		if i%2 == 1 { // remove it again
+			m.written, m.layout, now = moreW, moreL, ps[:n]
+		}
+		u, ok := m.planByPortal(Host{}, renderOrder(now))
+		if !ok {
+			b.Fatal("no plan by portal")
+		}
+		delta = len(u.delta[tableNAT]) + len(u.delta[tableFilter])
+	}
+	self2, _ := cpuTimes(b)
+	b.ReportMetric(float64(delta), "delta-bytes")
+	b.ReportMetric(float64(self2-self)/float64(time.Millisecond)/float64(ops), "cpu-ms/op")
 }

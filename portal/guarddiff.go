@@ -38,7 +38,7 @@ func guardedDiff(was, now []string) ([]byte, []string) {
 // canary jump is not).
 func splitGuards(rules []string) (other, guards []string) {
 	for _, r := range rules {
-		if strings.HasPrefix(r, "-A "+ChainProxyPorts+" ") && strings.Contains(r, " --dports ") {
+		if isGuard(r) {
 			guards = append(guards, r)
 		} else {
 			other = append(other, r)
@@ -70,12 +70,14 @@ func parseGuard(rule string) (guardForm, []int, bool) {
 	if i < 0 {
 		return guardForm{}, nil, false
 	}
-	list, after, _ := strings.Cut(rule[i+len(opt):], " ")
-	if after != "" {
-		after = " " + after
+	rest := rule[i+len(opt):]
+	end := strings.IndexByte(rest, ' ')
+	if end < 0 {
+		end = len(rest)
 	}
-	var ports []int
-	for _, f := range strings.Split(list, ",") {
+	list, after := rest[:end], rest[end:] // after keeps its leading space: no copy
+	ports := make([]int, 0, strings.Count(list, ",")+1)
+	for f := range strings.SplitSeq(list, ",") {
 		p, err := strconv.Atoi(f)
 		if err != nil || p <= 0 || p > 65535 {
 			return guardForm{}, nil, false

@@ -69,6 +69,8 @@ type Manager struct {
 	// written holds, per table, the rule lines the last successful Sync or Update left in our
 	// chains; nil when unknown.
 	written map[string][]string
+	// layout is what each portal contributed to written (see planByPortal); nil when unknown.
+	layout *layout
 	// input is what Render was given for the rules in written; nil when unknown.
 	input *syncInput
 	// rewritten is when the last full write of every rule succeeded; zero when one failed or a
@@ -220,15 +222,21 @@ func (m *Manager) syncLocked(portals []Portal, nodeIPs []netip.Addr, full bool) 
 	if same && m.keepLocked(portals, host, in, start) {
 		return errors.Join(invalid...)
 	}
-	nat, filter := Render(m.cfg, host, portals)
-	tables := []table{{tableFilter, withCanary(filter, filterChains())}, {tableNAT, withCanary(nat, natChains())}}
+	order := renderOrder(portals)
 	if !full && m.synced && m.written != nil {
-		return errors.Join(append(invalid, m.updateLocked(portals, host, in, tables, start))...)
+		if done, err := m.updateByPortalLocked(portals, order, host, in, start); done {
+			return errors.Join(append(invalid, err)...)
+		}
+	}
+	tables, lay := m.renderLocked(host, order)
+	if !full && m.synced && m.written != nil {
+		return errors.Join(append(invalid, m.updateLocked(portals, host, in, tables, lay, start))...)
 	}
 	if !same && full && m.sameRulesLocked(tables) && m.keepLocked(portals, host, in, start) {
+		m.layout = lay // the same rules, from portals that differ in what does not show in them
 		return errors.Join(invalid...)
 	}
-	return errors.Join(append(invalid, m.rewriteLocked(portals, host, in, tables, start)...)...)
+	return errors.Join(append(invalid, m.rewriteLocked(portals, host, in, tables, lay, start)...)...)
 }
 
 // keepLocked is the periodic Sync with nothing to write: when no rewrite is due (see Sync) and
@@ -254,7 +262,7 @@ func (m *Manager) keepLocked(portals []Portal, host Host, in *syncInput, start t
 
 // updateLocked writes the difference between what was written and tables (see Update), or
 // everything when that fails.
-func (m *Manager) updateLocked(portals []Portal, host Host, in *syncInput, tables []table, start time.Time) error {
+func (m *Manager) updateLocked(portals []Portal, host Host, in *syncInput, tables []table, lay *layout, start time.Time) error {
 	rendered := time.Now()
 	written := map[string][]string{}
 	var deltaBytes int
@@ -278,11 +286,10 @@ func (m *Manager) updateLocked(portals []Portal, host Host, in *syncInput, table
 		if err != nil {
 			m.log.Warn().Err(err).Str("table", t.table).Msg("writing the changed portal rules failed; rewriting all of them")
 			m.synced = false
-			return errors.Join(m.rewriteLocked(portals, host, in, tables, start)...)
+			return errors.Join(m.rewriteLocked(portals, host, in, tables, lay, start)...)
 		}
 	}
-	m.written = written
-	m.input = in
+	m.written, m.input, m.layout = written, in, lay
 	m.deleteStaleFlowsLocked(portals, host.NodeIPs)
 	m.log.Debug().Int("portals", len(portals)).Int("deltaBytes", deltaBytes).
 		Dur("restore", time.Since(rendered)).Dur("total", time.Since(start)).Msg("updated portal rules")
@@ -293,7 +300,7 @@ func (m *Manager) updateLocked(portals []Portal, host Host, in *syncInput, table
 // declares our chains (creating or flushing them) and adds the jumps into them that are
 // missing. Finding those takes one listing per built-in chain; before, a fresh start spent about
 // 50 iptables execs (0.8 s with iptables-nft) creating chains and inserting jumps one at a time.
-func (m *Manager) rewriteLocked(portals []Portal, host Host, in *syncInput, tables []table, start time.Time) []error {
+func (m *Manager) rewriteLocked(portals []Portal, host Host, in *syncInput, tables []table, lay *layout, start time.Time) []error {
 	rendered := time.Now()
 	missing := m.missingJumpsLocked()
 	jumped := time.Now()
@@ -315,9 +322,9 @@ func (m *Manager) rewriteLocked(portals []Portal, host Host, in *syncInput, tabl
 	}
 	// Until a sync succeeds, the next one checks every chain again and writes every rule.
 	m.synced = len(errs) == 0
-	m.written, m.input, m.rewritten = nil, nil, time.Time{}
+	m.written, m.layout, m.input, m.rewritten = nil, nil, nil, time.Time{}
 	if m.synced {
-		m.written, m.input, m.rewritten = written, in, start
+		m.written, m.layout, m.input, m.rewritten = written, lay, in, start
 		m.deleteStaleFlowsLocked(portals, host.NodeIPs)
 	}
 	m.log.Debug().Int("portals", len(portals)).Int("natBytes", len(tables[1].payload)).Int("filterBytes", len(tables[0].payload)).
@@ -502,6 +509,6 @@ func (m *Manager) Cleanup() error {
 			}
 		}
 	}
-	m.synced, m.written, m.input, m.rewritten, m.udpTargets = false, nil, nil, time.Time{}, nil
+	m.synced, m.written, m.layout, m.input, m.rewritten, m.udpTargets = false, nil, nil, nil, time.Time{}, nil
 	return errors.Join(errs...)
 }

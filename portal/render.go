@@ -1,8 +1,11 @@
 package portal
 
 import (
+	"bytes"
 	"cmp"
+	"hash/maphash"
 	"maps"
+	"math"
 	"net/netip"
 	"slices"
 	"strconv"
@@ -25,7 +28,11 @@ func filterChains() []string {
 // ordered by Comment, Protocol and ports, and each portal's addresses by value. Portals that fail
 // Validate, and addresses not in cfg.Family, are left out. Render does no I/O.
 func Render(cfg Config, host Host, portals []Portal) (nat, filter []byte) {
-	r := newRenderer(cfg, host)
+	return render(cfg, host, renderOrder(portals), nil)
+}
+
+// renderOrder returns the valid portals in Render's order.
+func renderOrder(portals []Portal) []*Portal {
 	order := make([]*Portal, 0, len(portals))
 	for i := range portals {
 		if portals[i].Validate() == nil {
@@ -35,6 +42,13 @@ func Render(cfg Config, host Host, portals []Portal) (nat, filter []byte) {
 	if !slices.IsSortedFunc(order, comparePortals) { // the proxier's are, in name order
 		slices.SortFunc(order, comparePortals)
 	}
+	return order
+}
+
+// render is Render of the portals in order (see renderOrder). With lay, it also records what
+// each portal contributed (see layout); lay.counts is left nil when a count does not fit.
+func render(cfg Config, host Host, order []*Portal, lay *layout) (nat, filter []byte) {
+	r := newRenderer(cfg, host)
 	// Sizes from a count keep appends from copying (~170 bytes a rule).
 	var addrs, nodePorts int
 	for _, p := range order {
@@ -50,10 +64,32 @@ func Render(cfg Config, host Host, portals []Portal) (nat, filter []byte) {
 	r.nh = make([]byte, 0, 170*nodePorts*perNodePort)
 	r.nl = make([]byte, 0, 170*nodePorts)
 	r.pf = make([]byte, 0, 1024)
+	if lay != nil {
+		lay.counts = make([]uint16, 0, len(order)*numSections)
+	}
 	for _, p := range order {
+		if lay == nil {
+			r.portal(p)
+			continue
+		}
+		var before [numSections]int
+		for s, sec := range r.sections() {
+			before[s] = len(*sec)
+		}
 		r.portal(p)
+		for s, sec := range r.sections() {
+			n := bytes.Count((*sec)[before[s]:], newline)
+			if n > math.MaxUint16 || lay.counts == nil {
+				lay.counts = nil
+				continue
+			}
+			lay.counts = append(lay.counts, uint16(n))
+		}
 	}
 	r.pp = r.guardRules(make([]byte, 0, 200+100*len(order)/guardBucket))
+	if lay != nil {
+		lay.guards = maphash.Bytes(portalSeed, r.pp)
+	}
 	nat = declare(make([]byte, 0, len(r.pc)+len(r.ph)+len(r.nc)+len(r.nh)+256), natChains())
 	nat = append(append(append(append(nat, r.pc...), r.ph...), r.nc...), r.nh...)
 	filter = declare(make([]byte, 0, len(r.nl)+len(r.pf)+len(r.pp)+160), filterChains())
@@ -278,12 +314,7 @@ func (r *renderer) portal(p *Portal) {
 	// REDIRECT or DNAT (in PREROUTING or OUTPUT) rewrote, and anything else, from elsewhere or
 	// from the node itself, is refused as if nothing listened. A listener bound to one address
 	// leaves the port free on the others, for other programs: only that address is guarded.
-	if p.ProxyPort > 0 {
-		if r.guarded == nil {
-			r.guarded = map[string][]int{}
-		}
-		r.guarded[p.Protocol] = append(r.guarded[p.Protocol], p.ProxyPort)
-	}
+	r.guard(p)
 
 	// ClusterIP.
 	if cip := p.ClusterIP.Unmap(); inFamily(r.cfg.Family, cip) {
@@ -395,6 +426,22 @@ func (r *renderer) portal(p *Portal) {
 		r.nh = r.rule(r.nh, ChainNodePortHost, ip, p, p.NodePort, "", r.hostTg)
 		r.nl = r.rule(r.nl, ChainNodePortNonLocal, netip.Addr{}, p, p.ProxyPort, r.fromNodePort(ip, p.NodePort), r.accept)
 	}
+}
+
+// guard records p's proxy port for the guards of KUBE-PORTALS-PROXY-PORTS (see guardRules).
+func (r *renderer) guard(p *Portal) {
+	if p.ProxyPort > 0 {
+		if r.guarded == nil {
+			r.guarded = map[string][]int{}
+		}
+		r.guarded[p.Protocol] = append(r.guarded[p.Protocol], p.ProxyPort)
+	}
+}
+
+// sections returns the renderer's per-portal outputs in the order of the layout's sections:
+// nat's chains, then filter's (KUBE-PORTALS-PROXY-PORTS, which holds no portal's rules, aside).
+func (r *renderer) sections() [numSections]*[]byte {
+	return [numSections]*[]byte{&r.pc, &r.ph, &r.nc, &r.nh, &r.nl, &r.pf}
 }
 
 // fromNodePort returns the conntrack match of KUBE-NODEPORT-NON-LOCAL: traffic a NodePort rule

@@ -260,7 +260,7 @@ func (m *Manager) PruneStale() error {
 	if pruned > 0 {
 		m.log.Info().Int("rules", pruned).Msg("deleted jumps of an earlier version, or second copies")
 	}
-	m.synced, m.written, m.input, m.udpTargets, m.startSaves = false, nil, nil, nil, nil
+	m.synced, m.written, m.layout, m.input, m.udpTargets, m.startSaves = false, nil, nil, nil, nil, nil
 	return errors.Join(errs...)
 }
 

@@ -79,44 +79,10 @@ type syncInput struct {
 // newSyncInput returns the digest of portals and host.
 func newSyncInput(portals []Portal, host Host) *syncInput {
 	h := sha256.New()
-	var b []byte
-	putInt := func(v int) { b = binary.AppendVarint(b, int64(v)) }
-	putString := func(s string) { putInt(len(s)); b = append(b, s...) }
-	addr := func(a netip.Addr) {
-		raw, _ := a.MarshalBinary() // 0, 4 or 16 bytes (with a zone for IPv6): never fails
-		putInt(len(raw))
-		b = append(b, raw...)
-	}
-	addrs := func(as []netip.Addr) {
-		putInt(len(as))
-		for _, a := range as {
-			addr(a)
-		}
-	}
-	addrs(host.NodeIPs)
-	if host.NoPhysdev {
-		putInt(1)
-	} else {
-		putInt(0)
-	}
-	putInt(len(portals))
+	b := appendHost(nil, host)
+	b = binary.AppendVarint(b, int64(len(portals)))
 	for i := range portals {
-		p := &portals[i]
-		putString(p.Comment)
-		putString(p.Protocol)
-		putInt(p.Port)
-		addr(p.ClusterIP)
-		addrs(p.ExternalIPs)
-		addrs(p.LoadBalancerIPs)
-		putInt(len(p.LoadBalancerSourceRanges))
-		for _, r := range p.LoadBalancerSourceRanges {
-			addr(r.Addr())
-			putInt(r.Bits())
-		}
-		putInt(p.NodePort)
-		putInt(p.ProxyPort)
-		putInt(int(p.Internal))
-		putInt(int(p.External))
+		b = appendPortal(b, &portals[i])
 		if len(b) > 32<<10 {
 			h.Write(b)
 			b = b[:0]
@@ -126,6 +92,60 @@ func newSyncInput(portals []Portal, host Host) *syncInput {
 	in := &syncInput{}
 	h.Sum(in.sum[:0])
 	return in
+}
+
+// appendHost appends an encoding of every field of host to b.
+func appendHost(b []byte, host Host) []byte {
+	b = appendAddrs(b, host.NodeIPs)
+	if host.NoPhysdev {
+		return binary.AppendVarint(b, 1)
+	}
+	return binary.AppendVarint(b, 0)
+}
+
+// appendPortal appends an encoding of every field of p to b: two portals with the same encoding
+// render the same rules.
+func appendPortal(b []byte, p *Portal) []byte {
+	b = appendString(b, p.Comment)
+	b = appendString(b, p.Protocol)
+	b = binary.AppendVarint(b, int64(p.Port))
+	b = appendAddr(b, p.ClusterIP)
+	b = appendAddrs(b, p.ExternalIPs)
+	b = appendAddrs(b, p.LoadBalancerIPs)
+	b = binary.AppendVarint(b, int64(len(p.LoadBalancerSourceRanges)))
+	for _, r := range p.LoadBalancerSourceRanges {
+		b = appendAddr(b, r.Addr())
+		b = binary.AppendVarint(b, int64(r.Bits()))
+	}
+	b = binary.AppendVarint(b, int64(p.NodePort))
+	b = binary.AppendVarint(b, int64(p.ProxyPort))
+	b = binary.AppendVarint(b, int64(p.Internal))
+	return binary.AppendVarint(b, int64(p.External))
+}
+
+func appendString(b []byte, s string) []byte {
+	return append(binary.AppendVarint(b, int64(len(s))), s...)
+}
+
+func appendAddr(b []byte, a netip.Addr) []byte {
+	b = binary.AppendVarint(b, int64(a.BitLen())) // 0, 32 or 128
+	switch {
+	case a.Is4():
+		v := a.As4()
+		return append(b, v[:]...)
+	case a.Is6():
+		v := a.As16()
+		return appendString(append(b, v[:]...), a.Zone())
+	}
+	return b
+}
+
+func appendAddrs(b []byte, as []netip.Addr) []byte {
+	b = binary.AppendVarint(b, int64(len(as)))
+	for _, a := range as {
+		b = appendAddr(b, a)
+	}
+	return b
 }
 
 // same reports whether in and o are digests of the same input; a nil one is of none.
