@@ -3,6 +3,7 @@
 package bench
 
 import (
+	"cmp"
 	"context"
 	"encoding/json"
 	"errors"
@@ -54,6 +55,8 @@ type settings struct {
 	// handoverConns idle connections are held through kube-userspace-proxy while a successor
 	// takes over from it, at the first of serviceScales ≥ handoverScale (the last if none is).
 	handoverConns, handoverScale int
+	// proxyLog is kube-userspace-proxy's --log-level; empty means info.
+	proxyLog string
 }
 
 // handoverAt returns the service scale at which the hand-over row is measured.
@@ -77,6 +80,43 @@ func configure(quick bool) settings {
 		handoverConns: 10000, handoverScale: 1000}
 }
 
+// onlyFromEnv applies KUP_BENCH_ONLY=controlplane (only the control-plane rows, no hand-over),
+// KUP_BENCH_SCALES=N,M (its service counts) and KUP_BENCH_PROXY_LOG=level (kube-userspace-proxy's
+// --log-level) to cfg: a partial run for working on one figure, not for results (write it to
+// KUP_BENCH_OUT). It returns KUP_BENCH_ONLY.
+func onlyFromEnv(cfg *settings) (string, error) {
+	only := os.Getenv("KUP_BENCH_ONLY")
+	if only != "" && only != "controlplane" {
+		return "", fmt.Errorf("KUP_BENCH_ONLY=%q: the only partial run is \"controlplane\"", only)
+	}
+	if v := os.Getenv("KUP_BENCH_SCALES"); v != "" {
+		cfg.serviceScales = nil
+		for _, f := range strings.Split(v, ",") {
+			n, err := strconv.Atoi(strings.TrimSpace(f))
+			if err != nil || n <= 0 {
+				return "", fmt.Errorf("KUP_BENCH_SCALES=%q: want service counts like 1000,10000", v)
+			}
+			cfg.serviceScales = append(cfg.serviceScales, n)
+		}
+	}
+	cfg.proxyLog = os.Getenv("KUP_BENCH_PROXY_LOG")
+	return only, nil
+}
+
+// keepLog copies a process's log so far to name in the system's temporary directory (a
+// KUP_BENCH_PROXY_LOG run's proxy log outlives the test's own temporary directory).
+func keepLog(t *testing.T, p *netns.Process, name string) {
+	b, err := os.ReadFile(p.LogPath())
+	if err == nil {
+		path := filepath.Join(os.TempDir(), name)
+		err = os.WriteFile(path, b, 0o644)
+		t.Logf("proxy log kept in %s", path)
+	}
+	if err != nil {
+		t.Errorf("keep the proxy's log: %v", err)
+	}
+}
+
 // target is one path as seen from one node: the client pod and node, and the addresses to use.
 type target struct {
 	path  string
@@ -97,6 +137,10 @@ func (tg target) from(src string) *netns.NS {
 func TestBench(t *testing.T) {
 	quick := os.Getenv("BENCH_QUICK") != ""
 	cfg := configure(quick)
+	only, err := onlyFromEnv(&cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
 	rep := &Report{Started: time.Now(), Quick: quick, Reps: cfg.reps, LoadStart: loadavg(), Machine: machine(t)}
 	outDir := os.Getenv("KUP_BENCH_OUT")
 	if outDir == "" {
@@ -146,7 +190,7 @@ func TestBench(t *testing.T) {
 	harness.ApplySlice(ctx, t, c.Client, harness.Slice(svc, srvEP))
 
 	kp := c.KubeProxy(t, nodes[PathIPTables].NS, nodeNames[PathIPTables])
-	kupCfg := harness.ProxyConfig{NodeName: nodeNames[PathKUP], Kubeconfig: c.Kubeconfig, MetricsBindAddress: metricsAddr, LogLevel: "info",
+	kupCfg := harness.ProxyConfig{NodeName: nodeNames[PathKUP], Kubeconfig: c.Kubeconfig, MetricsBindAddress: metricsAddr, LogLevel: cmp.Or(cfg.proxyLog, "info"),
 		// The idle-connection rows hold up to the open-files limit on one service port: the
 		// per-port bound (half of the descriptor budget by default) would stop them halfway,
 		// where HAProxy, which has no such bound, goes on.
@@ -184,17 +228,22 @@ func TestBench(t *testing.T) {
 
 	// The outside-client paths of issue 6 (their proxies stop before the idle and control-plane
 	// workloads, which they would otherwise load with every service created there).
-	out := setupOutside(ctx, t, n, c, cfg.reps)
-	runDataPath(t, rep, cfg, targets, loadBin)
-	runOutside(t, rep, cfg, out, loadBin)
-	for _, p := range OutsidePaths {
-		out.paths[p].stop()
+	if only == "" {
+		out := setupOutside(ctx, t, n, c, cfg.reps)
+		runDataPath(t, rep, cfg, targets, loadBin)
+		runOutside(t, rep, cfg, out, loadBin)
+		for _, p := range OutsidePaths {
+			out.paths[p].stop()
+		}
+		for _, src := range []string{"pod", "node"} {
+			rep.AddDifference(rep.Metric("keep-alive latency p99", src, "µs", false), "keep-alive latency p99 added (vs direct)", PathDirect)
+		}
+		runIdle(t, rep, cfg, targets, loadBin, map[string]int{PathKUP: kup.Pid(), PathHAProxy: hap.Pid()})
 	}
-	for _, src := range []string{"pod", "node"} {
-		rep.AddDifference(rep.Metric("keep-alive latency p99", src, "µs", false), "keep-alive latency p99 added (vs direct)", PathDirect)
-	}
-	runIdle(t, rep, cfg, targets, loadBin, map[string]int{PathKUP: kup.Pid(), PathHAProxy: hap.Pid()})
 	runControlPlane(t, rep, cfg, c, nodes, srvEP, kp, kup, kupCfg, func(kup *harness.Proxy, scale int) *harness.Proxy {
+		if only != "" {
+			return kup
+		}
 		return runHandover(t, rep, cfg, scale, targets[PathKUP], loadBin, kup, kupCfg)
 	})
 
@@ -498,6 +547,9 @@ func runControlPlane(t *testing.T, rep *Report, cfg settings, c *cluster.Cluster
 				})
 			}
 			wg.Wait()
+		}
+		if cfg.proxyLog != "" {
+			keepLog(t, kup.Process, fmt.Sprintf("kup-bench-proxy-%d.log", scale))
 		}
 
 		// A full resync: restart each proxy with every service present; its first sync is full.
