@@ -17,8 +17,9 @@ import (
 // digest it has not written, and deletes the rules of the written portals whose digest is gone.
 // Two portals with the same digest render the same rules (appendPortal encodes every field, and
 // the layout is only used with the host it was made with), so the rules it writes are those a
-// full Render would, and the rules it remembers as written are in Render's order (what the
-// periodic Sync compares with).
+// full Render would. It appends them to the recent chains, not to the long chains Render
+// writes (see recentChain): the rules it remembers as written are in Render's order, but a
+// portal added since the last full write has its rules in the recent chains.
 
 // numSections is how many per-portal outputs a render has: KUBE-PORTALS-CONTAINER,
 // KUBE-PORTALS-HOST, KUBE-NODEPORT-CONTAINER and KUBE-NODEPORT-HOST in nat, then
@@ -106,12 +107,16 @@ func (m *Manager) planByPortal(host Host, order []*Portal) (u portalUpdate, ok b
 		start[s*(nWas+1)+nWas] = int32(pos[s])
 	}
 	natEnd, filterEnd := pos[natSections-1], pos[numSections-1]
-	if natEnd+len(natChains()) != len(natWas) || filterEnd+len(filterChains()) > len(filterWas) {
+	// After the portals' rules: in nat the jumps to the recent chains and the canary jumps; in
+	// filter those and the guards (in either order: updateLocked's guardedDiff puts the guards
+	// last).
+	if natEnd+natSections+len(natChains()) != len(natWas) || filterEnd+filterSections+len(filterChains()) > len(filterWas) {
 		return u, false // not the rules the layout was made for
 	}
-	// After the portals' rules: in nat the canary jumps; in filter those and the guards (in
-	// either order: updateLocked's guardedDiff puts the guards last).
-	canaries, wasGuards := splitGuards(filterWas[filterEnd:])
+	static, wasGuards := splitGuards(filterWas[filterEnd:])
+	if len(static) != filterSections+len(filterChains()) {
+		return u, false
+	}
 	rulesOf := func(j, s int) []string {
 		lines := natWas
 		if s >= natSections {
@@ -156,6 +161,7 @@ func (m *Manager) planByPortal(host Host, order []*Portal) (u portalUpdate, ok b
 			if len(rules) > 0xffff {
 				return u, false
 			}
+			inRecent(rules, sectionChains[s])
 			sections[s] = append(sections[s], rules...)
 			added[table(s)] = append(added[table(s)], rules...)
 			now.counts = append(now.counts, uint16(len(rules)))
@@ -191,7 +197,7 @@ func (m *Manager) planByPortal(host Host, order []*Portal) (u portalUpdate, ok b
 	for s := natSections; s < numSections; s++ {
 		filter = append(filter, sections[s]...)
 	}
-	filter = append(append(filter, guards...), canaries...)
+	filter = append(append(filter, guards...), static...)
 	u = portalUpdate{written: map[string][]string{tableNAT: nat, tableFilter: filter}, delta: map[string][]byte{},
 		lay: now, fresh: u.fresh}
 	if d := diffRules(removed[0], added[0]); len(d) > 0 {
@@ -201,6 +207,16 @@ func (m *Manager) planByPortal(host Host, order []*Portal) (u portalUpdate, ok b
 		u.delta[tableFilter] = d
 	}
 	return u, true
+}
+
+// inRecent moves rules ("-A chain ...") to chain's recent chain.
+func inRecent(rules []string, chain string) {
+	prefix := "-A " + chain + " "
+	for i, r := range rules {
+		if strings.HasPrefix(r, prefix) {
+			rules[i] = "-A " + recentChain(chain) + " " + r[len(prefix):]
+		}
+	}
 }
 
 // sectionLen returns how many rules section s has in all (counts as in layout).

@@ -11,9 +11,9 @@ import (
 
 // TestPlanByPortalMatchesRender changes random portals (fuzzInput's) over many partial updates
 // and checks each update worked out by portal against a full Render: the rules it remembers are
-// Render's, in its order (the guards by the ports they list), its iptables-restore input turns
-// the rules written before into those, and it rendered only the portals whose encoding it had
-// not written. (fuzzInput repeats a portal at times, when it runs out of bytes: so do proxiers
+// Render's, in its order (the guards by the ports they list; a recent chain's rules as its
+// chain's), its iptables-restore input turns the rules written before into those, appending to
+// recent chains only, and it rendered only the portals whose encoding it had not written. (fuzzInput repeats a portal at times, when it runs out of bytes: so do proxiers
 // with bugs.)
 func TestPlanByPortalMatchesRender(t *testing.T) {
 	rng := rand.New(rand.NewPCG(7, 11))
@@ -87,12 +87,22 @@ func TestPlanByPortalMatchesRender(t *testing.T) {
 		}
 		want, _ := m.renderLocked(host, order)
 		wantFilter, wantNAT := ruleLines(want[0].payload), ruleLines(want[1].payload)
-		if !slices.Equal(u.written[tableNAT], wantNAT) {
-			t.Fatalf("round %d: nat rules remembered:\n%s\nwant:\n%s", round, lines(u.written[tableNAT]), lines(wantNAT))
+		if got, want := foldRecent(u.written[tableNAT]), foldRecent(wantNAT); !slices.Equal(got, want) {
+			t.Fatalf("round %d: nat rules remembered:\n%s\nwant:\n%s", round, lines(got), lines(want))
 		}
-		checkSameRules(t, "remembered filter", u.written[tableFilter], wantFilter, true)
-		checkSameRules(t, "nat after the delta", applyDelta(t, m.written[tableNAT], u.delta[tableNAT]), wantNAT, false)
-		checkSameRules(t, "filter after the delta", applyDelta(t, m.written[tableFilter], u.delta[tableFilter]), wantFilter, false)
+		checkSameRules(t, "remembered filter", foldRecent(u.written[tableFilter]), foldRecent(wantFilter), true)
+		checkSameRules(t, "nat after the delta", foldRecent(applyDelta(t, m.written[tableNAT], u.delta[tableNAT])), foldRecent(wantNAT), false)
+		checkSameRules(t, "filter after the delta", foldRecent(applyDelta(t, m.written[tableFilter], u.delta[tableFilter])), foldRecent(wantFilter), false)
+		// What it appends goes to the recent chains (or is a guard).
+		for _, d := range u.delta {
+			for l := range strings.Lines(string(d)) {
+				if strings.HasPrefix(l, "-A ") && !isGuard(l) && !slices.ContainsFunc(sectionChains[:], func(c string) bool {
+					return strings.HasPrefix(l, "-A "+recentChain(c)+" ")
+				}) {
+					t.Errorf("round %d: appends to a long chain: %s", round, l)
+				}
+			}
+		}
 		if t.Failed() {
 			t.Fatalf("round %d failed", round)
 		}

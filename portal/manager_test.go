@@ -266,7 +266,7 @@ func testManager(t *testing.T, b backend, ad addrs) {
 func checkProgrammed(t *testing.T, b backend, table string, payload []byte) {
 	t.Helper()
 	payload = withCanary(payload, chainsOf(table))
-	want := strings.Split(strings.TrimSpace(string(payload)), "\n")
+	want := foldRecent(strings.Split(strings.TrimSpace(string(payload)), "\n"))
 	checkContains(t, b, table, want)
 	ours := map[string]bool{}
 	for _, c := range append(natChains(), filterChains()...) {
@@ -276,11 +276,34 @@ func checkProgrammed(t *testing.T, b backend, table string, payload []byte) {
 	for _, l := range want {
 		wantSet[l] = true
 	}
-	for _, l := range b.save(t, table) {
+	for _, l := range foldRecent(b.save(t, table)) {
 		if f := strings.Fields(l); len(f) > 1 && f[0] == "-A" && ours[f[1]] && !wantSet[l] {
 			t.Errorf("%s: unexpected rule in our chain: %s", table, l)
 		}
 	}
+}
+
+// foldRecent returns rules with each recent chain's rules as rules of its chain (see
+// recentChain), the jumps to recent chains and their canary jumps left out: the rules a partial
+// update appended to a recent chain are then those a full Sync writes to the chain.
+func foldRecent(rules []string) []string {
+	var out []string
+	for _, r := range rules {
+		folded := false
+		for _, c := range sectionChains {
+			rc := recentChain(c)
+			switch {
+			case r == "-A "+c+" -j "+rc || r == canaryRule(rc):
+				folded = true
+			case strings.HasPrefix(r, "-A "+rc+" "):
+				out, folded = append(out, "-A "+c+" "+r[len("-A "+rc+" "):]), true
+			}
+		}
+		if !folded {
+			out = append(out, r)
+		}
+	}
+	return out
 }
 
 // checkFilterByGuardedPorts is checkProgrammed for the filter table after partial updates: the
@@ -288,11 +311,11 @@ func checkProgrammed(t *testing.T, b backend, table string, payload []byte) {
 // guardedDiff), so they are compared by the ports they guard, the other rules line by line.
 func checkFilterByGuardedPorts(t *testing.T, b backend, payload []byte) {
 	t.Helper()
-	want := strings.Split(strings.TrimSpace(string(withCanary(payload, chainsOf("filter")))), "\n")
+	want := foldRecent(strings.Split(strings.TrimSpace(string(withCanary(payload, chainsOf("filter")))), "\n"))
 	wantOther, wantGuards := splitGuards(want)
 	checkContains(t, b, "filter", wantOther)
 	var gotGuards []string
-	for _, l := range b.save(t, "filter") {
+	for _, l := range foldRecent(b.save(t, "filter")) {
 		f := strings.Fields(l)
 		switch {
 		case len(f) < 2 || f[0] != "-A" || !slices.Contains(filterChains(), f[1]):
@@ -309,7 +332,7 @@ func checkFilterByGuardedPorts(t *testing.T, b backend, payload []byte) {
 
 func checkContains(t *testing.T, b backend, table string, want []string) {
 	t.Helper()
-	got := b.save(t, table)
+	got := foldRecent(b.save(t, table))
 	for _, w := range want {
 		if !slices.Contains(got, w) {
 			t.Errorf("%s-save -t %s lacks %q; has:\n%s", b, table, w, strings.Join(got, "\n"))
@@ -562,6 +585,10 @@ func testUpdate(t *testing.T, b backend, ad addrs) {
 	// A new portal: only its rules are written: its portals in nat, its proxy port's guard in
 	// filter.
 	update("add dns", []Portal{web, dns}, 2, "-A "+ChainProxyPorts, "default/web:http")
+	// Its portal rules went to the short recent chain, not to the long one.
+	db := Portal{Comment: "default/db:sql", Protocol: "tcp", Port: 5432, ClusterIP: ad.clusterIP2, ProxyPort: 38031}
+	update("add db", []Portal{web, dns, db}, 2, "-A "+recentChain(ChainPortalsContainer)+" ", "-A "+ChainPortalsContainer+" ")
+	update("remove db", []Portal{web, dns}, 2, "-D "+recentChain(ChainPortalsContainer)+" ", "")
 	// No change: no restore at all.
 	update("no change", []Portal{web, dns}, 0, "", "")
 	// A new proxy port in the block of web's (38010–38024): a guard of its own is appended,
@@ -576,7 +603,7 @@ func testUpdate(t *testing.T, b backend, ad addrs) {
 	update("change web", []Portal{web2, dns}, 2, "-D "+ChainPortalsContainer, "default/dns:dns")
 	// Someone else deleted a rule the next update deletes: the partial write fails and the
 	// manager falls back to writing everything.
-	b.ipt(t, "-t", "nat", "-F", ChainPortalsHost)
+	b.ipt(t, "-t", "nat", "-F", recentChain(ChainPortalsHost)) // where web2's rules are
 	update("fallback", []Portal{dns}, -1, ":"+ChainPortalsContainer, "")
 	// A periodic Sync, then Update keeps working from its state.
 	if err := m.Sync([]Portal{dns}, localIPs(t)); err != nil {

@@ -14,13 +14,36 @@ import (
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy"
 )
 
-// natChains and filterChains list our chains per table.
+// natChains and filterChains list our chains per table: each chain of portal rules (see
+// sectionChains) before its recent chain (Cleanup deletes them in this order).
 func natChains() []string {
-	return []string{ChainPortalsContainer, ChainPortalsHost, ChainNodePortContainer, ChainNodePortHost}
+	return []string{ChainPortalsContainer, ChainPortalsHost, ChainNodePortContainer, ChainNodePortHost,
+		recentChain(ChainPortalsContainer), recentChain(ChainPortalsHost), recentChain(ChainNodePortContainer), recentChain(ChainNodePortHost)}
 }
 
 func filterChains() []string {
-	return []string{ChainNodePortNonLocal, ChainPortalsFilter, ChainProxyPorts}
+	return []string{ChainNodePortNonLocal, ChainPortalsFilter, ChainProxyPorts,
+		recentChain(ChainNodePortNonLocal), recentChain(ChainPortalsFilter)}
+}
+
+// sectionChains are the chains of portal rules, in the order of the layout's sections (see
+// renderer.sections).
+var sectionChains = [numSections]string{ChainPortalsContainer, ChainPortalsHost, ChainNodePortContainer, ChainNodePortHost,
+	ChainNodePortNonLocal, ChainPortalsFilter}
+
+// recentChain names the chain that holds the rules partial updates added to chain c since the
+// last full write (see planByPortal); c's last rule before the canary jumps to it. Appending a
+// rule to a chain costs iptables-nft-restore a read of the chain's rules: at 10,000 service
+// ports ~17 ms for the two nat chains of a ClusterIP, against ~3 ms for a short chain.
+func recentChain(c string) string { return c + "-NEW" }
+
+// recentJumps appends, for the chains of sections [from, to), the jump from each to its recent
+// chain.
+func recentJumps(b []byte, from, to int) []byte {
+	for _, c := range sectionChains[from:to] {
+		b = append(append(append(append(append(b, "-A "...), c...), " -j "...), recentChain(c)...), '\n')
+	}
+	return b
 }
 
 // Render returns the iptables-restore input (the lines between "*table" and "COMMIT") that sets
@@ -90,10 +113,12 @@ func render(cfg Config, host Host, order []*Portal, lay *layout) (nat, filter []
 	if lay != nil {
 		lay.guards = maphash.Bytes(portalSeed, r.pp)
 	}
-	nat = declare(make([]byte, 0, len(r.pc)+len(r.ph)+len(r.nc)+len(r.nh)+256), natChains())
+	nat = declare(make([]byte, 0, len(r.pc)+len(r.ph)+len(r.nc)+len(r.nh)+640), natChains())
 	nat = append(append(append(append(nat, r.pc...), r.ph...), r.nc...), r.nh...)
-	filter = declare(make([]byte, 0, len(r.nl)+len(r.pf)+len(r.pp)+160), filterChains())
+	nat = recentJumps(nat, 0, natSections)
+	filter = declare(make([]byte, 0, len(r.nl)+len(r.pf)+len(r.pp)+400), filterChains())
 	filter = append(append(append(filter, r.nl...), r.pf...), r.pp...)
+	filter = recentJumps(filter, natSections, numSections)
 	return nat, filter
 }
 

@@ -11,8 +11,15 @@ import (
 )
 
 const (
-	natDecl    = ":KUBE-PORTALS-CONTAINER - [0:0]\n:KUBE-PORTALS-HOST - [0:0]\n:KUBE-NODEPORT-CONTAINER - [0:0]\n:KUBE-NODEPORT-HOST - [0:0]\n"
-	filterDecl = ":KUBE-NODEPORT-NON-LOCAL - [0:0]\n:KUBE-PORTALS-FILTER - [0:0]\n:KUBE-PORTALS-PROXY-PORTS - [0:0]\n"
+	natDecl = ":KUBE-PORTALS-CONTAINER - [0:0]\n:KUBE-PORTALS-HOST - [0:0]\n:KUBE-NODEPORT-CONTAINER - [0:0]\n:KUBE-NODEPORT-HOST - [0:0]\n" +
+		":KUBE-PORTALS-CONTAINER-NEW - [0:0]\n:KUBE-PORTALS-HOST-NEW - [0:0]\n:KUBE-NODEPORT-CONTAINER-NEW - [0:0]\n:KUBE-NODEPORT-HOST-NEW - [0:0]\n"
+	filterDecl = ":KUBE-NODEPORT-NON-LOCAL - [0:0]\n:KUBE-PORTALS-FILTER - [0:0]\n:KUBE-PORTALS-PROXY-PORTS - [0:0]\n" +
+		":KUBE-NODEPORT-NON-LOCAL-NEW - [0:0]\n:KUBE-PORTALS-FILTER-NEW - [0:0]\n"
+	// natJumps and filterJumps end every render: each chain of portal rules jumps to its recent
+	// chain.
+	natJumps = "-A KUBE-PORTALS-CONTAINER -j KUBE-PORTALS-CONTAINER-NEW\n-A KUBE-PORTALS-HOST -j KUBE-PORTALS-HOST-NEW\n" +
+		"-A KUBE-NODEPORT-CONTAINER -j KUBE-NODEPORT-CONTAINER-NEW\n-A KUBE-NODEPORT-HOST -j KUBE-NODEPORT-HOST-NEW\n"
+	filterJumps = "-A KUBE-NODEPORT-NON-LOCAL -j KUBE-NODEPORT-NON-LOCAL-NEW\n-A KUBE-PORTALS-FILTER -j KUBE-PORTALS-FILTER-NEW\n"
 )
 
 var (
@@ -518,8 +525,8 @@ func TestRender(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			input := slices.Clone(tc.portals)
 			nat, filter := Render(tc.cfg, tc.host, tc.portals)
-			diff(t, "nat", string(nat), natDecl+lines(tc.nat))
-			diff(t, "filter", string(filter), filterDecl+lines(tc.filter))
+			diff(t, "nat", string(nat), natDecl+lines(tc.nat)+natJumps)
+			diff(t, "filter", string(filter), filterDecl+lines(tc.filter)+filterJumps)
 			// Deterministic whatever the input order, and the input is not modified.
 			if !slices.EqualFunc(input, tc.portals, portalEqual) {
 				t.Errorf("Render modified its input")

@@ -104,10 +104,10 @@ func TestToPortals(t *testing.T) {
 	}
 	// The guard-only portal renders the proxy port's guard and nothing else.
 	nat, filter := Render(v6Config(), Host{}, v6)
-	if want := natDecl; string(nat) != want {
+	if want := natDecl + natJumps; string(nat) != want {
 		t.Errorf("IPv6 nat:\n%s\nwant declarations only", nat)
 	}
-	wantFilter := filterDecl + guardRule("", "tcp", "38023") + "\n"
+	wantFilter := filterDecl + guardRule("", "tcp", "38023") + "\n" + filterJumps
 	if string(filter) != wantFilter {
 		t.Errorf("IPv6 filter:\n%s\nwant:\n%s", filter, wantFilter)
 	}

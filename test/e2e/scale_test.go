@@ -272,7 +272,9 @@ func sinceOrNever(from, t time.Time) time.Duration {
 }
 
 // redirectRule is a service's portal rule for traffic from containers (pods).
-var redirectRule = regexp.MustCompile(`^-A KUBE-PORTALS-CONTAINER -d (10\.100\.\d+\.\d+)/32 .*-p tcp .*--dport 80 .*-j REDIRECT --to-ports (\d+)`)
+// redirectRule matches a service's redirect, in KUBE-PORTALS-CONTAINER or, when a partial sync
+// added it, its recent chain KUBE-PORTALS-CONTAINER-NEW.
+var redirectRule = regexp.MustCompile(`^-A KUBE-PORTALS-CONTAINER(?:-NEW)? -d (10\.100\.\d+\.\d+)/32 .*-p tcp .*--dport 80 .*-j REDIRECT --to-ports (\d+)`)
 
 // TestScale runs 10,000 services (one TCP port, one endpoint each) from a manifests directory
 // with iptables portals in a node namespace, and checks that the proxy serves all of them: one
@@ -303,7 +305,7 @@ func TestScale(t *testing.T) {
 	if len(ports) != n {
 		t.Errorf("%d redirect rules, want %d", len(ports), n)
 	}
-	if host := strings.Count(save, "\n-A KUBE-PORTALS-HOST -d 10.100."); host != n {
+	if host := strings.Count(save, "\n-A KUBE-PORTALS-HOST -d 10.100.") + strings.Count(save, "\n-A KUBE-PORTALS-HOST-NEW -d 10.100."); host != n {
 		t.Errorf("%d rules for the node's own traffic (KUBE-PORTALS-HOST), want %d", host, n)
 	}
 	listening := listeningTCPPorts(t, e.node.NS)
