@@ -34,7 +34,8 @@ import (
 // flags to the proxy's command line (say --log-level=debug), and KUP_SCALE_IDLE_PROFILE=1 takes a
 // CPU profile of 9 s of the idle window too, and a heap profile at each end of it, each after a
 // collection (a heap profile is as of the last one), so that pprof -diff_base shows what the
-// idle window allocated; the profiling counts in that run's idle CPU figure. With KUP_SCALE_OUT=dir it writes
+// idle window allocated, and KUP_SCALE_CHURN_PROFILE=k adds k more services one at a time after
+// the measurements under a CPU profile (k/4 seconds); the profiling counts in that run's idle CPU figure. With KUP_SCALE_OUT=dir it writes
 // the figures as a table (scale.md) and as growth curves (scale.svg) to dir; KUP_SCALE_REPS=k
 // measures every count k times (interleaved) and reports the medians.
 func TestScaleMeasure(t *testing.T) {
@@ -211,6 +212,20 @@ func measureScale(t *testing.T, n int, window time.Duration) scaleFigures {
 	}
 	oneMore := sinceOrNever(added, lastOne)
 	oneLoaded := sinceOrNever(added, <-loaded)
+	if k, _ := strconv.Atoi(os.Getenv("KUP_SCALE_CHURN_PROFILE")); profDir != "" && k > 0 {
+		// k more services, one at a time, under a CPU profile: where a partial sync's time goes.
+		secs := max(1, k/4)
+		prof := fetchProfile(e.node.NS, fmt.Sprintf("profile?seconds=%d", secs), filepath.Join(profDir, fmt.Sprintf("churn-cpu-%d.pprof", n)))
+		deadline := time.Now().Add(time.Duration(secs) * time.Second)
+		for i := 1; i <= k && time.Now().Before(deadline); i++ {
+			writeScaleManifests(t, e.dir, n+i, n+i+1, e.pod.IP)
+			firstServiceAnswer(e.node.NS, n+i, 10*time.Second)
+			time.Sleep(100 * time.Millisecond)
+		}
+		if err := <-prof; err != nil {
+			t.Log(err)
+		}
+	}
 	m, _ := harness.ScrapeMetrics(e.node.NS, scaleMetricsAddr)
 	if profDir != "" {
 		if err := os.WriteFile(filepath.Join(profDir, fmt.Sprintf("proxy-%d.log", n)), []byte(p.Log()), 0o644); err != nil {
