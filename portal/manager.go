@@ -79,6 +79,9 @@ type Manager struct {
 	// udpTargets is what the last successful sync did with each UDP target (see
 	// deleteStaleFlowsLocked); nil before the first.
 	udpTargets map[netip.AddrPort]string
+	// found holds, per table and chain of ours, the rules PruneStale found there, for the first
+	// Sync to compare with what it would write (see adoptLocked); nil after that Sync.
+	found map[string]map[string][]string
 	// startSaves holds the iptables-save listings namedProxyPorts read at start, per table, for
 	// PruneStale to use instead of reading each table again (at 10,000 services a listing of
 	// a table takes a few hundred milliseconds); taken by the first PruneStale.
@@ -234,6 +237,11 @@ func (m *Manager) syncLocked(portals []Portal, nodeIPs []netip.Addr, full bool) 
 	}
 	if !same && full && m.sameRulesLocked(tables) && m.keepLocked(portals, host, in, start) {
 		m.layout = lay // the same rules, from portals that differ in what does not show in them
+		return errors.Join(invalid...)
+	}
+	found := m.found
+	m.found = nil
+	if full && m.adoptLocked(found, portals, host, in, tables, lay, start) {
 		return errors.Join(invalid...)
 	}
 	return errors.Join(append(invalid, m.rewriteLocked(portals, host, in, tables, lay, start)...)...)
@@ -509,6 +517,6 @@ func (m *Manager) Cleanup() error {
 			}
 		}
 	}
-	m.synced, m.written, m.layout, m.input, m.rewritten, m.udpTargets = false, nil, nil, nil, time.Time{}, nil
+	m.synced, m.written, m.layout, m.input, m.rewritten, m.udpTargets, m.found = false, nil, nil, nil, time.Time{}, nil, nil
 	return errors.Join(errs...)
 }

@@ -250,39 +250,45 @@ func (m *Manager) PruneStale() error {
 	defer m.mu.Unlock()
 	var errs []error
 	pruned := 0
+	found := map[string]map[string][]string{}
 	for _, table := range []string{tableNAT, tableFilter} {
-		n, err := m.pruneTableLocked(table)
+		n, rules, err := m.pruneTableLocked(table)
 		pruned += n
 		if err != nil {
 			errs = append(errs, fmt.Errorf("portal prune: %w", err))
+			found = nil
+		} else if found != nil {
+			found[table] = rules
 		}
 	}
 	if pruned > 0 {
 		m.log.Info().Int("rules", pruned).Msg("deleted jumps of an earlier version, or second copies")
 	}
 	m.synced, m.written, m.layout, m.input, m.udpTargets, m.startSaves = false, nil, nil, nil, nil, nil
+	m.found = found
 	return errors.Join(errs...)
 }
 
 // pruneTableLocked deletes the stale jumps of one table in one iptables-restore, puts back the
 // current jumps of the built-in chains that had duplicates, deletes the probe chain, and
-// returns how many jumps it deleted.
-func (m *Manager) pruneTableLocked(table string) (int, error) {
+// returns how many jumps it deleted and the rules of each chain of ours it found (which it
+// leaves alone).
+func (m *Manager) pruneTableLocked(table string) (int, map[string][]string, error) {
 	save, ok := m.startSaves[table]
 	delete(m.startSaves, table)
 	if !ok {
 		var err error
 		if save, err = m.run.Save(table); err != nil {
-			return 0, err
+			return 0, nil, err
 		}
 	}
 	payload, n, rebuild, err := staleJumps(table, save)
 	if err != nil {
-		return 0, err
+		return 0, nil, err
 	}
 	if n > 0 {
 		if err := m.run.Restore(table, payload); err != nil {
-			return 0, err
+			return 0, nil, err
 		}
 	}
 	for _, j := range jumps() {
@@ -290,15 +296,16 @@ func (m *Manager) pruneTableLocked(table string) (int, error) {
 			continue
 		}
 		if _, err := m.run.EnsureRule(j.pos, j.table, j.from, j.spec...); err != nil {
-			return n, fmt.Errorf("jump %s/%s -> %s: %w", j.table, j.from, j.to, err)
+			return n, nil, fmt.Errorf("jump %s/%s -> %s: %w", j.table, j.from, j.to, err)
 		}
 	}
 	if table == tableNAT && bytes.Contains(save, []byte("\n:"+chainProbe+" ")) {
 		if err := m.run.DeleteChain(tableNAT, chainProbe); err != nil {
-			return n, err
+			return n, nil, err
 		}
 	}
-	return n, nil
+	rules, _, err := parseSave(table, save)
+	return n, rules, err
 }
 
 // staleJumps returns the iptables-restore input that deletes the stale jumps (see PruneStale)
