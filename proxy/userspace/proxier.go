@@ -251,7 +251,9 @@ func (p *Proxier) Sync() { p.sync(true) }
 // sync applies pending changes; it runs on the runner's goroutine only. The periodic sync
 // rewrites every portal rule, and so does any sync once SyncPeriod has passed since the last
 // full one (triggered syncs restart the runner's period, so on a busy cluster the periodic one
-// might never come); the others write only what changed. It returns false when it did nothing
+// might never come) — unless it has changes to apply: then it writes them and has the runner
+// run again for the full one (up to twice SyncPeriod since the last); the others write only
+// what changed. It returns false when it did nothing
 // (the source has not delivered its initial state, or the proxier is stopped or frozen), so the
 // runner's rate limit does not count it.
 func (p *Proxier) sync(periodic bool) bool {
@@ -324,9 +326,18 @@ func (p *Proxier) sync(periodic bool) bool {
 	p.dropInheritedLocked()
 	p.mu.Unlock()
 
+	followUp := false
 	if p.opts.Portals != nil {
 		res.Kind = proxy.SyncPartial
-		if periodic || time.Since(p.lastFull) >= p.opts.SyncPeriod {
+		switch since := time.Since(p.lastFull); {
+		case periodic:
+			res.Kind = proxy.SyncFull
+		case since >= p.opts.SyncPeriod && res.ServiceChanges+res.EndpointChanges > 0 && since < 2*p.opts.SyncPeriod:
+			// A full sync is due by the clock, but changes are waiting: they go first, as a
+			// partial sync (at 10,000 service ports tens of milliseconds, not a second), and
+			// the full one follows as the next run.
+			followUp = true
+		case since >= p.opts.SyncPeriod:
 			res.Kind = proxy.SyncFull
 		}
 		if res.Err = p.opts.Portals.Sync(context.Background(), res.Ports, node, res.Kind == proxy.SyncFull); res.Err != nil {
@@ -341,6 +352,9 @@ func (p *Proxier) sync(periodic bool) bool {
 	}
 	p.log.Debug().Dur("took", res.Took).Stringer("kind", res.Kind).Int("services", res.ServiceChanges).
 		Int("endpoints", res.EndpointChanges).Int("ports", len(res.Ports)).Msg("synced")
+	if followUp && p.runner != nil {
+		p.runner.Trigger()
+	}
 	return true
 }
 

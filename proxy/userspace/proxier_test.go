@@ -144,7 +144,8 @@ func (r *recordingPortals) Sync(_ context.Context, ports []proxy.PortState, _ pr
 }
 
 // Portal syncs are full when periodic, the first time, and whenever SyncPeriod has passed since
-// the last full one; otherwise partial. The sync results say which.
+// the last full one (with changes waiting, after a partial sync of them, unless two periods
+// have passed); otherwise partial. The sync results say which.
 func TestPortalSyncsFullOrPartial(t *testing.T) {
 	portals := &recordingPortals{}
 	var kinds []bool
@@ -158,7 +159,16 @@ func TestPortalSyncsFullOrPartial(t *testing.T) {
 	p.lastFull = time.Now().Add(-time.Hour - time.Second) // as if the period had passed
 	p.sync(false)                                         // overdue: full
 	p.sync(false)
-	want := []bool{true, false, true, false, true, false}
+	// Overdue with a change waiting: the change first, as a partial sync, then the full one.
+	p.lastFull = time.Now().Add(-time.Hour - time.Second)
+	p.Tracker().OnServiceUpdate(nil, service("more", []v1.ServicePort{tcpPort("tcp", 80)}))
+	p.sync(false)
+	p.sync(false)
+	// Overdue by two periods: full, changes or not.
+	p.lastFull = time.Now().Add(-2*time.Hour - time.Second)
+	p.Tracker().OnServiceUpdate(nil, service("more2", []v1.ServicePort{tcpPort("tcp", 80)}))
+	p.sync(false)
+	want := []bool{true, false, true, false, true, false, false, true, true}
 	portals.mu.Lock()
 	defer portals.mu.Unlock()
 	if !slices.Equal(portals.fulls, want) {
