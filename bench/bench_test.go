@@ -568,6 +568,9 @@ func runControlPlane(t *testing.T, rep *Report, cfg settings, c *cluster.Cluster
 		})
 		d, err = firstSync(nodes[PathKUP].NS)
 		record(t, rs, PathKUP, d, err)
+		if cfg.proxyLog != "" {
+			keepLog(t, kup.Process, fmt.Sprintf("kup-bench-proxy-restart-%d.log", scale))
+		}
 
 		// Idle CPU of both, over the same window: in a full run, once kube-userspace-proxy has
 		// made its first periodic full sync since the restart (which also checks every port's
