@@ -13,53 +13,85 @@ import (
 // leaves our chains alone, and the proxy ports they name are reused: Set.SurvivingProxyPorts).
 // When the services have not changed meanwhile, that Sync would write the very rules that are
 // there: at 10,000 service ports ~0.55 s of iptables-nft-restore for nothing. PruneStale keeps
-// what it read of our chains; the first Sync compares it with what it rendered and, when they
-// hold the same rules, writes nothing.
+// the listings it read; the first Sync compares our chains in them with what it rendered and,
+// when they hold the same rules, writes nothing.
 
-// adoptLocked is the first Sync after PruneStale: when the rules found in our chains are those
-// of tables (see sameRules) and every jump into our chains is there, it takes them as written
-// and returns true. When they are Render's, in its order, it carries on as after a full write
-// (partial updates work by portal from here); when they differ only in order, grouping of the
-// guards, or in a partial update's rules sitting in a recent chain, the next periodic Sync
-// rewrites them.
-func (m *Manager) adoptLocked(found map[string]map[string][]string, portals []Portal, host Host, in *syncInput, tables []table, lay *layout, start time.Time) bool {
+// adoptLocked is the first Sync after PruneStale: when the rules found in our chains (found:
+// iptables-save listings per table) are those of tables (see sameRules) and every jump into our
+// chains is there, it takes them as written, with the layout of tables (partial updates work by
+// portal from here), and returns true.
+func (m *Manager) adoptLocked(found map[string][]byte, portals []Portal, host Host, in *syncInput, tables []table, lay *layout, start time.Time) bool {
 	if found == nil {
 		return false
 	}
-	exact := true
 	written := map[string][]string{}
 	for _, t := range tables {
-		want := ruleLines(t.payload)
-		have := found[t.table]
-		var got []string
-		for _, c := range chainsOf(t.table) {
-			got = append(got, have[c]...)
+		save, ok := found[t.table]
+		if !ok {
+			return false
 		}
-		if len(have) != len(chainsOf(t.table)) || !sameRules(got, want) {
+		got, chains := ourRules(t.table, save)
+		want := ruleLines(t.payload)
+		if chains != len(chainsOf(t.table)) || !sameRules(got, want) {
 			return false // a chain missing, or other rules
 		}
-		exact = exact && maps.EqualFunc(have, byChain(want), slices.Equal)
-		written[t.table] = got
+		written[t.table] = asFound(want, got)
 	}
 	for _, add := range m.missingJumpsLocked() {
 		if len(add) > 0 {
 			return false
 		}
 	}
-	m.synced, m.input = true, in
-	if exact {
-		m.written, m.layout, m.rewritten = written, lay, start
-		// written holds the found rules, which are Render's: the layout describes them.
-		for _, t := range tables {
-			m.written[t.table] = ruleLines(t.payload)
-		}
-	} else {
-		m.written, m.layout, m.rewritten = written, nil, time.Time{}
-	}
+	m.synced, m.input, m.written, m.layout, m.rewritten = true, in, written, lay, start
 	m.deleteStaleFlowsLocked(portals, host.NodeIPs)
-	m.log.Info().Int("portals", len(portals)).Bool("inRenderOrder", exact).Dur("took", time.Since(start)).
+	m.log.Info().Int("portals", len(portals)).Dur("took", time.Since(start)).
 		Msg("the rules of the earlier run are the ones to write: kept, nothing written")
 	return true
+}
+
+// ourRules returns the rule lines of our chains of table in an iptables-save listing (substrings
+// of one copy of it), and how many of our chains have rules.
+func ourRules(table string, save []byte) ([]string, int) {
+	ours := chainsOf(table)
+	var rules []string
+	seen := map[string]bool{}
+	for line := range strings.Lines(string(save)) {
+		line = strings.TrimSuffix(line, "\n")
+		if c, ok := ruleChain(line); ok && slices.Contains(ours, c) {
+			rules = append(rules, line)
+			seen[c] = true
+		}
+	}
+	return rules, len(seen)
+}
+
+// asFound returns want (rendered rules) as they were found in got: a rule found in its chain's
+// recent chain under that chain's name, and got's guards in place of want's (in whatever
+// grouping they were found). Found lines are copied, so that the listing is not kept.
+func asFound(want, got []string) []string {
+	recent := map[string]bool{}
+	for _, r := range got {
+		if unRecent(r) != r {
+			recent[unRecent(r)] = true
+		}
+	}
+	out := make([]string, 0, len(want))
+	for _, r := range want {
+		switch {
+		case isGuard(r):
+		case recent[r]:
+			c, _ := ruleChain(r)
+			out = append(out, "-A "+recentChain(c)+r[len("-A "+c):])
+		default:
+			out = append(out, r)
+		}
+	}
+	for _, r := range got {
+		if isGuard(r) {
+			out = append(out, strings.Clone(r))
+		}
+	}
+	return out
 }
 
 // sameRules reports whether the rules of our chains got (as found) do what want (as rendered)
@@ -72,16 +104,13 @@ func sameRules(got, want []string) bool {
 	if len(gotOther) != len(wantOther) {
 		return false
 	}
-	count := make(map[string]int, len(wantOther))
-	for _, r := range wantOther {
-		count[r]++
+	for i, r := range gotOther {
+		gotOther[i] = unRecent(r)
 	}
-	for _, r := range gotOther {
-		r = unRecent(r)
-		if count[r] == 0 {
-			return false
-		}
-		count[r]--
+	slices.Sort(gotOther)
+	wantOther = slices.Sorted(slices.Values(wantOther))
+	if !slices.Equal(gotOther, wantOther) {
+		return false
 	}
 	g, ok := guardedPorts(gotGuards)
 	if !ok {
@@ -94,6 +123,9 @@ func sameRules(got, want []string) bool {
 // unRecent returns a rule of a recent chain as a rule of its chain; other rules, the canary
 // jump of a recent chain among them, as they are.
 func unRecent(r string) string {
+	if !strings.HasPrefix(r, "-A ") || !strings.Contains(r[:min(len(r), 40)], "-NEW ") {
+		return r
+	}
 	for _, c := range sectionChains {
 		rc := "-A " + recentChain(c) + " "
 		if strings.HasPrefix(r, rc) && r != canaryRule(recentChain(c)) {

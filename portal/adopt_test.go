@@ -39,10 +39,11 @@ func testAdopt(t *testing.T, b backend, ad addrs) {
 		checkProgrammed(t, b, "nat", nat)
 		checkFilterByGuardedPorts(t, b, filter)
 		checkJumps(t, b)
-		// Partial updates carry on: one more service, then one less.
+		// Partial updates carry on: one more service, then one less, then the last one found
+		// gone (in "rules in recent chains", its rules are in the recent chains), and back.
 		rec.restores = nil
 		more := append(ps[:len(ps):len(ps)], Portal{Comment: "default/more:x", Protocol: "tcp", Port: 81, ClusterIP: ad.clusterIP, ProxyPort: 38077})
-		for _, now := range [][]Portal{more, ps} {
+		for _, now := range [][]Portal{more, ps, ps[:len(ps)-1], ps} {
 			if err := m.Update(now, localIPs(t)); err != nil {
 				t.Fatalf("%s: Update: %v", what, err)
 			}

@@ -79,9 +79,9 @@ type Manager struct {
 	// udpTargets is what the last successful sync did with each UDP target (see
 	// deleteStaleFlowsLocked); nil before the first.
 	udpTargets map[netip.AddrPort]string
-	// found holds, per table and chain of ours, the rules PruneStale found there, for the first
-	// Sync to compare with what it would write (see adoptLocked); nil after that Sync.
-	found map[string]map[string][]string
+	// found holds, per table, the iptables-save listing PruneStale read, for the first Sync to
+	// compare our chains in it with what it would write (see adoptLocked); nil after that Sync.
+	found map[string][]byte
 	// startSaves holds the iptables-save listings namedProxyPorts read at start, per table, for
 	// PruneStale to use instead of reading each table again (at 10,000 services a listing of
 	// a table takes a few hundred milliseconds); taken by the first PruneStale.

@@ -250,7 +250,7 @@ func (m *Manager) PruneStale() error {
 	defer m.mu.Unlock()
 	var errs []error
 	pruned := 0
-	found := map[string]map[string][]string{}
+	found := map[string][]byte{}
 	for _, table := range []string{tableNAT, tableFilter} {
 		n, rules, err := m.pruneTableLocked(table)
 		pruned += n
@@ -271,9 +271,8 @@ func (m *Manager) PruneStale() error {
 
 // pruneTableLocked deletes the stale jumps of one table in one iptables-restore, puts back the
 // current jumps of the built-in chains that had duplicates, deletes the probe chain, and
-// returns how many jumps it deleted and the rules of each chain of ours it found (which it
-// leaves alone).
-func (m *Manager) pruneTableLocked(table string) (int, map[string][]string, error) {
+// returns how many jumps it deleted and the listing it read (our chains' rules are left alone).
+func (m *Manager) pruneTableLocked(table string) (int, []byte, error) {
 	save, ok := m.startSaves[table]
 	delete(m.startSaves, table)
 	if !ok {
@@ -304,8 +303,7 @@ func (m *Manager) pruneTableLocked(table string) (int, map[string][]string, erro
 			return n, nil, err
 		}
 	}
-	rules, _, err := parseSave(table, save)
-	return n, rules, err
+	return n, save, nil
 }
 
 // staleJumps returns the iptables-restore input that deletes the stale jumps (see PruneStale)
