@@ -149,6 +149,32 @@ func testRunner(t *testing.T, b backend) {
 		t.Errorf("failed Restore changed the table:\n%s", save)
 	}
 
+	// RestoreTables: both tables in one exec, each as Restore would; an error names the table
+	// and line it refused (the tables before it are written).
+	if err := r.RestoreTables(TablePayload{"filter", []byte(":KUBE-FT - [0:0]\n-A KUBE-FT -p tcp -m tcp --dport 7 -j RETURN\n")},
+		TablePayload{"nat", []byte("-A KUBE-TEST -p tcp -m tcp --dport 77 -j RETURN")}); err != nil {
+		t.Fatalf("RestoreTables: %v", err)
+	}
+	if save := mustSave(t, r, "filter"); !strings.Contains(save, "-A KUBE-FT -p tcp -m tcp --dport 7 -j RETURN") {
+		t.Errorf("after RestoreTables, filter lacks its rule:\n%s", save)
+	}
+	if save := mustSave(t, r, "nat"); !strings.Contains(save, "--dport 77") || !strings.Contains(save, "--dport 53") {
+		t.Errorf("after RestoreTables, nat lacks the appended rule or lost the one there:\n%s", save)
+	}
+	err = r.RestoreTables(TablePayload{"filter", []byte("-A KUBE-FT -p tcp -m tcp --dport 8 -j RETURN\n")},
+		TablePayload{"nat", []byte("-A KUBE-TEST -p tcp -m tcp --dport 78 -j RETURN\n-A KUBE-TEST -p tcp --bogus-option -j RETURN\n")})
+	if !errors.As(err, &ce) {
+		t.Fatalf("RestoreTables(bad) error = %v, want *CommandError", err)
+	}
+	if ce.Table != "nat" || ce.Line != 6 || !strings.Contains(ce.LineText, "--bogus-option") {
+		t.Errorf("RestoreTables(bad) error = %+v, want table nat, line 6 with --bogus-option", ce)
+	}
+	if save := mustSave(t, r, "nat"); strings.Contains(save, "--dport 78") {
+		t.Errorf("failed RestoreTables changed the nat table:\n%s", save)
+	}
+	b.run(t, "-t", "filter", "-F", "KUBE-FT")
+	b.run(t, "-t", "filter", "-X", "KUBE-FT")
+
 	// DeleteJumps removes every jump to the chain, whatever its matches, and nothing else.
 	n, err := r.DeleteJumps("nat", "PREROUTING", "KUBE-TEST")
 	if err != nil || n != 2 {

@@ -5,6 +5,8 @@ import (
 	"hash/maphash"
 	"strings"
 	"time"
+
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/iptables"
 )
 
 // Partial updates by portal.
@@ -238,18 +240,20 @@ func (m *Manager) updateByPortalLocked(portals []Portal, order []*Portal, host H
 	}
 	planned := time.Now()
 	var deltaBytes int
-	for _, t := range []string{tableFilter, tableNAT} {
-		delta := u.delta[t]
-		if len(delta) == 0 {
-			continue
+	var writes []iptables.TablePayload
+	for _, t := range []string{tableFilter, tableNAT} { // filter first: see Sync
+		if delta := u.delta[t]; len(delta) > 0 {
+			writes = append(writes, iptables.TablePayload{Table: t, Payload: delta})
+			deltaBytes += len(delta)
 		}
-		deltaBytes += len(delta)
+	}
+	if len(writes) > 0 {
 		m.rewritten = time.Time{} // the next Sync rewrites, in Render's order
 		restoreStart := time.Now()
-		err := m.run.Restore(t, delta)
-		m.log.Debug().Str("table", t).Int("deltaBytes", len(delta)).Dur("took", time.Since(restoreStart)).Msg("wrote changed portal rules")
+		err := m.restoreTablesLocked(writes)
+		m.log.Debug().Int("tables", len(writes)).Int("deltaBytes", deltaBytes).Dur("took", time.Since(restoreStart)).Msg("wrote changed portal rules")
 		if err != nil {
-			m.log.Warn().Err(err).Str("table", t).Msg("writing the changed portal rules failed; rewriting all of them")
+			m.log.Warn().Err(err).Msg("writing the changed portal rules failed; rewriting all of them")
 			m.synced = false
 			tables, lay := m.renderLocked(host, order)
 			return true, errors.Join(m.rewriteLocked(portals, host, in, tables, lay, start)...)
@@ -260,6 +264,26 @@ func (m *Manager) updateByPortalLocked(portals []Portal, order []*Portal, host H
 	m.log.Debug().Int("portals", len(portals)).Int("rendered", u.fresh).Int("deltaBytes", deltaBytes).
 		Dur("plan", planned.Sub(start)).Dur("restore", time.Since(planned)).Dur("total", time.Since(start)).Msg("updated portal rules")
 	return true, nil
+}
+
+// tablesRestorer writes several tables in one iptables-restore (*iptables.Runner does).
+type tablesRestorer interface {
+	RestoreTables(tables ...iptables.TablePayload) error
+}
+
+// restoreTablesLocked writes the tables, in order, in one iptables-restore when the Runner can
+// (one process start and one read of the kernel's state instead of one per table), otherwise one
+// each.
+func (m *Manager) restoreTablesLocked(writes []iptables.TablePayload) error {
+	if tr, ok := m.run.(tablesRestorer); ok && len(writes) > 1 {
+		return tr.RestoreTables(writes...)
+	}
+	for _, w := range writes {
+		if err := m.run.Restore(w.Table, w.Payload); err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
 // isGuard reports whether rule is one of KUBE-PORTALS-PROXY-PORTS's guards (see splitGuards).

@@ -113,6 +113,13 @@ func (c *countingRunner) Restore(table string, payload []byte) error {
 	return c.Runner.Restore(table, payload)
 }
 
+func (c *countingRunner) RestoreTables(tables ...iptables.TablePayload) error {
+	for _, t := range tables {
+		c.jumpLines = append(c.jumpLines, builtinRuleLines(t.Payload)...)
+	}
+	return c.Runner.RestoreTables(tables...)
+}
+
 // builtinRuleLines returns the lines of a restore payload that add a rule to a built-in chain.
 func builtinRuleLines(payload []byte) []string {
 	var out []string
@@ -535,11 +542,21 @@ func TestNewManagerChecks(t *testing.T) {
 type restoreRecorder struct {
 	*iptables.Runner
 	restores []string // "table: payload"
+	multi    int      // RestoreTables calls
 }
 
 func (r *restoreRecorder) Restore(table string, payload []byte) error {
 	r.restores = append(r.restores, table+": "+string(payload))
 	return r.Runner.Restore(table, payload)
+}
+
+// RestoreTables records each table as a restore of its own, and counts the execs.
+func (r *restoreRecorder) RestoreTables(tables ...iptables.TablePayload) error {
+	for _, t := range tables {
+		r.restores = append(r.restores, t.Table+": "+string(t.Payload))
+	}
+	r.multi++
+	return r.Runner.RestoreTables(tables...)
 }
 
 // TestManagerUpdateInNamespace checks partial updates on a real kernel: Update writes only the
@@ -585,6 +602,9 @@ func testUpdate(t *testing.T, b backend, ad addrs) {
 	// A new portal: only its rules are written: its portals in nat, its proxy port's guard in
 	// filter.
 	update("add dns", []Portal{web, dns}, 2, "-A "+ChainProxyPorts, "default/web:http")
+	if rec.multi == 0 {
+		t.Error("add dns: the partial update's two tables were written by one exec each, not one for both")
+	}
 	// Its portal rules went to the short recent chain, not to the long one.
 	db := Portal{Comment: "default/db:sql", Protocol: "tcp", Port: 5432, ClusterIP: ad.clusterIP2, ProxyPort: 38031}
 	update("add db", []Portal{web, dns, db}, 2, "-A "+recentChain(ChainPortalsContainer)+" ", "-A "+ChainPortalsContainer+" ")
