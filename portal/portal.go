@@ -20,7 +20,16 @@
 //	                                                         REJECT / DROP for portals without usable endpoints
 //	filter KUBE-PORTALS-PROXY-PORTS from INPUT, first (ctstate NEW)
 //	                                                         REJECT what reaches a proxy port without a portal rule
+//	both   KUBE-…-NEW              from each chain above but KUBE-PORTALS-PROXY-PORTS, before the canary
+//	                                                         the rules Update added since the last full write
 //	both   KUBE-PORTALS-CANARY     from each chain above, last   nothing (see below)
+//
+// Update appends a changed portal's rules to its chain's recent chain (KUBE-PORTALS-CONTAINER-NEW,
+// …), not to the chain: iptables-nft-restore reads every rule of the chain it appends to (at
+// 10,000 service ports ~17 ms for the long chains, ~1.5 ms for a short one); the next full write
+// folds them back. It renders only the portals whose digest it has not written (incremental.go).
+// A restarted proxy's first Sync writes nothing when the earlier run's rules are the ones it would
+// write (adopt.go).
 //
 // and, beyond upstream, --nodeport-addresses (Config.NodePortAddresses), the reject/drop chain,
 // redirects of pod traffic (Config.ClusterCIDRs) to Local services' external addresses, and
