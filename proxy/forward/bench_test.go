@@ -172,6 +172,29 @@ func BenchmarkTCPShortConnections(b *testing.B) {
 	}
 }
 
+// BenchmarkTCPRequestResponse: one keep-alive connection to an echo backend; each op writes a
+// 64-byte request and reads the 64-byte answer, so ns/op is one round trip (the keep-alive
+// latency of the full bench, without its network namespaces).
+func BenchmarkTCPRequestResponse(b *testing.B) {
+	for _, mode := range benchModes {
+		b.Run(mode.name, func(b *testing.B) {
+			c := dialTCPTest(b, tcpTarget(b, mode.proxied, startTCPEcho(b, loopback("4"))))
+			c.SetDeadline(time.Time{})
+			req := make([]byte, 64)
+			reply := make([]byte, 64)
+			b.ResetTimer()
+			for range b.N {
+				if _, err := c.Write(req); err != nil {
+					b.Fatal(err)
+				}
+				if _, err := io.ReadFull(c, reply); err != nil {
+					b.Fatal(err)
+				}
+			}
+		})
+	}
+}
+
 // BenchmarkUDPRequestResponse: one client sends a 64-byte datagram and waits for the echo.
 // ProxyStarted is Proxy with the UDPProxy started on a Poller, as the proxier starts it.
 func BenchmarkUDPRequestResponse(b *testing.B) {
