@@ -527,9 +527,11 @@ func (c *tcpConn) dial(target Target, client netip.AddrPort, timeout time.Durati
 	if !target.Transparent || !canDialFrom(client.Addr(), ep) {
 		return dialTCP(c.ctx, newDialer(timeout), ep)
 	}
+	// Dialer.DialTCP takes the addresses as they are (no string to parse, no resolver); it
+	// binds the socket to its local address, which a transparent dial needs anyway.
 	d := transparentDialer(client.Addr())
 	d.Timeout, d.KeepAliveConfig = timeout, endpointKeepAlive
-	conn, err := dialTCP(c.ctx, d, ep)
+	conn, err := d.DialTCP(c.ctx, tcpNetwork(ep), netip.AddrPortFrom(client.Addr().Unmap(), 0), ep)
 	if err == nil || !isTransparentSetupError(err) {
 		return conn, err
 	}
@@ -537,17 +539,24 @@ func (c *tcpConn) dial(target Target, client netip.AddrPort, timeout time.Durati
 	return dialTCP(c.ctx, newDialer(timeout), ep)
 }
 
-// dialTCP connects to ep with d (or until ctx ends); d's other options are Go's defaults.
+// dialTCP connects to ep with d (or until ctx ends); d's other options are Go's defaults. It
+// dials the address as a string: Dialer.DialTCP, which would spare the parsing, binds the socket
+// first even to a zero local address (one system call more, and bind's choice of the source port
+// rather than connect's, which shares a port among destinations).
 func dialTCP(ctx context.Context, d net.Dialer, ep netip.AddrPort) (*net.TCPConn, error) {
-	network := "tcp4"
-	if !ep.Addr().Unmap().Is4() {
-		network = "tcp6"
-	}
-	conn, err := d.DialContext(ctx, network, ep.String())
+	conn, err := d.DialContext(ctx, tcpNetwork(ep), ep.String())
 	if err != nil {
 		return nil, err
 	}
 	return conn.(*net.TCPConn), nil
+}
+
+// tcpNetwork returns the network of a dial to ep: "tcp4" or "tcp6".
+func tcpNetwork(ep netip.AddrPort) string {
+	if ep.Addr().Unmap().Is4() {
+		return "tcp4"
+	}
+	return "tcp6"
 }
 
 // sendProxyHeader writes the PROXY protocol header of version v to the endpoint, naming the
