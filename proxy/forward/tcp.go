@@ -34,7 +34,7 @@ var sharedDialTimeouts = defaultDialTimeouts()
 // again with reset=true and the next timeout is used, until the list is exhausted. A client
 // whose connection cannot reach any endpoint is reset (RST), so it learns at once that the
 // service is unavailable instead of mistaking a FIN for an empty answer. Once connected, the
-// proxy splices bytes both ways, passes a half-close (EOF) from either side on as a CloseWrite
+// proxy copies bytes both ways (splicing bulk traffic), passes a half-close (EOF) from either side on as a CloseWrite
 // to the other (the second one as the close of both), and resets both sides if either fails.
 //
 // Both sockets have TCP_NODELAY (Go's default). The endpoint side has TCP keepalive; the client
@@ -622,9 +622,10 @@ func frozenAt(to, from copyResult) (bool, relayStart) {
 // CloseWrite, or, when it is the connection's second EOF, with the close of both sockets that
 // follows once the other copier has ended (a FIN all the same: both EOFs were read, so the close
 // finds no unread data and sends no RST; one system call less per connection). A direction
-// already done does nothing. The bytes move with splice(2) through a
-// pipe taken from the proxy's pool only while data flows (see spliceCopy): no user-space copy,
-// and no pipe held by an idle connection. On an error in either direction both sockets are
+// already done does nothing. The bytes move through a pooled buffer until a read fills it,
+// then with splice(2) through a pipe taken from the proxy's pool, either held only while data
+// flows (see spliceCopy): no user-space copy of bulk traffic, and no buffer or pipe held by an
+// idle connection. On an error in either direction both sockets are
 // reset, which also ends the other direction. A freeze stops it with what it has not written.
 //
 // It writes its result into r, rather than returning it: the copier goroutines wait inside it
