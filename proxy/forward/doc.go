@@ -6,10 +6,12 @@
 //
 // TCP: the accept loop never waits on a dial. Each accepted connection gets its own goroutine,
 // which dials the chosen endpoint (retrying other endpoints with growing timeouts) and resets
-// the client when no endpoint can be reached; then one fresh goroutine per direction copies with
-// splice(2) through a pipe (so the bytes never enter user space; the pipe comes from a small
-// per-proxy pool and is held only while data flows) and propagates half-closes. An idle
-// connection thus costs its two sockets and two minimal goroutine stacks. The client side's TCP
+// the client when no endpoint can be reached; then one fresh goroutine per direction copies and
+// propagates half-closes. A direction copies through a small pooled buffer (read and write) until
+// a read fills it, then with splice(2) through a pipe, so that bulk bytes never enter user space
+// (HAProxy's splice-auto; the pipe comes from a small per-proxy pool, the buffer from a
+// process-wide one, and either is held only while data flows). An idle connection thus costs
+// its two sockets and two minimal goroutine stacks. The client side's TCP
 // keepalive is inherited from the listening socket (ListenTCP), so accepting sets no options. Running out of file descriptors on accept pauses accepting with a
 // growing sleep instead of failing.
 //
@@ -27,9 +29,10 @@
 //
 // Hand-over (handover.go, handover_udp.go): Freeze stops a proxy at a safe point and exports
 // its listening socket and every connection or session as plain data plus duplicated
-// descriptors, including the bytes a copier had read but not yet written (drained from the
-// splice pipe); Adopt, on a fresh proxy of this process or another, carries on from there, and
-// Release lets the frozen proxy close its own descriptors without touching the sockets.
+// descriptors, including the bytes a copier had read but not yet written (its buffer's, or
+// drained from the splice pipe); Adopt, on a fresh proxy of this process or another, carries on
+// from there, and Release lets the frozen proxy close its own descriptors without touching the
+// sockets.
 //
 // The package is Linux-only (splice, SO_ORIGINAL_DST, IP_ORIGDSTADDR).
 package forward

@@ -31,7 +31,7 @@ import (
 // Freezing stops the copiers by setting deadlines in the past on the frozen proxy's own
 // descriptors (a deadline belongs to the Go runtime's view of a descriptor, not to the socket,
 // so the duplicates are unaffected) and checking a frozen flag when a copier wakes up: the
-// splice loop pays nothing per chunk.
+// copy loop pays nothing per chunk.
 
 // ErrClosed is returned (wrapped) by Freeze and Adopt on a proxy that was closed or released.
 var ErrClosed = errors.New("proxy closed")

@@ -240,7 +240,20 @@ func startMidStream(t *testing.T) *midStream {
 	c := dialTCPTest(t, ms.a.addr)
 	c.SetReadBuffer(64 << 10)
 	go func() { ms.clientErr <- streamPeer(c, 1, 2, ms.n, ms.gate) }()
-	eventually(t, "data in the splice pipes of both directions", func() bool { return pipesHolding(t, before) >= 2 })
+	// Both pipes must hold data for a while, not at one instant: a pipe also holds data for a
+	// moment while a direction still flows (between its splice in and its splice out), and a
+	// direction that still flows may be waiting to read when the freeze comes, with nothing
+	// pending.
+	stable := 0
+	eventually(t, "data in the splice pipes of both directions", func() bool {
+		if pipesHolding(t, before) >= 2 {
+			stable++
+		} else {
+			stable = 0
+		}
+		time.Sleep(10 * time.Millisecond)
+		return stable >= 5
+	})
 	return ms
 }
 

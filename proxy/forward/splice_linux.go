@@ -1,9 +1,9 @@
 package forward
 
 import (
+	"bytes"
 	"errors"
 	"fmt"
-	"io"
 	"net"
 	"os"
 	"sync"
@@ -11,12 +11,20 @@ import (
 	"syscall"
 )
 
-// Splicing: every byte a TCP connection carries moves socket → pipe → socket inside the kernel
-// with splice(2). Unlike net.TCPConn.ReadFrom, which holds a pipe (two descriptors and its
-// buffer) for the whole life of the connection, spliceCopy takes a pipe from the proxy's pool
-// only while data is flowing and returns it, empty, as soon as the source has nothing more to
-// read. An idle connection therefore costs its two sockets and nothing else, which is what lets a
-// proxy hold many idle connections within a file-descriptor limit.
+// Copying: a direction of a TCP connection copies through a small user-space buffer (read and
+// write) until a read fills the buffer, then moves its bytes socket → pipe → socket inside the
+// kernel with splice(2) for the rest of its life ("splice-auto", as HAProxy has it): request and
+// response traffic costs a read and a write per message instead of two splices, and takes no
+// pipe; bulk traffic is spliced. (Either way the source is read once more, to EAGAIN, before the
+// copier waits: the netpoller is edge-triggered, and an EOF that came with the data would not
+// wake it again.)
+// The buffer comes from a process-wide pool, taken inside the read's readiness callback only
+// once data has arrived and given back as soon as it is written: an idle connection holds none.
+// Unlike net.TCPConn.ReadFrom, which holds a pipe (two descriptors and its buffer) for the whole
+// life of the connection, a splicing direction takes a pipe from the proxy's pool only while data
+// is flowing and returns it, empty, as soon as the source has nothing more to read. An idle
+// connection therefore costs its two sockets and nothing else, which is what lets a proxy hold
+// many idle connections within a file-descriptor limit.
 
 const (
 	// pipeSize is the capacity asked for each pipe (F_SETPIPE_SZ), and spliceChunk the most one
@@ -124,15 +132,16 @@ func (pp *pipePool) closeAll() {
 	pp.dropIdle()
 }
 
-// spliceCopy moves everything src sends to dst with splice(2) until src's EOF (nil error) or a
-// failure of either socket, and returns the bytes moved. A pipe is held only between src
-// becoming readable and it running dry. With a non-nil idle, it fails with errIdle once the
-// connection has moved no byte either way for idle's timeout.
+// spliceCopy moves everything src sends to dst until src's EOF (nil error) or a failure of
+// either socket, and returns the bytes moved: through a pooled buffer until a read fills it,
+// then with splice(2) (see the top of this file). A buffer or pipe is held only between src
+// becoming readable and its data being written to dst. With a non-nil idle, it fails with
+// errIdle once the connection has moved no byte either way for idle's timeout.
 //
 // Once frozen is set and a deadline in the past is set on src (read) and dst (write), it stops
 // at the next wakeup with errFrozen and returns the bytes it had read from src but not yet
-// written to dst (the pipe's content, copied out): nothing is lost. frozen is read only on
-// wakeups and errors, never per chunk.
+// written to dst (the buffer's or the pipe's content, copied out): nothing is lost. frozen is
+// read only on wakeups and errors, never per chunk.
 func spliceCopy(pool *pipePool, dst, src *net.TCPConn, idle *idleClock, frozen *atomic.Bool) (int64, []byte, error) {
 	s, err := newSplicer(pool, dst, src)
 	if err != nil {
@@ -146,6 +155,19 @@ func spliceCopy(pool *pipePool, dst, src *net.TCPConn, idle *idleClock, frozen *
 // errFrozen: a copy stopped because its connection is being frozen for a hand-over.
 var errFrozen = errors.New("connection frozen for a hand-over")
 
+// copyBufSize is the user-space buffer a direction copies through before it splices (HAProxy's
+// default bufsize); a read that fills it switches the direction to splice. It is also the
+// buffer of a splicing direction that cannot have a pipe (out of descriptors).
+const copyBufSize = 16 << 10
+
+// copyBufs pools the copy buffers of every connection.
+var copyBufs = sync.Pool{New: func() any { b := make([]byte, copyBufSize); return &b }}
+
+// testHookCopied, if set, is called with the bytes of each chunk a direction moved through a
+// user-space buffer, and testHookSpliced with those of each chunk it spliced. Package
+// variables, set by tests before their proxy starts and cleared after it ends.
+var testHookCopied, testHookSpliced func(n int64)
+
 // splicer is the state of one spliceCopy. It lives on the heap so that the goroutine waiting in
 // run for src to become readable parks with a shallow stack: an idle connection's goroutines
 // then shrink to the runtime's smallest stacks at the next garbage collection (a stack is halved
@@ -158,11 +180,14 @@ type splicer struct {
 	fillFn       func(fd uintptr) bool // s.fill, bound once
 	drainFn      func(fd uintptr) bool // s.drain, bound once
 
-	p       *pipe // held only while data flows; always empty when returned to the pool
-	total   int64 // bytes moved to dst
-	filled  int64 // bytes in the pipe after the last fill
-	noPipe  bool  // the last fill found no pipe to be had: copy the chunk through user space
-	err     error // the last fill's or drain's splice error
+	spliced bool    // a read filled the buffer: the direction splices from now on
+	buf     *[]byte // the copy buffer, held only while it has data not yet written
+	off     int     // where in buf the unwritten bytes start
+	p       *pipe   // held only while data flows; always empty when returned to the pool
+	total   int64   // bytes moved to dst
+	filled  int64   // bytes read and not yet written (in buf from off, or in the pipe)
+	err     error   // the last fill's or drain's system call error
+	errOp   string  // its system call
 	idle    *idleClock
 	frozen  *atomic.Bool // set when the connection is being frozen; nil: never
 	pending []byte       // read from src, not written to dst, when run stopped with errFrozen
@@ -192,14 +217,14 @@ func (s *splicer) frozenBy(err error) bool {
 
 // run is spliceCopy's loop. Its frame is small on purpose: see splicer.
 func (s *splicer) run() (int64, error) {
-	defer s.releasePipe()
+	defer s.release()
 	if err := s.armIdle(); err != nil {
 		return 0, err
 	}
 	for {
-		// The splice runs inside RawConn.Read, so a readiness event that comes after its
-		// EAGAIN wakes the wait; while waiting, no pipe is held.
-		s.filled, s.noPipe, s.err = 0, false, nil
+		// The read or splice runs inside RawConn.Read, so a readiness event that comes after
+		// its EAGAIN wakes the wait; while waiting, no buffer or pipe is held.
+		s.filled, s.err = 0, nil
 		if err := s.srcRC.Read(s.fillFn); err != nil {
 			if s.frozenBy(err) {
 				return s.total, errFrozen
@@ -213,22 +238,28 @@ func (s *splicer) run() (int64, error) {
 			return s.total, err
 		}
 		if s.err != nil {
-			return s.total, os.NewSyscallError("splice", s.err)
-		}
-		if s.noPipe {
-			if eof, err := s.copyChunk(); err != nil || eof {
-				return s.total, err
-			}
-			continue
+			return s.total, os.NewSyscallError(s.errOp, s.err)
 		}
 		if s.filled == 0 {
 			return s.total, nil // EOF
 		}
 		s.idle.touch()
+		if h := s.chunkHook(); h != nil {
+			h(s.filled)
+		}
 		if err := s.dstRC.Write(s.drainFn); err != nil || s.err != nil {
 			return s.total, s.drainFailed(err)
 		}
+		s.releaseBuf()
 	}
+}
+
+// chunkHook returns the test hook of the chunk just read: testHookCopied or testHookSpliced.
+func (s *splicer) chunkHook() func(int64) {
+	if s.buf != nil {
+		return testHookCopied
+	}
+	return testHookSpliced
 }
 
 // armIdle sets src's idle deadline, then checks for a freeze: a freeze that set its deadline
@@ -247,60 +278,100 @@ func (s *splicer) checkFrozen() error {
 	return nil
 }
 
-// drainFailed handles a failed write of the pipe to dst (err from RawConn.Write, or s.err): on
-// a freeze's deadline the pipe's content becomes s.pending; otherwise the pipe, which may
-// still hold data, is discarded.
+// drainFailed handles a failed write to dst (err from RawConn.Write, or s.err): on a freeze's
+// deadline the unwritten bytes (the buffer's, or the pipe's) become s.pending; otherwise they
+// are dropped, with the pipe, which may still hold data.
 func (s *splicer) drainFailed(err error) error {
 	if err != nil && s.frozenBy(err) {
+		if s.buf != nil {
+			s.pending = bytes.Clone((*s.buf)[s.off : s.off+int(s.filled)])
+			s.releaseBuf()
+			return errFrozen
+		}
 		pending, rerr := s.p.readAll(int(s.filled))
 		if rerr == nil {
 			s.pending = pending
-			return errFrozen // the pipe is empty again: releasePipe returns it to the pool
+			return errFrozen // the pipe is empty again: release returns it to the pool
 		}
 		err = rerr
 	}
-	s.pool.discard(s.p)
-	s.p = nil
+	s.releaseBuf()
+	if s.p != nil {
+		s.pool.discard(s.p)
+		s.p = nil
+	}
 	if err == nil {
-		err = os.NewSyscallError("splice", s.err)
+		err = os.NewSyscallError(s.errOp, s.err)
 	}
 	return err
 }
 
-// fill splices what src has ready into the pipe, taking one from the pool first. On EAGAIN it
-// returns the pipe and asks RawConn.Read to wait.
+// fill reads what src has ready: into a pipe with splice once the direction splices (taking a
+// pipe from the pool first), else, or when no pipe can be had, into a copy buffer from the pool.
+// A read that fills the buffer switches the direction to splice from the next chunk on. On
+// EAGAIN it gives the pipe or buffer back and asks RawConn.Read to wait; on EOF s.filled is 0.
 func (s *splicer) fill(fd uintptr) bool {
-	if s.p == nil {
-		p, err := s.pool.get()
-		if err != nil {
-			s.noPipe = true // out of descriptors: copy this chunk through user space
+	if s.spliced && s.p == nil {
+		if p, err := s.pool.get(); err == nil {
+			s.p = p
+		} // else out of descriptors: copy this chunk through the buffer
+	}
+	if s.p != nil {
+		for {
+			n, err := syscall.Splice(int(fd), nil, s.p.w, nil, spliceChunk, spliceMove|spliceNonblock)
+			switch err {
+			case syscall.EINTR:
+				continue
+			case syscall.EAGAIN:
+				s.releasePipe()
+				return false
+			}
+			s.filled, s.err, s.errOp = n, err, "splice"
 			return true
 		}
-		s.p = p
 	}
+	b := copyBufs.Get().(*[]byte)
 	for {
-		n, err := syscall.Splice(int(fd), nil, s.p.w, nil, spliceChunk, spliceMove|spliceNonblock)
+		n, err := syscall.Read(int(fd), *b)
 		switch err {
 		case syscall.EINTR:
 			continue
 		case syscall.EAGAIN:
-			s.releasePipe()
+			copyBufs.Put(b)
 			return false
 		}
-		s.filled, s.err = n, err
+		if err != nil || n <= 0 {
+			copyBufs.Put(b)
+			s.err, s.errOp = err, "read"
+			return true // an error, or EOF
+		}
+		s.buf, s.off, s.filled = b, 0, int64(n)
+		if n == len(*b) {
+			s.spliced = true
+		}
 		return true
 	}
 }
 
-// drain splices the pipe's s.filled bytes into dst, asking RawConn.Write to wait while dst's
-// buffer is full.
+// drain writes the s.filled bytes read (the buffer's or the pipe's) to dst, asking
+// RawConn.Write to wait while dst's buffer is full.
 func (s *splicer) drain(fd uintptr) bool {
 	for s.filled > 0 {
-		m, err := syscall.Splice(s.p.r, nil, int(fd), nil, int(s.filled), spliceMove|spliceNonblock)
+		var m int64
+		var err error
+		if s.buf != nil {
+			var w int
+			w, err = syscall.Write(int(fd), (*s.buf)[s.off:s.off+int(s.filled)])
+			m, s.errOp = int64(max(w, 0)), "write"
+		} else {
+			m, err = syscall.Splice(s.p.r, nil, int(fd), nil, int(s.filled), spliceMove|spliceNonblock)
+			s.errOp = "splice"
+		}
 		switch err {
 		case nil:
 			s.filled -= m
 			s.total += m
+			s.off += int(m)
 		case syscall.EINTR:
 		case syscall.EAGAIN:
 			return false
@@ -312,41 +383,26 @@ func (s *splicer) drain(fd uintptr) bool {
 	return true
 }
 
+// release gives back the buffer and returns the pipe, both empty (run's end).
+func (s *splicer) release() {
+	s.releaseBuf()
+	s.releasePipe()
+}
+
+// releaseBuf returns the copy buffer to the pool.
+func (s *splicer) releaseBuf() {
+	if s.buf != nil {
+		copyBufs.Put(s.buf)
+		s.buf = nil
+	}
+}
+
 // releasePipe returns the pipe, which is empty, to the pool.
 func (s *splicer) releasePipe() {
 	if s.p != nil {
 		s.pool.put(s.p)
 		s.p = nil
 	}
-}
-
-// copyChunkSize is the buffer of copyChunk, used only when no pipe can be had.
-const copyChunkSize = 32 << 10
-
-// copyChunk copies what src has ready to dst through a buffer (src is readable), and reports
-// src's EOF. On a freeze's deadline it keeps what it read but did not write in s.pending.
-func (s *splicer) copyChunk() (eof bool, err error) {
-	buf := make([]byte, copyChunkSize)
-	r, err := s.src.Read(buf)
-	if r > 0 {
-		s.idle.touch()
-		w, werr := s.dst.Write(buf[:r])
-		s.total += int64(w)
-		if werr != nil {
-			if s.frozenBy(werr) {
-				s.pending = buf[w:r]
-				return false, errFrozen
-			}
-			return false, werr
-		}
-	}
-	switch {
-	case errors.Is(err, io.EOF):
-		return true, nil
-	case err != nil && s.frozenBy(err):
-		return false, errFrozen
-	}
-	return false, err
 }
 
 // readAll reads the n bytes the pipe holds.

@@ -64,11 +64,11 @@ func spliceChild() int {
 // "PID <... name resumed>...) = R" ("[pid PID]" when strace writes to a terminal).
 var traceLine = regexp.MustCompile(`^(?:\[pid\s+\d+\]\s+|\d+\s+)?(?:<\.\.\. (\w+) resumed>|(\w+)\().*\)\s+=\s+(-?\d+)`)
 
-// TestTCPSplice proves that the proxy moves payload with splice(2) and never through user
+// TestTCPSplice proves that the proxy moves bulk payload with splice(2), not through user
 // space: it runs the proxy in a child process under strace, sends data through it, and checks
-// that the bytes the child's splice calls moved are exactly four times the payload (client→pipe,
-// pipe→endpoint, endpoint→pipe, pipe→client) while its read/write-family calls moved almost
-// nothing. It does so for a plain connection and for a transparent one that starts with a PROXY
+// that the bytes the child's splice calls moved are four times the payload (client→pipe,
+// pipe→endpoint, endpoint→pipe, pipe→client) but for the few buffers each direction copies
+// before it switches to splice, while its read/write-family calls moved only those. It does so for a plain connection and for a transparent one that starts with a PROXY
 // protocol header (written, not spliced).
 func TestTCPSplice(t *testing.T) {
 	for _, mode := range []string{"plain", "transparent-v2"} {
@@ -180,10 +180,13 @@ func testTCPSplice(t *testing.T, mode string) {
 			other += n
 		}
 	}
-	if want := int64(4 * payload); moved["splice"] != want {
-		t.Errorf("splice moved %d bytes, want %d (4 × payload): payload bypassed splice", moved["splice"], want)
+	// Each direction copies through its user-space buffer until a read fills it (splice-auto),
+	// then splices: all but the first few buffers of the payload go through splice.
+	const copiedMax = 16 * copyBufSize
+	if want := int64(4 * payload); moved["splice"] < want-copiedMax || moved["splice"] > want {
+		t.Errorf("splice moved %d bytes, want %d (4 × payload) less at most %d: payload bypassed splice", moved["splice"], want, copiedMax)
 	}
-	if other >= 64<<10 {
+	if other >= copiedMax {
 		t.Errorf("read/write-family calls moved %d bytes: payload went through user space", other)
 	}
 }

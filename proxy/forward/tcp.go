@@ -34,7 +34,7 @@ var sharedDialTimeouts = defaultDialTimeouts()
 // again with reset=true and the next timeout is used, until the list is exhausted. A client
 // whose connection cannot reach any endpoint is reset (RST), so it learns at once that the
 // service is unavailable instead of mistaking a FIN for an empty answer. Once connected, the
-// proxy splices bytes both ways, passes a half-close (EOF) from either side on as a CloseWrite
+// proxy copies bytes both ways (splicing bulk traffic), passes a half-close (EOF) from either side on as a CloseWrite
 // to the other (the second one as the close of both), and resets both sides if either fails.
 //
 // Both sockets have TCP_NODELAY (Go's default). The endpoint side has TCP keepalive; the client
@@ -527,9 +527,11 @@ func (c *tcpConn) dial(target Target, client netip.AddrPort, timeout time.Durati
 	if !target.Transparent || !canDialFrom(client.Addr(), ep) {
 		return dialTCP(c.ctx, newDialer(timeout), ep)
 	}
+	// Dialer.DialTCP takes the addresses as they are (no string to parse, no resolver); it
+	// binds the socket to its local address, which a transparent dial needs anyway.
 	d := transparentDialer(client.Addr())
 	d.Timeout, d.KeepAliveConfig = timeout, endpointKeepAlive
-	conn, err := dialTCP(c.ctx, d, ep)
+	conn, err := d.DialTCP(c.ctx, tcpNetwork(ep), netip.AddrPortFrom(client.Addr().Unmap(), 0), ep)
 	if err == nil || !isTransparentSetupError(err) {
 		return conn, err
 	}
@@ -537,17 +539,24 @@ func (c *tcpConn) dial(target Target, client netip.AddrPort, timeout time.Durati
 	return dialTCP(c.ctx, newDialer(timeout), ep)
 }
 
-// dialTCP connects to ep with d (or until ctx ends); d's other options are Go's defaults.
+// dialTCP connects to ep with d (or until ctx ends); d's other options are Go's defaults. It
+// dials the address as a string: Dialer.DialTCP, which would spare the parsing, binds the socket
+// first even to a zero local address (one system call more, and bind's choice of the source port
+// rather than connect's, which shares a port among destinations).
 func dialTCP(ctx context.Context, d net.Dialer, ep netip.AddrPort) (*net.TCPConn, error) {
-	network := "tcp4"
-	if !ep.Addr().Unmap().Is4() {
-		network = "tcp6"
-	}
-	conn, err := d.DialContext(ctx, network, ep.String())
+	conn, err := d.DialContext(ctx, tcpNetwork(ep), ep.String())
 	if err != nil {
 		return nil, err
 	}
 	return conn.(*net.TCPConn), nil
+}
+
+// tcpNetwork returns the network of a dial to ep: "tcp4" or "tcp6".
+func tcpNetwork(ep netip.AddrPort) string {
+	if ep.Addr().Unmap().Is4() {
+		return "tcp4"
+	}
+	return "tcp6"
 }
 
 // sendProxyHeader writes the PROXY protocol header of version v to the endpoint, naming the
@@ -613,9 +622,10 @@ func frozenAt(to, from copyResult) (bool, relayStart) {
 // CloseWrite, or, when it is the connection's second EOF, with the close of both sockets that
 // follows once the other copier has ended (a FIN all the same: both EOFs were read, so the close
 // finds no unread data and sends no RST; one system call less per connection). A direction
-// already done does nothing. The bytes move with splice(2) through a
-// pipe taken from the proxy's pool only while data flows (see spliceCopy): no user-space copy,
-// and no pipe held by an idle connection. On an error in either direction both sockets are
+// already done does nothing. The bytes move through a pooled buffer until a read fills it,
+// then with splice(2) through a pipe taken from the proxy's pool, either held only while data
+// flows (see spliceCopy): no user-space copy of bulk traffic, and no buffer or pipe held by an
+// idle connection. On an error in either direction both sockets are
 // reset, which also ends the other direction. A freeze stops it with what it has not written.
 //
 // It writes its result into r, rather than returning it: the copier goroutines wait inside it

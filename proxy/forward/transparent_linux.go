@@ -44,13 +44,10 @@ func canDialFrom(client netip.Addr, ep netip.AddrPort) bool {
 	return client.IsValid() && client.Unmap().Is4() == ep.Addr().Unmap().Is4()
 }
 
-// transparentDialer returns a dialer whose sockets leave from client's IP (any port).
+// transparentDialer returns a dialer whose sockets may be bound to client's IP, which is not
+// the node's (IP_TRANSPARENT); the caller passes that address to DialTCP.
 func transparentDialer(client netip.Addr) net.Dialer {
-	client = client.Unmap()
-	return net.Dialer{
-		LocalAddr: &net.TCPAddr{IP: client.AsSlice()},
-		Control:   transparentControl(!client.Is4()),
-	}
+	return net.Dialer{Control: transparentControl(!client.Unmap().Is4())}
 }
 
 // isTransparentSetupError reports whether a transparent dial failed before reaching the
