@@ -12,6 +12,7 @@ import (
 	"math"
 	"slices"
 	"strings"
+	"sync"
 	"time"
 )
 
@@ -53,10 +54,14 @@ type Metric struct {
 	Samples map[string][]float64 `json:"samples"`
 	// Notes per path: why it has no (or partial) samples.
 	Notes map[string]string `json:"notes,omitempty"`
+
+	mu sync.Mutex // Add and Note may be called from several goroutines (paths measured at once)
 }
 
 // Add records one sample for path.
 func (m *Metric) Add(path string, v float64) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
 	if m.Samples == nil {
 		m.Samples = map[string][]float64{}
 	}
@@ -65,6 +70,8 @@ func (m *Metric) Add(path string, v float64) {
 
 // Note records why path lacks samples (the last note wins).
 func (m *Metric) Note(path, note string) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
 	if m.Notes == nil {
 		m.Notes = map[string]string{}
 	}
