@@ -143,7 +143,7 @@ func guardedPorts(guards []string) (map[guardForm]*portSet, bool) {
 		if !ok {
 			return nil, false
 		}
-		s := out[f]
+		s := out[f] // once per rule: hashing a form hashes its text
 		if s == nil {
 			s = new(portSet)
 			out[f] = s

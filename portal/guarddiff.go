@@ -98,20 +98,9 @@ func (s *portSet) has(p int) bool { return s[p>>6]&(1<<(p&63)) != 0 }
 // guardDelta returns the input that turns the guards was into guards of the ports of now, by
 // ports (see guardedDiff), and the guards after it; ok is false when a rule does not parse.
 func guardDelta(was, now []string) (delta []byte, guards []string, ok bool) {
-	want := map[guardForm]*portSet{}
-	for _, r := range now {
-		f, ports, ok := parseGuard(r)
-		if !ok {
-			return nil, nil, false
-		}
-		w := want[f] // once per rule: hashing a form hashes its text
-		if w == nil {
-			w = new(portSet)
-			want[f] = w
-		}
-		for _, p := range ports {
-			w.add(p)
-		}
+	want, ok := guardedPorts(now)
+	if !ok {
+		return nil, nil, false
 	}
 	have := map[guardForm]*portSet{}
 	for _, r := range was {
