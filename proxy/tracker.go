@@ -280,6 +280,29 @@ func (t *Tracker) OnNodeTopology(zone string) {
 	t.noteLocked(pending)
 }
 
+// AwaitsFirstSlices reports whether the only pending changes are Services new to the proxy
+// (never handed out by Drain) with no EndpointSlice yet: the EndpointSlice controller, or
+// whoever manages a selectorless Service's slices, usually writes a new Service's first slice
+// within milliseconds, and one sync for both then programs the Service once (see
+// syncrunner.Runner.TriggerWithin). It looks at no more than a few pending changes: a larger
+// batch is no single new Service, and the answer is false.
+func (t *Tracker) AwaitsFirstSlices() bool {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if len(t.pendingPorts) == 0 || len(t.pendingPorts) > awaitMax || len(t.pendingEndpoints) > 0 || t.zone != t.appliedZone {
+		return false
+	}
+	for name, ch := range t.pendingPorts {
+		if ch.Previous != nil || ch.Current == nil || len(t.slices[name]) > 0 {
+			return false
+		}
+	}
+	return true
+}
+
+// awaitMax is the most pending Service changes AwaitsFirstSlices looks at.
+const awaitMax = 8
+
 // drainLocked moves the pending changes into out and makes their current state the applied one.
 // It returns the maps to use from now on: applied, or a new one sized for the changes when it
 // was empty (the first Drain after a source's initial state fills it at once, without growing

@@ -302,3 +302,50 @@ func TestPortsAndEndpointsSortedByName(t *testing.T) {
 		t.Fatalf("endpoints: %+v", eps)
 	}
 }
+
+// AwaitsFirstSlices is true exactly while the pending changes are new Services without any
+// EndpointSlice.
+func TestAwaitsFirstSlices(t *testing.T) {
+	tr := NewTracker(TrackerOptions{})
+	check := func(step string, want bool) {
+		t.Helper()
+		if got := tr.AwaitsFirstSlices(); got != want {
+			t.Errorf("%s: AwaitsFirstSlices() = %v, want %v", step, got, want)
+		}
+	}
+	check("nothing pending", false)
+	a := trackedSvc("a", "10.0.0.1", 80)
+	tr.OnServiceUpdate(nil, a)
+	check("a new Service", true)
+	tr.OnServiceUpdate(nil, trackedSvc("b", "10.0.0.2", 80))
+	check("two new Services", true)
+	tr.OnEndpointSliceUpdate(nil, trackedSlice("a-1", "a", 8080, "10.1.0.1"))
+	check("a's slice arrived", false)
+	tr.Drain()
+	check("drained", false)
+
+	tr.OnServiceUpdate(a, trackedSvc("a", "10.0.0.1", 81))
+	check("a changed Service (not new)", false)
+	tr.Drain()
+	tr.OnServiceUpdate(nil, trackedSvc("c", "10.0.0.3", 80))
+	tr.OnServiceUpdate(trackedSvc("b", "10.0.0.2", 80), nil)
+	check("a new Service and a deleted one", false)
+	tr.Drain()
+
+	// A slice that came (and was drained) before its Service: nothing to wait for.
+	tr.OnEndpointSliceUpdate(nil, trackedSlice("d-1", "d", 8080, "10.1.0.4"))
+	tr.Drain()
+	tr.OnServiceUpdate(nil, trackedSvc("d", "10.0.0.4", 80))
+	check("a new Service whose slice is known", false)
+	tr.Drain()
+
+	tr.OnNodeTopology("zone-a")
+	tr.OnServiceUpdate(nil, trackedSvc("e", "10.0.0.5", 80))
+	check("a new Service and a zone change", false)
+	tr.Drain()
+
+	for i := range awaitMax + 1 {
+		tr.OnServiceUpdate(nil, trackedSvc(fmt.Sprintf("many-%d", i), fmt.Sprintf("10.0.1.%d", i), 80))
+	}
+	check("more new Services than awaitMax", false)
+}

@@ -9,10 +9,17 @@
 // It is the sync loop's heartbeat: every Service or EndpointSlice event triggers it, bursts of
 // events merge into one run (a one-slot channel holds the pending trigger), and the periodic run
 // repairs state that someone else changed (rules deleted by hand, say).
+//
+// A trigger may also allow a delay (TriggerWithin): the run comes at the latest then, or with
+// the next plain trigger, whichever is first. The proxy uses it for a new Service whose first
+// EndpointSlice has not arrived: the slice usually follows within milliseconds, and one run then
+// programs both (a Service first programmed alone gets a REJECT rule that its slice's run
+// replaces at once; each run costs two iptables-restore executions).
 package syncrunner
 
 import (
 	"context"
+	"sync"
 	"time"
 )
 
@@ -22,6 +29,11 @@ type Runner struct {
 	min, max time.Duration
 	burst    int
 	trigger  chan struct{}
+	// soft is signalled when due moves earlier (see TriggerWithin).
+	soft chan struct{}
+
+	mu  sync.Mutex // guards due
+	due time.Time  // the latest start of the next run that TriggerWithin asked for; zero for none
 }
 
 // New returns a Runner for fn, which is told whether its run is the periodic one (the
@@ -33,7 +45,8 @@ type Runner struct {
 // periodic run; burst is how many runs may follow each other without waiting (at least 1;
 // kube-proxy's iptables mode uses 2).
 func New(fn func(periodic bool) bool, minInterval, maxInterval time.Duration, burst int) *Runner {
-	return &Runner{fn: fn, min: minInterval, max: maxInterval, burst: max(burst, 1), trigger: make(chan struct{}, 1)}
+	return &Runner{fn: fn, min: minInterval, max: maxInterval, burst: max(burst, 1),
+		trigger: make(chan struct{}, 1), soft: make(chan struct{}, 1)}
 }
 
 // Trigger asks for a run. It never blocks; triggers before the run starts merge into it.
@@ -42,6 +55,37 @@ func (r *Runner) Trigger() {
 	case r.trigger <- struct{}{}:
 	default:
 	}
+}
+
+// TriggerWithin asks for a run within d: the run starts when d has passed, or earlier with the
+// next Trigger or period (a run serves every request made before it starts). Like a Trigger,
+// the run is subject to the rate limit. It never blocks.
+func (r *Runner) TriggerWithin(d time.Duration) {
+	at := time.Now().Add(d)
+	r.mu.Lock()
+	earlier := r.due.IsZero() || at.Before(r.due)
+	if earlier {
+		r.due = at
+	}
+	r.mu.Unlock()
+	if earlier {
+		select {
+		case r.soft <- struct{}{}:
+		default:
+		}
+	}
+}
+
+// takeDue returns the pending TriggerWithin deadline (zero for none); clear also forgets it,
+// for the run about to start serves it.
+func (r *Runner) takeDue(clear bool) time.Time {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	due := r.due
+	if clear {
+		r.due = time.Time{}
+	}
+	return due
 }
 
 // Run calls fn once per trigger or period until ctx is done. It does not run fn until the first
@@ -53,6 +97,10 @@ func (r *Runner) Run(ctx context.Context) {
 	var full time.Time
 	periodic := time.NewTimer(r.periodic())
 	defer periodic.Stop()
+	// deferred fires at the deadline of TriggerWithin; stopped while there is none.
+	deferred := time.NewTimer(time.Hour)
+	deferred.Stop()
+	defer deferred.Stop()
 	for {
 		isPeriodic := false
 		select {
@@ -61,7 +109,14 @@ func (r *Runner) Run(ctx context.Context) {
 		case <-r.trigger:
 		case <-periodic.C:
 			isPeriodic = true
+		case <-r.soft:
+			deferred.Reset(time.Until(r.takeDue(false)))
+			continue
+		case <-deferred.C:
 		}
+		// This run serves a deferred request too.
+		deferred.Stop()
+		r.takeDue(true)
 		if wait := time.Until(full.Add(-time.Duration(r.burst-1) * r.min)); r.min > 0 && wait > 0 {
 			t := time.NewTimer(wait)
 			select {

@@ -153,3 +153,67 @@ func TestRunStopsOnCancel(t *testing.T) {
 		t.Errorf("fn ran %d times without trigger", n.Load())
 	}
 }
+
+// TriggerWithin runs at its deadline when nothing else comes; a plain trigger before the
+// deadline runs at once and serves it (no second run at the deadline); of two deadlines the
+// earlier counts.
+func TestTriggerWithin(t *testing.T) {
+	const wait = 300 * time.Millisecond
+	t.Run("deadline", func(t *testing.T) {
+		r, rec := start(t, 0, time.Hour)
+		asked := time.Now()
+		r.TriggerWithin(wait)
+		select {
+		case <-rec.ch:
+		case <-time.After(10 * time.Second):
+			t.Fatal("no run after TriggerWithin's deadline")
+		}
+		rec.mu.Lock()
+		ran := rec.at[0].Sub(asked)
+		rec.mu.Unlock()
+		if ran < wait {
+			t.Errorf("run %v after TriggerWithin(%v): before its deadline with nothing else asking", ran, wait)
+		}
+	})
+	t.Run("trigger-first", func(t *testing.T) {
+		r, rec := start(t, 0, time.Hour)
+		r.TriggerWithin(wait)
+		time.Sleep(20 * time.Millisecond)
+		asked := time.Now()
+		r.Trigger()
+		select {
+		case <-rec.ch:
+		case <-time.After(10 * time.Second):
+			t.Fatal("no run after Trigger")
+		}
+		rec.mu.Lock()
+		ran := rec.at[0].Sub(asked)
+		rec.mu.Unlock()
+		if ran >= wait/2 {
+			t.Errorf("Trigger ran %v later: it waited for an earlier TriggerWithin's deadline", ran)
+		}
+		select {
+		case <-rec.ch:
+			t.Error("a second run at the deadline that the first run already served")
+		case <-time.After(2 * wait):
+		}
+	})
+	t.Run("earlier-wins", func(t *testing.T) {
+		r, rec := start(t, 0, time.Hour)
+		asked := time.Now()
+		r.TriggerWithin(time.Hour)
+		r.TriggerWithin(wait)
+		r.TriggerWithin(time.Hour) // a later deadline does not postpone the earlier one
+		select {
+		case <-rec.ch:
+		case <-time.After(10 * time.Second):
+			t.Fatal("the earlier deadline did not run")
+		}
+		rec.mu.Lock()
+		ran := rec.at[0].Sub(asked)
+		rec.mu.Unlock()
+		if ran < wait {
+			t.Errorf("run %v after asking, before the earliest deadline %v", ran, wait)
+		}
+	})
+}

@@ -664,3 +664,99 @@ func noNodeAddrs() (proxy.NodeAddrs, error) { return proxy.NodeAddrs{}, nil }
 func nodeAddrs(addrs ...netip.Addr) func() (proxy.NodeAddrs, error) {
 	return func() (proxy.NodeAddrs, error) { return proxy.NewNodeAddrs(addrs), nil }
 }
+
+// serviceSyncs records, for one service port, its internal action in every portal sync that
+// had it.
+type serviceSyncs struct {
+	name proxy.Name
+	mu   sync.Mutex
+	seen []proxy.Action
+	ch   chan struct{}
+}
+
+func (r *serviceSyncs) Sync(_ context.Context, ports []proxy.PortState, _ proxy.NodeAddrs, _ bool) error {
+	for _, st := range ports {
+		if st.ServicePort.Name == r.name {
+			r.mu.Lock()
+			r.seen = append(r.seen, st.Internal)
+			r.mu.Unlock()
+			r.ch <- struct{}{}
+		}
+	}
+	return nil
+}
+
+// A new Service whose EndpointSlice follows within FirstSliceWait is programmed once, with its
+// endpoint (no REJECT rule first); one whose slice does not come is programmed, with REJECT,
+// when the wait is over; with no wait, at once.
+func TestNewServiceWaitsForItsFirstSlice(t *testing.T) {
+	be := &backend{name: "b", addr: netip.MustParseAddrPort("127.0.0.1:9")}
+	name := proxy.Name{Namespace: "default", Name: "new", Port: "tcp"}
+	run := func(t *testing.T, wait time.Duration) (*Proxier, *serviceSyncs) {
+		rec := &serviceSyncs{name: name, ch: make(chan struct{}, 100)}
+		p := newTestProxier(t, Options{Portals: rec, MinSyncPeriod: time.Millisecond, FirstSliceWait: wait})
+		ctx, cancel := context.WithCancel(context.Background())
+		done := make(chan struct{})
+		go func() { p.Run(ctx); close(done) }()
+		t.Cleanup(func() { cancel(); <-done })
+		time.Sleep(50 * time.Millisecond) // the initial sync (triggered by OnSynced) is over
+		return p, rec
+	}
+	next := func(t *testing.T, rec *serviceSyncs) time.Time {
+		t.Helper()
+		select {
+		case <-rec.ch:
+			return time.Now()
+		case <-time.After(10 * time.Second):
+			t.Fatal("no sync programmed the new service")
+		}
+		return time.Time{}
+	}
+	quiet := func(t *testing.T, rec *serviceSyncs) {
+		t.Helper()
+		select {
+		case <-rec.ch:
+			rec.mu.Lock()
+			defer rec.mu.Unlock()
+			t.Errorf("another sync had the service: actions %v", rec.seen)
+		case <-time.After(300 * time.Millisecond):
+		}
+	}
+
+	t.Run("slice-follows", func(t *testing.T) {
+		const wait = 2 * time.Second // wide: the slice comes after 20 ms
+		p, rec := run(t, wait)
+		p.Tracker().OnServiceUpdate(nil, service("new", []v1.ServicePort{tcpPort("tcp", 80)}))
+		time.Sleep(20 * time.Millisecond)
+		p.Tracker().OnEndpointSliceUpdate(nil, slice("new", "new-1", "tcp", v1.ProtocolTCP, be))
+		next(t, rec)
+		quiet(t, rec)
+		rec.mu.Lock()
+		defer rec.mu.Unlock()
+		if !slices.Equal(rec.seen, []proxy.Action{proxy.Redirect}) {
+			t.Errorf("the new service's actions in the syncs that had it: %v, want one sync with %v", rec.seen, proxy.Redirect)
+		}
+	})
+	t.Run("no-slice", func(t *testing.T) {
+		const wait = 300 * time.Millisecond
+		p, rec := run(t, wait)
+		added := time.Now()
+		p.Tracker().OnServiceUpdate(nil, service("new", []v1.ServicePort{tcpPort("tcp", 80)}))
+		if took := next(t, rec).Sub(added); took < wait {
+			t.Errorf("programmed %v after it was added, before FirstSliceWait (%v) was over", took, wait)
+		}
+		rec.mu.Lock()
+		defer rec.mu.Unlock()
+		if !slices.Equal(rec.seen, []proxy.Action{proxy.Reject}) {
+			t.Errorf("actions: %v, want %v (no endpoints)", rec.seen, proxy.Reject)
+		}
+	})
+	t.Run("no-wait", func(t *testing.T) {
+		p, rec := run(t, -1)
+		added := time.Now()
+		p.Tracker().OnServiceUpdate(nil, service("new", []v1.ServicePort{tcpPort("tcp", 80)}))
+		if took := next(t, rec).Sub(added); took > DefaultFirstSliceWait {
+			t.Errorf("programmed %v after it was added with FirstSliceWait < 0", took)
+		}
+	})
+}
