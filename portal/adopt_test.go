@@ -18,7 +18,9 @@ func testAdopt(t *testing.T, b backend, ad addrs) {
 		LoadBalancerIPs: []netip.Addr{ad.lbIP}}
 	dns := Portal{Comment: "default/dns:dns", Protocol: "udp", Port: 53, ClusterIP: ad.clusterIP2, ProxyPort: 38053}
 	db := Portal{Comment: "default/db:sql", Protocol: "tcp", Port: 5432, ClusterIP: ad.clusterIP2, ProxyPort: 38031}
-	restart := func(what string, ps []Portal, wantRestores bool) *restoreRecorder {
+	// wantRestores: the first Sync writes something; everything when wantRewrite, only the
+	// difference otherwise.
+	restart := func(what string, ps []Portal, wantRestores, wantRewrite bool) *restoreRecorder {
 		t.Helper()
 		rec := &restoreRecorder{Runner: mustRunner(t, b)}
 		m, err := NewManager(Options{Config: cfg, Runner: rec})
@@ -34,6 +36,9 @@ func testAdopt(t *testing.T, b backend, ad addrs) {
 		}
 		if got := len(rec.restores) > 0; got != wantRestores {
 			t.Errorf("%s: first Sync wrote %d times, want writes: %v:\n%s", what, len(rec.restores), wantRestores, strings.Join(rec.restores, "\n"))
+		}
+		if got := strings.Contains(strings.Join(rec.restores, "\n"), ":"+ChainPortalsContainer+" "); got != wantRewrite {
+			t.Errorf("%s: first Sync rewrote every rule: %v, want %v:\n%s", what, got, wantRewrite, strings.Join(rec.restores, "\n"))
 		}
 		nat, filter := Render(cfg, Host{}, ps)
 		checkProgrammed(t, b, "nat", nat)
@@ -67,20 +72,29 @@ func testAdopt(t *testing.T, b backend, ad addrs) {
 		t.Fatal(err)
 	}
 	// The same services: nothing to write.
-	restart("same services", []Portal{web, dns}, false)
+	restart("same services", []Portal{web, dns}, false, false)
 	// A partial update's rules in the recent chains: the same rules, nothing to write.
 	if err := m.Update([]Portal{web, dns, db}, localIPs(t)); err != nil {
 		t.Fatal(err)
 	}
-	restart("rules in recent chains", []Portal{web, dns, db}, false)
-	// A service changed while no proxy ran: everything is written.
+	restart("rules in recent chains", []Portal{web, dns, db}, false, false)
+	// A service changed while no proxy ran (or its proxy port was taken meanwhile): its rules
+	// are written, the others kept. Then one of those in a recent chain changed, one added,
+	// one gone.
 	web2 := web
 	web2.ProxyPort = 38099
-	restart("changed service", []Portal{web2, dns, db}, true)
+	restart("changed service", []Portal{web2, dns, db}, true, false)
+	if err := m.Update([]Portal{web2, dns, db}, localIPs(t)); err != nil {
+		t.Fatal(err)
+	}
+	db2, cache := db, Portal{Comment: "default/cache:redis", Protocol: "tcp", Port: 6379, ClusterIP: ad.clusterIP, ProxyPort: 38079}
+	db2.ProxyPort = 38032
+	restart("changed, added and gone", []Portal{web2, db2, cache}, true, false)
+	restart("back", []Portal{web2, dns, db}, true, false)
 	// A jump into our chains deleted: everything is written (and the jump put back).
 	b.ipt(t, "-t", "nat", "-D", "OUTPUT", "-m", "comment", "--comment", "handle ClusterIPs; NOTE: this must be before the NodePort rules", "-j", ChainPortalsHost)
-	restart("jump deleted", []Portal{web2, dns, db}, true)
+	restart("jump deleted", []Portal{web2, dns, db}, true, true)
 	// A rule deleted from a chain: everything is written.
 	b.ipt(t, "-t", "nat", "-F", recentChain(ChainPortalsHost))
-	restart("recent chain flushed", []Portal{web2, dns, db}, true)
+	restart("recent chain flushed", []Portal{web2, dns, db}, true, true)
 }

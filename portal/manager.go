@@ -241,8 +241,10 @@ func (m *Manager) syncLocked(portals []Portal, nodeIPs []netip.Addr, full bool) 
 	}
 	found := m.found
 	m.found = nil
-	if full && m.adoptLocked(found, portals, host, in, tables, lay, start) {
-		return errors.Join(invalid...)
+	if full {
+		if done, err := m.adoptLocked(found, portals, order, host, in, tables, lay, start); done {
+			return errors.Join(append(invalid, err)...)
+		}
 	}
 	return errors.Join(append(invalid, m.rewriteLocked(portals, host, in, tables, lay, start)...)...)
 }
