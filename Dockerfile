@@ -28,7 +28,7 @@ RUN set -e; mkdir -p /out; \
       cp "$PREBUILT/kube-userspace-proxy" "$PREBUILT/kup-echo" "$PREBUILT/kup-demo" /out/; \
     else \
       pkg=github.com/kube-userspace-proxy/kube-userspace-proxy/cmd/kube-userspace-proxy/app; \
-      go build -trimpath -ldflags "-s -w -X $pkg.Version=$VERSION -X $pkg.Commit=$COMMIT" -o /out/kube-userspace-proxy ./cmd/kube-userspace-proxy; \
+      go build -trimpath -ldflags "-s -w -X $pkg.Version=$VERSION -X $pkg.Commit=$COMMIT -X runtime.godebugDefault=memprofilerate=0" -o /out/kube-userspace-proxy ./cmd/kube-userspace-proxy; \
       go build -trimpath -ldflags "-s -w" -o /out/kup-echo ./cmd/kup-echo; \
       go build -trimpath -ldflags "-s -w" -o /out/kup-demo ./demo/kup-demo; \
     fi

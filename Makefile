@@ -6,8 +6,14 @@ GO        ?= go
 BIN       ?= bin
 VERSION   ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo dev)
 COMMIT    ?= $(shell git rev-parse --short HEAD 2>/dev/null || echo unknown)
+# runtime.godebugDefault=memprofilerate=0: no allocation sampling from the first allocation on
+# (the runtime's 1.4 MiB table of sampled stacks is made at the first sample, before main can
+# turn sampling off); --profiling turns it on. The test harness, the Dockerfile and the demo
+# build with the same flag. (The go command sets runtime.godebugDefault itself only for a
+# module whose go.mod asks for non-default GODEBUG settings; this one does not.)
 LDFLAGS   := -X github.com/kube-userspace-proxy/kube-userspace-proxy/cmd/kube-userspace-proxy/app.Version=$(VERSION) \
-             -X github.com/kube-userspace-proxy/kube-userspace-proxy/cmd/kube-userspace-proxy/app.Commit=$(COMMIT)
+             -X github.com/kube-userspace-proxy/kube-userspace-proxy/cmd/kube-userspace-proxy/app.Commit=$(COMMIT) \
+             -X runtime.godebugDefault=memprofilerate=0
 TEST_TIMEOUT ?= 45m
 
 .PHONY: all build example deps test unit vet fmt-check bench-go clean demo

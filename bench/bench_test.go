@@ -8,10 +8,14 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
+	"maps"
+	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"runtime"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -194,7 +198,7 @@ func TestBench(t *testing.T) {
 		// The idle-connection rows hold up to the open-files limit on one service port: the
 		// per-port bound (half of the descriptor budget by default) would stop them halfway,
 		// where HAProxy, which has no such bound, goes on.
-		Args: []string{"--max-connections-per-port=-1"},
+		Args: append([]string{"--max-connections-per-port=-1"}, profilingArgs(cfg)...),
 		Ready: func(ctx context.Context) error {
 			_, err := harness.Ask(ctx, nodes[PathKUP].NS, "tcp", harness.Addr(svc, 0))
 			return err
@@ -603,6 +607,9 @@ func runControlPlane(t *testing.T, rep *Report, cfg settings, c *cluster.Cluster
 		for p, pid := range map[string]int{PathIPTables: kp.Pid(), PathKUP: kup.Pid()} {
 			kib, err := rssKiB(pid)
 			record(t, mem, p, float64(kib)/1024, err)
+		}
+		if cfg.proxyLog != "" {
+			logMemory(t, nodes[PathKUP].NS, kup.Pid(), fmt.Sprintf("kup-bench-heap-%d.pprof", scale))
 		}
 
 		if scale == cfg.handoverAt() {
@@ -1205,4 +1212,52 @@ func grepLine(log, s string) string {
 		}
 	}
 	return ""
+}
+
+// logMemory logs, for a KUP_BENCH_PROXY_LOG run, what the RSS of kube-userspace-proxy (pid, in
+// ns) is made of: the Go runtime's memory statistics from its metrics and the kernel's
+// anonymous and file-backed shares.
+func logMemory(t *testing.T, ns *netns.NS, pid int, heapFile string) {
+	var lines []string
+	if samples, err := harness.ScrapeMetrics(ns, metricsAddr); err != nil {
+		lines = append(lines, "metrics: "+err.Error())
+	} else {
+		for _, k := range slices.Sorted(maps.Keys(samples)) {
+			if strings.HasPrefix(k, "go_memstats_") && strings.HasSuffix(k, "_bytes") || strings.HasPrefix(k, "go_gc_gogc") || strings.HasPrefix(k, "go_memstats_gc_") {
+				lines = append(lines, fmt.Sprintf("%s %.1f MiB", k, samples[k]/(1<<20)))
+			}
+		}
+	}
+	if b, err := os.ReadFile(fmt.Sprintf("/proc/%d/smaps_rollup", pid)); err != nil {
+		lines = append(lines, "smaps_rollup: "+err.Error())
+	} else {
+		for _, l := range strings.Split(string(b), "\n") {
+			if strings.HasPrefix(l, "Rss:") || strings.HasPrefix(l, "Anonymous:") || strings.HasPrefix(l, "Pss_File:") || strings.HasPrefix(l, "Pss_Anon:") {
+				lines = append(lines, strings.Join(strings.Fields(l), " "))
+			}
+		}
+	}
+	// Then a heap profile as of a collection, kept in the temporary directory like the logs.
+	hc := &http.Client{Timeout: 30 * time.Second, Transport: &http.Transport{DialContext: ns.DialContext, DisableKeepAlives: true}}
+	if resp, err := hc.Get("http://" + metricsAddr + "/debug/pprof/heap?gc=1"); err != nil {
+		lines = append(lines, "heap profile: "+err.Error())
+	} else {
+		b, err := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		path := filepath.Join(os.TempDir(), heapFile)
+		if err == nil {
+			err = os.WriteFile(path, b, 0o644)
+		}
+		lines = append(lines, fmt.Sprintf("heap profile %s: %v", path, err))
+	}
+	t.Logf("memory of kube-userspace-proxy (pid %d):\n%s", pid, strings.Join(lines, "\n"))
+}
+
+// profilingArgs turns on kube-userspace-proxy's profiles for a KUP_BENCH_PROXY_LOG run (see
+// logMemory).
+func profilingArgs(cfg settings) []string {
+	if cfg.proxyLog == "" {
+		return nil
+	}
+	return []string{"--profiling"}
 }

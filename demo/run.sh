@@ -40,7 +40,7 @@ prepare() {
     local version commit
     version=$(git -C "$root" describe --tags --always --dirty 2>/dev/null || echo dev)
     commit=$(git -C "$root" rev-parse --short HEAD 2>/dev/null || echo unknown)
-    (cd "$root" && CGO_ENABLED=0 "$GO" build -trimpath -ldflags "-X $pkg.Version=$version -X $pkg.Commit=$commit" \
+    (cd "$root" && CGO_ENABLED=0 "$GO" build -trimpath -ldflags "-X $pkg.Version=$version -X $pkg.Commit=$commit -X runtime.godebugDefault=memprofilerate=0" \
         -o "$KUP_PREBUILT/kube-userspace-proxy" ./cmd/kube-userspace-proxy &&
       CGO_ENABLED=0 "$GO" build -trimpath -o "$KUP_PREBUILT/kup-echo" ./cmd/kup-echo &&
       CGO_ENABLED=0 "$GO" build -trimpath -o "$KUP_PREBUILT/kup-demo" ./demo/kup-demo)

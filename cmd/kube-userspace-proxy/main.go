@@ -5,10 +5,14 @@ package main
 
 import (
 	"os"
+	"runtime"
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/cmd/kube-userspace-proxy/app"
 )
 
 func main() {
+	// No allocation sampling unless profiles are served (app.Run turns it back on then): the
+	// sampled stacks' tables grow to ~1.5 MiB in a proxy with 10,000 service ports.
+	runtime.MemProfileRate = 0
 	os.Exit(app.Main(os.Args[1:], os.Stdout, os.Stderr))
 }

@@ -329,3 +329,26 @@ func TestHandover(t *testing.T) {
 		t.Errorf("%s has a predecessor series though this process never handed over", HandoversTotal)
 	}
 }
+
+// The handler answers uncompressed even when the scraper offers gzip (see Handler).
+func TestHandlerDoesNotCompress(t *testing.T) {
+	m := New(Options{NoRuntimeCollectors: true})
+	srv := httptest.NewServer(m.Handler())
+	defer srv.Close()
+	req, err := http.NewRequest(http.MethodGet, srv.URL, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	req.Header.Set("Accept-Encoding", "gzip")
+	resp, err := srv.Client().Transport.RoundTrip(req) // no transparent decompression
+	if err != nil {
+		t.Fatalf("scrape: %v", err)
+	}
+	defer resp.Body.Close()
+	if ce := resp.Header.Get("Content-Encoding"); ce != "" {
+		t.Errorf("Content-Encoding %q, want none", ce)
+	}
+	if _, err := metricstest.Parse(resp.Body); err != nil {
+		t.Errorf("the answer is not the text exposition: %v", err)
+	}
+}

@@ -328,6 +328,13 @@ func TestScale(t *testing.T) {
 	if missing > 0 {
 		t.Errorf("%d of %d services not programmed", missing, n)
 	}
+	// Without --profiling nothing samples allocations: the runtime's table of sampled stacks
+	// (~1.4 MiB, made at the first sample) is never made.
+	if m, err := harness.ScrapeMetrics(e.node.NS, scaleMetricsAddr); err != nil {
+		t.Errorf("metrics: %v", err)
+	} else if b, ok := m["go_memstats_buck_hash_sys_bytes"]; !ok || b > 64<<10 {
+		t.Errorf("go_memstats_buck_hash_sys_bytes = %v (present: %v), want under 64 KiB: allocations are sampled without --profiling", b, ok)
+	}
 }
 
 // listeningTCPPorts returns the TCP ports listened on in ns (from /proc/net/tcp and tcp6 as seen

@@ -94,6 +94,9 @@ func Run(ctx context.Context, opts *Options, v *Validated, log zerolog.Logger) e
 		log.Info().Msg("removed every rule and chain of ours")
 		return nil
 	}
+	if opts.Profiling && runtime.MemProfileRate == 0 {
+		runtime.MemProfileRate = defaultMemProfileRate // main turned sampling off until now
+	}
 	fileLimit, err := forward.RaiseFileLimit()
 	if err != nil {
 		log.Warn().Err(err).Msg("cannot raise RLIMIT_NOFILE")
@@ -417,3 +420,7 @@ func steadyGC() (int, bool) {
 	debug.SetGCPercent(steadyGCPercent)
 	return steadyGCPercent, true
 }
+
+// defaultMemProfileRate is the Go runtime's default allocation sampling rate (runtime.MemProfileRate),
+// restored when profiles are served: the command's main turns sampling off.
+const defaultMemProfileRate = 512 * 1024

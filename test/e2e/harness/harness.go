@@ -89,7 +89,8 @@ func buildAll(t testing.TB) string {
 		}
 		builder.dir = dir
 		start := time.Now()
-		cmd := exec.Command("go", "build", "-o", dir+string(filepath.Separator), "./cmd/"+proxyCmd, "./cmd/"+echoCmd)
+		// The Makefile's runtime flag (see LDFLAGS there): no allocation sampling.
+		cmd := exec.Command("go", "build", "-ldflags=-X=runtime.godebugDefault=memprofilerate=0", "-o", dir+string(filepath.Separator), "./cmd/"+proxyCmd, "./cmd/"+echoCmd)
 		cmd.Dir = root
 		if out, err := cmd.CombinedOutput(); err != nil {
 			builder.err = fmt.Errorf("go build ./cmd/%s ./cmd/%s in %s: %w: %s", proxyCmd, echoCmd, root, err, strings.TrimSpace(string(out)))
