@@ -163,15 +163,7 @@ func TestTriggerWithin(t *testing.T) {
 		r, rec := start(t, 0, time.Hour)
 		asked := time.Now()
 		r.TriggerWithin(wait)
-		select {
-		case <-rec.ch:
-		case <-time.After(10 * time.Second):
-			t.Fatal("no run after TriggerWithin's deadline")
-		}
-		rec.mu.Lock()
-		ran := rec.at[0].Sub(asked)
-		rec.mu.Unlock()
-		if ran < wait {
+		if ran := firstRun(t, rec).Sub(asked); ran < wait {
 			t.Errorf("run %v after TriggerWithin(%v): before its deadline with nothing else asking", ran, wait)
 		}
 	})
@@ -181,15 +173,7 @@ func TestTriggerWithin(t *testing.T) {
 		time.Sleep(20 * time.Millisecond)
 		asked := time.Now()
 		r.Trigger()
-		select {
-		case <-rec.ch:
-		case <-time.After(10 * time.Second):
-			t.Fatal("no run after Trigger")
-		}
-		rec.mu.Lock()
-		ran := rec.at[0].Sub(asked)
-		rec.mu.Unlock()
-		if ran >= wait/2 {
+		if ran := firstRun(t, rec).Sub(asked); ran >= wait/2 {
 			t.Errorf("Trigger ran %v later: it waited for an earlier TriggerWithin's deadline", ran)
 		}
 		select {
@@ -204,16 +188,21 @@ func TestTriggerWithin(t *testing.T) {
 		r.TriggerWithin(time.Hour)
 		r.TriggerWithin(wait)
 		r.TriggerWithin(time.Hour) // a later deadline does not postpone the earlier one
-		select {
-		case <-rec.ch:
-		case <-time.After(10 * time.Second):
-			t.Fatal("the earlier deadline did not run")
-		}
-		rec.mu.Lock()
-		ran := rec.at[0].Sub(asked)
-		rec.mu.Unlock()
-		if ran < wait {
+		if ran := firstRun(t, rec).Sub(asked); ran < wait {
 			t.Errorf("run %v after asking, before the earliest deadline %v", ran, wait)
 		}
 	})
+}
+
+// firstRun waits for rec's first run and returns when it started.
+func firstRun(t *testing.T, rec *runs) time.Time {
+	t.Helper()
+	select {
+	case <-rec.ch:
+	case <-time.After(10 * time.Second):
+		t.Fatal("no run")
+	}
+	rec.mu.Lock()
+	defer rec.mu.Unlock()
+	return rec.at[0]
 }
