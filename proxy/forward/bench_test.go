@@ -62,13 +62,17 @@ func startedUDPProxy(b *testing.B, backend netip.AddrPort) netip.AddrPort {
 	return conn.LocalAddr().(*net.UDPAddr).AddrPort()
 }
 
-// startedTCPProxy returns the address of a TCPProxy in front of backend started on a Poller.
-func startedTCPProxy(b *testing.B, backend netip.AddrPort) netip.AddrPort {
+// startedTCPProxy returns the address of a TCPProxy in front of backend started on a Poller;
+// configure, if not nil, sets more fields.
+func startedTCPProxy(b *testing.B, backend netip.AddrPort, configure ...func(*TCPProxy)) netip.AddrPort {
 	poller, err := NewPoller()
 	if err != nil {
 		b.Fatal(err)
 	}
 	p := &TCPProxy{Listener: listenTCP(b, loopback("4")), Chooser: &fakeChooser{endpoints: []netip.AddrPort{backend}}, Log: new(zerolog.Nop())}
+	for _, f := range configure {
+		f(p)
+	}
 	if err := p.Start(poller); err != nil {
 		b.Fatal(err)
 	}
@@ -177,10 +181,17 @@ func BenchmarkTCPShortConnections(b *testing.B) {
 // BenchmarkTCPRequestResponse: one keep-alive connection to an echo backend; each op writes a
 // 64-byte request and reads the 64-byte answer, so ns/op is one round trip (the keep-alive
 // latency of the full bench, without its network namespaces).
+//
+// ProxyStarted is Proxy started on a Poller, as the proxier starts it.
 func BenchmarkTCPRequestResponse(b *testing.B) {
-	for _, mode := range benchModes {
+	for _, mode := range startedModes() {
 		b.Run(mode.name, func(b *testing.B) {
-			c := dialTCPTest(b, tcpTarget(b, mode.proxied, startTCPEcho(b, loopback("4"))))
+			backend := startTCPEcho(b, loopback("4"))
+			target := tcpTarget(b, mode.proxied, backend)
+			if mode.name == "ProxyStarted" {
+				target = startedTCPProxy(b, backend)
+			}
+			c := dialTCPTest(b, target)
 			c.SetDeadline(time.Time{})
 			req := make([]byte, 64)
 			reply := make([]byte, 64)
@@ -328,11 +339,17 @@ func BenchmarkConntrackLookup(b *testing.B) {
 // reports the Go memory (heap in use plus goroutine stacks, after a GC) per connection. Client
 // and echo server live in this process too, so the proxy's own cost per idle connection is
 // Proxy's figure minus Direct's. b.N is ignored beyond running the measurement once per round.
+// ProxyStarted is Proxy started on a Poller, as the proxier starts it; its connections are
+// measured after idleSettle.
 func BenchmarkTCPIdleConnections(b *testing.B) {
 	const idleConns = 2000
-	for _, mode := range benchModes {
+	for _, mode := range startedModes() {
 		b.Run(mode.name, func(b *testing.B) {
-			target := tcpTarget(b, mode.proxied, startTCPEcho(b, loopback("4")))
+			backend := startTCPEcho(b, loopback("4"))
+			target := tcpTarget(b, mode.proxied, backend)
+			if mode.name == "ProxyStarted" {
+				target = startedTCPProxy(b, backend)
+			}
 			var perConn, stackPer float64
 			for range b.N {
 				before := goMemory()
@@ -346,6 +363,7 @@ func BenchmarkTCPIdleConnections(b *testing.B) {
 					}
 					conns = append(conns, c)
 				}
+				time.Sleep(idleSettle)
 				perConn = float64(goMemory()-before) / idleConns
 				stackPer = float64(stackMemory()-sb) / idleConns
 				for _, c := range conns {
@@ -357,6 +375,10 @@ func BenchmarkTCPIdleConnections(b *testing.B) {
 		})
 	}
 }
+
+// idleSettle is how long BenchmarkTCPIdleConnections lets its connections idle before it
+// measures them.
+const idleSettle = 1500 * time.Millisecond
 
 // goMemory returns the heap in use plus the goroutine stacks, after a collection.
 func goMemory() int64 {
