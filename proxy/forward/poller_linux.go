@@ -97,7 +97,9 @@ func (p *Poller) Disarm(fd int) {
 	}
 }
 
-// Close stops the Poller's goroutine and waits for it; functions not called yet will not be.
+// Close stops the Poller's goroutine and waits for it, then calls, on the caller's goroutine,
+// the functions still armed, as if their sockets had become readable: nothing waiting on the
+// Poller is stranded (their next Arm fails; they must wait some other way).
 func (p *Poller) Close() error {
 	p.mu.Lock()
 	if p.closed {
@@ -106,6 +108,7 @@ func (p *Poller) Close() error {
 		return nil
 	}
 	p.closed = true
+	armed := p.fns
 	p.fns = map[int32]func(){}
 	p.mu.Unlock()
 	var one [8]byte // an eventfd counter is a native-endian uint64
@@ -114,6 +117,11 @@ func (p *Poller) Close() error {
 	<-p.done
 	unix.Close(p.wake)
 	unix.Close(p.epfd)
+	for _, fn := range armed {
+		if fn != nil { // nil: called already
+			fn()
+		}
+	}
 	if err != nil {
 		return fmt.Errorf("poller: waking its goroutine: %w", err)
 	}
