@@ -200,14 +200,15 @@ type splicer struct {
 	pending []byte       // read from src, not written to dst, when run stopped with errFrozen
 
 	// parkAfter says when run gives its goroutine up (returns errWouldBlock) instead of
-	// waiting for src on it: negative never; 0 at every wait; else once a wait has lasted
-	// that long (a read deadline wakes it; see renewWait), so that a busy connection keeps its
-	// goroutine. The caller parks the direction on a Poller and calls run again, on another
-	// goroutine, when src is readable (see park.go).
+	// waiting for src on it: negative never; 0 at every wait; else once the direction has
+	// moved nothing for parkAfter to twice that (see waitExpired), so that a busy connection
+	// keeps its goroutine. The caller parks the direction on a Poller and calls run again, on
+	// another goroutine, when src is readable (see park.go).
 	parkAfter time.Duration
 	parkNow   bool      // the next wait parks
 	blocked   bool      // fill found nothing to read and parkNow was set
-	waitUntil time.Time // parkAfter > 0: when the current wait is due to park
+	active    bool      // parkAfter > 0: data moved since the last park deadline
+	waitUntil time.Time // parkAfter > 0: the park deadline (src's read deadline unless the idle clock's comes first)
 }
 
 func newSplicer(pool *pipePool, dst, src *net.TCPConn) (*splicer, error) {
@@ -240,11 +241,6 @@ func (s *splicer) run() (int64, error) {
 		// The read or splice runs inside RawConn.Read, so a readiness event that comes after
 		// its EAGAIN wakes the wait; while waiting, no buffer or pipe is held.
 		s.filled, s.err, s.blocked = 0, nil, false
-		if s.parkAfter > 0 && !s.parkNow {
-			if err := s.renewWait(); err != nil {
-				return s.total, err
-			}
-		}
 		if err := s.srcRC.Read(s.fillFn); err != nil {
 			if s.frozenBy(err) {
 				return s.total, errFrozen
@@ -263,7 +259,9 @@ func (s *splicer) run() (int64, error) {
 		if s.filled == 0 {
 			return s.total, nil // EOF
 		}
-		s.parkNow = s.parkAfter == 0
+		if err := s.moved(); err != nil {
+			return s.total, err
+		}
 		s.idle.touch()
 		if h := s.chunkHook(); h != nil {
 			h(s.filled)
@@ -275,9 +273,29 @@ func (s *splicer) run() (int64, error) {
 	}
 }
 
+// moved notes a chunk read, for parking: with parkAfter > 0, a direction that parked starts
+// its delay again (the park deadline is set anew), and a running one is marked active, which
+// costs no clock reading per chunk.
+func (s *splicer) moved() error {
+	switch {
+	case s.parkAfter <= 0:
+	case s.parkNow:
+		s.parkNow, s.active = false, false
+		if err := s.setWaitDeadline(); err != nil {
+			return err
+		}
+		return s.checkFrozen()
+	default:
+		s.active = true
+	}
+	return nil
+}
+
 // waitExpired interprets err from a wait on src: errIdle when the connection has been idle for
-// the idle timeout; nil when it was a deadline of the idle clock or of parkAfter and the wait
-// is to go on (or park: parkNow is set), with the next deadline set; err itself otherwise.
+// the idle timeout; nil when it was a deadline of the idle clock or of parking and the wait is
+// to go on (or park: parkNow is set), with the next deadline set; err itself otherwise. The
+// park deadline comes every parkAfter: the direction parks at the first one that finds it was
+// not active since the one before.
 func (s *splicer) waitExpired(err error) error {
 	if !errors.Is(err, os.ErrDeadlineExceeded) || (s.idle == nil && s.parkAfter <= 0) {
 		return err
@@ -286,7 +304,8 @@ func (s *splicer) waitExpired(err error) error {
 		return errIdle
 	}
 	if s.parkAfter > 0 && !s.parkNow && !time.Now().Before(s.waitUntil) {
-		s.parkNow = true
+		s.parkNow = !s.active
+		s.active = false
 	}
 	if err := s.setWaitDeadline(); err != nil {
 		return err
@@ -294,22 +313,9 @@ func (s *splicer) waitExpired(err error) error {
 	return s.checkFrozen() // the deadline may have replaced the freeze's
 }
 
-// renewWait moves the deadline of delayed parking on, lazily: only when less than half of
-// parkAfter is left, so that a busy direction sets it at most twice per parkAfter. The wait
-// therefore parks after parkAfter/2 to parkAfter without data.
-func (s *splicer) renewWait() error {
-	if time.Until(s.waitUntil) >= s.parkAfter/2 {
-		return nil
-	}
-	if err := s.setWaitDeadline(); err != nil {
-		return err
-	}
-	return s.checkFrozen()
-}
-
 // setWaitDeadline sets src's read deadline for the next waits: the idle clock's expiry or,
-// while delayed parking is not due, now plus parkAfter, whichever comes first (none: no
-// deadline).
+// while delayed parking is not due, the next park deadline (now plus parkAfter), whichever
+// comes first (none: no deadline).
 func (s *splicer) setWaitDeadline() error {
 	d := s.idle.expiry()
 	if s.parkAfter > 0 && !s.parkNow {
@@ -339,12 +345,18 @@ func (s *splicer) chunkHook() func(int64) {
 	return testHookSpliced
 }
 
-// armIdle sets src's idle deadline, then checks for a freeze: a freeze that set its deadline
+// armIdle sets src's idle deadline (and park deadline), then checks for a freeze: a freeze that set its deadline
 // before armIdle replaced it is seen here, one that comes after wakes the wait. Call it once,
 // before the first run.
 func (s *splicer) armIdle() error {
 	s.parkNow = s.parkAfter == 0
-	if err := s.idle.arm(s.src); err != nil {
+	var err error
+	if s.parkAfter > 0 {
+		err = s.setWaitDeadline()
+	} else {
+		err = s.idle.arm(s.src)
+	}
+	if err != nil {
 		return err
 	}
 	return s.checkFrozen()
