@@ -32,11 +32,13 @@ import (
 // DefaultParkIdleAfter is ParkIdleAfter's default.
 const DefaultParkIdleAfter = time.Second
 
-// parkAfter resolves ParkIdleAfter for a splicer (see splicer.parkAfter): negative when the
-// proxy has no Poller.
-func (p *TCPProxy) parkAfter() time.Duration {
+// parkAfterLocked resolves ParkIdleAfter for the splicers of a relay (see splicer.parkAfter):
+// negative when the proxy serves without a Poller. A relay that starts before the proxy serves
+// (an adopted connection: Adopt may come before Start) may park, and finds out in parkOn
+// whether there is a Poller. p.mu must be held.
+func (p *TCPProxy) parkAfterLocked() time.Duration {
 	switch d := p.ParkIdleAfter; {
-	case p.poller == nil || d < 0:
+	case d < 0 || p.poller == nil && p.run.isStarted():
 		return -1
 	case d == 0:
 		return DefaultParkIdleAfter
@@ -74,10 +76,14 @@ func (d *direction) parkOn() bool {
 	if c.frozen.Load() || c.reset {
 		return false
 	}
+	if p.poller == nil { // an adopted connection of a proxy that Serve runs
+		d.s.neverPark()
+		return false
+	}
 	d.park.state.Store(dirParking)
 	if err := c.armLocked(d.src, d.park.wakeFn); err != nil {
 		d.park.state.Store(dirRunning)
-		d.s.parkAfter = -1
+		d.s.neverPark()
 		p.logDebug().Err(err).Stringer("client", c.clientAddr).
 			Msg("cannot park an idle direction on the poller; it keeps its goroutine")
 		return false

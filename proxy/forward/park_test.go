@@ -30,7 +30,13 @@ func withParking(t testing.TB, p *TCPProxy, after time.Duration) *Poller {
 
 // copierGoroutines counts the goroutines copying a direction of a connection: waiting in
 // their copy or running it.
-func copierGoroutines() int {
+func copierGoroutines() int { return countCopiers(false) }
+
+// waitingCopiers counts the copier goroutines waiting in the runtime's network poller (not
+// spinning).
+func waitingCopiers() int { return countCopiers(true) }
+
+func countCopiers(waiting bool) int {
 	buf := make([]byte, 1<<20)
 	for {
 		n := runtime.Stack(buf, true)
@@ -42,7 +48,7 @@ func copierGoroutines() int {
 	}
 	n := 0
 	for _, g := range strings.Split(string(buf), "\n\n") {
-		if strings.Contains(g, "forward.(*direction)") {
+		if strings.Contains(g, "forward.(*direction)") && (!waiting || strings.Contains(g, "[IO wait")) {
 			n++
 		}
 	}
@@ -289,5 +295,74 @@ func TestTCPPollerClosedUnderParked(t *testing.T) {
 		if got, err := roundTrip(c, []byte(msg)); err != nil || string(got) != msg {
 			t.Fatalf("connection %d after the Poller closed: %q, %v", i, got, err)
 		}
+	}
+	// They tried to park again, failed, and wait on their goroutines (no spinning).
+	eventually(t, "directions waiting on their goroutines", func() bool { return waitingCopiers() == 2*n })
+}
+
+// TestTCPAdoptBeforeStartParks: connections adopted before Start (as the proxier does) park on
+// Start's Poller; adopted before Serve, which has none, they keep waiting on their goroutines.
+func TestTCPAdoptBeforeStartParks(t *testing.T) {
+	for _, start := range []bool{true, false} {
+		t.Run(fmt.Sprintf("start=%v", start), func(t *testing.T) {
+			checkNoLeaks(t)
+			checkNoFDLeaks(t)
+			const n = 4
+			backend := startTCPEcho(t, loopback("4"))
+			chooser := &fakeChooser{endpoints: []netip.AddrPort{backend}}
+			a := startTCPProxy(t, "4", chooser, func(p *TCPProxy) { p.ParkIdleAfter = -1 })
+			conns := idleConns(t, a.addr, n)
+			st, err := a.Freeze(context.Background())
+			if err != nil {
+				t.Fatalf("Freeze: %v", err)
+			}
+			<-a.served
+			a.served <- nil
+			ln, err := TCPListenerFromFile(st.Listener)
+			if err != nil {
+				t.Fatal(err)
+			}
+			poller, err := NewPoller()
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer poller.Close()
+			b := &TCPProxy{Listener: ln, Chooser: chooser, Log: new(testLogger(t)), ParkIdleAfter: 20 * time.Millisecond}
+			if err := b.Adopt(st.Conns); err != nil {
+				t.Fatalf("Adopt: %v", err)
+			}
+			a.Release()
+			served := make(chan error, 1)
+			if start {
+				if err := b.Start(poller); err != nil {
+					t.Fatal(err)
+				}
+				served <- nil
+			} else {
+				go func() { served <- b.Serve() }()
+			}
+			defer func() {
+				ctx, cancel := context.WithCancel(context.Background())
+				cancel()
+				b.Shutdown(ctx)
+				<-served
+			}()
+			if start {
+				awaitParked(t)
+			} else {
+				time.Sleep(100 * time.Millisecond) // a few park deadlines
+				eventually(t, "directions waiting on their goroutines", func() bool { return waitingCopiers() == 2*n })
+				time.Sleep(50 * time.Millisecond)
+				if got := waitingCopiers(); got != 2*n {
+					t.Fatalf("%d copiers waiting on their goroutines, want %d: spinning?", got, 2*n)
+				}
+			}
+			for i, c := range conns {
+				msg := fmt.Sprintf("adopted %d", i)
+				if got, err := roundTrip(c, []byte(msg)); err != nil || string(got) != msg {
+					t.Fatalf("connection %d after adoption: %q, %v", i, got, err)
+				}
+			}
+		})
 	}
 }

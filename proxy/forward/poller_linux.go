@@ -14,7 +14,8 @@ import (
 
 // Poller calls a function when a socket becomes readable, from one goroutine for every socket it
 // watches: an idle listener needs no goroutine of its own parked in accept (at 10,000 service
-// ports those goroutines' stacks were 40 MB). Each Arm is one-shot: the function runs once, on the
+// ports those goroutines' stacks were 40 MB), nor an idle direction of a TCP connection one
+// parked in read (see park.go). Each Arm is one-shot: the function runs once, on the
 // Poller's goroutine, and must not block; to be called again, Arm again.
 //
 // It is its own epoll instance, beside the Go runtime's: a socket can be in both, and the runtime

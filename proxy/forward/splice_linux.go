@@ -327,6 +327,14 @@ func (s *splicer) setWaitDeadline() error {
 	return s.src.SetReadDeadline(d)
 }
 
+// neverPark turns parking off for good: the direction waits on its goroutine from now on, with
+// the idle clock's deadline only. (An error setting it is the closed socket's, which the next
+// read reports.)
+func (s *splicer) neverPark() {
+	s.parkAfter, s.parkNow = -1, false
+	_ = s.setWaitDeadline()
+}
+
 // wouldBlock is fill's answer to EAGAIN: wait for src (false), or, when the direction is to
 // park, return at once with blocked set (true).
 func (s *splicer) wouldBlock() bool {

@@ -30,8 +30,10 @@ var sharedDialTimeouts = defaultDialTimeouts()
 // stops accepting; established connections go on until they end or Shutdown cuts them.
 //
 // Each connection is dialled by a goroutine of its own, so a slow or dead endpoint never holds up
-// the accept loop; once connected, each direction has a goroutine. Its endpoint is dialled with DialTimeouts[0]; when that fails, Choose is asked
-// again with reset=true and the next timeout is used, until the list is exhausted. A client
+// the accept loop; once connected, each direction has a goroutine while it moves data (under
+// Start, one idle for ParkIdleAfter gives it up until data comes). Its endpoint is dialled with
+// DialTimeouts[0]; when that fails, Choose is asked again with reset=true and the next timeout
+// is used, until the list is exhausted. A client
 // whose connection cannot reach any endpoint is reset (RST), so it learns at once that the
 // service is unavailable instead of mistaking a FIN for an empty answer. Once connected, the
 // proxy copies bytes both ways (splicing bulk traffic), passes a half-close (EOF) from either side on as a CloseWrite
@@ -80,9 +82,9 @@ type TCPProxy struct {
 
 	connWG sync.WaitGroup // one count per connection goroutine
 
-	// poller is Start's: it resumes the accept loop and the parked directions of connections
-	// (nil under Serve). It must outlive them; if it is closed first, its Close resumes them
-	// and they keep their goroutines from then on.
+	// poller is Start's (nil under Serve; guarded by mu): it resumes the accept loop and the
+	// parked directions of connections. It must outlive them; if it is closed first, its Close
+	// resumes them and they keep their goroutines from then on.
 	poller *Poller
 
 	pipes pipePool // splice pipes of the connections, idle ones only, when there is no Budget
@@ -115,18 +117,25 @@ func (p *TCPProxy) Serve() error {
 // Start serves like Serve but returns at once, and holds no goroutine while the listener is idle:
 // its accept loop runs on a goroutine of its own while connections arrive, and after half a
 // second to a second without one it ends and has poller start it again when the next connection
-// is pending (see startParked). Close, Shutdown and Freeze work as with Serve; an error of the
-// accept loop is logged. With a nil poller, or when the poller cannot watch the listener, the
-// loop keeps its goroutine.
+// is pending (see startParked). The connections' idle directions park on poller likewise (see
+// ParkIdleAfter). Close, Shutdown and Freeze work as with Serve; an error of the accept loop is
+// logged. With a nil poller, or when the poller cannot watch the listener, the loop keeps its
+// goroutine, and so do the directions. The poller should outlive the proxy's connections; if it
+// is closed first, its Close resumes what waits on it, and the directions keep their goroutines
+// from then on.
 func (p *TCPProxy) Start(poller *Poller) error {
 	if p.Listener == nil || p.Chooser == nil {
 		return errors.New("start TCP proxy: Listener and Chooser are required")
 	}
+	p.mu.Lock()
+	if p.poller == nil { // before start: a connection relayed after it must find it
+		p.poller = poller
+	}
+	p.mu.Unlock()
 	ok, err := p.run.start("TCP proxy")
 	if !ok {
 		return err
 	}
-	p.poller = poller
 	startParked(&p.run, poller, p.Listener, p)
 	return nil
 }
@@ -405,10 +414,11 @@ func (c *tcpConn) relay(backend *net.TCPConn, start relayStart) {
 
 // relayRun is one relay: the two copiers' shared state.
 type relayRun struct {
-	c       *tcpConn
-	backend *net.TCPConn
-	left    atomic.Int32 // copiers still running
-	eofs    atomic.Int32 // directions whose source's EOF was read (see direction.end)
+	c         *tcpConn
+	backend   *net.TCPConn
+	parkAfter time.Duration // the directions' splicer.parkAfter
+	left      atomic.Int32  // copiers still running
+	eofs      atomic.Int32  // directions whose source's EOF was read (see direction.end)
 	// to (client→endpoint) and from (endpoint→client) are the directions; each writes its
 	// result before it counts down.
 	to, from direction
@@ -446,17 +456,16 @@ func (c *tcpConn) startRelaying(r *relayRun) bool {
 		return false
 	}
 	c.relaying, c.relayed = true, r
+	r.parkAfter = c.p.parkAfterLocked()
 	return true
 }
 
 // finish closes both sides of a connection that reached its endpoint and reports it.
 func (c *tcpConn) finish(backend *net.TCPConn, toEndpoint, fromEndpoint copyResult) {
 	p, clientAddr := c.p, c.clientAddr
-	if p.poller != nil {
-		p.mu.Lock()
-		c.disarmLocked()
-		p.mu.Unlock()
-	}
+	p.mu.Lock()
+	c.disarmLocked()
+	p.mu.Unlock()
 	c.client.Close()
 	backend.Close()
 	p.sink().BytesCopied(toEndpoint.n, fromEndpoint.n)
@@ -698,7 +707,7 @@ func (d *direction) begin() bool {
 	d.pending = nil
 	s, err := newSplicer(c.p.pipePool(), d.dst, d.src)
 	if err == nil {
-		s.idle, s.frozen, s.parkAfter = c.idle, &c.frozen, c.p.parkAfter()
+		s.idle, s.frozen, s.parkAfter = c.idle, &c.frozen, rr.parkAfter
 		err = s.armIdle()
 	}
 	if err != nil {
