@@ -347,7 +347,7 @@ type tcpConn struct {
 	p          *TCPProxy
 	client     *net.TCPConn
 	clientAddr netip.AddrPort
-	ctx        context.Context // cancelled when the connection is cut; ends a dial in progress
+	ctx        context.Context // cancelled when the connection is cut (ends a dial in progress), or once dialled
 	cancel     context.CancelFunc
 	idle       *idleClock    // nil without IdleTimeout
 	frozen     atomic.Bool   // Freeze asks the connection to stop at a safe point (see handover.go)
@@ -371,6 +371,9 @@ type tcpConn struct {
 // unless it is being frozen: then it is handed over undialled.
 func (c *tcpConn) handle() {
 	backend := c.connect(c.clientAddr)
+	// The dial is over: nothing reads ctx any more, and cancelling it frees what the dials
+	// attached to it (their contexts' registration: ~250 bytes an idle connection would keep).
+	c.cancel()
 	if backend == nil {
 		if c.parkUndialled() {
 			return
