@@ -366,3 +366,67 @@ func TestTCPAdoptBeforeStartParks(t *testing.T) {
 		})
 	}
 }
+
+// TestTCPParkedChurn: connections that end while others park and new ones reuse their
+// descriptors' numbers: each socket is taken off the Poller before it is closed, so no stale
+// registration or Disarm reaches a new connection's (which would then never be woken).
+func TestTCPParkedChurn(t *testing.T) {
+	checkNoLeaks(t)
+	checkNoFDLeaks(t)
+	backend := startTCPEcho(t, loopback("4"))
+	metrics := &fakeMetrics{}
+	p := startTCPProxy(t, "4", &fakeChooser{endpoints: []netip.AddrPort{backend}}, func(p *TCPProxy) {
+		p.Metrics = metrics
+		withParking(t, p, time.Nanosecond)
+	})
+	var live []*net.TCPConn
+	opened := 0
+	for round := range 6 {
+		fresh := make(chan *net.TCPConn, 16)
+		errs := make(chan error, 16)
+		go func() { // new connections while old ones close
+			for i := range 16 {
+				c, err := net.DialTCP("tcp", nil, net.TCPAddrFromAddrPort(p.addr))
+				if err == nil {
+					c.SetDeadline(time.Now().Add(waitTimeout))
+					msg := fmt.Sprintf("round %d conn %d", round, i)
+					var got []byte
+					if got, err = roundTrip(c, []byte(msg)); err == nil && string(got) != msg {
+						err = fmt.Errorf("echo %q, want %q", got, msg)
+					}
+				}
+				errs <- err
+				fresh <- c
+			}
+		}()
+		// Half of the live ones end: some with a reset, some with a close.
+		for i, c := range live[:len(live)/2] {
+			if i%2 == 0 {
+				resetConn(c)
+			} else {
+				c.Close()
+			}
+		}
+		live = live[len(live)/2:]
+		for range 16 {
+			if err := <-errs; err != nil {
+				t.Fatalf("round %d: new connection: %v", round, err)
+			}
+			c := <-fresh
+			t.Cleanup(func() { c.Close() })
+			live = append(live, c)
+			opened++
+		}
+		awaitParked(t)
+		for i, c := range live {
+			msg := fmt.Sprintf("check %d %d", round, i)
+			if got, err := roundTrip(c, []byte(msg)); err != nil || string(got) != msg {
+				t.Fatalf("round %d: live connection %d: %q, %v", round, i, got, err)
+			}
+		}
+	}
+	for _, c := range live {
+		c.Close()
+	}
+	eventually(t, "connections closed", func() bool { return metrics.snapshot().closed == opened })
+}
