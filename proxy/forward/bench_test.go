@@ -62,13 +62,17 @@ func startedUDPProxy(b *testing.B, backend netip.AddrPort) netip.AddrPort {
 	return conn.LocalAddr().(*net.UDPAddr).AddrPort()
 }
 
-// startedTCPProxy returns the address of a TCPProxy in front of backend started on a Poller.
-func startedTCPProxy(b *testing.B, backend netip.AddrPort) netip.AddrPort {
+// startedTCPProxy returns the address of a TCPProxy in front of backend started on a Poller;
+// configure, if not nil, sets more fields.
+func startedTCPProxy(b *testing.B, backend netip.AddrPort, configure ...func(*TCPProxy)) netip.AddrPort {
 	poller, err := NewPoller()
 	if err != nil {
 		b.Fatal(err)
 	}
 	p := &TCPProxy{Listener: listenTCP(b, loopback("4")), Chooser: &fakeChooser{endpoints: []netip.AddrPort{backend}}, Log: new(zerolog.Nop())}
+	for _, f := range configure {
+		f(p)
+	}
 	if err := p.Start(poller); err != nil {
 		b.Fatal(err)
 	}
@@ -177,10 +181,26 @@ func BenchmarkTCPShortConnections(b *testing.B) {
 // BenchmarkTCPRequestResponse: one keep-alive connection to an echo backend; each op writes a
 // 64-byte request and reads the 64-byte answer, so ns/op is one round trip (the keep-alive
 // latency of the full bench, without its network namespaces).
+//
+// ProxyStarted is Proxy started on a Poller, as the proxier starts it; ProxyParkAtOnce is
+// ProxyStarted parking every wait of a direction (ParkIdleAfter of 1ns): what each message costs
+// a connection that has parked.
 func BenchmarkTCPRequestResponse(b *testing.B) {
-	for _, mode := range benchModes {
+	modes := append(startedModes(), struct {
+		name    string
+		proxied bool
+	}{"ProxyParkAtOnce", true})
+	for _, mode := range modes {
 		b.Run(mode.name, func(b *testing.B) {
-			c := dialTCPTest(b, tcpTarget(b, mode.proxied, startTCPEcho(b, loopback("4"))))
+			backend := startTCPEcho(b, loopback("4"))
+			target := tcpTarget(b, mode.proxied, backend)
+			switch mode.name {
+			case "ProxyStarted":
+				target = startedTCPProxy(b, backend)
+			case "ProxyParkAtOnce":
+				target = startedTCPProxy(b, backend, func(p *TCPProxy) { p.ParkIdleAfter = time.Nanosecond })
+			}
+			c := dialTCPTest(b, target)
 			c.SetDeadline(time.Time{})
 			req := make([]byte, 64)
 			reply := make([]byte, 64)
@@ -326,13 +346,19 @@ func BenchmarkConntrackLookup(b *testing.B) {
 
 // BenchmarkTCPIdleConnections holds idleConns connections, each after one echoed request, and
 // reports the Go memory (heap in use plus goroutine stacks, after a GC) per connection. Client
-// and echo server live in this process too, so the proxy's own cost per idle connection is
-// Proxy's figure minus Direct's. b.N is ignored beyond running the measurement once per round.
+// and backend (startIdleBackend) live in this process too, so the proxy's own cost per idle
+// connection is Proxy's figure minus Direct's. b.N is ignored beyond running the measurement once per round.
+// ProxyStarted is Proxy started on a Poller, as the proxier starts it. Connections are
+// measured after idleSettle, by when ProxyStarted's have parked.
 func BenchmarkTCPIdleConnections(b *testing.B) {
 	const idleConns = 2000
-	for _, mode := range benchModes {
+	for _, mode := range startedModes() {
 		b.Run(mode.name, func(b *testing.B) {
-			target := tcpTarget(b, mode.proxied, startTCPEcho(b, loopback("4")))
+			backend := startIdleBackend(b)
+			target := tcpTarget(b, mode.proxied, backend)
+			if mode.name == "ProxyStarted" {
+				target = startedTCPProxy(b, backend)
+			}
 			var perConn, stackPer float64
 			for range b.N {
 				before := goMemory()
@@ -346,6 +372,7 @@ func BenchmarkTCPIdleConnections(b *testing.B) {
 					}
 					conns = append(conns, c)
 				}
+				time.Sleep(idleSettle)
 				perConn = float64(goMemory()-before) / idleConns
 				stackPer = float64(stackMemory()-sb) / idleConns
 				for _, c := range conns {
@@ -357,6 +384,46 @@ func BenchmarkTCPIdleConnections(b *testing.B) {
 		})
 	}
 }
+
+// startIdleBackend serves BenchmarkTCPIdleConnections' connections without a goroutine each:
+// its accept loop echoes the first four bytes of each connection, then keeps it open until the
+// benchmark ends. (An echo goroutine per connection would hold a stack per connection in the
+// stack spans the proxy's goroutines use, so that the memory the proxy's goroutines give back
+// could not be told.)
+func startIdleBackend(b *testing.B) netip.AddrPort {
+	ln := listenTCP(b, loopback("4"))
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		var conns []*net.TCPConn
+		defer func() {
+			for _, c := range conns {
+				c.Close()
+			}
+		}()
+		buf := make([]byte, 4)
+		for {
+			c, err := ln.AcceptTCP()
+			if err != nil {
+				return
+			}
+			conns = append(conns, c)
+			c.SetDeadline(time.Now().Add(waitTimeout))
+			if _, err := io.ReadFull(c, buf); err == nil {
+				c.Write(buf)
+			}
+		}
+	}()
+	b.Cleanup(func() {
+		ln.Close()
+		<-done
+	})
+	return listenerAddr(ln)
+}
+
+// idleSettle is how long BenchmarkTCPIdleConnections lets its connections idle before it
+// measures them.
+const idleSettle = 2*DefaultParkIdleAfter + 500*time.Millisecond
 
 // goMemory returns the heap in use plus the goroutine stacks, after a collection.
 func goMemory() int64 {

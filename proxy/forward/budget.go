@@ -3,7 +3,6 @@ package forward
 import (
 	"errors"
 	"net"
-	"os"
 	"sync/atomic"
 	"time"
 )
@@ -126,23 +125,21 @@ func (c *idleClock) arm(src *net.TCPConn) error {
 	if c == nil {
 		return nil
 	}
-	return src.SetReadDeadline(time.Unix(0, c.last.Load()).Add(c.timeout))
+	return src.SetReadDeadline(c.expiry())
 }
 
-// expired interprets err from a wait on src: nil when it was the idle deadline but the
-// connection moved data since (the deadline is moved on), errIdle when the connection has been
-// idle for the timeout, err itself otherwise.
-func (c *idleClock) expired(src *net.TCPConn, err error) error {
-	if c == nil || !errors.Is(err, os.ErrDeadlineExceeded) {
-		return err
+// expiry returns when the connection will have been idle for the timeout, if no byte moves
+// before (zero for a nil clock).
+func (c *idleClock) expiry() time.Time {
+	if c == nil {
+		return time.Time{}
 	}
-	if time.Since(time.Unix(0, c.last.Load())) >= c.timeout {
-		return errIdle
-	}
-	if aerr := c.arm(src); aerr != nil {
-		return aerr
-	}
-	return nil
+	return time.Unix(0, c.last.Load()).Add(c.timeout)
+}
+
+// isExpired reports whether the connection has been idle for the timeout.
+func (c *idleClock) isExpired() bool {
+	return c != nil && time.Since(time.Unix(0, c.last.Load())) >= c.timeout
 }
 
 // errIdle: the connection moved no byte for the idle timeout.

@@ -10,8 +10,10 @@
 // propagates half-closes. A direction copies through a small pooled buffer (read and write) until
 // a read fills it, then with splice(2) through a pipe, so that bulk bytes never enter user space
 // (HAProxy's splice-auto; the pipe comes from a small per-proxy pool, the buffer from a
-// process-wide one, and either is held only while data flows). An idle connection thus costs
-// its two sockets and two minimal goroutine stacks. The client side's TCP
+// process-wide one, and either is held only while data flows). Under Start, a direction that has
+// moved nothing for ParkIdleAfter gives its goroutine up and waits on the Poller, which resumes
+// it on a new goroutine (park.go): an idle connection thus costs its two sockets and a few
+// hundred bytes of heap per direction, and no goroutine stack. The client side's TCP
 // keepalive is inherited from the listening socket (ListenTCP), so accepting sets no options. Running out of file descriptors on accept pauses accepting with a
 // growing sleep instead of failing.
 //

@@ -148,13 +148,15 @@ func (p *TCPProxy) freezeConns() []*tcpConn {
 }
 
 // freezeLocked sets the connection's frozen flag and wakes its copiers, if they run, with
-// deadlines in the past on both sockets (reads and writes alike). A connection still dialling
-// sees the flag when it is about to relay.
+// deadlines in the past on both sockets (reads and writes alike), resuming those parked on the
+// Poller, which then see the deadlines. A connection still dialling sees the flag when it is
+// about to relay.
 func (c *tcpConn) freezeLocked() {
 	c.frozen.Store(true)
 	if c.relaying {
 		_ = c.client.SetDeadline(freezeDeadline)
 		_ = c.backend.SetDeadline(freezeDeadline)
+		c.wakeParkedLocked() // parked on the Poller: woken, they see the deadline
 	}
 }
 
@@ -245,7 +247,7 @@ func (p *TCPProxy) Thaw() error {
 		if c.parked.backend == nil { // its dial was abandoned: a fresh context for the next one
 			c.ctx, c.cancel = context.WithCancel(context.Background())
 		}
-		c.parked, c.relaying = nil, false
+		c.parked, c.relaying, c.relayed = nil, false, nil
 		c.stopped = make(chan struct{})
 		c.frozen.Store(false)
 		p.connWG.Add(1) // park counted it done
@@ -334,6 +336,7 @@ func (p *TCPProxy) Release() {
 	p.mu.Lock()
 	conns := make([]*tcpConn, 0, len(p.conns))
 	for c := range p.conns {
+		c.disarmLocked() // before release closes them
 		conns = append(conns, c)
 		delete(p.conns, c)
 	}

@@ -151,6 +151,7 @@ func serveAdopted(t *testing.T, ln *net.TCPListener, chooser Chooser, configure 
 	if configure != nil {
 		configure(p)
 	}
+	parkForTest(t, p)
 	if err := p.Adopt(conns); err != nil {
 		t.Errorf("Adopt: %v", err)
 	}

@@ -89,7 +89,7 @@ func proxyGoroutines() string {
 	}
 	var out []string
 	for _, g := range strings.Split(string(buf), "\n\n") {
-		for _, marker := range []string{"forward.(*Poller)", "forward.(*TCPProxy)", "forward.(*tcpConn)", "forward.(*UDPProxy)", "forward.(*udpSession)"} {
+		for _, marker := range []string{"forward.(*Poller)", "forward.(*TCPProxy)", "forward.(*tcpConn)", "forward.(*relayRun)", "forward.(*direction)", "forward.(*UDPProxy)", "forward.(*udpSession)"} {
 			if strings.Contains(g, marker) {
 				out = append(out, g)
 				break
@@ -329,6 +329,27 @@ func closedTCPPort(t testing.TB, addr netip.Addr) netip.AddrPort {
 	return netip.AddrPort{}
 }
 
+// parkForTest gives p a Poller, as Start would, when the environment has FORWARD_TEST_PARK set,
+// and then, unless the test configured ParkIdleAfter, has its connections park every idle
+// direction at once: the tests of proxies that Serve then run every wait of their connections
+// through parking (FORWARD_TEST_PARK=1 go test). Call it before the proxy serves, and before
+// registering the cleanup that shuts it down (the Poller is closed after).
+func parkForTest(t testing.TB, p *TCPProxy) {
+	t.Helper()
+	if os.Getenv("FORWARD_TEST_PARK") == "" || p.poller != nil {
+		return
+	}
+	poller, err := NewPoller()
+	if err != nil {
+		t.Fatalf("poller: %v", err)
+	}
+	t.Cleanup(func() { poller.Close() })
+	p.poller = poller
+	if p.ParkIdleAfter == 0 {
+		p.ParkIdleAfter = time.Nanosecond
+	}
+}
+
 // proxyRun is a TCPProxy serving in the background of a test.
 type proxyRun struct {
 	*TCPProxy
@@ -348,6 +369,7 @@ func startTCPProxy(t testing.TB, family string, chooser Chooser, configure func(
 	if configure != nil {
 		configure(p)
 	}
+	parkForTest(t, p)
 	r := &proxyRun{TCPProxy: p, addr: listenerAddr(p.Listener), served: make(chan error, 1)}
 	go func() { r.served <- p.Serve() }()
 	t.Cleanup(func() {

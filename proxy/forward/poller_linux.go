@@ -1,9 +1,9 @@
 package forward
 
 import (
-	"encoding/binary"
 	"errors"
 	"fmt"
+	"os"
 	"sync"
 	"syscall"
 	"time"
@@ -14,17 +14,21 @@ import (
 
 // Poller calls a function when a socket becomes readable, from one goroutine for every socket it
 // watches: an idle listener needs no goroutine of its own parked in accept (at 10,000 service
-// ports those goroutines' stacks were 40 MB). Each Arm is one-shot: the function runs once, on the
+// ports those goroutines' stacks were 40 MB), nor an idle direction of a TCP connection one
+// parked in read (see park.go). Each Arm is one-shot: the function runs once, on the
 // Poller's goroutine, and must not block; to be called again, Arm again.
 //
 // It is its own epoll instance, beside the Go runtime's: a socket can be in both, and the runtime
-// keeps serving the socket's reads and accepts as before.
+// keeps serving the socket's reads and accepts as before. Its goroutine waits for the epoll
+// descriptor to be readable in the runtime's poller (an epoll descriptor is pollable), not in a
+// blocking epoll_wait: a blocked system call would hold its thread and processor, and each
+// goroutine its functions start would then need another thread woken to run.
 //
 // Create it with NewPoller and Close it when no socket needs it any more.
 type Poller struct {
 	epfd int
-	// wake is an eventfd in the epoll set: Close writes it to end run's epoll_wait.
-	wake int
+	ep   *os.File        // epfd, non-blocking, in the runtime's poller; closing it ends run's wait
+	rc   syscall.RawConn // ep's
 
 	mu     sync.Mutex // guards the following fields
 	fns    map[int32]func()
@@ -39,17 +43,17 @@ func NewPoller() (*Poller, error) {
 	if err != nil {
 		return nil, fmt.Errorf("poller: epoll_create1: %w", err)
 	}
-	wake, err := unix.Eventfd(0, unix.EFD_CLOEXEC|unix.EFD_NONBLOCK)
+	if err := unix.SetNonblock(epfd, true); err != nil {
+		unix.Close(epfd)
+		return nil, fmt.Errorf("poller: non-blocking epoll descriptor: %w", err)
+	}
+	ep := os.NewFile(uintptr(epfd), "epoll") // non-blocking: registered with the runtime's poller
+	rc, err := ep.SyscallConn()
 	if err != nil {
-		unix.Close(epfd)
-		return nil, fmt.Errorf("poller: eventfd: %w", err)
+		ep.Close()
+		return nil, fmt.Errorf("poller: %w", err)
 	}
-	if err := unix.EpollCtl(epfd, unix.EPOLL_CTL_ADD, wake, &unix.EpollEvent{Events: unix.EPOLLIN, Fd: int32(wake)}); err != nil {
-		unix.Close(wake)
-		unix.Close(epfd)
-		return nil, fmt.Errorf("poller: watching its eventfd: %w", err)
-	}
-	p := &Poller{epfd: epfd, wake: wake, fns: map[int32]func(){}, done: make(chan struct{})}
+	p := &Poller{epfd: epfd, ep: ep, rc: rc, fns: map[int32]func(){}, done: make(chan struct{})}
 	go p.run()
 	return p, nil
 }
@@ -97,7 +101,9 @@ func (p *Poller) Disarm(fd int) {
 	}
 }
 
-// Close stops the Poller's goroutine and waits for it; functions not called yet will not be.
+// Close stops the Poller's goroutine and waits for it, then calls, on the caller's goroutine,
+// the functions still armed, as if their sockets had become readable: nothing waiting on the
+// Poller is stranded (their next Arm fails; they must wait some other way).
 func (p *Poller) Close() error {
 	p.mu.Lock()
 	if p.closed {
@@ -106,16 +112,18 @@ func (p *Poller) Close() error {
 		return nil
 	}
 	p.closed = true
+	armed := p.fns
 	p.fns = map[int32]func(){}
 	p.mu.Unlock()
-	var one [8]byte // an eventfd counter is a native-endian uint64
-	binary.NativeEndian.PutUint64(one[:], 1)
-	_, err := unix.Write(p.wake, one[:])
+	err := p.ep.Close() // wakes run's wait; the descriptor is closed once run has left it
 	<-p.done
-	unix.Close(p.wake)
-	unix.Close(p.epfd)
+	for _, fn := range armed {
+		if fn != nil { // nil: called already
+			fn()
+		}
+	}
 	if err != nil {
-		return fmt.Errorf("poller: waking its goroutine: %w", err)
+		return fmt.Errorf("poller: close: %w", err)
 	}
 	return nil
 }
@@ -125,14 +133,15 @@ func (p *Poller) run() {
 	defer close(p.done)
 	events := make([]unix.EpollEvent, 128)
 	var ready []func()
+	var n int
+	var werr error
+	collect := func(fd uintptr) bool {
+		n, werr = unix.EpollWait(int(fd), events, 0)
+		return n > 0 || (werr != nil && werr != unix.EINTR) // nothing ready: wait in the runtime
+	}
 	for {
-		n, err := unix.EpollWait(p.epfd, events, -1)
-		if err != nil {
-			if errors.Is(err, unix.EINTR) {
-				continue
-			}
-			// EBADF/EINVAL: the epoll descriptor is gone, which only Close does.
-			return
+		if err := p.rc.Read(collect); err != nil || werr != nil {
+			return // the epoll descriptor is closed (or broken), which only Close does
 		}
 		ready = ready[:0]
 		p.mu.Lock()
@@ -141,7 +150,7 @@ func (p *Poller) run() {
 			return
 		}
 		for _, ev := range events[:n] {
-			if fn := p.fns[ev.Fd]; fn != nil && ev.Fd != int32(p.wake) {
+			if fn := p.fns[ev.Fd]; fn != nil {
 				p.fns[ev.Fd] = nil // one-shot: armed again by the next Arm (MOD)
 				ready = append(ready, fn)
 			}

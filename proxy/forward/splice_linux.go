@@ -9,6 +9,7 @@ import (
 	"sync"
 	"sync/atomic"
 	"syscall"
+	"time"
 )
 
 // Copying: a direction of a TCP connection copies through a small user-space buffer (read and
@@ -148,9 +149,15 @@ func spliceCopy(pool *pipePool, dst, src *net.TCPConn, idle *idleClock, frozen *
 		return 0, nil, err
 	}
 	s.idle, s.frozen = idle, frozen
+	if err := s.armIdle(); err != nil {
+		return 0, nil, err
+	}
 	n, err := s.run()
 	return n, s.pending, err
 }
+
+// errWouldBlock: a direction that may park found nothing to read (see splicer.parkAfter).
+var errWouldBlock = errors.New("nothing to read: park")
 
 // errFrozen: a copy stopped because its connection is being frozen for a hand-over.
 var errFrozen = errors.New("connection frozen for a hand-over")
@@ -191,6 +198,17 @@ type splicer struct {
 	idle    *idleClock
 	frozen  *atomic.Bool // set when the connection is being frozen; nil: never
 	pending []byte       // read from src, not written to dst, when run stopped with errFrozen
+
+	// parkAfter says when run gives its goroutine up (returns errWouldBlock) instead of
+	// waiting for src on it: negative never; 0 at every wait; else once the direction has
+	// moved nothing for parkAfter to twice that (see waitExpired), so that a busy connection
+	// keeps its goroutine. The caller parks the direction on a Poller and calls run again, on
+	// another goroutine, when src is readable (see park.go).
+	parkAfter time.Duration
+	parkNow   bool      // the next wait parks
+	blocked   bool      // fill found nothing to read and parkNow was set
+	active    bool      // parkAfter > 0: data moved since the last park deadline
+	waitUntil time.Time // parkAfter > 0: the park deadline (src's read deadline unless the idle clock's comes first)
 }
 
 func newSplicer(pool *pipePool, dst, src *net.TCPConn) (*splicer, error) {
@@ -202,7 +220,7 @@ func newSplicer(pool *pipePool, dst, src *net.TCPConn) (*splicer, error) {
 	if err != nil {
 		return nil, fmt.Errorf("splice: %w", err)
 	}
-	s := &splicer{pool: pool, dst: dst, src: src, srcRC: srcRC, dstRC: dstRC}
+	s := &splicer{pool: pool, dst: dst, src: src, srcRC: srcRC, dstRC: dstRC, parkAfter: -1}
 	s.fillFn, s.drainFn = s.fill, s.drain
 	return s, nil
 }
@@ -215,33 +233,34 @@ func (s *splicer) frozenBy(err error) bool {
 	return errors.Is(err, os.ErrDeadlineExceeded) && s.isFrozen()
 }
 
-// run is spliceCopy's loop. Its frame is small on purpose: see splicer.
+// run is spliceCopy's loop; it returns errWouldBlock when the direction is to park (see
+// parkAfter), and may then be called again. Its frame is small on purpose: see splicer.
 func (s *splicer) run() (int64, error) {
 	defer s.release()
-	if err := s.armIdle(); err != nil {
-		return 0, err
-	}
 	for {
 		// The read or splice runs inside RawConn.Read, so a readiness event that comes after
 		// its EAGAIN wakes the wait; while waiting, no buffer or pipe is held.
-		s.filled, s.err = 0, nil
+		s.filled, s.err, s.blocked = 0, nil, false
 		if err := s.srcRC.Read(s.fillFn); err != nil {
 			if s.frozenBy(err) {
 				return s.total, errFrozen
 			}
-			if err = s.idle.expired(s.src, err); err == nil {
-				err = s.checkFrozen() // the re-armed deadline may have replaced the freeze's
-			}
-			if err == nil {
-				continue // the other direction moved data: wait again
+			if err = s.waitExpired(err); err == nil {
+				continue // the other direction moved data, or the wait is to park: wait again
 			}
 			return s.total, err
+		}
+		if s.blocked {
+			return s.total, errWouldBlock
 		}
 		if s.err != nil {
 			return s.total, os.NewSyscallError(s.errOp, s.err)
 		}
 		if s.filled == 0 {
 			return s.total, nil // EOF
+		}
+		if err := s.moved(); err != nil {
+			return s.total, err
 		}
 		s.idle.touch()
 		if h := s.chunkHook(); h != nil {
@@ -254,6 +273,78 @@ func (s *splicer) run() (int64, error) {
 	}
 }
 
+// moved notes a chunk read, for parking: with parkAfter > 0, a direction that parked starts
+// its delay again (the park deadline is set anew), and a running one is marked active, which
+// costs no clock reading per chunk.
+func (s *splicer) moved() error {
+	switch {
+	case s.parkAfter <= 0:
+	case s.parkNow:
+		s.parkNow, s.active = false, false
+		if err := s.setWaitDeadline(); err != nil {
+			return err
+		}
+		return s.checkFrozen()
+	default:
+		s.active = true
+	}
+	return nil
+}
+
+// waitExpired interprets err from a wait on src: errIdle when the connection has been idle for
+// the idle timeout; nil when it was a deadline of the idle clock or of parking and the wait is
+// to go on (or park: parkNow is set), with the next deadline set; err itself otherwise. The
+// park deadline comes every parkAfter: the direction parks at the first one that finds it was
+// not active since the one before.
+func (s *splicer) waitExpired(err error) error {
+	if !errors.Is(err, os.ErrDeadlineExceeded) || (s.idle == nil && s.parkAfter <= 0) {
+		return err
+	}
+	if s.idle.isExpired() {
+		return errIdle
+	}
+	if s.parkAfter > 0 && !s.parkNow && !time.Now().Before(s.waitUntil) {
+		s.parkNow = !s.active
+		s.active = false
+	}
+	if err := s.setWaitDeadline(); err != nil {
+		return err
+	}
+	return s.checkFrozen() // the deadline may have replaced the freeze's
+}
+
+// setWaitDeadline sets src's read deadline for the next waits: the idle clock's expiry or,
+// while delayed parking is not due, the next park deadline (now plus parkAfter), whichever
+// comes first (none: no deadline).
+func (s *splicer) setWaitDeadline() error {
+	d := s.idle.expiry()
+	if s.parkAfter > 0 && !s.parkNow {
+		s.waitUntil = time.Now().Add(s.parkAfter)
+		if d.IsZero() || s.waitUntil.Before(d) {
+			d = s.waitUntil
+		}
+	}
+	return s.src.SetReadDeadline(d)
+}
+
+// neverPark turns parking off for good: the direction waits on its goroutine from now on, with
+// the idle clock's deadline only. (An error setting it is the closed socket's, which the next
+// read reports.)
+func (s *splicer) neverPark() {
+	s.parkAfter, s.parkNow = -1, false
+	_ = s.setWaitDeadline()
+}
+
+// wouldBlock is fill's answer to EAGAIN: wait for src (false), or, when the direction is to
+// park, return at once with blocked set (true).
+func (s *splicer) wouldBlock() bool {
+	if s.parkNow {
+		s.blocked = true
+		return true
+	}
+	return false
+}
+
 // chunkHook returns the test hook of the chunk just read: testHookCopied or testHookSpliced.
 func (s *splicer) chunkHook() func(int64) {
 	if s.buf != nil {
@@ -262,10 +353,18 @@ func (s *splicer) chunkHook() func(int64) {
 	return testHookSpliced
 }
 
-// armIdle sets src's idle deadline, then checks for a freeze: a freeze that set its deadline
-// before armIdle replaced it is seen here, one that comes after wakes the wait.
+// armIdle sets src's idle deadline (and park deadline), then checks for a freeze: a freeze that set its deadline
+// before armIdle replaced it is seen here, one that comes after wakes the wait. Call it once,
+// before the first run.
 func (s *splicer) armIdle() error {
-	if err := s.idle.arm(s.src); err != nil {
+	s.parkNow = s.parkAfter == 0
+	var err error
+	if s.parkAfter > 0 {
+		err = s.setWaitDeadline()
+	} else {
+		err = s.idle.arm(s.src)
+	}
+	if err != nil {
 		return err
 	}
 	return s.checkFrozen()
@@ -324,7 +423,7 @@ func (s *splicer) fill(fd uintptr) bool {
 				continue
 			case syscall.EAGAIN:
 				s.releasePipe()
-				return false
+				return s.wouldBlock()
 			}
 			s.filled, s.err, s.errOp = n, err, "splice"
 			return true
@@ -338,7 +437,7 @@ func (s *splicer) fill(fd uintptr) bool {
 			continue
 		case syscall.EAGAIN:
 			copyBufs.Put(b)
-			return false
+			return s.wouldBlock()
 		}
 		if err != nil || n <= 0 {
 			copyBufs.Put(b)

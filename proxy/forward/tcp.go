@@ -30,8 +30,10 @@ var sharedDialTimeouts = defaultDialTimeouts()
 // stops accepting; established connections go on until they end or Shutdown cuts them.
 //
 // Each connection is dialled by a goroutine of its own, so a slow or dead endpoint never holds up
-// the accept loop; once connected, each direction has a goroutine. Its endpoint is dialled with DialTimeouts[0]; when that fails, Choose is asked
-// again with reset=true and the next timeout is used, until the list is exhausted. A client
+// the accept loop; once connected, each direction has a goroutine while it moves data (under
+// Start, one idle for ParkIdleAfter gives it up until data comes). Its endpoint is dialled with
+// DialTimeouts[0]; when that fails, Choose is asked again with reset=true and the next timeout
+// is used, until the list is exhausted. A client
 // whose connection cannot reach any endpoint is reset (RST), so it learns at once that the
 // service is unavailable instead of mistaking a FIN for an empty answer. Once connected, the
 // proxy copies bytes both ways (splicing bulk traffic), passes a half-close (EOF) from either side on as a CloseWrite
@@ -66,6 +68,12 @@ type TCPProxy struct {
 	// IdleTimeout ends (resets both sides of) a connection that has moved no byte either way
 	// for that long, as iptables mode's conntrack established timeout would; 0 means never.
 	IdleTimeout time.Duration
+	// ParkIdleAfter is how long a direction of a connection of a proxy run by Start waits for
+	// data on a goroutine of its own before it gives the goroutine up and has Start's Poller
+	// resume it when data comes (see park.go): 0 means DefaultParkIdleAfter, less than a
+	// millisecond means at once, negative means never (each direction keeps its goroutine, as
+	// under Serve, which never parks).
+	ParkIdleAfter time.Duration
 
 	// testHookAcceptPause, if set, is called before each pause of the accept loop.
 	testHookAcceptPause func(attempt int, delay time.Duration)
@@ -73,6 +81,11 @@ type TCPProxy struct {
 	testHookDialed func(*net.TCPConn)
 
 	connWG sync.WaitGroup // one count per connection goroutine
+
+	// poller is Start's (nil under Serve; guarded by mu): it resumes the accept loop and the
+	// parked directions of connections. It must outlive them; if it is closed first, its Close
+	// resumes them and they keep their goroutines from then on.
+	poller *Poller
 
 	pipes pipePool // splice pipes of the connections, idle ones only, when there is no Budget
 
@@ -104,13 +117,21 @@ func (p *TCPProxy) Serve() error {
 // Start serves like Serve but returns at once, and holds no goroutine while the listener is idle:
 // its accept loop runs on a goroutine of its own while connections arrive, and after half a
 // second to a second without one it ends and has poller start it again when the next connection
-// is pending (see startParked). Close, Shutdown and Freeze work as with Serve; an error of the
-// accept loop is logged. With a nil poller, or when the poller cannot watch the listener, the
-// loop keeps its goroutine.
+// is pending (see startParked). The connections' idle directions park on poller likewise (see
+// ParkIdleAfter). Close, Shutdown and Freeze work as with Serve; an error of the accept loop is
+// logged. With a nil poller, or when the poller cannot watch the listener, the loop keeps its
+// goroutine, and so do the directions. The poller should outlive the proxy's connections; if it
+// is closed first, its Close resumes what waits on it, and the directions keep their goroutines
+// from then on.
 func (p *TCPProxy) Start(poller *Poller) error {
 	if p.Listener == nil || p.Chooser == nil {
 		return errors.New("start TCP proxy: Listener and Chooser are required")
 	}
+	p.mu.Lock()
+	if p.poller == nil { // before start: a connection relayed after it must find it
+		p.poller = poller
+	}
+	p.mu.Unlock()
 	ok, err := p.run.start("TCP proxy")
 	if !ok {
 		return err
@@ -317,7 +338,7 @@ func (p *TCPProxy) newConn(client *net.TCPConn) *tcpConn {
 }
 
 // testHookCloseWriteSkipped, if set, is called when a copier leaves its EOF to the close of
-// both sockets (see pump). A package variable, not a field: it costs the proxies nothing; tests
+// both sockets (see direction.run). A package variable, not a field: it costs the proxies nothing; tests
 // that set it do so before their proxy starts and clear it after it ends.
 var testHookCloseWriteSkipped func()
 
@@ -326,7 +347,7 @@ type tcpConn struct {
 	p          *TCPProxy
 	client     *net.TCPConn
 	clientAddr netip.AddrPort
-	ctx        context.Context // cancelled when the connection is cut; ends a dial in progress
+	ctx        context.Context // cancelled when the connection is cut (ends a dial in progress), or once dialled
 	cancel     context.CancelFunc
 	idle       *idleClock    // nil without IdleTimeout
 	frozen     atomic.Bool   // Freeze asks the connection to stop at a safe point (see handover.go)
@@ -338,6 +359,11 @@ type tcpConn struct {
 	cut      bool           // cut by Shutdown
 	relaying bool           // the copiers run: a freeze must wake them with deadlines
 	parked   *parkedConn    // frozen: what the adopter needs to carry on
+	relayed  *relayRun      // the current relay, once relaying: its parked directions need waking
+	reset    bool           // resetBothLocked closed the sockets: no direction parks any more
+	// clientPolled and backendPolled: the socket is registered with p.poller (a direction
+	// parked on it once), and must be disarmed before it is closed (see disarmLocked).
+	clientPolled, backendPolled bool
 }
 
 // handle is the life of one connection, top to bottom: connect to an endpoint (with failover
@@ -345,6 +371,9 @@ type tcpConn struct {
 // unless it is being frozen: then it is handed over undialled.
 func (c *tcpConn) handle() {
 	backend := c.connect(c.clientAddr)
+	// The dial is over: nothing reads ctx any more, and cancelling it frees what the dials
+	// attached to it (their contexts' registration: ~250 bytes an idle connection would keep).
+	c.cancel()
 	if backend == nil {
 		if c.parkUndialled() {
 			return
@@ -370,13 +399,17 @@ type relayStart struct {
 // network poller keeps the stack it grew, and one that parks with less than a quarter of its
 // stack in use is shrunk at the next garbage collection, so an idle connection costs two of the
 // runtime's smallest stacks only if its copiers wait shallow (dialling, which grows the
-// caller's stack, and a frame waiting for the other direction, would keep them larger).
+// caller's stack, and a frame waiting for the other direction, would keep them larger). Under
+// Start, a direction idle for ParkIdleAfter gives its goroutine up altogether (see park.go):
+// everything it needs to go on is in relayRun.
 func (c *tcpConn) relay(backend *net.TCPConn, start relayStart) {
-	if !c.startRelaying() {
+	r := &relayRun{c: c, backend: backend}
+	r.to.init(r, backend, c.client, start.toEndpoint, start.toEndpointDone)
+	r.from.init(r, c.client, backend, start.toClient, start.toClientDone)
+	if !c.startRelaying(r) {
 		c.park(backend, start, 0, 0)
 		return
 	}
-	r := &relayRun{c: c, backend: backend, start: start}
 	r.left.Store(2)
 	go r.copyToClient()
 	go r.copyToEndpoint()
@@ -384,28 +417,23 @@ func (c *tcpConn) relay(backend *net.TCPConn, start relayStart) {
 
 // relayRun is one relay: the two copiers' shared state.
 type relayRun struct {
-	c       *tcpConn
-	backend *net.TCPConn
-	start   relayStart
-	left    atomic.Int32 // copiers still running
-	eofs    atomic.Int32 // directions whose source's EOF was read (see pump)
-	// to and from are the copiers' results, each written by its copier before it counts down.
-	to, from copyResult
+	c         *tcpConn
+	backend   *net.TCPConn
+	parkAfter time.Duration // the directions' splicer.parkAfter
+	left      atomic.Int32  // copiers still running
+	eofs      atomic.Int32  // directions whose source's EOF was read (see direction.end)
+	// to (client→endpoint) and from (endpoint→client) are the directions; each writes its
+	// result before it counts down.
+	to, from direction
 }
 
 // copyToEndpoint copies client→endpoint (pending first) until the client's EOF, then
 // half-closes the endpoint.
-func (r *relayRun) copyToEndpoint() {
-	r.pump(&r.to, r.backend, r.c.client, r.start.toEndpoint, r.start.toEndpointDone)
-	r.copierDone()
-}
+func (r *relayRun) copyToEndpoint() { r.to.run() }
 
 // copyToClient copies endpoint→client (pending first) until the endpoint's EOF, then
 // half-closes the client.
-func (r *relayRun) copyToClient() {
-	r.pump(&r.from, r.c.client, r.backend, r.start.toClient, r.start.toClientDone)
-	r.copierDone()
-}
+func (r *relayRun) copyToClient() { r.from.run() }
 
 // copierDone counts a copier down; the second one closes the connection, or parks it when a
 // freeze stopped it. (The atomic count orders the first copier's result before the second's
@@ -415,28 +443,32 @@ func (r *relayRun) copierDone() {
 		return
 	}
 	c := r.c
-	if frozen, st := frozenAt(r.to, r.from); frozen {
-		c.park(r.backend, st, r.to.n, r.from.n)
+	if frozen, st := frozenAt(r.to.res, r.from.res); frozen {
+		c.park(r.backend, st, r.to.res.n, r.from.res.n)
 		return
 	}
 	defer c.end()
-	c.finish(r.backend, r.to, r.from)
+	c.finish(r.backend, r.to.res, r.from.res)
 }
 
 // startRelaying marks the copiers as running, unless the connection is being frozen.
-func (c *tcpConn) startRelaying() bool {
+func (c *tcpConn) startRelaying(r *relayRun) bool {
 	c.p.mu.Lock()
 	defer c.p.mu.Unlock()
 	if c.frozen.Load() {
 		return false
 	}
-	c.relaying = true
+	c.relaying, c.relayed = true, r
+	r.parkAfter = c.p.parkAfterLocked()
 	return true
 }
 
 // finish closes both sides of a connection that reached its endpoint and reports it.
 func (c *tcpConn) finish(backend *net.TCPConn, toEndpoint, fromEndpoint copyResult) {
 	p, clientAddr := c.p, c.clientAddr
+	p.mu.Lock()
+	c.disarmLocked()
+	p.mu.Unlock()
 	c.client.Close()
 	backend.Close()
 	p.sink().BytesCopied(toEndpoint.n, fromEndpoint.n)
@@ -618,36 +650,100 @@ func frozenAt(to, from copyResult) (bool, relayStart) {
 	return true, relayStart{toEndpoint: to.pending, toClient: from.pending, toEndpointDone: to.done, toClientDone: from.done}
 }
 
-// pump writes pending to dst, then copies src to dst and passes src's EOF on to dst with
-// CloseWrite, or, when it is the connection's second EOF, with the close of both sockets that
-// follows once the other copier has ended (a FIN all the same: both EOFs were read, so the close
-// finds no unread data and sends no RST; one system call less per connection). A direction
-// already done does nothing. The bytes move through a pooled buffer until a read fills it,
-// then with splice(2) through a pipe taken from the proxy's pool, either held only while data
-// flows (see spliceCopy): no user-space copy of bulk traffic, and no buffer or pipe held by an
-// idle connection. On an error in either direction both sockets are
+// direction is one direction of a relay: the copier's state and result, on the heap, so that
+// the direction can give its goroutine up while idle and go on on another (see park.go).
+type direction struct {
+	r        *relayRun
+	dst, src *net.TCPConn
+	pending  []byte   // to write to dst first (an adopted connection's)
+	done     bool     // done already (an adopted connection's): copy nothing
+	s        *splicer // the copy, once started
+	res      copyResult
+	park     parkState // see park.go
+}
+
+func (d *direction) init(r *relayRun, dst, src *net.TCPConn, pending []byte, done bool) {
+	d.r, d.dst, d.src, d.pending, d.done = r, dst, src, pending, done
+	d.park.wakeFn = d.wake
+}
+
+// run is a copier: it writes pending to dst, then copies src to dst and passes src's EOF on to
+// dst with CloseWrite, or, when it is the connection's second EOF, with the close of both
+// sockets that follows once the other copier has ended (a FIN all the same: both EOFs were
+// read, so the close finds no unread data and sends no RST; one system call less per
+// connection). A direction already done does nothing. The bytes move through a pooled buffer
+// until a read fills it, then with splice(2) through a pipe taken from the proxy's pool, either
+// held only while data flows (see spliceCopy): no user-space copy of bulk traffic, and no
+// buffer or pipe held by an idle connection. On an error in either direction both sockets are
 // reset, which also ends the other direction. A freeze stops it with what it has not written.
 //
-// It writes its result into r, rather than returning it: the copier goroutines wait inside it
-// for data, and a smaller frame keeps their parked stacks small (see relay).
-func (rr *relayRun) pump(r *copyResult, dst, src *net.TCPConn, pending []byte, done bool) {
-	c := rr.c
-	if done {
-		rr.eofs.Add(1)
-		r.done = true
+// It writes its result into d.res, rather than returning it: the copier goroutines wait inside
+// it for data, and a smaller frame keeps their parked stacks small (see relay).
+func (d *direction) run() {
+	if d.begin() {
+		d.copy()
 		return
 	}
-	if len(pending) > 0 {
-		w, err := dst.Write(pending)
+	d.r.copierDone()
+}
+
+// begin writes the pending bytes and prepares the copy; false means the direction has ended
+// (it was done, or failed), with its result written.
+func (d *direction) begin() bool {
+	rr, r := d.r, &d.res
+	c := rr.c
+	if d.done {
+		rr.eofs.Add(1)
+		r.done = true
+		return false
+	}
+	if len(d.pending) > 0 {
+		w, err := d.dst.Write(d.pending)
 		r.n = int64(w)
 		if err != nil {
-			r.pending = pending[w:]
+			r.pending = d.pending[w:]
 			c.pumpFailed(r, err)
-			return
+			return false
 		}
 		c.idle.touch()
 	}
-	n, rest, err := spliceCopy(c.p.pipePool(), dst, src, c.idle, &c.frozen)
+	d.pending = nil
+	s, err := newSplicer(c.p.pipePool(), d.dst, d.src)
+	if err == nil {
+		s.idle, s.frozen, s.parkAfter = c.idle, &c.frozen, rr.parkAfter
+		err = s.armIdle()
+	}
+	if err != nil {
+		d.end(0, nil, err)
+		return false
+	}
+	d.s = s
+	return true
+}
+
+// copy runs the copy until it ends, or parks the direction and returns when it would wait
+// (resume calls it again, on another goroutine).
+func (d *direction) copy() {
+	for {
+		n, err := d.s.run()
+		if errors.Is(err, errWouldBlock) {
+			if d.parkOn() {
+				return
+			}
+			continue
+		}
+		d.end(n, d.s.pending, err)
+		d.r.copierDone()
+		return
+	}
+}
+
+// end records the outcome of the copy: n bytes written in all, rest read and not written (a
+// freeze's), err. On src's EOF (nil err) it passes the EOF on (see run).
+func (d *direction) end(n int64, rest []byte, err error) {
+	rr, r := d.r, &d.res
+	c := rr.c
+	d.stopTimer()
 	r.n += n
 	r.pending = rest
 	if err == nil {
@@ -658,7 +754,7 @@ func (rr *relayRun) pump(r *copyResult, dst, src *net.TCPConn, pending []byte, d
 			}
 			return
 		}
-		if err = dst.CloseWrite(); err == nil {
+		if err = d.dst.CloseWrite(); err == nil {
 			r.done = true
 			return
 		}
@@ -690,11 +786,16 @@ func (c *tcpConn) cutLocked() {
 	c.resetBothLocked()
 }
 
+// resetBothLocked resets both sockets and wakes the directions parked on the Poller, which then
+// find their sockets closed. p.mu must be held.
 func (c *tcpConn) resetBothLocked() {
+	c.reset = true
+	c.disarmLocked() // before the close: the descriptors' numbers may be reused at once
 	resetConn(c.client)
 	if c.backend != nil {
 		resetConn(c.backend)
 	}
+	c.wakeParkedLocked()
 }
 
 // resetConn closes conn with an RST instead of a FIN (SO_LINGER with a zero timeout), dropping

@@ -217,6 +217,7 @@ func New(opts Options) *Proxier {
 		maxConns:    opts.Limits.ConnsPerPort(),
 		maxSessions: opts.Limits.SessionsPerPort(),
 		idleTimeout: opts.Limits.TCPIdleTimeout,
+		parkAfter:   opts.Limits.TCPParkIdleAfter,
 		preferred:   opts.PreferredPorts,
 	}
 	setAsidePreferred(p.alloc, opts.PreferredPorts)

@@ -108,6 +108,7 @@ func Run(ctx context.Context, opts *Options, v *Validated, log zerolog.Logger) e
 		MaxSessionsPerPort: opts.MaxUDPSessionsPerPort,
 		MaxAffinityEntries: opts.MaxAffinityEntries,
 		TCPIdleTimeout:     opts.TCPIdleTimeout,
+		TCPParkIdleAfter:   opts.TCPParkIdleAfter,
 	}
 	log.Info().Uint64("openFilesLimit", fileLimit).Int("reserve", limits.ReserveFDs()).
 		Int("maxConnectionsPerPort", limits.ConnsPerPort()).Int("maxUDPSessionsPerPort", limits.SessionsPerPort()).

@@ -349,6 +349,9 @@ func (o *Options) OwnFlags() []string {
 	if o.TCPIdleTimeout != 0 {
 		own["tcp-idle-timeout"] = o.TCPIdleTimeout.String()
 	}
+	if o.TCPParkIdleAfter != 0 {
+		own["tcp-park-idle-after"] = o.TCPParkIdleAfter.String()
+	}
 	if !o.HandoverExit {
 		own["handover-exit"] = "false"
 	}
