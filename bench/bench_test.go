@@ -464,7 +464,10 @@ func runIdle(t *testing.T, rep *Report, cfg settings, targets map[string]target,
 	}
 	for _, count := range cfg.idleCounts {
 		m := rep.Metric(fmt.Sprintf("%d idle connections: memory per connection", count), "pod", "KiB", false)
+		later := rep.Metric(fmt.Sprintf("%d idle connections: memory per connection, 5 s later", count), "pod", "KiB", false)
 		reached := rep.Metric(fmt.Sprintf("%d idle connections: connections reached", count), "pod", "conns", true)
+		later.Note(PathDirect, "n/a (no proxy)")
+		later.Note(PathIPTables, "as above")
 		m.Note(PathDirect, "n/a (no proxy)")
 		reached.Note(PathDirect, "n/a (no proxy)")
 		if conntrack > 0 {
@@ -489,6 +492,10 @@ func runIdle(t *testing.T, rep *Report, cfg settings, targets map[string]target,
 			}
 			time.Sleep(time.Second)
 			after, err := rssKiB(pids[p])
+			// Again once the connections have been idle for a while: kube-userspace-proxy's
+			// idle connections give up their goroutines after --tcp-park-idle-after (1 s).
+			time.Sleep(5 * time.Second)
+			afterIdle, errIdle := rssKiB(pids[p])
 			log := proc.Log()
 			proc.Stop()
 			if err != nil || got <= 0 {
@@ -496,6 +503,9 @@ func runIdle(t *testing.T, rep *Report, cfg settings, targets map[string]target,
 				continue
 			}
 			m.Add(p, float64(after-before)/float64(got))
+			if errIdle == nil {
+				later.Add(p, float64(afterIdle-before)/float64(got))
+			}
 			reached.Add(p, float64(got))
 			if got < count {
 				note := fmt.Sprintf("reached %d of %d: %s", got, count, firstLine(strings.TrimSpace(log[strings.Index(log, "READY"):]), 60))
@@ -507,7 +517,7 @@ func runIdle(t *testing.T, rep *Report, cfg settings, targets map[string]target,
 		}
 	}
 	rep.Notes = append(rep.Notes,
-		"Idle connections: proxy RSS (VmRSS) while holding the connections minus its RSS before the first idle test, over the connections reached; each connection made one request first. "+
+		"Idle connections: proxy RSS (VmRSS) while holding the connections (1 s after the last was made, and again 5 s later) minus its RSS before the first idle test, over the connections reached; each connection made one request first. "+
 			"Kernel socket and pipe memory is not in RSS. The container's open-files limit is 20000 (hard, not raisable): a proxy needs two descriptors per connection, "+
 			"so about 9,990 proxied connections is the most any userspace proxy can hold here, and 50,000 is impossible (the client alone would need 50,000 descriptors).")
 }
