@@ -78,15 +78,7 @@ func checkNoLeaks(t *testing.T) {
 
 // proxyGoroutines returns the stacks of goroutines running the package's non-test code.
 func proxyGoroutines() string {
-	buf := make([]byte, 1<<20)
-	for {
-		n := runtime.Stack(buf, true)
-		if n < len(buf) {
-			buf = buf[:n]
-			break
-		}
-		buf = make([]byte, 2*len(buf))
-	}
+	buf := allStacks()
 	var out []string
 	for _, g := range strings.Split(string(buf), "\n\n") {
 		for _, marker := range []string{"forward.(*Poller)", "forward.(*TCPProxy)", "forward.(*tcpConn)", "forward.(*relayRun)", "forward.(*direction)", "forward.(*UDPProxy)", "forward.(*udpSession)"} {
@@ -550,4 +542,16 @@ func (c *testChild) wait() error {
 	c.stdin.Close()
 	c.waited = true
 	return c.cmd.Wait()
+}
+
+// allStacks returns the stacks of every goroutine (runtime.Stack, all of them, whole).
+func allStacks() []byte {
+	buf := make([]byte, 1<<20)
+	for {
+		n := runtime.Stack(buf, true)
+		if n < len(buf) {
+			return buf[:n]
+		}
+		buf = make([]byte, 2*len(buf))
+	}
 }

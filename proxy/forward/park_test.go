@@ -37,15 +37,7 @@ func copierGoroutines() int { return countCopiers(false) }
 func waitingCopiers() int { return countCopiers(true) }
 
 func countCopiers(waiting bool) int {
-	buf := make([]byte, 1<<20)
-	for {
-		n := runtime.Stack(buf, true)
-		if n < len(buf) {
-			buf = buf[:n]
-			break
-		}
-		buf = make([]byte, 2*len(buf))
-	}
+	buf := allStacks()
 	n := 0
 	for _, g := range strings.Split(string(buf), "\n\n") {
 		if strings.Contains(g, "forward.(*direction)") && (!waiting || strings.Contains(g, "[IO wait")) {
