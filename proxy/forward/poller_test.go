@@ -4,7 +4,6 @@ import (
 	"context"
 	"net"
 	"net/netip"
-	"runtime"
 	"strings"
 	"testing"
 	"time"
@@ -95,11 +94,25 @@ func acceptLoops() int { return goroutinesIn("forward.(*TCPProxy).acceptLoop") }
 // readLoops counts the goroutines in a UDP proxy's read loop.
 func readLoops() int { return goroutinesIn("forward.(*UDPProxy).readLoop") }
 
-// goroutinesIn counts the goroutines whose stack has the function frame.
+// goroutinesIn counts the receivers (proxies) that have a goroutine in the method frame: a
+// proxy whose loop is on its way out while its next one starts counts once. Lines naming the
+// method as the creator of another goroutine ("created by") and frames of its closures
+// (frame.func1) do not count.
 func goroutinesIn(frame string) int {
-	buf := make([]byte, 1<<20)
-	n := runtime.Stack(buf, true)
-	return strings.Count(string(buf[:n]), frame)
+	receivers := map[string]bool{}
+	for _, line := range strings.Split(string(allStacks()), "\n") {
+		if strings.HasPrefix(line, "created by ") {
+			continue
+		}
+		_, args, ok := strings.Cut(line, frame+"(")
+		if !ok {
+			continue
+		}
+		recv, _, _ := strings.Cut(args, ",")
+		recv, _, _ = strings.Cut(recv, ")")
+		receivers[recv] = true
+	}
+	return len(receivers)
 }
 
 // Listeners started with a Poller hold no goroutine while idle: the accept loop starts when a
