@@ -61,6 +61,8 @@ type settings struct {
 	handoverConns, handoverScale int
 	// proxyLog is kube-userspace-proxy's --log-level; empty means info.
 	proxyLog string
+	// proxyArgs are more flags for kube-userspace-proxy (KUP_BENCH_PROXY_ARGS).
+	proxyArgs []string
 }
 
 // handoverAt returns the service scale at which the hand-over row is measured.
@@ -84,26 +86,44 @@ func configure(quick bool) settings {
 		handoverConns: 10000, handoverScale: 1000}
 }
 
-// onlyFromEnv applies KUP_BENCH_ONLY=controlplane (only the control-plane rows, no hand-over),
-// KUP_BENCH_SCALES=N,M (its service counts) and KUP_BENCH_PROXY_LOG=level (kube-userspace-proxy's
-// --log-level) to cfg: a partial run for working on one figure, not for results (write it to
-// KUP_BENCH_OUT). It returns KUP_BENCH_ONLY.
+// onlyFromEnv applies the partial-run knobs to cfg: a partial run is for working on one figure,
+// not for results (write it to KUP_BENCH_OUT). KUP_BENCH_ONLY picks the rows: controlplane (the
+// control-plane rows, no hand-over), datapath (the data-path rows from a pod and the node, no
+// outside clients) or idle (the idle-connection rows); KUP_BENCH_SCALES=N,M the control plane's
+// service counts, KUP_BENCH_IDLE=N,M the idle rows' connection counts; KUP_BENCH_PROXY_LOG=level
+// kube-userspace-proxy's --log-level; KUP_BENCH_PROXY_ARGS more of its flags (space-separated:
+// an A/B of one setting). It returns KUP_BENCH_ONLY.
 func onlyFromEnv(cfg *settings) (string, error) {
 	only := os.Getenv("KUP_BENCH_ONLY")
-	if only != "" && only != "controlplane" {
-		return "", fmt.Errorf("KUP_BENCH_ONLY=%q: the only partial run is \"controlplane\"", only)
+	switch only {
+	case "", "controlplane", "datapath", "idle":
+	default:
+		return "", fmt.Errorf("KUP_BENCH_ONLY=%q: the partial runs are controlplane, datapath and idle", only)
 	}
-	if v := os.Getenv("KUP_BENCH_SCALES"); v != "" {
-		cfg.serviceScales = nil
-		for _, f := range strings.Split(v, ",") {
+	counts := func(name string) ([]int, error) {
+		var ns []int
+		for _, f := range strings.Split(os.Getenv(name), ",") {
 			n, err := strconv.Atoi(strings.TrimSpace(f))
 			if err != nil || n <= 0 {
-				return "", fmt.Errorf("KUP_BENCH_SCALES=%q: want service counts like 1000,10000", v)
+				return nil, fmt.Errorf("%s=%q: want counts like 1000,10000", name, os.Getenv(name))
 			}
-			cfg.serviceScales = append(cfg.serviceScales, n)
+			ns = append(ns, n)
+		}
+		return ns, nil
+	}
+	var err error
+	if os.Getenv("KUP_BENCH_SCALES") != "" {
+		if cfg.serviceScales, err = counts("KUP_BENCH_SCALES"); err != nil {
+			return "", err
+		}
+	}
+	if os.Getenv("KUP_BENCH_IDLE") != "" {
+		if cfg.idleCounts, err = counts("KUP_BENCH_IDLE"); err != nil {
+			return "", err
 		}
 	}
 	cfg.proxyLog = os.Getenv("KUP_BENCH_PROXY_LOG")
+	cfg.proxyArgs = strings.Fields(os.Getenv("KUP_BENCH_PROXY_ARGS"))
 	return only, nil
 }
 
@@ -198,7 +218,7 @@ func TestBench(t *testing.T) {
 		// The idle-connection rows hold up to the open-files limit on one service port: the
 		// per-port bound (half of the descriptor budget by default) would stop them halfway,
 		// where HAProxy, which has no such bound, goes on.
-		Args: append([]string{"--max-connections-per-port=-1"}, profilingArgs(cfg)...),
+		Args: slices.Concat([]string{"--max-connections-per-port=-1"}, profilingArgs(cfg), cfg.proxyArgs),
 		Ready: func(ctx context.Context) error {
 			_, err := harness.Ask(ctx, nodes[PathKUP].NS, "tcp", harness.Addr(svc, 0))
 			return err
@@ -239,17 +259,25 @@ func TestBench(t *testing.T) {
 		for _, p := range OutsidePaths {
 			out.paths[p].stop()
 		}
+	} else if only == "datapath" {
+		runDataPath(t, rep, cfg, targets, loadBin)
+	}
+	if only == "" || only == "datapath" {
 		for _, src := range []string{"pod", "node"} {
 			rep.AddDifference(rep.Metric("keep-alive latency p99", src, "µs", false), "keep-alive latency p99 added (vs direct)", PathDirect)
 		}
+	}
+	if only == "" || only == "idle" {
 		runIdle(t, rep, cfg, targets, loadBin, map[string]int{PathKUP: kup.Pid(), PathHAProxy: hap.Pid()})
 	}
-	runControlPlane(t, rep, cfg, c, nodes, srvEP, kp, kup, kupCfg, func(kup *harness.Proxy, scale int) *harness.Proxy {
-		if only != "" {
-			return kup
-		}
-		return runHandover(t, rep, cfg, scale, targets[PathKUP], loadBin, kup, kupCfg)
-	})
+	if only == "" || only == "controlplane" {
+		runControlPlane(t, rep, cfg, c, nodes, srvEP, kp, kup, kupCfg, func(kup *harness.Proxy, scale int) *harness.Proxy {
+			if only != "" {
+				return kup
+			}
+			return runHandover(t, rep, cfg, scale, targets[PathKUP], loadBin, kup, kupCfg)
+		})
+	}
 
 	rep.Notes = append(rep.Notes,
 		"Topology: real etcd + kube-apiserver (test/cluster), one network namespace per node and pod (test/netns); "+
@@ -496,6 +524,9 @@ func runIdle(t *testing.T, rep *Report, cfg settings, targets map[string]target,
 			// idle connections give up their goroutines after --tcp-park-idle-after (1 s).
 			time.Sleep(5 * time.Second)
 			afterIdle, errIdle := rssKiB(pids[p])
+			if p == PathKUP && cfg.proxyLog != "" {
+				logMemory(t, tg.node.NS, pids[p], fmt.Sprintf("kup-bench-heap-idle-%d.pprof", count))
+			}
 			log := proc.Log()
 			proc.Stop()
 			if err != nil || got <= 0 {

@@ -24,6 +24,9 @@ import (
 // blocking epoll_wait: a blocked system call would hold its thread and processor, and each
 // goroutine its functions start would then need another thread woken to run.
 //
+// The goroutines that park on it end, and after a burst of them it has their stacks returned to
+// the system (memreturn.go).
+//
 // Create it with NewPoller and Close it when no socket needs it any more.
 type Poller struct {
 	epfd int
@@ -35,6 +38,7 @@ type Poller struct {
 	closed bool
 
 	done chan struct{} // closed when the goroutine has returned
+	mem  *memReturner  // returns the stacks of the goroutines that parked (memreturn.go)
 }
 
 // NewPoller creates a Poller and starts its goroutine.
@@ -53,8 +57,9 @@ func NewPoller() (*Poller, error) {
 		ep.Close()
 		return nil, fmt.Errorf("poller: %w", err)
 	}
-	p := &Poller{epfd: epfd, ep: ep, rc: rc, fns: map[int32]func(){}, done: make(chan struct{})}
+	p := &Poller{epfd: epfd, ep: ep, rc: rc, fns: map[int32]func(){}, done: make(chan struct{}), mem: newMemReturner()}
 	go p.run()
+	go p.mem.run()
 	return p, nil
 }
 
@@ -83,6 +88,7 @@ func (p *Poller) Arm(fd int, fn func()) error {
 		return fmt.Errorf("poller: watching descriptor %d: %w", fd, err)
 	}
 	p.fns[int32(fd)] = fn
+	p.mem.armed()
 	return nil
 }
 
@@ -117,6 +123,7 @@ func (p *Poller) Close() error {
 	p.mu.Unlock()
 	err := p.ep.Close() // wakes run's wait; the descriptor is closed once run has left it
 	<-p.done
+	p.mem.close()
 	for _, fn := range armed {
 		if fn != nil { // nil: called already
 			fn()
