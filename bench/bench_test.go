@@ -508,6 +508,9 @@ func runIdle(t *testing.T, rep *Report, cfg settings, targets map[string]target,
 		for _, p := range []string{PathKUP, PathHAProxy} {
 			before := base[p]
 			tg := targets[p]
+			if p == PathKUP && cfg.proxyLog != "" {
+				logMemory(t, tg.node.NS, pids[p], fmt.Sprintf("kup-bench-heap-before-idle-%d.pprof", count))
+			}
 			proc := tg.pod.NS.Start(t, loadBin, "idle", "--addr", tg.echo, "--count", strconv.Itoa(count), "--hold", "300s")
 			got := -1
 			deadline := time.Now().Add(180 * time.Second)
@@ -521,7 +524,8 @@ func runIdle(t *testing.T, rep *Report, cfg settings, targets map[string]target,
 			time.Sleep(time.Second)
 			after, err := rssKiB(pids[p])
 			// Again once the connections have been idle for a while: kube-userspace-proxy's
-			// idle connections give up their goroutines after --tcp-park-idle-after (1 s).
+			// idle connections give up their goroutines after one to two --tcp-park-idle-after
+			// (200 ms), and their stacks are returned to the system after the burst settles.
 			time.Sleep(5 * time.Second)
 			afterIdle, errIdle := rssKiB(pids[p])
 			if p == PathKUP && cfg.proxyLog != "" {

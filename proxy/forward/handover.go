@@ -184,7 +184,7 @@ func (p *TCPProxy) abandonDials(conns []*tcpConn) {
 	defer p.mu.Unlock()
 	for _, c := range conns {
 		if !c.relaying && c.parked == nil {
-			c.cancel()
+			c.endDial()
 		}
 	}
 }
@@ -245,7 +245,7 @@ func (p *TCPProxy) Thaw() error {
 		}
 		parked = append(parked, thawed{c, c.parked})
 		if c.parked.backend == nil { // its dial was abandoned: a fresh context for the next one
-			c.ctx, c.cancel = context.WithCancel(context.Background())
+			c.dialing.Store(newDialScope())
 		}
 		c.parked, c.relaying, c.relayed = nil, false, nil
 		c.stopped = make(chan struct{})
@@ -358,7 +358,7 @@ func (c *tcpConn) release() {
 		_ = c.parked.backend.Close()
 	}
 	c.p.Budget.give(tcpConnFDs)
-	c.cancel()
+	c.endDial()
 }
 
 // Adopt takes over connections exported by Freeze (of this process or another one), before or
@@ -427,7 +427,7 @@ func (p *TCPProxy) adoptConn(cs TCPConnState) error {
 		if backend != nil {
 			_ = backend.Close()
 		}
-		c.cancel()
+		c.endDial()
 		return err
 	}
 	p.sink().ConnAccepted()

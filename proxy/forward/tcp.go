@@ -307,7 +307,7 @@ func (p *TCPProxy) startConn(client *net.TCPConn) {
 	}
 	p.mu.Unlock()
 	if !admitted {
-		c.cancel()
+		c.endDial()
 		p.sink().ConnRefused() // counted before the client can see the reset
 		resetConn(client)
 		if p.refusedWarned.CompareAndSwap(false, true) {
@@ -332,9 +332,44 @@ func (p *TCPProxy) addConnLocked(c *tcpConn) {
 
 // newConn returns the state of a connection from client, not yet admitted.
 func (p *TCPProxy) newConn(client *net.TCPConn) *tcpConn {
-	ctx, cancel := context.WithCancel(context.Background())
-	return &tcpConn{p: p, client: client, clientAddr: tcpAddrPort(client.RemoteAddr()), ctx: ctx, cancel: cancel,
+	c := &tcpConn{p: p, client: client, clientAddr: tcpAddrPort(client.RemoteAddr()),
 		idle: newIdleClock(p.IdleTimeout), stopped: make(chan struct{})}
+	c.dialing.Store(newDialScope())
+	return c
+}
+
+// dialScope is the context of a connection's dial (see tcpConn.dialing).
+type dialScope struct {
+	ctx    context.Context
+	cancel context.CancelFunc
+}
+
+func newDialScope() *dialScope {
+	ctx, cancel := context.WithCancel(context.Background())
+	return &dialScope{ctx: ctx, cancel: cancel}
+}
+
+// cancelledCtx is the dial context of a connection whose dial was cancelled before it began.
+var cancelledCtx = func() context.Context {
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	return ctx
+}()
+
+// dialContext returns the context of the connection's dial: done once endDial was called.
+func (c *tcpConn) dialContext() context.Context {
+	if d := c.dialing.Load(); d != nil {
+		return d.ctx
+	}
+	return cancelledCtx
+}
+
+// endDial cancels the connection's dial context, ending a dial in progress, and lets it go:
+// an idle connection keeps no context (~100 bytes each). It may be called more than once.
+func (c *tcpConn) endDial() {
+	if d := c.dialing.Swap(nil); d != nil {
+		d.cancel()
+	}
 }
 
 // testHookCloseWriteSkipped, if set, is called when a copier leaves its EOF to the close of
@@ -347,11 +382,12 @@ type tcpConn struct {
 	p          *TCPProxy
 	client     *net.TCPConn
 	clientAddr netip.AddrPort
-	ctx        context.Context // cancelled when the connection is cut (ends a dial in progress), or once dialled
-	cancel     context.CancelFunc
-	idle       *idleClock    // nil without IdleTimeout
-	frozen     atomic.Bool   // Freeze asks the connection to stop at a safe point (see handover.go)
-	stopped    chan struct{} // closed when the connection's goroutines have ended or parked
+	// dialing is the dial's context until the dial is over (endDial): cutting the connection
+	// cancels it, which ends a dial in progress.
+	dialing atomic.Pointer[dialScope]
+	idle    *idleClock    // nil without IdleTimeout
+	frozen  atomic.Bool   // Freeze asks the connection to stop at a safe point (see handover.go)
+	stopped chan struct{} // closed when the connection's goroutines have ended or parked
 
 	// Guarded by p.mu.
 	endpoint netip.AddrPort // the endpoint being dialled, then the connected one
@@ -370,10 +406,11 @@ type tcpConn struct {
 // and the PROXY protocol header), then relay. A connection that reaches no endpoint is reset,
 // unless it is being frozen: then it is handed over undialled.
 func (c *tcpConn) handle() {
-	backend := c.connect(c.clientAddr)
-	// The dial is over: nothing reads ctx any more, and cancelling it frees what the dials
-	// attached to it (their contexts' registration: ~250 bytes an idle connection would keep).
-	c.cancel()
+	backend := c.connect(c.dialContext(), c.clientAddr)
+	// The dial is over: nothing reads its context any more, and cancelling it frees what the
+	// dials attached to it (their contexts' registration: ~250 bytes an idle connection would
+	// keep), and letting it go the context itself.
+	c.endDial()
 	if backend == nil {
 		if c.parkUndialled() {
 			return
@@ -488,7 +525,7 @@ func (c *tcpConn) end() {
 	delete(c.p.conns, c)
 	c.p.mu.Unlock()
 	c.p.Budget.give(tcpConnFDs)
-	c.cancel()
+	c.endDial()
 	close(c.stopped)
 	c.p.connWG.Done()
 }
@@ -496,7 +533,7 @@ func (c *tcpConn) end() {
 // connect dials an endpoint for the connection, asking Choose again (reset=true) after each
 // failure, one attempt per dial timeout, and sends the PROXY protocol header when the target
 // asks for one. It returns nil when no endpoint could be reached (or the connection was cut).
-func (c *tcpConn) connect(clientAddr netip.AddrPort) *net.TCPConn {
+func (c *tcpConn) connect(ctx context.Context, clientAddr netip.AddrPort) *net.TCPConn {
 	p := c.p
 	dst, dstAsked := netip.AddrPort{}, false
 	if oc, ok := p.Chooser.(OriginalDstChooser); !ok || oc.NeedsOriginalDst() {
@@ -514,7 +551,7 @@ func (c *tcpConn) connect(clientAddr netip.AddrPort) *net.TCPConn {
 		if !c.setEndpoint(ep) {
 			return nil // cut
 		}
-		backend, err := c.dial(target, clientAddr, timeout)
+		backend, err := c.dial(ctx, target, clientAddr, timeout)
 		if err == nil {
 			if h := p.testHookDialed; h != nil {
 				h(backend)
@@ -534,7 +571,7 @@ func (c *tcpConn) connect(clientAddr netip.AddrPort) *net.TCPConn {
 		}
 		p.sink().DialFailed(ep)
 		switch {
-		case c.ctx.Err() != nil:
+		case ctx.Err() != nil:
 			return nil // cut while dialling
 		case isResourceExhausted(err):
 			// Our own shortage, not the endpoint's fault: another endpoint will not help.
@@ -554,21 +591,21 @@ func (c *tcpConn) connect(clientAddr netip.AddrPort) *net.TCPConn {
 // dial connects to target's endpoint within timeout, from the client's address when the target
 // asks for it and that is possible. A transparent dial refused for lack of privilege or by the
 // bind falls back to a plain one, with a warning.
-func (c *tcpConn) dial(target Target, client netip.AddrPort, timeout time.Duration) (*net.TCPConn, error) {
+func (c *tcpConn) dial(ctx context.Context, target Target, client netip.AddrPort, timeout time.Duration) (*net.TCPConn, error) {
 	ep := target.Endpoint
 	if !target.Transparent || !canDialFrom(client.Addr(), ep) {
-		return dialTCP(c.ctx, newDialer(timeout), ep)
+		return dialTCP(ctx, newDialer(timeout), ep)
 	}
 	// Dialer.DialTCP takes the addresses as they are (no string to parse, no resolver); it
 	// binds the socket to its local address, which a transparent dial needs anyway.
 	d := transparentDialer(client.Addr())
 	d.Timeout, d.KeepAliveConfig = timeout, endpointKeepAlive
-	conn, err := d.DialTCP(c.ctx, tcpNetwork(ep), netip.AddrPortFrom(client.Addr().Unmap(), 0), ep)
+	conn, err := d.DialTCP(ctx, tcpNetwork(ep), netip.AddrPortFrom(client.Addr().Unmap(), 0), ep)
 	if err == nil || !isTransparentSetupError(err) {
 		return conn, err
 	}
 	logTransparentFallback(logOrNop(c.p.Log), c.p.LogScope, &c.p.transparentWarned, err, client, ep)
-	return dialTCP(c.ctx, newDialer(timeout), ep)
+	return dialTCP(ctx, newDialer(timeout), ep)
 }
 
 // dialTCP connects to ep with d (or until ctx ends); d's other options are Go's defaults. It
@@ -782,7 +819,7 @@ func (c *tcpConn) cutLocked() {
 		return
 	}
 	c.cut = true
-	c.cancel()
+	c.endDial()
 	c.resetBothLocked()
 }
 

@@ -179,7 +179,7 @@ func (o *Options) FlagGroups() []FlagGroup {
 			fs.IntVar(&o.MaxUDPSessionsPerPort, "max-udp-sessions-per-port", o.MaxUDPSessionsPerPort, "The most UDP sessions (client addresses) one service port may have; a new client beyond it ends the port's longest-idle session. 0: half of the data path's descriptor budget; -1: no bound but the budget.")
 			fs.IntVar(&o.MaxAffinityEntries, "max-affinity-entries-per-port", o.MaxAffinityEntries, "The most ClientIP session-affinity entries one service port keeps; beyond it the least recently used client is forgotten. 0: 10000.")
 			fs.DurationVar(&o.TCPIdleTimeout, "tcp-idle-timeout", o.TCPIdleTimeout, "Reset proxied TCP connections that moved no byte either way for this long. 0: never (iptables mode's conntrack established timeout is 24h).")
-			fs.DurationVar(&o.TCPParkIdleAfter, "tcp-park-idle-after", o.TCPParkIdleAfter, "A direction of a proxied TCP connection that moved no byte for this long (to twice that) gives its goroutine up and waits on the proxy's epoll watcher, so that idle connections cost no goroutine stack. 0: 1s; negative (e.g. -1s): never.")
+			fs.DurationVar(&o.TCPParkIdleAfter, "tcp-park-idle-after", o.TCPParkIdleAfter, "A direction of a proxied TCP connection that moved no byte for this long (to twice that) gives its goroutine up and waits on the proxy's epoll watcher, so that idle connections cost no goroutine stack. 0: 200ms; negative (e.g. -1s): never.")
 		}),
 		group("Health and metrics", func(fs *pflag.FlagSet) {
 			fs.StringVar(&o.HealthzBindAddress, "healthz-bind-address", o.HealthzBindAddress, "IP:port of the /healthz and /livez server; empty disables it. [config: healthzBindAddress]")
