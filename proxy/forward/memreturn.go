@@ -14,12 +14,15 @@ import (
 // the node is idle, since nothing allocates. 10,000 idle connections that had parked were
 // still 9.1 KiB of RSS each in the full benchmark (HAProxy: 3.2): their stacks, free but kept.
 //
-// So the Poller counts arms (each one a goroutine about to end) and, after a burst of
-// returnAfterArms of them, waits for the burst to settle and has the runtime collect and
-// return free memory (debug.FreeOSMemory): at most once per returnMinInterval, and never while
-// arms stay rare, so a node whose connections park one by one pays nothing. The collection is
-// a full GC with its usual short pauses; its CPU time grows with the live heap (tens of
-// milliseconds at 10,000 services), bounded by the interval.
+// So the Poller counts the directions that park (each one a goroutine that ends) and, after a
+// burst of returnAfterArms of them, waits for the burst to settle and has the runtime collect
+// and return free memory (debug.FreeOSMemory): at most once per returnMinInterval, and never
+// while parkings stay rare, so a node whose connections park one by one pays nothing. The
+// collection is a full GC with its usual short pauses; its CPU time grows with the live heap
+// (tens of milliseconds at 10,000 services), bounded by the interval. Listener loops are not
+// counted: at 10,000 service ports they park in a burst as the ports open and close, where a
+// return (a full collection, and every free page given back to be faulted in again by the next
+// sync) would land in the middle of the control plane's work.
 
 // Defaults of memReturner.
 const (

@@ -3,6 +3,7 @@ package forward
 import (
 	"net/netip"
 	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 )
@@ -120,4 +121,33 @@ func TestParkingReturnsMemory(t *testing.T) {
 			eventually(t, "memory returned after the connections parked", func() bool { return poller.mem.returned.Load() >= tc.want })
 		})
 	}
+}
+
+// TestPollerCountsOnlyParkedDirections: arming a socket (a listener's loop parking) does not
+// count toward a burst; a parked direction does.
+func TestPollerCountsOnlyParkedDirections(t *testing.T) {
+	poller, err := NewPoller()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer poller.Close()
+	poller.mem.after, poller.mem.settle, poller.mem.minInterval = 2, 10*time.Millisecond, 0
+	var fds [2]int
+	if err := syscall.Pipe2(fds[:], syscall.O_CLOEXEC|syscall.O_NONBLOCK); err != nil {
+		t.Fatal(err)
+	}
+	defer syscall.Close(fds[0])
+	defer syscall.Close(fds[1])
+	for range 3 {
+		if err := poller.Arm(fds[0], func() {}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	time.Sleep(100 * time.Millisecond) // ten settles
+	if n := poller.mem.returned.Load(); n != 0 {
+		t.Fatalf("%d returns after arms alone, want none", n)
+	}
+	poller.parked()
+	poller.parked()
+	eventually(t, "a return after two parked directions", func() bool { return poller.mem.returned.Load() == 1 })
 }

@@ -103,6 +103,7 @@ func (d *direction) parkOn() bool {
 		}
 	}
 	if d.park.state.CompareAndSwap(dirParking, dirParked) {
+		p.poller.parked()
 		return true
 	}
 	d.park.state.Store(dirRunning) // woken while parking

@@ -24,8 +24,8 @@ import (
 // blocking epoll_wait: a blocked system call would hold its thread and processor, and each
 // goroutine its functions start would then need another thread woken to run.
 //
-// The goroutines that park on it end, and after a burst of them it has their stacks returned to
-// the system (memreturn.go).
+// The goroutines of idle connections that park on it end, and after a burst of them it has their
+// stacks returned to the system (memreturn.go).
 //
 // Create it with NewPoller and Close it when no socket needs it any more.
 type Poller struct {
@@ -88,9 +88,14 @@ func (p *Poller) Arm(fd int, fn func()) error {
 		return fmt.Errorf("poller: watching descriptor %d: %w", fd, err)
 	}
 	p.fns[int32(fd)] = fn
-	p.mem.armed()
 	return nil
 }
+
+// parked tells the Poller that a goroutine gave its stack up to wait on it (an idle direction
+// of a TCP connection: see park.go), for the return of freed memory (memreturn.go). The loops
+// of listeners are not counted: they park in a burst once, as the ports open, while the proxy
+// allocates and collects anyway, and then one by one.
+func (p *Poller) parked() { p.mem.armed() }
 
 // Disarm stops watching fd: its function will not be called, unless the Poller's goroutine took
 // it already (readiness came first), so a function checks that it is still wanted. Call it
