@@ -13,7 +13,8 @@
 // process-wide one, and either is held only while data flows). Under Start, a direction that has
 // moved nothing for ParkIdleAfter gives its goroutine up and waits on the Poller, which resumes
 // it on a new goroutine (park.go): an idle connection thus costs its two sockets and a few
-// hundred bytes of heap per direction, and no goroutine stack. The client side's TCP
+// hundred bytes of heap per direction, and no goroutine stack; after a burst of parkings the
+// Poller has the freed stacks returned to the system (memreturn.go). The client side's TCP
 // keepalive is inherited from the listening socket (ListenTCP), so accepting sets no options. Running out of file descriptors on accept pauses accepting with a
 // growing sleep instead of failing.
 //
