@@ -63,6 +63,8 @@ type settings struct {
 	proxyLog string
 	// proxyArgs are more flags for kube-userspace-proxy (KUP_BENCH_PROXY_ARGS).
 	proxyArgs []string
+	// proxyWrapper runs it under env with KUP_BENCH_PROXY_ENV's variables; nil: none.
+	proxyWrapper []string
 }
 
 // handoverAt returns the service scale at which the hand-over row is measured.
@@ -91,8 +93,9 @@ func configure(quick bool) settings {
 // control-plane rows, no hand-over), datapath (the data-path rows from a pod and the node, no
 // outside clients) or idle (the idle-connection rows); KUP_BENCH_SCALES=N,M the control plane's
 // service counts, KUP_BENCH_IDLE=N,M the idle rows' connection counts; KUP_BENCH_PROXY_LOG=level
-// kube-userspace-proxy's --log-level; KUP_BENCH_PROXY_ARGS more of its flags (space-separated:
-// an A/B of one setting). It returns KUP_BENCH_ONLY.
+// kube-userspace-proxy's --log-level; KUP_BENCH_PROXY_ARGS more of its flags and
+// KUP_BENCH_PROXY_ENV variables of its environment (space-separated, NAME=value: an A/B of one
+// setting, such as GOMAXPROCS=1). It returns KUP_BENCH_ONLY.
 func onlyFromEnv(cfg *settings) (string, error) {
 	only := os.Getenv("KUP_BENCH_ONLY")
 	switch only {
@@ -124,6 +127,9 @@ func onlyFromEnv(cfg *settings) (string, error) {
 	}
 	cfg.proxyLog = os.Getenv("KUP_BENCH_PROXY_LOG")
 	cfg.proxyArgs = strings.Fields(os.Getenv("KUP_BENCH_PROXY_ARGS"))
+	if env := strings.Fields(os.Getenv("KUP_BENCH_PROXY_ENV")); len(env) > 0 {
+		cfg.proxyWrapper = append([]string{"env"}, env...)
+	}
 	return only, nil
 }
 
@@ -218,7 +224,8 @@ func TestBench(t *testing.T) {
 		// The idle-connection rows hold up to the open-files limit on one service port: the
 		// per-port bound (half of the descriptor budget by default) would stop them halfway,
 		// where HAProxy, which has no such bound, goes on.
-		Args: slices.Concat([]string{"--max-connections-per-port=-1"}, profilingArgs(cfg), cfg.proxyArgs),
+		Args:    slices.Concat([]string{"--max-connections-per-port=-1"}, profilingArgs(cfg), cfg.proxyArgs),
+		Wrapper: cfg.proxyWrapper,
 		Ready: func(ctx context.Context) error {
 			_, err := harness.Ask(ctx, nodes[PathKUP].NS, "tcp", harness.Addr(svc, 0))
 			return err
