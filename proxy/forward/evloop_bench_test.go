@@ -8,6 +8,7 @@ import (
 	"sync"
 	"syscall"
 	"testing"
+	"unsafe"
 
 	"golang.org/x/sys/unix"
 )
@@ -57,6 +58,8 @@ type evLoop struct {
 	conns   []*evConn            // by descriptor: both sockets of a connection point to it
 	buf     []byte               // the loop's read buffer
 	events  [128]unix.EpollEvent // one batch
+	sa      unix.RawSockaddrAny  // accept4's client address
+	saLen   uint32               // its length
 	live    int                  // connections open
 	pended  int                  // writes that left data pending (tests)
 	stop    bool                 // set by the loop when woken for Close
@@ -253,8 +256,13 @@ func (l *evLoop) run() {
 
 // accept accepts one connection and starts its endpoint socket's connect.
 func (l *evLoop) accept() {
-	cfd, _, err := unix.Accept4(l.lfd, unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC)
-	if err != nil {
+	// Not unix.Accept4: its parsing of the client's address costs a getsockopt(SO_PROTOCOL) per
+	// call (to tell L2TP from TCP). The address would be in l.sa, for a Chooser.
+	l.saLen = unix.SizeofSockaddrAny
+	r, _, errno := unix.Syscall6(unix.SYS_ACCEPT4, uintptr(l.lfd), uintptr(unsafe.Pointer(&l.sa)), uintptr(unsafe.Pointer(&l.saLen)), unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, 0, 0)
+	cfd := int(r)
+	if errno != 0 {
+		err := error(errno)
 		if err != unix.EAGAIN && err != unix.ECONNABORTED {
 			l.report(fmt.Errorf("accept4: %w", err))
 		}
