@@ -41,6 +41,31 @@ func startedModes() []struct {
 	}{"ProxyStarted", true})
 }
 
+// tcpModes is startedModes and the two reference event loops of evloop_bench_test.go (not a data
+// path; what a relay on raw descriptors would cost): EventLoop blocks in epoll_wait, as HAProxy
+// does; EventLoopNetpoll waits in the runtime's poller, as the Poller does.
+func tcpModes() []struct {
+	name    string
+	proxied bool
+} {
+	return append(startedModes(), []struct {
+		name    string
+		proxied bool
+	}{{"EventLoop", true}, {"EventLoopNetpoll", true}}...)
+}
+
+// eventLoopTarget returns the address of the reference event loop of mode in front of backend,
+// and false for the other modes.
+func eventLoopTarget(b *testing.B, mode string, backend netip.AddrPort) (netip.AddrPort, bool) {
+	switch mode {
+	case "EventLoop":
+		return startEvLoop(b, backend, true).addr, true
+	case "EventLoopNetpoll":
+		return startEvLoop(b, backend, false).addr, true
+	}
+	return netip.AddrPort{}, false
+}
+
 // startedUDPProxy returns the address of a UDPProxy in front of backend started on a Poller.
 func startedUDPProxy(b *testing.B, backend netip.AddrPort) netip.AddrPort {
 	poller, err := NewPoller()
@@ -146,11 +171,13 @@ func requestServer(c *net.TCPConn) {
 // close. ProxyStarted is Proxy with the TCPProxy started on a Poller (Start), as the proxier
 // starts its listeners: the accept loop sets an idle deadline per accept.
 func BenchmarkTCPShortConnections(b *testing.B) {
-	for _, mode := range startedModes() {
+	for _, mode := range tcpModes() {
 		b.Run(mode.name, func(b *testing.B) {
 			backend := startTCPServer(b, loopback("4"), requestServer)
 			var target *net.TCPAddr
-			if mode.name == "ProxyStarted" {
+			if ev, ok := eventLoopTarget(b, mode.name, backend); ok {
+				target = net.TCPAddrFromAddrPort(ev)
+			} else if mode.name == "ProxyStarted" {
 				target = net.TCPAddrFromAddrPort(startedTCPProxy(b, backend))
 			} else {
 				target = net.TCPAddrFromAddrPort(tcpTarget(b, mode.proxied, backend))
@@ -186,19 +213,22 @@ func BenchmarkTCPShortConnections(b *testing.B) {
 // ProxyStarted parking every wait of a direction (ParkIdleAfter of 1ns): what each message costs
 // a connection that has parked.
 func BenchmarkTCPRequestResponse(b *testing.B) {
-	modes := append(startedModes(), struct {
+	modes := append(tcpModes(), struct {
 		name    string
 		proxied bool
 	}{"ProxyParkAtOnce", true})
 	for _, mode := range modes {
 		b.Run(mode.name, func(b *testing.B) {
 			backend := startTCPEcho(b, loopback("4"))
-			target := tcpTarget(b, mode.proxied, backend)
-			switch mode.name {
-			case "ProxyStarted":
+			target, ok := eventLoopTarget(b, mode.name, backend)
+			switch {
+			case ok:
+			case mode.name == "ProxyStarted":
 				target = startedTCPProxy(b, backend)
-			case "ProxyParkAtOnce":
+			case mode.name == "ProxyParkAtOnce":
 				target = startedTCPProxy(b, backend, func(p *TCPProxy) { p.ParkIdleAfter = time.Nanosecond })
+			default:
+				target = tcpTarget(b, mode.proxied, backend)
 			}
 			c := dialTCPTest(b, target)
 			c.SetDeadline(time.Time{})
@@ -352,17 +382,22 @@ func BenchmarkConntrackLookup(b *testing.B) {
 // measured after idleSettle, by when ProxyStarted's have parked.
 func BenchmarkTCPIdleConnections(b *testing.B) {
 	const idleConns = 2000
-	for _, mode := range startedModes() {
+	for _, mode := range tcpModes() {
 		b.Run(mode.name, func(b *testing.B) {
 			backend := startIdleBackend(b)
-			target := tcpTarget(b, mode.proxied, backend)
-			if mode.name == "ProxyStarted" {
+			target, ok := eventLoopTarget(b, mode.name, backend)
+			switch {
+			case ok:
+			case mode.name == "ProxyStarted":
 				target = startedTCPProxy(b, backend)
+			default:
+				target = tcpTarget(b, mode.proxied, backend)
 			}
-			var perConn, stackPer float64
+			var perConn, stackPer, otherPer float64
 			for range b.N {
 				before := goMemory()
 				sb := stackMemory()
+				ob := otherMemory()
 				conns := make([]*net.TCPConn, 0, idleConns)
 				msg := []byte("ping")
 				for range idleConns {
@@ -375,12 +410,14 @@ func BenchmarkTCPIdleConnections(b *testing.B) {
 				time.Sleep(idleSettle)
 				perConn = float64(goMemory()-before) / idleConns
 				stackPer = float64(stackMemory()-sb) / idleConns
+				otherPer = float64(otherMemory()-ob) / idleConns
 				for _, c := range conns {
 					c.Close()
 				}
 			}
 			b.ReportMetric(perConn, "B/idle-conn")
 			b.ReportMetric(stackPer, "stackB/idle-conn")
+			b.ReportMetric(otherPer, "otherB/idle-conn")
 		})
 	}
 }
@@ -433,6 +470,17 @@ func goMemory() int64 {
 	}
 	runtime.ReadMemStats(&ms)
 	return int64(ms.HeapInuse + ms.StackInuse)
+}
+
+// otherMemory returns the runtime's memory outside the heap, stacks and GC metadata
+// (MemStats.OtherSys), which holds the pollDesc of every socket in the runtime's poller (~558
+// bytes each, reused but never freed): it grows only past the most sockets the process had
+// open at once, so its figure per idle connection holds for the first measurement of a process
+// (run a mode alone: -bench 'TCPIdleConnections/^ProxyStarted$' -count 1).
+func otherMemory() int64 {
+	var ms runtime.MemStats
+	runtime.ReadMemStats(&ms)
+	return int64(ms.OtherSys)
 }
 
 func stackMemory() int64 {
