@@ -15,7 +15,7 @@ import (
 // still 9.1 KiB of RSS each in the full benchmark (HAProxy: 3.2): their stacks, free but kept.
 //
 // So the Poller counts the directions that park (each one a goroutine that ends) and, after a
-// burst of returnAfterArms of them, waits for the burst to settle and has the runtime collect
+// burst of returnAfterParks of them, waits for the burst to settle and has the runtime collect
 // and return free memory (debug.FreeOSMemory): at most once per returnMinInterval, and never
 // while parkings stay rare, so a node whose connections park one by one pays nothing. The
 // collection is a full GC with its usual short pauses; its CPU time grows with the live heap
@@ -26,22 +26,22 @@ import (
 
 // Defaults of memReturner.
 const (
-	returnAfterArms   = 1024 // ~8 MiB of goroutine stacks at the 8 KiB minimum
+	returnAfterParks  = 1024 // ~8 MiB of goroutine stacks at the 8 KiB minimum
 	returnSettle      = 500 * time.Millisecond
 	returnMaxWait     = 4 * time.Second  // a burst that goes on longer is returned as it stands
 	returnMinInterval = 30 * time.Second // between two returns
 )
 
-// memReturner returns freed memory to the system after bursts of arms (see above). Its
+// memReturner returns freed memory to the system after bursts of parkings (see above). Its
 // goroutine waits on a channel between bursts: no timer runs while the node is idle.
 type memReturner struct {
-	after       int64 // arms in a burst
+	after       int64 // parkings in a burst
 	settle      time.Duration
 	maxWait     time.Duration
 	minInterval time.Duration
 	release     func() // debug.FreeOSMemory; tests count calls instead
 
-	arms     atomic.Int64  // since the last return
+	parks    atomic.Int64  // since the last return
 	kick     chan struct{} // a burst began (capacity 1)
 	stop     chan struct{} // closed by close
 	done     chan struct{} // closed when run has returned
@@ -49,14 +49,14 @@ type memReturner struct {
 }
 
 func newMemReturner() *memReturner {
-	return &memReturner{after: returnAfterArms, settle: returnSettle, maxWait: returnMaxWait,
+	return &memReturner{after: returnAfterParks, settle: returnSettle, maxWait: returnMaxWait,
 		minInterval: returnMinInterval, release: debug.FreeOSMemory,
 		kick: make(chan struct{}, 1), stop: make(chan struct{}), done: make(chan struct{})}
 }
 
-// armed counts one arm; the one that completes a burst wakes run. It does not block.
-func (r *memReturner) armed() {
-	if r.arms.Add(1) == r.after {
+// parked counts one parking; the one that completes a burst wakes run. It does not block.
+func (r *memReturner) parked() {
+	if r.parks.Add(1) == r.after {
 		select {
 		case r.kick <- struct{}{}:
 		default:
@@ -77,7 +77,7 @@ func (r *memReturner) run() {
 		// Let the burst settle: parking connections go idle over a ParkIdleAfter or two.
 		start := time.Now()
 		for seen := int64(-1); ; {
-			n := r.arms.Load()
+			n := r.parks.Load()
 			if n == seen || time.Since(start) >= r.maxWait {
 				break
 			}
@@ -89,7 +89,7 @@ func (r *memReturner) run() {
 		if wait := r.minInterval - time.Since(last); !last.IsZero() && wait > 0 && !r.sleep(wait) {
 			return
 		}
-		r.arms.Store(0)
+		r.parks.Store(0)
 		r.release()
 		r.returned.Add(1)
 		last = time.Now()

@@ -18,30 +18,30 @@ func testReturner(after int64, minInterval time.Duration) (*memReturner, *atomic
 	return r, &calls
 }
 
-// TestMemReturnerAfterBurst: fewer arms than a burst return nothing; the arm that completes one
+// TestMemReturnerAfterBurst: fewer parkings than a burst return nothing; the one that completes one
 // has memory returned once the burst settles, and the count starts again.
 func TestMemReturnerAfterBurst(t *testing.T) {
 	r, calls := testReturner(10, 0)
 	defer r.close()
 	for range 9 {
-		r.armed()
+		r.parked()
 	}
 	time.Sleep(100 * time.Millisecond) // ten settles
 	if n := calls.Load(); n != 0 {
-		t.Fatalf("%d returns after 9 arms of a 10-arm burst, want none", n)
+		t.Fatalf("%d returns after 9 parkings of a 10-parking burst, want none", n)
 	}
-	r.armed()
+	r.parked()
 	eventually(t, "a return after the burst", func() bool { return calls.Load() == 1 })
-	if n := r.arms.Load(); n != 0 {
-		t.Errorf("%d arms counted after the return, want 0", n)
+	if n := r.parks.Load(); n != 0 {
+		t.Errorf("%d parkings counted after the return, want 0", n)
 	}
 	for range 10 {
-		r.armed()
+		r.parked()
 	}
 	eventually(t, "a return after the second burst", func() bool { return calls.Load() == 2 })
 }
 
-// TestMemReturnerEndlessBurst: arms that never stop coming still get a return (after maxWait).
+// TestMemReturnerEndlessBurst: parkings that never stop coming still get a return (after maxWait).
 func TestMemReturnerEndlessBurst(t *testing.T) {
 	r, calls := testReturner(5, 0)
 	defer r.close()
@@ -54,11 +54,11 @@ func TestMemReturnerEndlessBurst(t *testing.T) {
 			case <-stop:
 				return
 			case <-time.After(time.Millisecond):
-				r.armed()
+				r.parked()
 			}
 		}
 	}()
-	eventually(t, "a return while arms go on", func() bool { return calls.Load() >= 1 })
+	eventually(t, "a return while parkings go on", func() bool { return calls.Load() >= 1 })
 	close(stop)
 	<-done
 }
@@ -68,11 +68,11 @@ func TestMemReturnerEndlessBurst(t *testing.T) {
 func TestMemReturnerMinInterval(t *testing.T) {
 	r, calls := testReturner(3, time.Hour)
 	for range 3 {
-		r.armed()
+		r.parked()
 	}
 	eventually(t, "the first return", func() bool { return calls.Load() == 1 })
 	for range 3 {
-		r.armed()
+		r.parked()
 	}
 	time.Sleep(100 * time.Millisecond)
 	if n := calls.Load(); n != 1 {
@@ -114,7 +114,7 @@ func TestParkingReturnsMemory(t *testing.T) {
 			if tc.want == 0 {
 				time.Sleep(500 * time.Millisecond) // ten settles
 				if got := poller.mem.returned.Load(); got != 0 {
-					t.Fatalf("%d returns with bursts of %d arms, want none", got, tc.after)
+					t.Fatalf("%d returns with bursts of %d parkings, want none", got, tc.after)
 				}
 				return
 			}

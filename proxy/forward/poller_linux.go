@@ -95,7 +95,7 @@ func (p *Poller) Arm(fd int, fn func()) error {
 // of a TCP connection: see park.go), for the return of freed memory (memreturn.go). The loops
 // of listeners are not counted: they park in a burst once, as the ports open, while the proxy
 // allocates and collects anyway, and then one by one.
-func (p *Poller) parked() { p.mem.armed() }
+func (p *Poller) parked() { p.mem.parked() }
 
 // Disarm stops watching fd: its function will not be called, unless the Poller's goroutine took
 // it already (readiness came first), so a function checks that it is still wanted. Call it
