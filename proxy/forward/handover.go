@@ -142,6 +142,7 @@ func (p *TCPProxy) freezeConns() []*tcpConn {
 	conns := make([]*tcpConn, 0, len(p.conns))
 	for c := range p.conns {
 		c.freezeLocked()
+		c.stoppedLocked() // for awaitStopped
 		conns = append(conns, c)
 	}
 	return conns
@@ -166,13 +167,13 @@ func (c *tcpConn) freezeLocked() {
 func (p *TCPProxy) awaitStopped(ctx context.Context, conns []*tcpConn) {
 	for i, c := range conns {
 		select {
-		case <-c.stopped:
+		case <-c.stoppedCh:
 			continue
 		case <-ctx.Done():
 		}
 		p.abandonDials(conns[i:])
 		for _, c := range conns[i:] {
-			<-c.stopped
+			<-c.stoppedCh
 		}
 		return
 	}
@@ -197,8 +198,8 @@ func (c *tcpConn) park(backend *net.TCPConn, start relayStart, toEndpoint, fromE
 	p.sink().BytesCopied(toEndpoint, fromEndpoint)
 	p.mu.Lock()
 	c.parked = &parkedConn{backend: backend, start: start}
+	c.stopLocked()
 	p.mu.Unlock()
-	close(c.stopped)
 	p.connWG.Done()
 }
 
@@ -248,7 +249,7 @@ func (p *TCPProxy) Thaw() error {
 			c.dialing.Store(newDialScope())
 		}
 		c.parked, c.relaying, c.relayed = nil, false, nil
-		c.stopped = make(chan struct{})
+		c.stopped, c.stoppedCh = false, nil
 		c.frozen.Store(false)
 		p.connWG.Add(1) // park counted it done
 	}

@@ -98,13 +98,20 @@ func TestTCPIdleConnectionsHoldNoGoroutine(t *testing.T) {
 			if got, extra := copierGoroutines(), runtime.NumGoroutine()-goroutines; got > 0 || extra >= 2*n {
 				t.Fatalf("%d idle connections hold %d copier goroutines (%d goroutines more in all)", n, got, extra)
 			}
-			for i, c := range conns {
-				msg := strings.Repeat(fmt.Sprintf("again %d ", i), 1+i*100) // some fill the copy buffer: spliced
-				if got, err := roundTrip(c, []byte(msg)); err != nil || string(got) != msg {
-					t.Fatalf("connection %d after parking: %d bytes, %v", i, len(got), err)
-				}
+			var sent int64 // each way: what the echo server sends back
+			for i := range conns {
+				sent += int64(len(fmt.Sprintf("hello %d", i)))
 			}
-			awaitParked(t)
+			for round := range 2 { // the second after parking again: splicers shelved twice
+				for i, c := range conns {
+					msg := strings.Repeat(fmt.Sprintf("again %d ", i), 1+i*100) // some fill the copy buffer: spliced
+					if got, err := roundTrip(c, []byte(msg)); err != nil || string(got) != msg {
+						t.Fatalf("round %d, connection %d after parking: %d bytes, %v", round, i, len(got), err)
+					}
+					sent += int64(len(msg))
+				}
+				awaitParked(t)
+			}
 			// Half-close: the client's EOF reaches the echo server, whose EOF comes back,
 			// through directions that were parked.
 			for i, c := range conns {
@@ -116,6 +123,11 @@ func TestTCPIdleConnectionsHoldNoGoroutine(t *testing.T) {
 				}
 			}
 			eventually(t, "connections closed", func() bool { return metrics.snapshot().closed == n })
+			// The bytes of every park-and-resume counted: parked directions carry what their
+			// splicers wrote (see direction.shelve).
+			if s := metrics.snapshot(); s.toEndpoint != sent || s.fromEndpoint != sent {
+				t.Fatalf("bytes copied: %d to endpoints and %d from them, want %d each way", s.toEndpoint, s.fromEndpoint, sent)
+			}
 		})
 	}
 }

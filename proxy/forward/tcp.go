@@ -333,7 +333,7 @@ func (p *TCPProxy) addConnLocked(c *tcpConn) {
 // newConn returns the state of a connection from client, not yet admitted.
 func (p *TCPProxy) newConn(client *net.TCPConn) *tcpConn {
 	c := &tcpConn{p: p, client: client, clientAddr: tcpAddrPort(client.RemoteAddr()),
-		idle: newIdleClock(p.IdleTimeout), stopped: make(chan struct{})}
+		idle: newIdleClock(p.IdleTimeout)}
 	c.dialing.Store(newDialScope())
 	return c
 }
@@ -385,9 +385,8 @@ type tcpConn struct {
 	// dialing is the dial's context until the dial is over (endDial): cutting the connection
 	// cancels it, which ends a dial in progress.
 	dialing atomic.Pointer[dialScope]
-	idle    *idleClock    // nil without IdleTimeout
-	frozen  atomic.Bool   // Freeze asks the connection to stop at a safe point (see handover.go)
-	stopped chan struct{} // closed when the connection's goroutines have ended or parked
+	idle    *idleClock  // nil without IdleTimeout
+	frozen  atomic.Bool // Freeze asks the connection to stop at a safe point (see handover.go)
 
 	// Guarded by p.mu.
 	endpoint netip.AddrPort // the endpoint being dialled, then the connected one
@@ -397,6 +396,11 @@ type tcpConn struct {
 	parked   *parkedConn    // frozen: what the adopter needs to carry on
 	relayed  *relayRun      // the current relay, once relaying: its parked directions need waking
 	reset    bool           // resetBothLocked closed the sockets: no direction parks any more
+	// stopped: the connection's goroutines have ended or parked (see stopLocked); stoppedCh is
+	// closed then, made only when a freeze waits for it (96 bytes an idle connection need not
+	// keep).
+	stopped   bool
+	stoppedCh chan struct{}
 	// clientPolled and backendPolled: the socket is registered with p.poller (a direction
 	// parked on it once), and must be disarmed before it is closed (see disarmLocked).
 	clientPolled, backendPolled bool
@@ -521,13 +525,34 @@ func (c *tcpConn) finish(backend *net.TCPConn, toEndpoint, fromEndpoint copyResu
 // end forgets the connection, returns its descriptors to the budget, releases its context and
 // lets Shutdown know it is gone.
 func (c *tcpConn) end() {
-	c.p.mu.Lock()
-	delete(c.p.conns, c)
-	c.p.mu.Unlock()
 	c.p.Budget.give(tcpConnFDs)
 	c.endDial()
-	close(c.stopped)
+	c.p.mu.Lock()
+	delete(c.p.conns, c)
+	c.stopLocked()
+	c.p.mu.Unlock()
 	c.p.connWG.Done()
+}
+
+// stopLocked records that the connection's goroutines have ended or parked, waking a freeze
+// that waits for it. p.mu must be held.
+func (c *tcpConn) stopLocked() {
+	c.stopped = true
+	if c.stoppedCh != nil {
+		close(c.stoppedCh)
+	}
+}
+
+// stoppedLocked returns a channel closed once the connection's goroutines have ended or
+// parked (at once if they have). p.mu must be held.
+func (c *tcpConn) stoppedLocked() <-chan struct{} {
+	if c.stoppedCh == nil {
+		c.stoppedCh = make(chan struct{})
+		if c.stopped {
+			close(c.stoppedCh)
+		}
+	}
+	return c.stoppedCh
 }
 
 // connect dials an endpoint for the connection, asking Choose again (reset=true) after each
@@ -692,11 +717,12 @@ func frozenAt(to, from copyResult) (bool, relayStart) {
 type direction struct {
 	r        *relayRun
 	dst, src *net.TCPConn
+	s        *splicer // the copy, once started; nil while parked (see shelve)
 	pending  []byte   // to write to dst first (an adopted connection's)
-	done     bool     // done already (an adopted connection's): copy nothing
-	s        *splicer // the copy, once started
 	res      copyResult
 	park     parkState // see park.go
+	done     bool      // done already (an adopted connection's): copy nothing
+	spliced  bool      // while parked: the shelved splicer had switched to splice
 }
 
 func (d *direction) init(r *relayRun, dst, src *net.TCPConn, pending []byte, done bool) {
@@ -761,6 +787,10 @@ func (d *direction) begin() bool {
 // copy runs the copy until it ends, or parks the direction and returns when it would wait
 // (resume calls it again, on another goroutine).
 func (d *direction) copy() {
+	if d.s == nil && !d.unshelve() {
+		d.r.copierDone()
+		return
+	}
 	for {
 		n, err := d.s.run()
 		if errors.Is(err, errWouldBlock) {
