@@ -662,6 +662,9 @@ func runControlPlane(t *testing.T, rep *Report, cfg settings, c *cluster.Cluster
 		}
 		if cfg.proxyLog != "" {
 			logMemory(t, nodes[PathKUP].NS, kup.Pid(), fmt.Sprintf("kup-bench-heap-%d.pprof", scale))
+			// Its log up to the memory sample, periodic syncs included (with
+			// KUP_BENCH_PROXY_ENV=GODEBUG=gctrace=1, the collections too).
+			keepLog(t, kup.Process, fmt.Sprintf("kup-bench-proxy-restart-%d-sampled.log", scale))
 		}
 
 		if scale == cfg.handoverAt() {
