@@ -8,46 +8,102 @@ import (
 // SplitRule splits a rule as `iptables -S` and `iptables-save` print it into arguments, undoing
 // their quoting: a double-quoted string is one argument, and inside it a backslash escapes the
 // next character (`"a \"b\""` is `a "b"`).
+//
+// The arguments are substrings of line wherever no escape had to be undone (every argument of
+// the rules iptables prints for Kubernetes: a comment like "ns/svc:port" is quoted but has no
+// backslash), and the result is allocated once: a restart at 10,000 service ports splits every
+// rule of the tables, and one string per argument was most of its garbage. A caller that keeps
+// an argument for long keeps line with it: clone it (strings.Clone).
 func SplitRule(line string) ([]string, error) {
-	var (
-		args    []string
-		cur     strings.Builder
-		inArg   bool
-		inQuote bool
-	)
-	for i := 0; i < len(line); i++ {
-		c := line[i]
-		switch {
-		case inQuote && c == '\\':
-			if i+1 >= len(line) {
-				return nil, fmt.Errorf("split rule %q: backslash at end of line", line)
-			}
+	args := make([]string, 0, strings.Count(line, " ")+1)
+	for i := 0; ; {
+		for i < len(line) && (line[i] == ' ' || line[i] == '\t') {
 			i++
-			cur.WriteByte(line[i])
-		case inQuote && c == '"':
-			inQuote = false
-		case inQuote:
-			cur.WriteByte(c)
-		case c == '"':
-			inQuote, inArg = true, true
-		case c == ' ' || c == '\t':
-			if inArg {
-				args = append(args, cur.String())
-				cur.Reset()
-				inArg = false
-			}
-		default:
-			cur.WriteByte(c)
-			inArg = true
 		}
+		if i == len(line) {
+			return args, nil
+		}
+		arg, next, err := splitArg(line, i)
+		if err != nil {
+			return nil, err
+		}
+		args = append(args, arg)
+		i = next
 	}
-	if inQuote {
-		return nil, fmt.Errorf("split rule %q: unterminated quote", line)
+}
+
+// splitArg reads the argument of line that starts at i (not a blank) and returns it and where
+// it ends: a substring of line unless it has an escape, or quoted and unquoted parts joined.
+func splitArg(line string, i int) (arg string, next int, err error) {
+	start, simple := i, true // simple: arg is line[from:to]
+	from, to := i, i
+	var b []byte // the argument as built, once not simple
+	for i < len(line) && line[i] != ' ' && line[i] != '\t' {
+		if line[i] != '"' {
+			j := i
+			for j < len(line) && line[j] != ' ' && line[j] != '\t' && line[j] != '"' {
+				j++
+			}
+			if simple && to == i {
+				to = j
+			} else {
+				b, simple = appendPart(b, simple, line[from:to], line[i:j]), false
+			}
+			i = j
+			continue
+		}
+		// A quoted part: up to the closing quote, undoing backslash escapes.
+		j := i + 1
+		part := -1 // start of an escape-free part's content, or -1 once an escape was found
+		var esc []byte
+		for part = j; ; j++ {
+			if j >= len(line) {
+				return "", 0, fmt.Errorf("split rule %q: unterminated quote", line)
+			}
+			if line[j] == '"' {
+				break
+			}
+			if line[j] == '\\' {
+				if j+1 >= len(line) {
+					return "", 0, fmt.Errorf("split rule %q: backslash at end of line", line)
+				}
+				if esc == nil {
+					esc = append(make([]byte, 0, 32), line[i+1:j]...)
+				}
+				j++
+				esc = append(esc, line[j])
+				continue
+			}
+			if esc != nil {
+				esc = append(esc, line[j])
+			}
+		}
+		switch {
+		case esc == nil && simple && from == to: // the whole argument so far is this quoted part
+			from, to = part, j
+		case esc == nil:
+			b, simple = appendPart(b, simple, line[from:to], line[part:j]), false
+		default:
+			b, simple = appendPart(b, simple, line[from:to], string(esc)), false
+		}
+		i = j + 1
 	}
-	if inArg {
-		args = append(args, cur.String())
+	if simple {
+		if from == to {
+			return line[start:start], i, nil // "" from an empty quoted part
+		}
+		return line[from:to], i, nil
 	}
-	return args, nil
+	return string(b), i, nil
+}
+
+// appendPart adds part to the argument being built in b, starting it with the simple prefix
+// when b is new.
+func appendPart(b []byte, simple bool, prefix, part string) []byte {
+	if simple {
+		b = append(b, prefix...)
+	}
+	return append(b, part...)
 }
 
 // Quote returns s as iptables-restore reads one argument: in double quotes, with `"` and `\`

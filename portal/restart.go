@@ -128,21 +128,29 @@ func parseProxyPortRule(line string) (namedPort, bool) {
 	if err != nil || len(args) < 2 {
 		return namedPort{}, false
 	}
-	opt := ruleOptions(args[2:])
-	key := PortKey{Name: opt["--comment"], Protocol: opt["-p"]}
-	if key.Name == "" || (key.Protocol != "tcp" && key.Protocol != "udp") {
+	opts := args[2:]
+	key := PortKey{Name: ruleOption(opts, "--comment"), Protocol: ruleOption(opts, "-p")}
+	switch key.Protocol { // constants, not substrings of line (which key.Name is until cloned below)
+	case "tcp":
+		key.Protocol = "tcp"
+	case "udp":
+		key.Protocol = "udp"
+	default:
+		return namedPort{}, false
+	}
+	if key.Name == "" {
 		return namedPort{}, false
 	}
 	var port string
-	switch chain, target := args[1], opt["-j"]; {
+	switch chain, target := args[1], ruleOption(opts, "-j"); {
 	case chain == ChainProxyPorts && target == "REJECT":
-		port = opt["--dport"]
+		port = ruleOption(opts, "--dport")
 	case !slices.Contains(natChains(), chain):
 		return namedPort{}, false
 	case target == "REDIRECT":
-		port = opt["--to-ports"]
+		port = ruleOption(opts, "--to-ports")
 	case target == "DNAT":
-		ap, err := netip.ParseAddrPort(opt["--to-destination"])
+		ap, err := netip.ParseAddrPort(ruleOption(opts, "--to-destination"))
 		if err != nil {
 			return namedPort{}, false
 		}
@@ -152,30 +160,26 @@ func parseProxyPortRule(line string) (namedPort, bool) {
 	if !ok {
 		return namedPort{}, false
 	}
+	key.Name = strings.Clone(key.Name) // kept: let line go
 	return namedPort{key: key, port: n}, true
 }
 
-// ruleOptions returns the value of each option ("-p", "--comment", ...) of a rule's arguments;
-// of an option given twice, the first. A negated option ("! --dport 80") is left out.
-func ruleOptions(args []string) map[string]string {
-	opt := map[string]string{}
+// ruleOption returns the value of option name ("-p", "--comment", "-j" for "--jump" too, ...)
+// among a rule's arguments; of an option given twice, the first; "" when absent. A negated
+// option ("! --dport 80") does not count. A scan per option, not a map per rule: a restart reads
+// every rule of the tables.
+func ruleOption(args []string, name string) string {
 	for i := 0; i+1 < len(args); i++ {
 		a := args[i]
 		if !strings.HasPrefix(a, "-") || strings.HasPrefix(args[i+1], "-") {
 			continue
 		}
-		if i > 0 && args[i-1] == "!" {
-			continue
-		}
-		if a == "--jump" {
-			a = "-j"
-		}
-		if _, ok := opt[a]; !ok {
-			opt[a] = args[i+1]
+		if (i == 0 || args[i-1] != "!") && (a == name || a == "--jump" && name == "-j") {
+			return args[i+1]
 		}
 		i++
 	}
-	return opt
+	return ""
 }
 
 // parsePort parses a port number 1..65535 written in decimal digits only.
