@@ -7,10 +7,13 @@ import (
 	"math/rand/v2"
 	"net"
 	"net/netip"
+	"os"
 	"reflect"
 	"sync"
 	"testing"
 	"time"
+
+	"golang.org/x/sys/unix"
 )
 
 func TestUDPEcho(t *testing.T) {
@@ -237,5 +240,28 @@ func TestUDPCloseEndsSessions(t *testing.T) {
 	}
 	if err := p.Close(); err != nil {
 		t.Errorf("second Close: %v", err)
+	}
+}
+
+// TestUDPConnReceiveBuffer checks that serving gives the service port's socket the large
+// receive buffer (udpConnRcvBuf) that absorbs bursts while the read loop waits for a core.
+func TestUDPConnReceiveBuffer(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("needs CAP_NET_ADMIN for SO_RCVBUFFORCE")
+	}
+	backend := startUDPEcho(t, loopback("4"), "")
+	r := startUDPProxy(t, "4", &fakeChooser{endpoints: []netip.AddrPort{backend}}, nil)
+	c := dialUDPTest(t, r.addr)
+	if _, err := udpExchange(c, []byte("ping"), 1, waitTimeout); err != nil { // Serve has prepared
+		t.Fatal(err)
+	}
+	rc, err := r.Conn.SyscallConn()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var size int
+	rc.Control(func(fd uintptr) { size, err = unix.GetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_RCVBUF) })
+	if err != nil || size < udpConnRcvBuf {
+		t.Fatalf("SO_RCVBUF of the proxy's socket: %d (%v), want at least %d", size, err, udpConnRcvBuf)
 	}
 }
