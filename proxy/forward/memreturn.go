@@ -29,7 +29,7 @@ const (
 	returnAfterParks  = 1024                   // ~8 MiB of goroutine stacks at the 8 KiB minimum
 	returnSettle      = 200 * time.Millisecond // one ParkIdleAfter: 500 ms left the 10,000-connection bench 1.5 KiB each higher 1 s after its ramp
 	returnMaxWait     = 4 * time.Second        // a burst that goes on longer is returned as it stands
-	returnMinInterval = 30 * time.Second       // between two returns
+	returnMinInterval = 10 * time.Second       // between two returns; 30 s kept the second burst of the bench's idle rows (~20 s after the first) 0.6 KiB each higher
 )
 
 // memReturner returns freed memory to the system after bursts of parkings (see above). Its
