@@ -126,8 +126,8 @@ type Metrics struct {
 	unservable prometheus.Gauge
 
 	mu sync.Mutex // guards dialed and local
-	// local holds the service ports (label values joined) that have a local-endpoints series.
-	local map[string]bool
+	// local holds the service ports that have a local-endpoints series.
+	local map[localKey]bool
 	// dialed holds, per service port (its label values joined), the endpoints that have a
 	// dial-failure series, so that KeepEndpoints can drop those of departed endpoints.
 	dialed map[string]map[netip.AddrPort]struct{}
@@ -139,7 +139,7 @@ func New(opts Options) *Metrics {
 	if now == nil {
 		now = time.Now
 	}
-	m := &Metrics{reg: prometheus.NewRegistry(), now: now, dialed: map[string]map[netip.AddrPort]struct{}{}, local: map[string]bool{}}
+	m := &Metrics{reg: prometheus.NewRegistry(), now: now, dialed: map[string]map[netip.AddrPort]struct{}{}, local: map[localKey]bool{}}
 	syncHistogram := func(name, help string) prometheus.Histogram {
 		return prometheus.NewHistogram(prometheus.HistogramOpts{Name: name, Help: help, Buckets: prometheus.ExponentialBuckets(0.001, 2, 15)})
 	}
@@ -272,13 +272,12 @@ func (m *Metrics) Synced(r proxy.SyncResult) {
 	// when they are gone) until the port is forgotten: no series for the ports that never had one.
 	m.mu.Lock()
 	for _, st := range r.Ports {
-		lv := labelValues(st.ServicePort.Name, st.ServicePort.Protocol)
-		key := strings.Join(lv, "\x00")
+		key := localKey{st.ServicePort.Name, st.ServicePort.Protocol}
 		if st.LocalEndpoints == 0 && !m.local[key] {
-			continue
+			continue // no allocation per port: a full sync lists every port
 		}
 		m.local[key] = true
-		m.localEndpointsGauge.WithLabelValues(lv...).Set(float64(st.LocalEndpoints))
+		m.localEndpointsGauge.WithLabelValues(labelValues(key.name, key.protocol)...).Set(float64(st.LocalEndpoints))
 	}
 	m.mu.Unlock()
 	switch r.Kind {
@@ -331,7 +330,7 @@ func (m *Metrics) Forget(name proxy.Name, protocol v1.Protocol) {
 	match := prometheus.Labels{"namespace": name.Namespace, "service": name.Name, "port": name.Port, "protocol": string(protocol)}
 	m.mu.Lock()
 	delete(m.dialed, strings.Join(labelValues(name, protocol), "\x00"))
-	delete(m.local, strings.Join(labelValues(name, protocol), "\x00"))
+	delete(m.local, localKey{name, protocol})
 	m.mu.Unlock()
 	for _, v := range []interface{ DeletePartialMatch(prometheus.Labels) int }{
 		m.accepted, m.active, m.failed, m.bytesTo, m.bytesFrom, m.dialFailures, m.udpOpened,
@@ -364,6 +363,12 @@ func (m *Metrics) KeepEndpoints(name proxy.Name, protocol v1.Protocol, keep func
 // the first eviction and goes with Forget.
 func (m *Metrics) AffinityEvicted(name proxy.Name, protocol v1.Protocol) {
 	m.affinityEvicted.WithLabelValues(name.Namespace, name.Name, name.Port, string(protocol)).Inc()
+}
+
+// localKey is a service port in Metrics.local.
+type localKey struct {
+	name     proxy.Name
+	protocol v1.Protocol
 }
 
 func labelValues(name proxy.Name, protocol v1.Protocol) []string {
