@@ -662,6 +662,7 @@ func runControlPlane(t *testing.T, rep *Report, cfg settings, c *cluster.Cluster
 		}
 		if cfg.proxyLog != "" {
 			logMemory(t, nodes[PathKUP].NS, kup.Pid(), fmt.Sprintf("kup-bench-heap-%d.pprof", scale))
+			logAllocs(t, nodes[PathKUP].NS, 65*time.Second, fmt.Sprintf("kup-bench-allocs-idle-%d.pprof", scale))
 			// Its log up to the memory sample, periodic syncs included (with
 			// KUP_BENCH_PROXY_ENV=GODEBUG=gctrace=1, the collections too).
 			keepLog(t, kup.Process, fmt.Sprintf("kup-bench-proxy-restart-%d-sampled.log", scale))
@@ -1306,6 +1307,25 @@ func logMemory(t *testing.T, ns *netns.NS, pid int, heapFile string) {
 		lines = append(lines, fmt.Sprintf("heap profile %s: %v", path, err))
 	}
 	t.Logf("memory of kube-userspace-proxy (pid %d):\n%s", pid, strings.Join(lines, "\n"))
+}
+
+// logAllocs keeps, for a KUP_BENCH_PROXY_LOG run, what kube-userspace-proxy (in ns) allocates
+// over the next d (a delta profile: /debug/pprof/allocs?seconds=), in the temporary directory:
+// an idle proxy's garbage — periodic syncs, scrapes — is what moves its heap between collections.
+func logAllocs(t *testing.T, ns *netns.NS, d time.Duration, file string) {
+	hc := &http.Client{Timeout: d + 30*time.Second, Transport: &http.Transport{DialContext: ns.DialContext, DisableKeepAlives: true}}
+	resp, err := hc.Get(fmt.Sprintf("http://%s/debug/pprof/allocs?seconds=%d", metricsAddr, int(d.Seconds())))
+	if err != nil {
+		t.Logf("allocation profile: %v", err)
+		return
+	}
+	b, err := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	path := filepath.Join(os.TempDir(), file)
+	if err == nil {
+		err = os.WriteFile(path, b, 0o644)
+	}
+	t.Logf("allocations of kube-userspace-proxy over %v: %s: %v", d, path, err)
 }
 
 // profilingArgs turns on kube-userspace-proxy's profiles for a KUP_BENCH_PROXY_LOG run (see
