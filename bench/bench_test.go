@@ -662,7 +662,7 @@ func runControlPlane(t *testing.T, rep *Report, cfg settings, c *cluster.Cluster
 		}
 		if cfg.proxyLog != "" {
 			logMemory(t, nodes[PathKUP].NS, kup.Pid(), fmt.Sprintf("kup-bench-heap-%d.pprof", scale))
-			logAllocs(t, nodes[PathKUP].NS, 65*time.Second, fmt.Sprintf("kup-bench-allocs-idle-%d.pprof", scale))
+			logAllocs(t, nodes[PathKUP].NS, 65*time.Second, fmt.Sprintf("kup-bench-heap-%d-later.pprof", scale))
 			// Its log up to the memory sample, periodic syncs included (with
 			// KUP_BENCH_PROXY_ENV=GODEBUG=gctrace=1, the collections too).
 			keepLog(t, kup.Process, fmt.Sprintf("kup-bench-proxy-restart-%d-sampled.log", scale))
@@ -1309,14 +1309,18 @@ func logMemory(t *testing.T, ns *netns.NS, pid int, heapFile string) {
 	t.Logf("memory of kube-userspace-proxy (pid %d):\n%s", pid, strings.Join(lines, "\n"))
 }
 
-// logAllocs keeps, for a KUP_BENCH_PROXY_LOG run, what kube-userspace-proxy (in ns) allocates
-// over the next d (a delta profile: /debug/pprof/allocs?seconds=), in the temporary directory:
-// an idle proxy's garbage — periodic syncs, scrapes — is what moves its heap between collections.
+// logAllocs keeps, for a KUP_BENCH_PROXY_LOG run, a heap profile of kube-userspace-proxy (in
+// ns) taken d after logMemory's, each after a collection, in the temporary directory: with
+// logMemory's as the base (go tool pprof -sample_index=alloc_space -base), what the idle proxy
+// allocated meanwhile — periodic syncs, scrapes —, which is what moves its heap between
+// collections. (A delta profile, allocs?seconds=, shows nothing when no collection ran in its
+// window: an idle proxy's allocations are published only by collections.)
 func logAllocs(t *testing.T, ns *netns.NS, d time.Duration, file string) {
-	hc := &http.Client{Timeout: d + 30*time.Second, Transport: &http.Transport{DialContext: ns.DialContext, DisableKeepAlives: true}}
-	resp, err := hc.Get(fmt.Sprintf("http://%s/debug/pprof/allocs?seconds=%d", metricsAddr, int(d.Seconds())))
+	time.Sleep(d)
+	hc := &http.Client{Timeout: 30 * time.Second, Transport: &http.Transport{DialContext: ns.DialContext, DisableKeepAlives: true}}
+	resp, err := hc.Get("http://" + metricsAddr + "/debug/pprof/heap?gc=1")
 	if err != nil {
-		t.Logf("allocation profile: %v", err)
+		t.Logf("heap profile %v later: %v", d, err)
 		return
 	}
 	b, err := io.ReadAll(resp.Body)
@@ -1325,7 +1329,7 @@ func logAllocs(t *testing.T, ns *netns.NS, d time.Duration, file string) {
 	if err == nil {
 		err = os.WriteFile(path, b, 0o644)
 	}
-	t.Logf("allocations of kube-userspace-proxy over %v: %s: %v", d, path, err)
+	t.Logf("heap profile of kube-userspace-proxy %v after the memory sample: %s: %v", d, path, err)
 }
 
 // profilingArgs turns on kube-userspace-proxy's profiles for a KUP_BENCH_PROXY_LOG run (see
