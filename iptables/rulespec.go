@@ -35,7 +35,7 @@ func SplitRule(line string) ([]string, error) {
 // splitArg reads the argument of line that starts at i (not a blank) and returns it and where
 // it ends: a substring of line unless it has an escape, or quoted and unquoted parts joined.
 func splitArg(line string, i int) (arg string, next int, err error) {
-	start, simple := i, true // simple: arg is line[from:to]
+	simple := true // arg is line[from:to]
 	from, to := i, i
 	var b []byte // the argument as built, once not simple
 	for i < len(line) && line[i] != ' ' && line[i] != '\t' {
@@ -53,10 +53,10 @@ func splitArg(line string, i int) (arg string, next int, err error) {
 			continue
 		}
 		// A quoted part: up to the closing quote, undoing backslash escapes.
-		j := i + 1
-		part := -1 // start of an escape-free part's content, or -1 once an escape was found
-		var esc []byte
-		for part = j; ; j++ {
+		part := i + 1  // where the quoted content starts
+		var esc []byte // the content with its escapes undone, once there is one
+		j := part
+		for ; ; j++ {
 			if j >= len(line) {
 				return "", 0, fmt.Errorf("split rule %q: unterminated quote", line)
 			}
@@ -89,10 +89,7 @@ func splitArg(line string, i int) (arg string, next int, err error) {
 		i = j + 1
 	}
 	if simple {
-		if from == to {
-			return line[start:start], i, nil // "" from an empty quoted part
-		}
-		return line[from:to], i, nil
+		return line[from:to], i, nil // "" for an empty quoted part
 	}
 	return string(b), i, nil
 }
