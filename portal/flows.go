@@ -82,10 +82,12 @@ func nodePortTargetIPs(cfg Config, nodeIPs []netip.Addr) []netip.Addr {
 }
 
 // deleteStaleFlowsLocked deletes the tracked UDP flows of every target whose handling changed
-// since the last call (all of them on the first), including targets that went away, with one
-// call of the FlowDeleter. It runs on the calling goroutine, whose thread's network namespace
-// the rules were written in; the FlowDeleter bounds its time. Failures are logged: the flows
-// then end on their own once their clients pause for conntrack's timeout.
+// since the last call (all of them on the first), including targets that went away and those a
+// failed deletion left, with one call of the FlowDeleter. It runs on the calling goroutine,
+// whose thread's network namespace the rules were written in; the FlowDeleter bounds its time.
+// A failure is logged and its targets are kept as stale (flowDeleteFailed): retryFlowsLocked
+// tries them again at a later sync, after a backoff (FlowRetryDue says when). A client that
+// keeps sending keeps its flow alive: without the retry it would never meet the rules again.
 func (m *Manager) deleteStaleFlowsLocked(portals []Portal, nodeIPs []netip.Addr) {
 	if m.flows == nil {
 		return
@@ -109,10 +111,57 @@ func (m *Manager) deleteStaleFlowsLocked(portals []Portal, nodeIPs []netip.Addr)
 	slices.SortFunc(stale, netip.AddrPort.Compare)
 	start := time.Now()
 	if err := m.flows.DeleteUDP(stale); err != nil {
-		m.log.Warn().Err(err).Int("targets", len(stale)).Msg("cannot delete stale UDP flows")
+		for _, t := range stale {
+			m.udpTargets[t] = flowDeleteFailed // a target that went away stays until deleted
+		}
+		m.flowFailures++
+		wait := min(flowRetryBase<<min(m.flowFailures-1, 16), flowRetryMax)
+		m.flowRetryAt = time.Now().Add(wait)
+		m.log.Warn().Err(err).Int("targets", len(stale)).Dur("retryIn", wait).Msg("cannot delete stale UDP flows")
 		return
 	}
+	m.flowFailures, m.flowRetryAt = 0, time.Time{}
 	m.log.Debug().Int("targets", len(stale)).Dur("took", time.Since(start)).Msg("deleted stale UDP flows")
+}
+
+// flowDeleteFailed is what udpTargets holds for a target whose stale flows a deletion failed to
+// delete: no handling is written so, so the next deletion tries it again (a successor's too,
+// through FlowTargets).
+const flowDeleteFailed = "stale: deletion failed"
+
+// The backoff of retries after failed deletions: 1 s, doubling, at most 30 s.
+const (
+	flowRetryBase = time.Second
+	flowRetryMax  = 30 * time.Second
+)
+
+// retryFlowsLocked is deleteStaleFlowsLocked for a sync that wrote nothing: it runs only when a
+// failed deletion left stale targets and their retry is due.
+func (m *Manager) retryFlowsLocked(portals []Portal, nodeIPs []netip.Addr) {
+	if m.flowFailures > 0 && !time.Now().Before(m.flowRetryAt) {
+		m.deleteStaleFlowsLocked(portals, nodeIPs)
+	}
+}
+
+// FlowRetryDue returns when stale UDP flows that a deletion failed to delete are to be tried
+// again, and false when none are waiting. The retry comes with a sync: the caller runs one then.
+func (m *Manager) FlowRetryDue() (time.Time, bool) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return m.flowRetryAt, m.flowFailures > 0
+}
+
+// RetryDue returns the earliest FlowRetryDue of the families, and false when none has a retry
+// waiting. The proxier runs a sync then (see userspace.Portals).
+func (s *Set) RetryDue() (time.Time, bool) {
+	var at time.Time
+	any := false
+	for _, f := range s.families {
+		if t, ok := f.manager.FlowRetryDue(); ok && (!any || t.Before(at)) {
+			at, any = t, true
+		}
+	}
+	return at, any
 }
 
 // FlowTargets is what the portals did with each UDP target at their last sync, per family

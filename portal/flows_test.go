@@ -1,6 +1,7 @@
 package portal
 
 import (
+	"errors"
 	"net"
 	"net/netip"
 	"os"
@@ -20,8 +21,11 @@ import (
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy"
 )
 
-// recordingFlows records DeleteUDP calls.
-type recordingFlows struct{ calls [][]string }
+// recordingFlows records DeleteUDP calls; the first fail calls fail.
+type recordingFlows struct {
+	calls [][]string
+	fail  int
+}
 
 func (r *recordingFlows) DeleteUDP(dsts []netip.AddrPort) error {
 	var call []string
@@ -29,6 +33,10 @@ func (r *recordingFlows) DeleteUDP(dsts []netip.AddrPort) error {
 		call = append(call, d.String())
 	}
 	r.calls = append(r.calls, call)
+	if r.fail > 0 {
+		r.fail--
+		return errors.New("conntrack: injected failure")
+	}
 	return nil
 }
 
@@ -284,4 +292,65 @@ func TestFlowTargetsHandedOver(t *testing.T) {
 	if len(freshFlows.calls) != 1 || len(freshFlows.calls[0]) != 2 {
 		t.Errorf("an unseeded first sync deleted the flows of %q, want both targets", freshFlows.calls)
 	}
+}
+
+// A failed deletion of stale flows is tried again — a client that keeps sending keeps its stale
+// flow alive for ever — at a later sync once its backoff has passed, even a sync that writes
+// nothing, with the targets that went away meanwhile; RetryDue tells the proxier when, and says
+// nothing once a deletion succeeded. A successor handed over while a retry waits deletes the
+// waiting targets' flows at its first sync.
+func TestStaleFlowsRetried(t *testing.T) {
+	nodeIPs := []netip.Addr{a("10.0.0.5")}
+	dns := Portal{Comment: "kube-system/dns:dns", Protocol: "udp", Port: 53, ClusterIP: a("10.96.0.10"), ProxyPort: 40000}
+	stats := Portal{Comment: "default/stats:udp", Protocol: "udp", Port: 8125, ClusterIP: a("10.96.0.30"), ProxyPort: 40003}
+	flows := &recordingFlows{fail: 2}
+	m, err := NewManager(Options{Config: v4Config(), Runner: &fakeRunner{}, Flows: flows})
+	if err != nil {
+		t.Fatal(err)
+	}
+	set := &Set{families: []familyPortals{{family: iptables.IPv4, manager: m}}, prepared: true}
+	sync := func(name string, fn func([]Portal, []netip.Addr) error, ps []Portal, want ...string) {
+		t.Helper()
+		flows.calls = nil
+		if err := fn(ps, nodeIPs); err != nil {
+			t.Fatalf("%s: %v", name, err)
+		}
+		var wantCalls [][]string
+		if len(want) > 0 {
+			wantCalls = [][]string{want}
+		}
+		if !slices.EqualFunc(flows.calls, wantCalls, slices.Equal) {
+			t.Errorf("%s: deleted flows of %q, want %q", name, flows.calls, wantCalls)
+		}
+	}
+	due := func(name string, want bool) {
+		t.Helper()
+		at, ok := set.RetryDue()
+		if ok != want {
+			t.Fatalf("%s: RetryDue = %v, %v; want a retry waiting: %v", name, at, ok, want)
+		}
+	}
+	sync("first sync, deletion fails", m.Sync, []Portal{dns, stats}, "10.96.0.10:53", "10.96.0.30:8125")
+	due("after the failure", true)
+	sync("before the backoff passed", m.Update, []Portal{dns, stats})
+	ft := set.FlowTargets()
+	m.mu.Lock()
+	m.flowRetryAt = time.Now().Add(-time.Millisecond)
+	m.mu.Unlock()
+	sync("retry with nothing to write, fails again", m.Update, []Portal{dns, stats}, "10.96.0.10:53", "10.96.0.30:8125")
+	due("after the second failure", true)
+	if at, _ := set.RetryDue(); time.Until(at) < 1500*time.Millisecond {
+		t.Errorf("the second retry is due in %v, want the backoff doubled to 2 s", time.Until(at).Round(time.Millisecond))
+	}
+	sync("stats went away: a deletion anyway, with the waiting targets", m.Update, []Portal{dns}, "10.96.0.10:53", "10.96.0.30:8125")
+	due("after a successful deletion", false)
+	sync("nothing stale", m.Update, []Portal{dns})
+
+	// A successor seeded while the first failure's retry waited deletes both targets' flows.
+	succ, err := NewManager(Options{Config: v4Config(), Runner: &fakeRunner{}, Flows: flows})
+	if err != nil {
+		t.Fatal(err)
+	}
+	(&Set{families: []familyPortals{{family: iptables.IPv4, manager: succ}}, prepared: true}).SeedFlowTargets(ft)
+	sync("successor's first sync", succ.Sync, []Portal{dns, stats}, "10.96.0.10:53", "10.96.0.30:8125")
 }

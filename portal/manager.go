@@ -79,6 +79,10 @@ type Manager struct {
 	// udpTargets is what the last successful sync did with each UDP target (see
 	// deleteStaleFlowsLocked); nil before the first.
 	udpTargets map[netip.AddrPort]string
+	// flowFailures counts the deletions of stale UDP flows that failed in a row; flowRetryAt is
+	// when the next is due (see deleteStaleFlowsLocked).
+	flowFailures int
+	flowRetryAt  time.Time
 	// found holds, per table, the iptables-save listing PruneStale read, for the first Sync to
 	// compare our chains in it with what it would write (see adoptLocked); nil after that Sync.
 	found map[string][]byte
@@ -219,6 +223,7 @@ func (m *Manager) syncLocked(portals []Portal, nodeIPs []netip.Addr, full bool) 
 	in := newSyncInput(portals, host)
 	same := m.synced && m.written != nil && m.input.same(in)
 	if same && !full {
+		m.retryFlowsLocked(portals, host.NodeIPs)
 		m.log.Debug().Int("portals", len(portals)).Dur("total", time.Since(start)).Msg("portal rules unchanged")
 		return errors.Join(invalid...)
 	}
@@ -264,6 +269,8 @@ func (m *Manager) keepLocked(portals []Portal, host Host, in *syncInput, start t
 	if !m.input.same(in) {
 		m.input = in
 		m.deleteStaleFlowsLocked(portals, host.NodeIPs)
+	} else {
+		m.retryFlowsLocked(portals, host.NodeIPs)
 	}
 	m.log.Debug().Int("portals", len(portals)).Dur("check", time.Since(checked)).
 		Dur("total", time.Since(start)).Msg("portal rules unchanged and in place")
@@ -520,5 +527,6 @@ func (m *Manager) Cleanup() error {
 		}
 	}
 	m.synced, m.written, m.layout, m.input, m.rewritten, m.udpTargets, m.found = false, nil, nil, nil, time.Time{}, nil, nil
+	m.flowFailures, m.flowRetryAt = 0, time.Time{} // the next sync deletes every target's flows
 	return errors.Join(errs...)
 }

@@ -11,6 +11,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"time"
 
 	"github.com/rs/zerolog"
 	v1 "k8s.io/api/core/v1"
@@ -269,6 +270,7 @@ func (m *Manager) PruneStale() error {
 		m.log.Info().Int("rules", pruned).Msg("deleted jumps of an earlier version, or second copies")
 	}
 	m.synced, m.written, m.layout, m.input, m.udpTargets, m.startSaves = false, nil, nil, nil, nil, nil
+	m.flowFailures, m.flowRetryAt = 0, time.Time{} // the next sync deletes every target's flows
 	m.found = found
 	return errors.Join(errs...)
 }

@@ -33,6 +33,13 @@ type Portals interface {
 	Sync(ctx context.Context, ports []proxy.PortState, node proxy.NodeAddrs, full bool) error
 }
 
+// retryingPortals is Portals that may leave work for a later sync (*portal.Set: stale UDP
+// flows whose deletion failed, tried again after a backoff): RetryDue says when, and the
+// proxier runs a sync then, changes or not.
+type retryingPortals interface {
+	RetryDue() (time.Time, bool)
+}
+
 // Options configures a Proxier. The zero value of each field is documented.
 type Options struct {
 	// Log is the component's logger; the zero value logs nothing.
@@ -364,6 +371,11 @@ func (p *Proxier) sync(periodic bool) bool {
 			p.log.Error().Err(res.Err).Msg("programming portals failed; retrying at the next sync")
 		} else if res.Kind == proxy.SyncFull {
 			p.lastFull = res.Start
+		}
+		if r, ok := p.opts.Portals.(retryingPortals); ok && p.runner != nil {
+			if at, due := r.RetryDue(); due {
+				p.runner.TriggerWithin(max(time.Until(at), 0))
+			}
 		}
 	}
 	res.Took = time.Since(res.Start)

@@ -760,3 +760,64 @@ func TestNewServiceWaitsForItsFirstSlice(t *testing.T) {
 		}
 	})
 }
+
+// retryPortals asks, after its first sync, for a retry after a delay (as *portal.Set does when
+// a deletion of stale UDP flows failed), and counts its syncs.
+type retryPortals struct {
+	delay time.Duration
+	mu    sync.Mutex
+	syncs []time.Time
+}
+
+func (r *retryPortals) Sync(context.Context, []proxy.PortState, proxy.NodeAddrs, bool) error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.syncs = append(r.syncs, time.Now())
+	return nil
+}
+
+func (r *retryPortals) RetryDue() (time.Time, bool) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if len(r.syncs) != 1 {
+		return time.Time{}, false
+	}
+	return r.syncs[0].Add(r.delay), true
+}
+
+// Portals that ask for a retry get a sync when it is due, with no change to carry it (and no
+// periodic sync for an hour), and no more once they stop asking.
+func TestPortalsRetryDue(t *testing.T) {
+	portals := &retryPortals{delay: 200 * time.Millisecond}
+	p := newTestProxier(t, Options{Portals: portals, MinSyncPeriod: time.Millisecond, SyncPeriod: time.Hour})
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { p.Run(ctx); close(done) }()
+	defer func() { cancel(); <-done }()
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		portals.mu.Lock()
+		n := len(portals.syncs)
+		var gap time.Duration
+		if n >= 2 {
+			gap = portals.syncs[1].Sub(portals.syncs[0])
+		}
+		portals.mu.Unlock()
+		if n >= 2 {
+			if gap < portals.delay {
+				t.Errorf("the retry came %v after the first sync, before its due time (%v)", gap, portals.delay)
+			}
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%d syncs in 10 s: the retry the portals asked for never ran", n)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	time.Sleep(300 * time.Millisecond)
+	portals.mu.Lock()
+	defer portals.mu.Unlock()
+	if len(portals.syncs) != 2 {
+		t.Errorf("%d syncs, want 2: the first and the one retry", len(portals.syncs))
+	}
+}

@@ -568,8 +568,15 @@ func TestProxy(t *testing.T) {
 		for _, fr := range f.everywhere() {
 			expectBackends(ctx, t, fr.ns, "tcp", addr, 6, f.names...)
 		}
-		// The restarted proxy deleted the stale flow: the same socket is answered again.
-		t.Logf("MEASURE restart → the old UDP socket is answered again: %v", harness.WaitFor(t, converge, ask).Round(time.Millisecond))
+		// The restarted proxy deleted the stale flow (retrying if the conntrack tool failed): the
+		// same socket is answered again. A failure says what the proxy and conntrack saw.
+		waited := time.Now()
+		if err := harness.Eventually(ctx, converge, ask); err != nil {
+			ct, ctErr := f.node.NS.Exec(ctx, "conntrack", "-L", "-p", "udp")
+			t.Fatalf("the old UDP socket is not answered %v after the restart: %v\nconntrack -L -p udp in the node (%v):\n%s\nproxy log:\n%s",
+				time.Since(waited).Round(time.Millisecond), err, ctErr, ct, f.proxy.Tail(60))
+		}
+		t.Logf("MEASURE restart → the old UDP socket is answered again: %v", time.Since(waited).Round(time.Millisecond))
 	})
 
 	t.Run("killed proxy: the restart replaces its stale rules", func(t *testing.T) {
