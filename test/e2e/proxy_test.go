@@ -123,7 +123,9 @@ func newFixture(t *testing.T) *fixture {
 func (f *fixture) restartProxy(top *testing.T, addr string) {
 	cfg := f.proxyConfig()
 	cfg.Ready = func(ctx context.Context) error {
-		_, err := harness.Ask(ctx, f.clientPod.NS, "tcp", addr)
+		// A short timeout per attempt: a SYN sent before the rules exist is lost, and the
+		// kernel would resend it only after a second, which the MEASURE lines would count.
+		_, err := harness.AskTimeout(ctx, f.clientPod.NS, "tcp", addr, 200*time.Millisecond)
 		return err
 	}
 	f.proxy = harness.StartProxy(top, f.node.NS, cfg)
