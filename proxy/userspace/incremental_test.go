@@ -30,6 +30,23 @@ func TestPartialSyncStateMatchesRebuild(t *testing.T) {
 			}
 			svcs := map[string]*v1.Service{}
 			p.sync(true)
+			// Many services in one sync (their listeners merged into the sorted list at once),
+			// twice, the second batch's names between the first's, all of them between the
+			// random steps' ones.
+			for batch := range 2 {
+				for i := range 80 {
+					if (i/3)%2 != batch {
+						continue
+					}
+					name := fmt.Sprintf("m%02d", i) // the first batch has the last
+					svc := service(name, []v1.ServicePort{tcpPort("tcp", 80), udpPort("dns", 53)}, func(s *v1.Service) {
+						s.Spec.ClusterIP = fmt.Sprintf("10.96.1.%d", 1+i)
+					})
+					tr.OnServiceUpdate(nil, svc)
+				}
+				p.sync(false)
+				checkIncrementalState(t, p, fmt.Sprintf("batch %d of 40 services", batch))
+			}
 			for step := range 120 {
 				name := fmt.Sprintf("s%d", r.IntN(12))
 				var what string
