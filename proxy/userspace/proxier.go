@@ -169,6 +169,9 @@ type Proxier struct {
 	// of every port's endpoints against the proxy's own addresses.
 	recheckGen  uint64
 	recheckNode []netip.Addr
+	// holds keeps the preferred proxy ports from other sockets until the first sync opens
+	// their listeners (see portHolds); nil from then on.
+	holds *portHolds
 }
 
 // New returns a Proxier configured by opts. Nothing runs until Run.
@@ -221,6 +224,13 @@ func New(opts Options) *Proxier {
 		preferred:   opts.PreferredPorts,
 	}
 	setAsidePreferred(p.alloc, opts.PreferredPorts)
+	if prefs := opts.PreferredPorts; prefs != nil {
+		most := math.MaxInt // as many as the listeners may have descriptors
+		if opts.Limits.FileLimit > 0 {
+			most = opts.Limits.listenerFDs()
+		}
+		p.holds = holdPorts(listenAddr(opts.BindAddress, 0).Addr(), prefs.Ports(), most)
+	}
 	p.runner = syncrunner.New(p.sync, opts.MinSyncPeriod, opts.SyncPeriod, syncBurst)
 	p.tracker = proxy.NewTracker(proxy.TrackerOptions{
 		Log: opts.Log,
@@ -310,6 +320,8 @@ func (p *Proxier) sync(periodic bool) bool {
 	dirty := p.applyLocked(&ch)
 	var opened []*listener
 	res.Unservable, opened = p.openPendingLocked(dirty)
+	p.holds.releaseAll() // the ports of service ports that are gone, or left closed
+	p.holds = nil
 	self := p.selfAddrsLocked(node, dirty)
 	if periodic && (p.recheckGen != p.gen || !slices.Equal(p.recheckNode, node.List())) {
 		// Endpoints are checked against the proxy's own addresses only when their service
@@ -699,6 +711,10 @@ func (p *Proxier) noteRefusedLocked(name proxy.Name, err error) {
 // openLocked opens l and reports whether it did; it may run on several goroutines at once, for
 // distinct listeners.
 func (p *Proxier) openLocked(l *listener) bool {
+	if prefs := p.opts.PreferredPorts; prefs != nil {
+		sp := l.choose.sp.Load()
+		p.holds.release(prefs.Port(sp.Name, sp.Protocol))
+	}
 	if err := l.open(&p.listen); err != nil {
 		l.logError().Err(err).Msg("cannot open the proxy listener; retrying at the next sync")
 		return false
@@ -855,6 +871,8 @@ func (p *Proxier) closeListeners() {
 		return
 	}
 	p.closed = true
+	p.holds.releaseAll()
+	p.holds = nil
 	for _, l := range p.ports {
 		l.stopAccepting()
 	}
