@@ -548,11 +548,11 @@ func (p *Proxier) openPendingLocked(dirty map[types.NamespacedName]bool) (int, [
 		return 0, nil
 	}
 	room := p.listenerRoomLocked()
-	need := 0
+	total := 0
 	for _, l := range pending {
-		need += listenerFDs(l.protocol())
+		total += listenerFDs(l.protocol())
 	}
-	if need > room { // which ones are left closed goes by name (without a limit, none is)
+	if total > room { // which ones are left closed goes by name (without a limit, none is)
 		names := make(map[*listener]string, len(pending))
 		for _, l := range pending {
 			names[l] = l.choose.sp.Load().String()
