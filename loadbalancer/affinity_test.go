@@ -407,3 +407,15 @@ func TestAffinityHitAllocs(t *testing.T) {
 		t.Errorf("%v allocations per hit, want 0", n)
 	}
 }
+
+// TestSweepWithoutAffinityAllocatesNothing: the periodic sync sweeps every port; ports without
+// session affinity, most of them, cost no allocation.
+func TestSweepWithoutAffinityAllocatesNothing(t *testing.T) {
+	h := newHarness(t, "n1", 1)
+	for i := range 1000 {
+		h.set(svcPort(name(fmt.Sprint("svc", i), "http")), ready("10.0.0.1:80", "n1"))
+	}
+	if n := testing.AllocsPerRun(10, h.lb.Sweep); n != 0 {
+		t.Errorf("Sweep of 1,000 ports without affinity: %v allocations, want 0", n)
+	}
+}

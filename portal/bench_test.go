@@ -13,6 +13,7 @@ import (
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/iptables"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/iptables/netnstest"
 	"golang.org/x/sys/unix"
+	v1 "k8s.io/api/core/v1"
 )
 
 // scalePortals returns n service ports of a realistic mix: every one has a ClusterIP, every third
@@ -229,4 +230,44 @@ func BenchmarkUpdateByPortal(b *testing.B) {
 	self2, _ := cpuTimes(b)
 	b.ReportMetric(float64(delta), "delta-bytes")
 	b.ReportMetric(float64(self2-self)/float64(time.Millisecond)/float64(ops), "cpu-ms/op")
+}
+
+// BenchmarkToPortals measures what a Set makes of the proxier's 10,000 port states in a
+// family: "fresh" without the last sync's portals (a start), "equal" from a new list of the
+// same states (a partial sync's: one state changed among them), "same" from the very list of
+// the last sync (an idle periodic sync's).
+func BenchmarkToPortals(b *testing.B) {
+	ports := make([]proxy.PortState, 10000)
+	for i, p := range scalePortals(len(ports)) {
+		sp := &proxy.ServicePort{Name: proxy.Name{Namespace: fmt.Sprintf("ns%05d", i), Name: "svc", Port: "http"},
+			Protocol: v1.ProtocolTCP, Port: p.Port, NodePort: p.NodePort, ClusterIPs: []netip.Addr{p.ClusterIP},
+			ExternalIPs: p.ExternalIPs, LoadBalancerIPs: p.LoadBalancerIPs}
+		ports[i] = proxy.PortState{ServicePort: sp, ProxyPort: p.ProxyPort, Internal: p.Internal, External: p.External}
+	}
+	other := slices.Clone(ports)
+	b.Run("fresh", func(b *testing.B) {
+		for b.Loop() {
+			var c portalCache
+			c.toPortals(iptables.IPv4, ports)
+		}
+	})
+	b.Run("equal", func(b *testing.B) {
+		var c portalCache
+		flip := false
+		for b.Loop() {
+			flip = !flip
+			if flip {
+				c.toPortals(iptables.IPv4, other)
+			} else {
+				c.toPortals(iptables.IPv4, ports)
+			}
+		}
+	})
+	b.Run("same", func(b *testing.B) {
+		var c portalCache
+		c.toPortals(iptables.IPv4, ports)
+		for b.Loop() {
+			c.toPortals(iptables.IPv4, ports)
+		}
+	})
 }

@@ -4,6 +4,9 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
+	"maps"
+	"math/rand/v2"
 	"net/netip"
 	"slices"
 	"strings"
@@ -161,7 +164,14 @@ func TestClaimExternal(t *testing.T) {
 			ExternalIPs: []netip.Addr{ip, netip.MustParseAddr("192.0.2.8")}, LoadBalancerIPs: []netip.Addr{ip}}
 	}
 	in := []Portal{mk("ns/a:http", "tcp"), mk("ns/b:http", "tcp"), mk("ns/c:dns", "udp")}
+	was := slices.Clone(in)
 	out, conflicts := claimExternal(in)
+	if !slices.EqualFunc(in, was, portalEqual) {
+		t.Errorf("claimExternal modified its input (the Set's cached portals): %+v", in)
+	}
+	if noConflict := []Portal{in[0], in[2]}; !slicesSame(first(claimExternal(noConflict)), noConflict) {
+		t.Errorf("claimExternal copied portals without a conflict")
+	}
 	if got := out[0].ExternalIPs; len(got) != 2 || len(out[0].LoadBalancerIPs) != 1 {
 		t.Errorf("a: external %v, LB %v; want all its addresses", got, out[0].LoadBalancerIPs)
 	}
@@ -180,5 +190,106 @@ func TestClaimExternal(t *testing.T) {
 		if strings.Contains(line, "192.0.2.7/32") && strings.Contains(line, "-p tcp") && !strings.Contains(line, "ns/a:http") {
 			t.Errorf("a rule for the shared address of another service port: %s", line)
 		}
+	}
+}
+
+func first[A, B any](a A, _ B) A { return a }
+
+// slicesSame reports whether a and b are the same slice (not only equal elements).
+func slicesSame[T any](a, b []T) bool {
+	return len(a) == len(b) && (len(a) == 0 || &a[0] == &b[0])
+}
+
+// TestPortalCache: the portals of a sync built with the last sync's (portalCache) are the ones
+// built from scratch, whatever changed in between (ports added, removed, redefined, their proxy
+// ports and actions changed; random steps in both families); the same slice of states gives
+// the same portals without allocating, and an equal one only the new list.
+func TestPortalCache(t *testing.T) {
+	r := rand.New(rand.NewPCG(3, 4))
+	sp := func(i int) *proxy.ServicePort {
+		p := &proxy.ServicePort{Name: proxy.Name{Namespace: fmt.Sprintf("ns%d", i%3), Name: fmt.Sprintf("svc%d", i/3), Port: "p"},
+			Protocol: v1.ProtocolTCP, Port: 80}
+		switch r.IntN(5) {
+		case 0: // no ClusterIP: a guard-only portal in both families while its listener is open
+		case 1:
+			p.ClusterIPs = []netip.Addr{netip.AddrFrom16([16]byte{0xfd, 15: byte(i)})}
+		default:
+			p.ClusterIPs = []netip.Addr{netip.AddrFrom4([4]byte{10, 96, byte(i >> 8), byte(i)})}
+			p.Protocol = []v1.Protocol{v1.ProtocolTCP, v1.ProtocolUDP, v1.ProtocolSCTP}[r.IntN(3)]
+			if r.IntN(4) == 0 {
+				p.LoadBalancerIPs = []netip.Addr{a("203.0.113.1")} // shared: claimExternal's conflicts
+				p.LoadBalancerSourceRanges = []netip.Prefix{pfx("198.51.100.0/24"), pfx("2001:db8::/32")}
+			}
+		}
+		return p
+	}
+	state := func(i int) proxy.PortState {
+		st := proxy.PortState{ServicePort: sp(i), ProxyPort: 30000 + r.IntN(3)}
+		if r.IntN(4) == 0 {
+			st.ProxyPort, st.Internal, st.External = 0, proxy.Reject, proxy.Reject
+		}
+		return st
+	}
+	byName := func(ports []proxy.PortState) {
+		slices.SortFunc(ports, func(a, b proxy.PortState) int {
+			return strings.Compare(a.ServicePort.Name.String(), b.ServicePort.Name.String())
+		})
+	}
+	present := map[int]proxy.PortState{}
+	caches := map[iptables.Family]*portalCache{iptables.IPv4: {}, iptables.IPv6: {}}
+	var ports []proxy.PortState
+	for step := range 300 {
+		if step%7 != 6 { // every 7th step hands over the same slice again
+			for range 1 + r.IntN(3) {
+				i := r.IntN(40)
+				switch _, ok := present[i]; {
+				case ok && r.IntN(3) == 0:
+					delete(present, i)
+				case ok && r.IntN(2) == 0:
+					st := present[i]
+					st.ProxyPort, st.Internal = 30000+r.IntN(3), proxy.Action(r.IntN(3))
+					present[i] = st
+				default:
+					present[i] = state(i)
+				}
+			}
+			ports = slices.Collect(maps.Values(present))
+			byName(ports)
+		}
+		for fam, c := range caches {
+			got, want := c.toPortals(fam, ports), toPortals(fam, ports)
+			if !slices.EqualFunc(got, want, portalEqual) {
+				t.Fatalf("step %d, %v: cached portals\n%+v\nwant\n%+v", step, fam, got, want)
+			}
+			claimed, _ := claimExternal(got)
+			if again := c.toPortals(fam, ports); !slicesSame(again, got) || !slices.EqualFunc(again, want, portalEqual) {
+				t.Fatalf("step %d, %v: the same states again gave other portals (claimed %+v)", step, fam, claimed)
+			}
+		}
+	}
+
+	// 1,000 unchanged ports: the same slice costs nothing, an equal one the list only.
+	present = map[int]proxy.PortState{}
+	for i := range 1000 {
+		present[i] = state(i)
+	}
+	ports = slices.Collect(maps.Values(present))
+	byName(ports)
+	other := slices.Clone(ports)
+	var c portalCache
+	c.toPortals(iptables.IPv4, ports)
+	if n := testing.AllocsPerRun(10, func() { c.toPortals(iptables.IPv4, ports) }); n != 0 {
+		t.Errorf("the same states: %v allocations, want 0", n)
+	}
+	flip := false
+	if n := testing.AllocsPerRun(10, func() {
+		flip = !flip
+		if flip {
+			c.toPortals(iptables.IPv4, other)
+		} else {
+			c.toPortals(iptables.IPv4, ports)
+		}
+	}); n != 1 {
+		t.Errorf("equal states: %v allocations, want 1 (the list)", n)
 	}
 }

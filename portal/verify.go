@@ -6,10 +6,12 @@ import (
 	"crypto/sha256"
 	"encoding/binary"
 	"fmt"
+	"hash"
 	"maps"
 	"net/netip"
 	"slices"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/iptables"
@@ -76,23 +78,42 @@ type syncInput struct {
 	sum [sha256.Size]byte
 }
 
-// newSyncInput returns the digest of portals and host.
+// newSyncInput returns the digest of portals and host. Every sync makes one: its hash and
+// buffer come from inputHashers, so that it allocates only the result.
 func newSyncInput(portals []Portal, host Host) *syncInput {
-	h := sha256.New()
-	b := appendHost(nil, host)
+	ih := inputHashers.Get().(*inputHasher)
+	defer inputHashers.Put(ih)
+	h := ih.h
+	h.Reset()
+	b := appendHost(ih.buf[:0], host)
 	b = binary.AppendVarint(b, int64(len(portals)))
 	for i := range portals {
 		b = appendPortal(b, &portals[i])
-		if len(b) > 32<<10 {
+		if len(b) > inputChunk {
 			h.Write(b)
 			b = b[:0]
 		}
 	}
 	h.Write(b)
+	ih.buf = b[:0]
 	in := &syncInput{}
 	h.Sum(in.sum[:0])
 	return in
 }
+
+// inputChunk is how much of newSyncInput's encoding is hashed at a time.
+const inputChunk = 32 << 10
+
+// inputHasher is newSyncInput's hash and buffer (growing from one chunk to the largest
+// encoding of a portal past it, at most), reused through inputHashers.
+type inputHasher struct {
+	h   hash.Hash
+	buf []byte
+}
+
+var inputHashers = sync.Pool{New: func() any {
+	return &inputHasher{h: sha256.New(), buf: make([]byte, 0, inputChunk+1024)}
+}}
 
 // appendHost appends an encoding of every field of host to b.
 func appendHost(b []byte, host Host) []byte {

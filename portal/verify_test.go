@@ -167,6 +167,22 @@ func checkSnapshot(t *testing.T, b backend, what, want string) {
 	}
 }
 
+// TestSyncInputReuse: every sync makes a digest of its portals; one of 10,000 allocates only
+// its result (the hash and the encoding's buffer are reused), and a reused hash carries nothing
+// of the digest before.
+func TestSyncInputReuse(t *testing.T) {
+	ps := scalePortals(10000)
+	host := Host{NodeIPs: []netip.Addr{a("10.0.0.5")}}
+	first := newSyncInput(ps, host)
+	if n := testing.AllocsPerRun(20, func() { newSyncInput(ps, host) }); n != 1 {
+		t.Errorf("newSyncInput of 10,000 portals: %v allocations, want 1", n)
+	}
+	other := newSyncInput(ps[:5000], host)
+	if other.same(first) || !newSyncInput(ps, host).same(first) {
+		t.Error("digests of a reused hash differ from fresh ones")
+	}
+}
+
 // TestSyncInputSeesEveryField changes each field of a Portal in turn, and of the Host: the
 // digest must change with every one, or a periodic Sync would keep the rules of a changed portal
 // until the next rewrite. Values that move between neighbouring fields, a portal split in two,

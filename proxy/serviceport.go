@@ -23,6 +23,43 @@ func (n Name) String() string {
 	return n.Namespace + "/" + n.Name + ":" + n.Port
 }
 
+// Compare compares n and o in the order of their strings (String), as strings.Compare would,
+// without building them: -1 when n sorts first, 0 when equal, +1 otherwise.
+func (n Name) Compare(o Name) int {
+	if n.Namespace != o.Namespace {
+		return compareJoined(n, o, n.Namespace, o.Namespace, '/')
+	}
+	if n.Name != o.Name {
+		return compareJoined(n, o, n.Name, o.Name, ':')
+	}
+	return strings.Compare(n.Port, o.Port)
+}
+
+// compareJoined compares the strings of n and o at the first of their parts that differ, a and
+// b, each followed by sep in the string. Namespaces hold no "/" and names no ":", so it
+// decides at the first byte that differs, or where the shorter part ends; otherwise (a part
+// holding its separator) it compares the strings themselves.
+func compareJoined(n, o Name, a, b string, sep byte) int {
+	k := 0
+	for k < len(a) && k < len(b) && a[k] == b[k] {
+		k++
+	}
+	x, y := sep, sep // the bytes of the strings at k: a part's end is followed by sep
+	if k < len(a) {
+		x = a[k]
+	}
+	if k < len(b) {
+		y = b[k]
+	}
+	switch {
+	case x < y:
+		return -1
+	case x > y:
+		return 1
+	}
+	return strings.Compare(n.String(), o.String())
+}
+
 // Service returns the namespaced name of the service the port belongs to.
 func (n Name) Service() types.NamespacedName {
 	return types.NamespacedName{Namespace: n.Namespace, Name: n.Name}

@@ -2,6 +2,7 @@ package proxy
 
 import (
 	"errors"
+	"math/rand/v2"
 	"net/netip"
 	"slices"
 	"strings"
@@ -641,5 +642,37 @@ func TestSliceServiceName(t *testing.T) {
 	s.Labels = nil
 	if _, ok := SliceServiceName(s); ok {
 		t.Error("a slice without the service-name label belongs to a service")
+	}
+}
+
+// TestNameCompare: Compare orders names as their strings do, separators and prefixes included
+// (random names over a small alphabet, with parts that hold the separators too).
+func TestNameCompare(t *testing.T) {
+	r := rand.New(rand.NewPCG(1, 2))
+	part := func() string {
+		const alphabet = "ab-.:/"
+		b := make([]byte, r.IntN(4))
+		for i := range b {
+			b[i] = alphabet[r.IntN(len(alphabet))]
+		}
+		return string(b)
+	}
+	name := func() Name { return Name{Namespace: part(), Name: part(), Port: part()} }
+	for range 200_000 {
+		a, b := name(), name()
+		if r.IntN(3) == 0 {
+			b.Namespace = a.Namespace
+			if r.IntN(2) == 0 {
+				b.Name = a.Name
+			}
+		}
+		if got, want := a.Compare(b), strings.Compare(a.String(), b.String()); got != want {
+			t.Fatalf("%q.Compare(%q) = %d, want %d", a, b, got, want)
+		}
+	}
+	if n := testing.AllocsPerRun(100, func() {
+		Name{Namespace: "ns", Name: "web", Port: "http"}.Compare(Name{Namespace: "ns", Name: "web-2", Port: "http"})
+	}); n != 0 {
+		t.Errorf("Compare allocates %v times, want 0", n)
 	}
 }

@@ -30,6 +30,23 @@ func TestPartialSyncStateMatchesRebuild(t *testing.T) {
 			}
 			svcs := map[string]*v1.Service{}
 			p.sync(true)
+			// Many services in one sync (their listeners merged into the sorted list at once),
+			// twice, the second batch's names between the first's, all of them between the
+			// random steps' ones.
+			for batch := range 2 {
+				for i := range 80 {
+					if (i/3)%2 != batch {
+						continue
+					}
+					name := fmt.Sprintf("m%02d", i) // the first batch has the last
+					svc := service(name, []v1.ServicePort{tcpPort("tcp", 80), udpPort("dns", 53)}, func(s *v1.Service) {
+						s.Spec.ClusterIP = fmt.Sprintf("10.96.1.%d", 1+i)
+					})
+					tr.OnServiceUpdate(nil, svc)
+				}
+				p.sync(false)
+				checkIncrementalState(t, p, fmt.Sprintf("batch %d of 40 services", batch))
+			}
 			for step := range 120 {
 				name := fmt.Sprintf("s%d", r.IntN(12))
 				var what string
@@ -108,5 +125,34 @@ func checkIncrementalState(t *testing.T, p *Proxier, at string) {
 			}
 		}
 		t.Fatalf("%s: port states differ from recomputed ones (%d vs %d):\n%s", at, len(kept), len(all), strings.Join(diff, "\n"))
+	}
+}
+
+// TestIdlePeriodicSyncAllocations: a periodic sync with nothing changed hands over the last
+// sync's port states (the same slice) and allocates nothing per port; so does the first after
+// a start (or any change of listeners), which checks every port's endpoints against the
+// proxy's own addresses: at 10,000 ports it marked every service dirty (a map of them all) and
+// rebuilt every state.
+func TestIdlePeriodicSyncAllocations(t *testing.T) {
+	const n = 1000
+	p := scaleProxierT(t, n)
+	p.sync(false) // the first sync after a start: triggered, not periodic
+	first := p.Ports()
+	p.sync(true) // the first periodic one: every port checked again
+	if got := p.Ports(); len(got) != n || &got[0] != &first[0] {
+		t.Fatalf("the first periodic sync made a new list of port states (%d), none changed", len(got))
+	}
+	recheck := testing.AllocsPerRun(5, func() {
+		p.recheckGen-- // as after a start: every port checked again
+		p.sync(true)
+	})
+	idle := testing.AllocsPerRun(5, func() { p.sync(true) })
+	// What a sync allocates whatever the number of ports: its result, the node's addresses, the
+	// changes drained, a log event.
+	if recheck > 40 || idle > 40 {
+		t.Errorf("periodic syncs of %d unchanged ports: %v allocations (%v checking every port), want a few, none per port", n, idle, recheck)
+	}
+	if got := p.Ports(); &got[0] != &first[0] {
+		t.Errorf("an idle periodic sync made a new list of port states")
 	}
 }

@@ -84,15 +84,31 @@ func TestLocalReady(t *testing.T) {
 		{"local ready", []proxy.Endpoint{ep("10.0.0.1:80", "n1", true, false), ep("10.0.0.2:80", "n2", true, false)}, []string{"10.0.0.1"}},
 		{"terminating does not count", []proxy.Endpoint{ep("10.0.0.1:80", "n1", false, true)}, nil},
 		{"same IP twice counts once", []proxy.Endpoint{ep("10.0.0.1:80", "n1", true, false), ep("10.0.0.1:81", "n1", true, false)}, []string{"10.0.0.1"}},
+		{"two", []proxy.Endpoint{ep("10.0.0.2:80", "n1", true, false), ep("10.0.0.1:80", "n1", true, false)}, []string{"10.0.0.2", "10.0.0.1"}},
+	}
+	addrs := func(ss []string) []netip.Addr {
+		var out []netip.Addr
+		for _, s := range ss {
+			out = append(out, netip.MustParseAddr(s))
+		}
+		return out
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			var got []string
-			for _, a := range localReady(tt.eps, "n1") {
-				got = append(got, a.String())
-			}
-			if !slices.Equal(got, tt.want) {
-				t.Errorf("localReady = %v, want %v", got, tt.want)
+			// was, the last sync's list: none, this one (returned as it is), others.
+			for _, was := range [][]netip.Addr{nil, addrs(tt.want), addrs([]string{"10.0.0.9"}),
+				addrs(append(slices.Clone(tt.want), "10.0.0.9")), addrs([]string{"10.0.0.1", "10.0.0.2"})} {
+				var got []string
+				res := localReady(tt.eps, "n1", was)
+				for _, a := range res {
+					got = append(got, a.String())
+				}
+				if !slices.Equal(got, tt.want) {
+					t.Errorf("localReady(was %v) = %v, want %v", was, got, tt.want)
+				}
+				if len(res) > 0 && slices.Equal(res, was) && &res[0] != &was[0] {
+					t.Errorf("localReady(was %v) allocated a copy of was", was)
+				}
 			}
 		})
 	}

@@ -2,6 +2,7 @@ package userspace
 
 import (
 	"net"
+	"strconv"
 	"testing"
 
 	v1 "k8s.io/api/core/v1"
@@ -86,4 +87,35 @@ func TestPreferredPortOutOfRange(t *testing.T) {
 	if got := mustAsk(t, "tcp", inRange); got != "a" {
 		t.Errorf("answered by %q, want a", got)
 	}
+}
+
+// The preferred ports are held from New until the first sync opens their listeners: no other
+// socket can take one meanwhile (an outgoing connection of the proxy's own, made before the
+// first sync, could otherwise get one as its ephemeral port; the kernel gives none that a
+// socket is bound to). The first sync releases the ports of service ports that are gone.
+func TestPreferredPortsHeldUntilOpen(t *testing.T) {
+	a := startBackend(t, "a")
+	want, gone := freePort(t), freePort(t)
+	p := newTestProxier(t, Options{PreferredPorts: prefs{echoTCP: want, {Namespace: "default", Name: "gone"}: gone}})
+	for _, port := range []int{want, gone} {
+		if ln, err := net.Listen("tcp", net.JoinHostPort("::", strconv.Itoa(port))); err == nil {
+			ln.Close()
+			t.Fatalf("port %d bound by another socket before the first sync: not held", port)
+		}
+	}
+	tr := p.Tracker()
+	tr.OnServiceUpdate(nil, service("echo", []v1.ServicePort{tcpPort("tcp", 80)}))
+	tr.OnEndpointSliceUpdate(nil, slice("echo", "echo-a-tcp", "tcp", v1.ProtocolTCP, a))
+	p.Sync()
+	if got := proxyPort(t, p, echoTCP); got != want {
+		t.Errorf("TCP proxy port %d, want the preferred %d", got, want)
+	}
+	if got := mustAsk(t, "tcp", want); got != "a" {
+		t.Errorf("TCP answered by %q, want a", got)
+	}
+	ln, err := net.Listen("tcp", net.JoinHostPort("::", strconv.Itoa(gone)))
+	if err != nil {
+		t.Fatalf("the preferred port of a service port that is gone still held after the first sync: %v", err)
+	}
+	ln.Close()
 }

@@ -68,7 +68,8 @@ func heapAfterGC() (live, inuse uint64) {
 
 // BenchmarkProxierSync measures, at 10,000 service ports, the proxier's first sync (every
 // listener opened), an idle periodic sync (nothing changed: what the proxy spends every sync
-// period), and a sync after one more service. live-heap is the first sync with the traffic
+// period), the periodic sync that also checks every port's endpoints (the first after a
+// start), and a sync after one more service. live-heap is the first sync with the traffic
 // metrics the proxy has, reporting B/port: the live heap the sync adds (listeners, forwarders,
 // their metrics sinks, the proxier's maps, the balancer's state), per port.
 func BenchmarkProxierSync(b *testing.B) {
@@ -108,6 +109,16 @@ func BenchmarkProxierSync(b *testing.B) {
 		p := scaleProxier(b, n)
 		p.sync(true)
 		for b.Loop() {
+			p.sync(true)
+		}
+	})
+	b.Run("periodic-recheck", func(b *testing.B) {
+		// The first periodic sync after a start (or a change of listeners) checks every
+		// port's endpoints against the proxy's own addresses.
+		p := scaleProxier(b, n)
+		p.sync(false)
+		for b.Loop() {
+			p.recheckGen--
 			p.sync(true)
 		}
 	})
