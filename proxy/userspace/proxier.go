@@ -444,8 +444,8 @@ func (p *Proxier) applyLocked(ch *proxy.Changes) map[types.NamespacedName]bool {
 }
 
 // upsertPortLocked creates the port's listener, or updates an existing one in place. A
-// listener survives every change but one of protocol. A new listener goes into p.sorted, or
-// with added into *added, for the caller to put them all there at once (insertSortedLocked).
+// listener survives every change but one of protocol. A new listener goes into *added, not yet
+// into p.sorted: the caller puts them all there at once (insertSortedLocked).
 func (p *Proxier) upsertPortLocked(sp *proxy.ServicePort, added *[]*listener) {
 	if l, ok := p.ports[sp.Name]; ok {
 		if l.protocol() == sp.Protocol {
@@ -463,11 +463,7 @@ func (p *Proxier) upsertPortLocked(sp *proxy.ServicePort, added *[]*listener) {
 	l.choose.sp.Store(sp)
 	p.ports[sp.Name] = l
 	p.gen++
-	if added != nil {
-		*added = append(*added, l)
-		return
-	}
-	p.insertSortedLocked([]*listener{l})
+	*added = append(*added, l)
 }
 
 // insertSortedLocked puts the new listeners ls (those still in p.ports) into p.sorted, in

@@ -25,7 +25,9 @@ func TestServicePortsLocked(t *testing.T) {
 		s := svcs[r.IntN(len(svcs))]
 		n := proxy.Name{Namespace: s.Namespace, Name: s.Name, Port: ports[r.IntN(len(ports))]}
 		if r.IntN(3) > 0 {
-			p.upsertPortLocked(&proxy.ServicePort{Name: n, Protocol: v1.ProtocolTCP, Port: 80}, nil)
+			var added []*listener
+			p.upsertPortLocked(&proxy.ServicePort{Name: n, Protocol: v1.ProtocolTCP, Port: 80}, &added)
+			p.insertSortedLocked(added)
 			model[n] = true
 		} else {
 			p.removePortLocked(n)
