@@ -78,6 +78,17 @@ func (m *Manager) adoptLocked(found map[string][]byte, portals []Portal, order [
 		m.log.Debug().Msg("the earlier run's rules cannot be told apart by portal; writing every rule")
 		return false, nil
 	}
+	// Writing the difference clears m.rewritten (updateByPortalLocked), so the next full Sync
+	// rewrites every rule, ~0.45 s at 10,000 service ports. That is no bookkeeping slip but
+	// Update's fold: what a partial write appended sits in the recent chains, and in a guard
+	// after its chain's canary jump, until a full write puts everything back in Render's order.
+	// Keeping m.rewritten here, as the branch above does for rules found in recent chains,
+	// would be safe with iptables-nft, whose check of our rules (intactByCanaryLocked) does
+	// not look at the order. With iptables-legacy the check (intactBySaveLocked) compares each
+	// chain's rules in order with m.written, which lists an appended guard before the canary
+	// jump: it would take our own write for someone else's and rewrite anyway, with a false
+	// warning. Skipping this rewrite needs that check to compare the rules of a chain in any
+	// order first (rules of different portals never match the same packets).
 	m.synced, m.written, m.layout, m.rewritten = true, written, was, start
 	done, err := m.updateByPortalLocked(portals, order, host, in, start)
 	if !done {

@@ -65,7 +65,7 @@ func (s *Set) SurvivingProxyPorts(ctx context.Context) (ProxyPorts, error) {
 		if err := ctx.Err(); err != nil {
 			return nil, err
 		}
-		ports, err := f.manager.namedProxyPorts()
+		ports, err := f.manager.namedProxyPorts(!s.prepared)
 		if err != nil {
 			errs = append(errs, fmt.Errorf("%v: %w", f.family, err))
 		}
@@ -85,7 +85,12 @@ type namedPort struct {
 }
 
 // namedProxyPorts returns what the rules in the manager's family name (see scanProxyPorts).
-func (m *Manager) namedProxyPorts() ([]namedPort, error) {
+// With keep, it keeps the listings for the first PruneStale, which thus reads no table again
+// (see there why they are still true then). A successor's Set passes false: it never prunes
+// (the running proxy's rules are about to become its own), so the listings (both tables, a
+// few rule lines per service port) would stay for the life of the process; and the running
+// proxy goes on writing rules after they were read.
+func (m *Manager) namedProxyPorts(keep bool) ([]namedPort, error) {
 	var out []namedPort
 	saves := map[string][]byte{}
 	for _, table := range []string{tableNAT, tableFilter} {
@@ -96,9 +101,11 @@ func (m *Manager) namedProxyPorts() ([]namedPort, error) {
 		saves[table] = save
 		out = append(out, scanProxyPorts(save)...)
 	}
-	m.mu.Lock()
-	m.startSaves = saves
-	m.mu.Unlock()
+	if keep {
+		m.mu.Lock()
+		m.startSaves = saves
+		m.mu.Unlock()
+	}
 	return out, nil
 }
 
@@ -248,8 +255,18 @@ func hookChains(table string) []string {
 // service ports included. A current jump stays where it is, unless a built-in chain holds a
 // second copy of one: then its jumps to our chains are all put back in the order a fresh start
 // gives them. It reads each table once (iptables-save; the first call uses what
-// Set.SurvivingProxyPorts read, if it ran: nothing of ours changes rules in between), and
-// writes only when there is something to remove.
+// Set.SurvivingProxyPorts read, if it ran), and writes only when there is something to remove.
+//
+// The start's listings are as good as a fresh read (at 10,000 service ports each costs a few
+// hundred milliseconds) because nothing of ours writes to nat or filter in between: a second
+// proxy is kept out by the instance lock before any rule is read, and one started with a
+// hand-over socket is a successor, whose Set neither keeps the listings nor prunes; this
+// proxy's own start writes no rule before its first sync (the transparent routing, in mangle,
+// comes after it). Another program changing our chains meanwhile is no different from one
+// changing them right after a fresh read: a stale jump it adds stays until a restart, a
+// deletion that finds its rule gone fails and falls back to removing all of ours (pruneStale),
+// the first Sync lists the jumps again before it adopts anything, and a flushed chain shows at
+// the next periodic Sync (intactLocked).
 func (m *Manager) PruneStale() error {
 	m.mu.Lock()
 	defer m.mu.Unlock()

@@ -213,7 +213,7 @@ func testPruneStale(t *testing.T, b backend, ad addrs) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	named, err := m.namedProxyPorts()
+	named, err := m.namedProxyPorts(true)
 	if err != nil || !slices.ContainsFunc(named, func(np namedPort) bool { return np.port == 40001 }) {
 		t.Fatalf("namedProxyPorts = %v, %v; want proxy port 40001 among them", named, err)
 	}
@@ -460,5 +460,24 @@ func TestStaleJumps(t *testing.T) {
 	}
 	if _, _, _, err := staleJumps(tableFilter, []byte("-A INPUT -m comment --comment \"open -j KUBE-PORTALS-FILTER\n")); err == nil {
 		t.Error("an unreadable rule: no error")
+	}
+}
+
+// TestSuccessorKeepsNoStartListings: a restart's Set keeps what SurvivingProxyPorts read for
+// its first prune; a successor's, which never prunes (and whose predecessor goes on writing
+// rules), keeps nothing.
+func TestSuccessorKeepsNoStartListings(t *testing.T) {
+	for _, successor := range []bool{false, true} {
+		m, err := NewManager(Options{Config: v4Config(), Runner: &fakeRunner{}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		set := &Set{families: []familyPortals{{family: iptables.IPv4, manager: m}}, prepared: successor}
+		if _, err := set.SurvivingProxyPorts(context.Background()); err != nil {
+			t.Fatal(err)
+		}
+		if kept := m.startSaves != nil; kept == successor {
+			t.Errorf("successor %v: the start's listings kept: %v", successor, kept)
+		}
 	}
 }
