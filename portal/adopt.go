@@ -78,22 +78,21 @@ func (m *Manager) adoptLocked(found map[string][]byte, portals []Portal, order [
 		m.log.Debug().Msg("the earlier run's rules cannot be told apart by portal; writing every rule")
 		return false, nil
 	}
-	// Writing the difference clears m.rewritten (updateByPortalLocked), so the next full Sync
-	// rewrites every rule, ~0.45 s at 10,000 service ports. That is no bookkeeping slip but
-	// Update's fold: what a partial write appended sits in the recent chains, and in a guard
-	// after its chain's canary jump, until a full write puts everything back in Render's order.
-	// Keeping m.rewritten here, as the branch above does for rules found in recent chains,
-	// would be safe with iptables-nft, whose check of our rules (intactByCanaryLocked) does
-	// not look at the order. With iptables-legacy the check (intactBySaveLocked) compares each
-	// chain's rules in order with m.written, which lists an appended guard before the canary
-	// jump: it would take our own write for someone else's and rewrite anyway, with a false
-	// warning. Skipping this rewrite needs that check to compare the rules of a chain in any
-	// order first (rules of different portals never match the same packets).
 	m.synced, m.written, m.layout, m.rewritten = true, written, was, start
 	done, err := m.updateByPortalLocked(portals, order, host, in, start)
 	if !done {
 		m.synced, m.written, m.layout, m.rewritten = false, nil, nil, time.Time{}
 		return false, nil
+	}
+	if err == nil {
+		// Writing the difference cleared m.rewritten (updateByPortalLocked), as a partial
+		// update does so that the next full Sync puts the rules it appended to the recent
+		// chains back in Render's order: ~0.45 s of rewriting at 10,000 service ports, right
+		// after a restart. This was a full Sync: it checked every jump and chain and compared
+		// every rule of ours with the render, and the few rules it appended are no different
+		// from those found in the recent chains, which the branch above keeps until the
+		// periodic rewrite.
+		m.rewritten = start
 	}
 	m.log.Info().Int("portals", len(lay.sums)).Int("kept", kept).Dur("took", time.Since(start)).
 		Msg("the rules of the earlier run kept where they are this run's; wrote the difference")

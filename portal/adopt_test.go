@@ -9,7 +9,8 @@ import (
 // TestAdoptInNamespace restarts a Manager over the rules of an earlier one: when they are the
 // rules it would write (in Render's order, or with a partial update's rules in a recent chain)
 // its first Sync writes nothing and its partial updates carry on from them; when they are not
-// (a service changed meanwhile, a jump deleted) it writes everything.
+// (a service changed meanwhile, a jump deleted) it writes everything; either way the next full
+// Sync writes nothing.
 func TestAdoptInNamespace(t *testing.T) { inEachBackend(t, testAdopt) }
 
 func testAdopt(t *testing.T, b backend, ad addrs) {
@@ -44,6 +45,15 @@ func testAdopt(t *testing.T, b backend, ad addrs) {
 		checkProgrammed(t, b, "nat", nat)
 		checkFilterByGuardedPorts(t, b, filter)
 		checkJumps(t, b)
+		// The next full Sync (the first periodic one) finds the rules intact, whatever the
+		// first wrote: no rewrite (with iptables-legacy, its check compares every rule).
+		rec.restores = nil
+		if err := m.Sync(ps, localIPs(t)); err != nil {
+			t.Fatalf("%s: second Sync: %v", what, err)
+		}
+		if len(rec.restores) > 0 {
+			t.Errorf("%s: the second full Sync wrote:\n%s", what, strings.Join(rec.restores, "\n"))
+		}
 		// Partial updates carry on: one more service, then one less, then the last one found
 		// gone (in "rules in recent chains", its rules are in the recent chains), and back.
 		rec.restores = nil

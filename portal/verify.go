@@ -180,7 +180,8 @@ func (in *syncInput) same(o *syncInput) bool {
 // ours (one listing of an empty chain): a flushed or deleted chain, or table, shows. A single
 // rule deleted inside a chain does not; the periodic rewrite (Options.RewritePeriod) repairs
 // that. With iptables-legacy every listing reads a whole table, so it reads each table once
-// (iptables-save) and compares our chains rule by rule with what it wrote, and the jumps.
+// (iptables-save) and compares the rules of each of our chains with what it wrote (in any
+// order: see sameInAnyOrder), and the jumps.
 func (m *Manager) intactLocked() (bool, string) {
 	if m.run.Mode() == iptables.ModeLegacy {
 		return m.intactBySaveLocked()
@@ -222,7 +223,7 @@ func (m *Manager) intactBySaveLocked() (bool, string) {
 				return false, fmt.Sprintf("jump %s/%s -> %s missing", j.table, j.from, j.to)
 			}
 		}
-		if !maps.EqualFunc(rules, byChain(m.written[table]), slices.Equal) {
+		if !maps.EqualFunc(rules, byChain(m.written[table]), sameInAnyOrder) {
 			return false, table + ": the rules in our chains differ from those written"
 		}
 	}
@@ -267,6 +268,19 @@ func ruleChain(line string) (string, bool) {
 	}
 	chain, _, ok := strings.Cut(rest, " ")
 	return chain, ok
+}
+
+// sameInAnyOrder reports whether a and b hold the same rules, in whatever order; it sorts both.
+// The order within one of our chains is not compared: rules of different portals never match
+// the same packets, and a partial write puts its rules where the bookkeeping does not (an
+// appended guard after its chain's canary jump, a recent chain's rules in the order they came).
+func sameInAnyOrder(a, b []string) bool {
+	if len(a) != len(b) {
+		return false
+	}
+	slices.Sort(a)
+	slices.Sort(b)
+	return slices.Equal(a, b)
 }
 
 // byChain groups rule lines by chain, keeping their order.
