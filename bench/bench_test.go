@@ -202,7 +202,7 @@ func TestBench(t *testing.T) {
 	srv.NS.Start(t, "iperf3", "-s", "-p", strconv.Itoa(iperfPort))
 	nodes := map[string]*netns.Node{}
 	pods := map[string]*netns.Pod{}
-	nodeNames := map[string]string{PathDirect: "direct", PathIPTables: "ipt", PathKUP: "kup", PathHAProxy: "hap"}
+	nodeNames := map[string]string{PathDirect: "direct", PathIPTables: "ipt", PathKUP: "kup", PathKUPLoop: "kupl", PathHAProxy: "hap"}
 	for _, p := range Paths {
 		nodes[p] = n.AddNode(t, nodeNames[p])
 		pods[p] = n.AddPod(t, nodes[p], "client")
@@ -231,6 +231,16 @@ func TestBench(t *testing.T) {
 			return err
 		}}
 	kup := harness.StartProxy(t, nodes[PathKUP].NS, kupCfg)
+	// The same proxy with the event-loop TCP data path, on a node of its own; it stops before
+	// the control-plane workload, which it would otherwise load with every service created there.
+	loopCfg := kupCfg
+	loopCfg.NodeName = nodeNames[PathKUPLoop]
+	loopCfg.Args = slices.Concat(kupCfg.Args, []string{"--tcp-data-path=loop"})
+	loopCfg.Ready = func(ctx context.Context) error {
+		_, err := harness.Ask(ctx, nodes[PathKUPLoop].NS, "tcp", harness.Addr(svc, 0))
+		return err
+	}
+	kupLoop := harness.StartProxy(t, nodes[PathKUPLoop].NS, loopCfg)
 	hap := startHAProxy(t, nodes[PathHAProxy], srv.IP.String())
 	harness.WaitFor(t, 30*time.Second, func() error {
 		_, err := harness.Ask(ctx, nodes[PathIPTables].NS, "tcp", harness.Addr(svc, 0))
@@ -242,6 +252,7 @@ func TestBench(t *testing.T) {
 		PathDirect:   {echo: fmt.Sprintf("%s:%d", srv.IP, echoPort), iperf: fmt.Sprintf("%s:%d", srv.IP, iperfPort), udp: true},
 		PathIPTables: {echo: harness.Addr(svc, 0), iperf: harness.Addr(svc, 2), udp: true},
 		PathKUP:      {echo: harness.Addr(svc, 0), iperf: harness.Addr(svc, 2), udp: true},
+		PathKUPLoop:  {echo: harness.Addr(svc, 0), iperf: harness.Addr(svc, 2), udp: true},
 		PathHAProxy:  {echo: fmt.Sprintf("%s:%d", hapIP, hapEchoPort), iperf: fmt.Sprintf("%s:%d", hapIP, hapIperfPort)},
 	}
 	for p, tg := range targets {
@@ -275,7 +286,10 @@ func TestBench(t *testing.T) {
 		}
 	}
 	if only == "" || only == "idle" {
-		runIdle(t, rep, cfg, targets, loadBin, map[string]int{PathKUP: kup.Pid(), PathHAProxy: hap.Pid()})
+		runIdle(t, rep, cfg, targets, loadBin, map[string]int{PathKUP: kup.Pid(), PathKUPLoop: kupLoop.Pid(), PathHAProxy: hap.Pid()})
+	}
+	if err := kupLoop.Terminate(30 * time.Second); err != nil {
+		t.Errorf("stop the loop path's proxy: %v", err)
 	}
 	if only == "" || only == "controlplane" {
 		runControlPlane(t, rep, cfg, c, nodes, srvEP, kp, kup, kupCfg, func(kup *harness.Proxy, scale int) *harness.Proxy {
@@ -291,7 +305,7 @@ func TestBench(t *testing.T) {
 			"server pod (kup-echo on 8080 TCP+UDP, iperf3 -s on 5201) on its own node; each path has its own node namespace with a client pod. "+
 			"`from pod` = client in that node's pod; `from node` = client in the node namespace itself.",
 		"Paths: direct = the server pod's IP; iptables = upstream kube-proxy v1.36.3 --proxy-mode=iptables on a ClusterIP; "+
-			"kube-userspace-proxy on the same ClusterIP (its own node); haproxy = Debian HAProxy, mode tcp, option splice-auto, on its node's IP, pointing at the pod.",
+			"kube-userspace-proxy on the same ClusterIP (its own node); userspace loop = the same with --tcp-data-path=loop (its own node; UDP as the default path); haproxy = Debian HAProxy, mode tcp, option splice-auto, on its node's IP, pointing at the pod.",
 		"HAProxy has no UDP proxying: its UDP cells are n/a. HAProxy runs with maxconn 9900 and maxpipes 40 so that its descriptors fit the 20000 limit.",
 		"The machine is shared (2 cores, other test suites running: see the load averages), so tail latencies (p99, p99.9) are dominated by scheduling delays and vary widely between repetitions; the medians of throughput figures are steadier. Compare paths within a row, not against other machines.",
 		fmt.Sprintf("Bulk figures are iperf3 (%s) receiver throughput; UDP bulk is iperf3 -u -b 0 -l 1400, delivered rate = sender rate × (1 − loss).", strings.Join(cfg.iperfArgs, " ")),
@@ -490,7 +504,7 @@ func runIdle(t *testing.T, rep *Report, cfg settings, targets map[string]target,
 	// RSS before the first test: memory a proxy took for the first count is not returned to the
 	// system, so later counts are measured against the same starting point.
 	base := map[string]int64{}
-	for _, p := range []string{PathKUP, PathHAProxy} {
+	for _, p := range []string{PathKUP, PathKUPLoop, PathHAProxy} {
 		v, err := rssKiB(pids[p])
 		if err != nil {
 			t.Errorf("RSS of %s: %v", p, err)
@@ -512,7 +526,7 @@ func runIdle(t *testing.T, rep *Report, cfg settings, targets map[string]target,
 			m.Note(PathIPTables, "n/a (kernel conntrack)")
 		}
 		reached.Note(PathIPTables, "n/a (kernel)")
-		for _, p := range []string{PathKUP, PathHAProxy} {
+		for _, p := range []string{PathKUP, PathKUPLoop, PathHAProxy} {
 			before := base[p]
 			tg := targets[p]
 			if p == PathKUP && cfg.proxyLog != "" {
