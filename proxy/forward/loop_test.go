@@ -1,0 +1,113 @@
+package forward
+
+import (
+	"bytes"
+	"io"
+	"net"
+	"net/netip"
+	"os"
+	"os/exec"
+	"runtime"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+)
+
+// loopDataPathTests are the TCP tests that hold for both data paths: TestTCPTestsOnLoops runs
+// them again with every proxy on event loops.
+var loopDataPathTests = []string{
+	"TestTCPEcho", "TestTCPManyConcurrentConnections", "TestTCPDialFailures",
+	"TestTCPSlowDialDoesNotBlockAccept", "TestTCPHalfClose", "TestTCPEndpointResetReachesClient",
+	"TestTCPLargeTransferIntegrity", "TestTCPCloseStopsAcceptingButKeepsConnections",
+	"TestTCPShutdown", "TestTCPSocketOptions", "TestTCPServeValidation", "TestTCPCloseBeforeServe",
+	"TestSecondEOFLeftToClose",
+	"TestTCPMaxConns", "TestTCPFloodOnOnePortSparesAnother", "TestTCPBudgetSpentRefuses", "TestTCPIdleTimeout",
+	"TestTCPOutOfFileDescriptors",
+	"TestTCPHandOverMidStream", "TestTCPHandOverHalfClosed", "TestTCPHandOverWhileDialling",
+	"TestTCPHandOverBacklog", "TestTCPFreezeMisuse", "TestTCPHandOverEndpointGone",
+	"TestTCPKeepAlive", "TestTCPProxyProtocolHeader", "TestOriginalDestination",
+	"TestLoopServesWithoutGoroutines",
+}
+
+// TestTCPTestsOnLoops runs the TCP tests again in a child process with
+// FORWARD_TEST_DATA_PATH=loop, where every proxy they start serves on event loops
+// (loopForTest): the event-loop data path must pass the goroutine path's tests.
+func TestTCPTestsOnLoops(t *testing.T) {
+	if os.Getenv("FORWARD_TEST_DATA_PATH") == "loop" {
+		t.Skip("already on the event loops")
+	}
+	if testing.Short() {
+		t.Skip("runs a child test process")
+	}
+	args := []string{"-test.run", "^(" + strings.Join(loopDataPathTests, "|") + ")$", "-test.count", "1"}
+	if testing.Verbose() {
+		args = append(args, "-test.v")
+	}
+	cmd := exec.Command(os.Args[0], args...)
+	cmd.Env = append(os.Environ(), "FORWARD_TEST_DATA_PATH=loop")
+	out, err := cmd.CombinedOutput()
+	if err != nil || testing.Verbose() {
+		t.Logf("child output:\n%s", out)
+	}
+	if err != nil {
+		t.Fatalf("TCP tests on event loops: %v", err)
+	}
+}
+
+// TestLoopServesWithoutGoroutines fails when a proxy with Loops falls back to goroutines: every
+// connection must be counted by the loops, and fifty open connections must not add a goroutine
+// each (the goroutine path has two or three per connection).
+func TestLoopServesWithoutGoroutines(t *testing.T) {
+	echo := startTCPEcho(t, loopback("4"))
+	loops := newTestLoops(t, 2)
+	r := startTCPProxy(t, "4", &fakeChooser{endpoints: []netip.AddrPort{echo}}, func(p *TCPProxy) { p.Loops = loops })
+	before := runtime.NumGoroutine()
+	const n = 50
+	conns := make([]*net.TCPConn, n)
+	for i := range conns {
+		conns[i] = dialTCPTest(t, r.addr)
+		if got, err := roundTrip(conns[i], []byte("ping")); err != nil || string(got) != "ping" {
+			t.Fatalf("round trip %d: %q, %v", i, got, err)
+		}
+	}
+	if got := loops.Served(); got != n {
+		t.Errorf("the loops served %d connections, want %d: some went to goroutines", got, n)
+	}
+	// The echo server has a goroutine per connection: the proxy's part is what is above n.
+	if grown := runtime.NumGoroutine() - before; grown > n+5 {
+		t.Errorf("goroutines grew by %d with %d connections open (the echo server's are %d): the proxy holds goroutines per connection", grown, n, n)
+	}
+}
+
+// TestLoopPendingAndBackPressure: a destination that does not read stops its source being read
+// (the proxy buffers at most what one read returned), and every byte arrives once it reads.
+func TestLoopPendingAndBackPressure(t *testing.T) {
+	type result struct {
+		got []byte
+		err error
+	}
+	read := make(chan result, 1)
+	ep := startTCPServer(t, loopback("4"), func(c *net.TCPConn) {
+		time.Sleep(100 * time.Millisecond) // the proxy fills the endpoint's socket and waits
+		c.SetDeadline(time.Now().Add(waitTimeout))
+		got, err := io.ReadAll(c)
+		read <- result{got, err}
+	})
+	loops := newTestLoops(t, 1)
+	r := startTCPProxy(t, "4", &fakeChooser{endpoints: []netip.AddrPort{ep}}, func(p *TCPProxy) { p.Loops = loops })
+	client := dialTCPTest(t, r.addr)
+	data := bytes.Repeat([]byte("0123456789abcdef"), (8<<20)/16)
+	var wg sync.WaitGroup
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		client.Write(data)
+		client.CloseWrite()
+	}()
+	res := <-read
+	if res.err != nil || !bytes.Equal(res.got, data) {
+		t.Fatalf("endpoint read %d bytes (%v), want the %d sent", len(res.got), res.err, len(data))
+	}
+	wg.Wait()
+}
