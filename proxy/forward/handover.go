@@ -124,7 +124,7 @@ func (p *TCPProxy) Freeze(ctx context.Context) (TCPState, error) {
 		return TCPState{}, err
 	}
 	conns := p.freezeConns()
-	p.freezeLoopConns()
+	p.freezeLoopConns(ctx)
 	p.awaitStopped(ctx, conns)
 	return p.export()
 }
@@ -498,15 +498,18 @@ func endedConnection(tc *net.TCPConn) bool {
 		return false
 	}
 	ended := false
-	_ = rc.Control(func(fd uintptr) {
-		info, err := unix.GetsockoptTCPInfo(int(fd), unix.IPPROTO_TCP, unix.TCP_INFO)
-		if err != nil {
-			return
-		}
-		listening, err := unix.GetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_ACCEPTCONN)
-		ended = err == nil && listening == 0 && info.State == tcpClose && info.Segs_in > 0
-	})
+	_ = rc.Control(func(fd uintptr) { ended = endedSocket(int(fd)) })
 	return ended
+}
+
+// endedSocket is endedConnection for a descriptor.
+func endedSocket(fd int) bool {
+	info, err := unix.GetsockoptTCPInfo(fd, unix.IPPROTO_TCP, unix.TCP_INFO)
+	if err != nil {
+		return false
+	}
+	listening, err := unix.GetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_ACCEPTCONN)
+	return err == nil && listening == 0 && info.State == tcpClose && info.Segs_in > 0
 }
 
 // tcpClose is the kernel's TCP_CLOSE state (include/net/tcp_states.h).

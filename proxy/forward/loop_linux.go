@@ -176,6 +176,7 @@ type lconn struct {
 	reset      bool // the next Choose is a retry
 	connecting bool
 	connected  bool
+	freezing   bool // a Freeze waits for this connection's dial to end
 	timed      bool // counted in loop.timed
 	queued     bool // in loop.again
 	closed     bool // ended or frozen: events and sweeps skip it
@@ -582,6 +583,10 @@ func (l *loop) accept(ln *loopListener) {
 		return
 	}
 	cfd := int(r)
+	// Go's default for every socket. Sockets accepted later inherit it from a listener that has
+	// it, but not those already in the backlog when it was set (nor a listener handed over from
+	// the goroutine path): one system call per connection, as today's path.
+	_ = unix.SetsockoptInt(cfd, unix.IPPROTO_TCP, unix.TCP_NODELAY, 1)
 	if ln.pause.attempts > 0 {
 		p.logInfo().Int("retries", ln.pause.attempts).Dur("paused", time.Since(ln.pause.start)).
 			Msg("accepting connections again")
@@ -776,6 +781,10 @@ func (l *loop) connectDone(c *lconn) {
 	c.connecting, c.connected, c.last = false, true, l.now
 	l.dialing--
 	if c.proxyProto != ProxyProtocolNone && !l.queueProxyHeader(c) {
+		return
+	}
+	if c.freezing {
+		l.freeze(c)
 		return
 	}
 	l.pump(c)
@@ -997,6 +1006,10 @@ func (l *loop) fail(c *lconn, d int, err error) {
 // does (closed with its bytes once connected, failed before), and lets the proxy know.
 func (l *loop) finish(c *lconn, reset bool, err error) {
 	if c.closed {
+		return
+	}
+	if c.freezing && !c.connected && err != errCut {
+		l.freeze(c) // a dial that failed while frozen: the adopter tries again (parkUndialled)
 		return
 	}
 	c.closed = true

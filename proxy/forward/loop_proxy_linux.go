@@ -1,9 +1,11 @@
 package forward
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"net/netip"
+	"os"
 
 	"golang.org/x/sys/unix"
 )
@@ -18,6 +20,7 @@ type loopProxy struct {
 	live   int           // connections admitted on the loop, not yet ended or released
 	frozen []*lconn      // connections stopped by Freeze, until Release or Thaw
 	err    error         // the accept error that stopped the listener, for Serve
+	dials  *freezeWait   // the dials a Freeze waits for (the loop's goroutine's, not p.mu's)
 }
 
 // errCut is the reason of connections cut by Shutdown.
@@ -181,30 +184,58 @@ func (p *TCPProxy) cutLoopConns() int {
 }
 
 // freezeLoopConns stops every connection of the proxy on its loop where it stands (the loop
-// is one goroutine: nothing is half done) and keeps them for export, Release or Thaw. A dial in
-// progress is abandoned: the connection is exported undialled and its adopter dials. As park
-// does, the bytes moved so far are reported now.
-func (p *TCPProxy) freezeLoopConns() {
+// is one goroutine: nothing is half done) and keeps them for export, Release or Thaw. As
+// Freeze does on the goroutine path, connections still dialling finish their dial first
+// (successful or not) unless ctx ends, which abandons the dials: those are exported undialled
+// and their adopter dials. As park does, the bytes moved so far are reported now.
+func (p *TCPProxy) freezeLoopConns(ctx context.Context) {
 	p.mu.Lock()
 	lp := p.onLoop
 	p.mu.Unlock()
 	if lp == nil {
 		return
 	}
-	var frozen []*lconn
-	lp.l.call(func() {
-		for _, c := range lp.l.connsOf(p) {
-			lp.l.freeze(c)
-			frozen = append(frozen, c)
+	l := lp.l
+	dialling := 0
+	done := make(chan struct{})
+	l.call(func() {
+		for _, c := range l.connsOf(p) {
+			if c.connected {
+				l.freeze(c)
+				continue
+			}
+			c.freezing = true
+			dialling++
+		}
+		if dialling > 0 {
+			lp.dials = &freezeWait{left: dialling, done: done}
 		}
 	})
-	p.mu.Lock()
-	lp.frozen = append(lp.frozen, frozen...)
-	p.mu.Unlock()
+	if dialling == 0 {
+		return
+	}
+	select {
+	case <-done:
+	case <-ctx.Done():
+		l.call(func() {
+			for _, c := range l.connsOf(p) {
+				if c.freezing {
+					l.freeze(c)
+				}
+			}
+		})
+	}
 }
 
-// freeze takes c off the loop, its sockets open.
+// freezeWait counts the dials a freeze waits for; the loop's goroutine owns it.
+type freezeWait struct {
+	left int
+	done chan struct{}
+}
+
+// freeze takes c off the loop, its sockets open, and adds it to its proxy's frozen connections.
 func (l *loop) freeze(c *lconn) {
+	p := c.p
 	l.unregister(c, 0)
 	l.unregister(c, 1)
 	if c.connecting {
@@ -219,10 +250,23 @@ func (l *loop) freeze(c *lconn) {
 	l.uncountTimed(c)
 	c.closed = true
 	if c.connected {
-		c.p.sink().BytesCopied(c.n[0], c.n[1])
+		p.sink().BytesCopied(c.n[0], c.n[1])
 		c.n = [2]int64{}
 	}
-	c.p.connWG.Done() // as park: Thaw counts it again
+	p.mu.Lock()
+	lp := p.onLoop
+	lp.frozen = append(lp.frozen, c)
+	p.mu.Unlock()
+	if c.freezing {
+		c.freezing = false
+		if w := lp.dials; w != nil {
+			if w.left--; w.left == 0 {
+				close(w.done)
+				lp.dials = nil
+			}
+		}
+	}
+	p.connWG.Done() // as park: Thaw counts it again
 }
 
 // exportLoopConns appends duplicates of the frozen loop connections to st.
@@ -344,7 +388,7 @@ func (l *loop) resume(c *lconn) {
 
 // adoptOnLoop is adoptConn with Loops: the connection goes on the proxy's loop.
 func (p *TCPProxy) adoptOnLoop(cs TCPConnState) error {
-	cfd, err := fdFromFile(cs.Client, "client")
+	cfd, err := connFDFromFile(cs.Client, "client")
 	if err != nil {
 		_ = closeFile(cs.Backend)
 		return err
@@ -352,7 +396,7 @@ func (p *TCPProxy) adoptOnLoop(cs TCPConnState) error {
 	bfd := -1
 	switch {
 	case cs.Backend != nil:
-		if bfd, err = fdFromFile(cs.Backend, "endpoint"); err != nil {
+		if bfd, err = connFDFromFile(cs.Backend, "endpoint"); err != nil {
 			_ = unix.Close(cfd)
 			return err
 		}
@@ -410,4 +454,18 @@ func fdPeerAddr(fd int) netip.AddrPort {
 		return netip.AddrPort{}
 	}
 	return sockaddrAddrPort(sa)
+}
+
+// connFDFromFile is fdFromFile for a connected TCP socket, or one whose connection has ended
+// since it was frozen (see tcpConnFromFile).
+func connFDFromFile(f *os.File, what string) (int, error) {
+	fd, err := fdFromFile(f, what)
+	if err != nil {
+		return -1, err
+	}
+	if fdPeerAddr(fd).IsValid() || endedSocket(fd) {
+		return fd, nil
+	}
+	_ = unix.Close(fd)
+	return -1, fmt.Errorf("%s socket is not a connected TCP socket", what)
 }

@@ -10,6 +10,7 @@ import (
 	"runtime"
 	"strings"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 )
@@ -110,4 +111,59 @@ func TestLoopPendingAndBackPressure(t *testing.T) {
 		t.Fatalf("endpoint read %d bytes (%v), want the %d sent", len(res.got), res.err, len(data))
 	}
 	wg.Wait()
+}
+
+// liveConns returns how many connections p holds (either data path).
+func liveConns(p *TCPProxy) int {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.connCountLocked()
+}
+
+// connSockets returns the two sockets of one of p's connected connections (either data path),
+// nil when it has none. A loop connection's are its descriptors, valid while it lives.
+func connSockets(p *TCPProxy) (client, endpoint syscall.Conn) {
+	p.mu.Lock()
+	for conn := range p.conns {
+		if conn.backend != nil {
+			client, endpoint = conn.client, conn.backend
+		}
+	}
+	lp := p.onLoop
+	p.mu.Unlock()
+	if client != nil || lp == nil {
+		return client, endpoint
+	}
+	lp.l.call(func() {
+		for _, c := range lp.l.connsOf(p) {
+			if c.connected {
+				client, endpoint = rawFD(c.fd[0]), rawFD(c.fd[1])
+			}
+		}
+	})
+	return client, endpoint
+}
+
+// rawFD is a descriptor as a syscall.Conn and syscall.RawConn (tests).
+type rawFD int
+
+func (f rawFD) SyscallConn() (syscall.RawConn, error) { return f, nil }
+func (f rawFD) Control(fn func(uintptr)) error        { fn(uintptr(f)); return nil }
+func (f rawFD) Read(fn func(uintptr) bool) error      { fn(uintptr(f)); return nil }
+func (f rawFD) Write(fn func(uintptr) bool) error     { fn(uintptr(f)); return nil }
+
+// loopPendingBoth reports whether a connection of p on its loop has bytes pending both ways.
+func loopPendingBoth(p *TCPProxy) bool {
+	p.mu.Lock()
+	lp := p.onLoop
+	p.mu.Unlock()
+	both := false
+	if lp != nil {
+		lp.l.call(func() {
+			for _, c := range lp.l.connsOf(p) {
+				both = both || len(c.dir[0].pending) > 0 && len(c.dir[1].pending) > 0
+			}
+		})
+	}
+	return both
 }
