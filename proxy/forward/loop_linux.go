@@ -41,7 +41,9 @@ import (
 // the destination does not take is copied into a buffer of the direction's own, and its source
 // is not read until that is written. The first EOF is passed on with shutdown(SHUT_WR), the
 // second by closing both sockets; a read or write error resets both (SO_LINGER 0), so a reset
-// is passed on as a reset. Splice is not used: bulk traffic is copied through user space.
+// is passed on as a reset. A direction whose read fills the buffer is bulk traffic: from then
+// on it moves socket → pipe → socket with splice(2), through a pipe from the proxy's pool held
+// only while data flows (splice-auto, as the goroutine path does; see splice_linux.go).
 //
 // Epoll events carry a generation besides the descriptor, so an event of a socket closed
 // earlier in the same batch is never delivered to a new socket that reused its number.
@@ -185,6 +187,9 @@ type lconn struct {
 // ldir is one direction of a connection.
 type ldir struct {
 	pending  []byte // read from the source (or adopted), not yet taken by the destination
+	pipe     *pipe  // while spliced data is in flight: the pool's pipe holding inPipe bytes
+	inPipe   int
+	spliced  bool // a read filled the buffer: the direction splices from now on
 	readable bool   // the source may have data or an EOF (an edge not yet drained)
 	rdhup    bool   // the source's peer sent its FIN
 	eof      bool   // the source's EOF was read
@@ -898,6 +903,9 @@ func (l *loop) pumpAgain() {
 // is drained, the destination is full, or the turn's share is read. False when c ended.
 func (l *loop) pumpDir(c *lconn, d int) bool {
 	dd := &c.dir[d]
+	if dd.spliced {
+		return l.spliceDir(c, d)
+	}
 	src, dst := int(c.fd[d]), int(c.fd[1-d])
 	for reads := 0; ; {
 		if len(dd.pending) > 0 {
@@ -956,8 +964,123 @@ func (l *loop) pumpDir(c *lconn, d int) bool {
 		c.n[d] += int64(w)
 		if w < n {
 			dd.pending = append([]byte(nil), l.buf[w:n]...)
+		} else if n == len(l.buf) && spliceOK {
+			dd.spliced = true
+			return l.spliceDir(c, d)
 		}
 	}
+}
+
+// spliceOK: the loops splice bulk traffic (tests turn it off to compare).
+var spliceOK = true
+
+// spliceDir is pumpDir for a spliced direction: the pipe is emptied into the destination
+// first, then the source is spliced into it until EAGAIN; the pipe goes back to the pool as
+// soon as it is empty and the source drained. Without a pipe (the Budget is spent), the
+// direction goes back to copying.
+func (l *loop) spliceDir(c *lconn, d int) bool {
+	dd := &c.dir[d]
+	src, dst := int(c.fd[d]), int(c.fd[1-d])
+	for reads := 0; ; {
+		if dd.inPipe > 0 {
+			n, err := syscall.Splice(dd.pipe.r, nil, dst, nil, dd.inPipe, spliceMove|spliceNonblock)
+			if err == unix.EAGAIN || err == unix.EINTR {
+				return true // EPOLLOUT on dst calls again
+			}
+			if err != nil {
+				l.fail(c, d, err)
+				return false
+			}
+			dd.inPipe -= int(n)
+			c.n[d] += n
+			c.last = l.now
+			if dd.inPipe > 0 {
+				continue
+			}
+		}
+		if dd.eof {
+			l.putPipe(c, dd)
+			return l.passEOF(c, d)
+		}
+		if !dd.readable {
+			l.putPipe(c, dd)
+			return true
+		}
+		if reads == loopReadsPerTurn {
+			l.queueAgain(c)
+			return true
+		}
+		reads++
+		if dd.pipe == nil {
+			p, err := c.p.pipePool().get()
+			if err != nil { // out of pipes: copy instead
+				dd.spliced = false
+				return l.pumpDir(c, d)
+			}
+			dd.pipe = p
+		}
+		n, err := syscall.Splice(src, nil, dd.pipe.w, nil, spliceChunk, spliceMove|spliceNonblock)
+		switch {
+		case err == unix.EAGAIN:
+			dd.readable = false
+			continue
+		case err == unix.EINTR:
+			continue
+		case err != nil:
+			l.fail(c, d, err)
+			return false
+		case n == 0:
+			dd.eof = true
+			continue
+		}
+		dd.inPipe += int(n)
+		c.last = l.now
+	}
+}
+
+// putPipe returns a direction's empty pipe to the pool.
+func (l *loop) putPipe(c *lconn, dd *ldir) {
+	if dd.pipe != nil && dd.inPipe == 0 {
+		c.p.pipePool().put(dd.pipe)
+		dd.pipe = nil
+	}
+}
+
+// dropPipes lets c's pipes go: empty ones back to the pool, others closed.
+func (l *loop) dropPipes(c *lconn) {
+	for d := range 2 {
+		dd := &c.dir[d]
+		if dd.pipe == nil {
+			continue
+		}
+		if dd.inPipe == 0 {
+			c.p.pipePool().put(dd.pipe)
+		} else {
+			c.p.pipePool().discard(dd.pipe)
+		}
+		dd.pipe, dd.inPipe = nil, 0
+	}
+}
+
+// unsplice moves what a direction's pipe holds into its pending bytes (a freeze exports them)
+// and lets the pipe go; the direction copies from then on. False if the pipe could not be read.
+func (l *loop) unsplice(c *lconn, d int) error {
+	dd := &c.dir[d]
+	dd.spliced = false
+	if dd.pipe == nil {
+		return nil
+	}
+	for dd.inPipe > 0 {
+		buf := make([]byte, dd.inPipe)
+		n, err := unix.Read(dd.pipe.r, buf)
+		if err != nil {
+			return fmt.Errorf("read the splice pipe: %w", err)
+		}
+		dd.pending = append(dd.pending, buf[:n]...)
+		dd.inPipe -= n
+	}
+	l.putPipe(c, dd)
+	return nil
 }
 
 // queueAgain has c pumped next turn.
@@ -1032,6 +1155,7 @@ func (l *loop) finish(c *lconn, reset bool, err error) {
 		l.dialing--
 	}
 	l.uncountTimed(c)
+	l.dropPipes(c)
 	if c.connected {
 		p.sink().BytesCopied(c.n[0], c.n[1])
 		p.sink().ConnClosed()

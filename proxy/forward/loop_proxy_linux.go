@@ -248,6 +248,14 @@ func (l *loop) freeze(c *lconn) {
 		c.dir[0].pending = nil // a PROXY header not sent: the adopter sends its own
 	}
 	l.uncountTimed(c)
+	for d := range 2 {
+		if err := l.unsplice(c, d); err != nil { // the bytes are lost: the connection cannot go on
+			p.logWarn().Err(err).Stringer("client", c.clientAddr).Msg("freeze: connection reset")
+			c.freezing = false
+			l.finish(c, true, err)
+			return
+		}
+	}
 	c.closed = true
 	if c.connected {
 		p.sink().BytesCopied(c.n[0], c.n[1])

@@ -82,21 +82,26 @@ func TestLoopServesWithoutGoroutines(t *testing.T) {
 }
 
 // TestLoopPendingAndBackPressure: a destination that does not read stops its source being read
-// (the proxy buffers at most what one read returned), and every byte arrives once it reads.
+// (the proxy holds at most what one read or splice took), bulk traffic is spliced, and every
+// byte arrives once the destination reads.
 func TestLoopPendingAndBackPressure(t *testing.T) {
 	type result struct {
 		got []byte
 		err error
 	}
 	read := make(chan result, 1)
+	var proxy *TCPProxy
+	spliced := make(chan bool, 1)
 	ep := startTCPServer(t, loopback("4"), func(c *net.TCPConn) {
 		time.Sleep(100 * time.Millisecond) // the proxy fills the endpoint's socket and waits
+		spliced <- loopSpliced(proxy)
 		c.SetDeadline(time.Now().Add(waitTimeout))
 		got, err := io.ReadAll(c)
 		read <- result{got, err}
 	})
 	loops := newTestLoops(t, 1)
 	r := startTCPProxy(t, "4", &fakeChooser{endpoints: []netip.AddrPort{ep}}, func(p *TCPProxy) { p.Loops = loops })
+	proxy = r.TCPProxy
 	client := dialTCPTest(t, r.addr)
 	data := bytes.Repeat([]byte("0123456789abcdef"), (8<<20)/16)
 	var wg sync.WaitGroup
@@ -109,6 +114,9 @@ func TestLoopPendingAndBackPressure(t *testing.T) {
 	res := <-read
 	if res.err != nil || !bytes.Equal(res.got, data) {
 		t.Fatalf("endpoint read %d bytes (%v), want the %d sent", len(res.got), res.err, len(data))
+	}
+	if !<-spliced {
+		t.Error("bulk traffic was not spliced")
 	}
 	wg.Wait()
 }
@@ -161,9 +169,24 @@ func loopPendingBoth(p *TCPProxy) bool {
 	if lp != nil {
 		lp.l.call(func() {
 			for _, c := range lp.l.connsOf(p) {
-				both = both || len(c.dir[0].pending) > 0 && len(c.dir[1].pending) > 0
+				held := func(d int) bool { return len(c.dir[d].pending) > 0 || c.dir[d].inPipe > 0 }
+				both = both || held(0) && held(1)
 			}
 		})
 	}
 	return both
+}
+
+// loopSpliced reports whether a connection of p on its loop has a spliced direction.
+func loopSpliced(p *TCPProxy) bool {
+	p.mu.Lock()
+	lp := p.onLoop
+	p.mu.Unlock()
+	spliced := false
+	lp.l.call(func() {
+		for _, c := range lp.l.connsOf(p) {
+			spliced = spliced || c.dir[0].spliced || c.dir[1].spliced
+		}
+	})
+	return spliced
 }
