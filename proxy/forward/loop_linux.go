@@ -190,10 +190,10 @@ type ldir struct {
 	pipe     *pipe  // while spliced data is in flight: the pool's pipe holding inPipe bytes
 	inPipe   int
 	spliced  bool // a read filled the buffer: the direction splices from now on
-	readable bool   // the source may have data or an EOF (an edge not yet drained)
-	rdhup    bool   // the source's peer sent its FIN
-	eof      bool   // the source's EOF was read
-	shut     bool   // the EOF was passed on to the destination
+	readable bool // the source may have data or an EOF (an edge not yet drained)
+	rdhup    bool // the source's peer sent its FIN
+	eof      bool // the source's EOF was read
+	shut     bool // the EOF was passed on to the destination
 }
 
 func newLoop() (l *loop, err error) {

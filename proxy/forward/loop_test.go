@@ -10,6 +10,7 @@ import (
 	"runtime"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -90,18 +91,18 @@ func TestLoopPendingAndBackPressure(t *testing.T) {
 		err error
 	}
 	read := make(chan result, 1)
-	var proxy *TCPProxy
+	var proxy atomic.Pointer[TCPProxy]
 	spliced := make(chan bool, 1)
 	ep := startTCPServer(t, loopback("4"), func(c *net.TCPConn) {
 		time.Sleep(100 * time.Millisecond) // the proxy fills the endpoint's socket and waits
-		spliced <- loopSpliced(proxy)
+		spliced <- loopSpliced(proxy.Load())
 		c.SetDeadline(time.Now().Add(waitTimeout))
 		got, err := io.ReadAll(c)
 		read <- result{got, err}
 	})
 	loops := newTestLoops(t, 1)
 	r := startTCPProxy(t, "4", &fakeChooser{endpoints: []netip.AddrPort{ep}}, func(p *TCPProxy) { p.Loops = loops })
-	proxy = r.TCPProxy
+	proxy.Store(r.TCPProxy)
 	client := dialTCPTest(t, r.addr)
 	data := bytes.Repeat([]byte("0123456789abcdef"), (8<<20)/16)
 	var wg sync.WaitGroup
