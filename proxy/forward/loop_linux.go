@@ -964,8 +964,9 @@ func (l *loop) pumpDir(c *lconn, d int) bool {
 		c.n[d] += int64(w)
 		if w < n {
 			dd.pending = append([]byte(nil), l.buf[w:n]...)
-		} else if n == len(l.buf) && spliceOK {
-			dd.spliced = true
+		}
+		if n == len(l.buf) && spliceOK {
+			dd.spliced = true // bulk: spliceDir writes what is pending first
 			return l.spliceDir(c, d)
 		}
 	}
@@ -982,6 +983,22 @@ func (l *loop) spliceDir(c *lconn, d int) bool {
 	dd := &c.dir[d]
 	src, dst := int(c.fd[d]), int(c.fd[1-d])
 	for reads := 0; ; {
+		if len(dd.pending) > 0 { // what the switch to splicing left
+			n, err := unix.Write(dst, dd.pending)
+			if err == unix.EAGAIN || err == unix.EINTR {
+				return true
+			}
+			if err != nil {
+				l.fail(c, d, err)
+				return false
+			}
+			c.n[d] += int64(n)
+			c.last = l.now
+			if dd.pending = dd.pending[n:]; len(dd.pending) > 0 {
+				continue
+			}
+			dd.pending = nil
+		}
 		if dd.inPipe > 0 {
 			n, err := syscall.Splice(dd.pipe.r, nil, dst, nil, dd.inPipe, spliceMove|spliceNonblock)
 			if err == unix.EAGAIN || err == unix.EINTR {

@@ -93,7 +93,9 @@ func TestLoopPendingAndBackPressure(t *testing.T) {
 	read := make(chan result, 1)
 	var proxy atomic.Pointer[TCPProxy]
 	spliced := make(chan bool, 1)
+	writing := make(chan struct{})
 	ep := startTCPServer(t, loopback("4"), func(c *net.TCPConn) {
+		<-writing
 		time.Sleep(100 * time.Millisecond) // the proxy fills the endpoint's socket and waits
 		spliced <- loopSpliced(proxy.Load())
 		c.SetDeadline(time.Now().Add(waitTimeout))
@@ -103,12 +105,13 @@ func TestLoopPendingAndBackPressure(t *testing.T) {
 	loops := newTestLoops(t, 1)
 	r := startTCPProxy(t, "4", &fakeChooser{endpoints: []netip.AddrPort{ep}}, func(p *TCPProxy) { p.Loops = loops })
 	proxy.Store(r.TCPProxy)
-	client := dialTCPTest(t, r.addr)
 	data := bytes.Repeat([]byte("0123456789abcdef"), (8<<20)/16)
+	client := dialTCPTest(t, r.addr)
 	var wg sync.WaitGroup
 	wg.Add(1)
 	go func() {
 		defer wg.Done()
+		close(writing)
 		client.Write(data)
 		client.CloseWrite()
 	}()
