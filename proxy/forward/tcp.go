@@ -77,8 +77,9 @@ type TCPProxy struct {
 	// Loops, when set, serves the listener and the connections on event loops instead of
 	// goroutines (see loop_linux.go): Serve and Start attach the listener to one loop (Start's
 	// poller and ParkIdleAfter are then unused), and every connection it accepts or Adopt takes
-	// is relayed there. Every feature of the goroutine path is kept but splice: bulk traffic is
-	// copied through the loop's buffer. The Loops must outlive the proxy.
+	// is relayed there, with the goroutine path's semantics (splice, PROXY protocol,
+	// transparent dials, timeouts, limits, metrics, Freeze/Adopt/Thaw). The Loops must outlive
+	// the proxy.
 	Loops *Loops
 
 	// testHookAcceptPause, if set, is called before each pause of the accept loop.
