@@ -828,13 +828,16 @@ func (l *loop) queueProxyHeader(c *lconn) bool {
 	return true
 }
 
-// fdLocalAddr returns a socket's local address (unmapped), or the zero AddrPort.
+// fdLocalAddr returns a socket's local address (unmapped), or the zero AddrPort. The system
+// call itself: x/sys/unix's Getsockname asks for SO_PROTOCOL too, to parse the address.
 func fdLocalAddr(fd int) netip.AddrPort {
-	sa, err := unix.Getsockname(fd)
-	if err != nil {
+	var sa unix.RawSockaddrAny
+	saLen := uint32(unix.SizeofSockaddrAny)
+	_, _, errno := syscall.RawSyscall(syscall.SYS_GETSOCKNAME, uintptr(fd), uintptr(unsafe.Pointer(&sa)), uintptr(unsafe.Pointer(&saLen)))
+	if errno != 0 {
 		return netip.AddrPort{}
 	}
-	return sockaddrAddrPort(sa)
+	return rawAddrPort(&sa)
 }
 
 // sockaddrAddrPort converts an IPv4 or IPv6 socket address (unmapped); the zero AddrPort for
