@@ -166,22 +166,27 @@ type lconn struct {
 	fd         [2]int32 // -1: none
 	gen        [2]uint32
 	clientAddr netip.AddrPort
-	dst        netip.AddrPort // the original destination, once asked
 	endpoint   netip.AddrPort // the endpoint being dialled, then the connected one
-	proxyProto ProxyProtocol  // the target's, sent once connected
-	deadline   time.Duration  // of the dial in progress
+	dl         *ldial         // until connected: the dial's state (an idle connection keeps none)
 	last       time.Duration  // the last byte moved (IdleTimeout)
 	n          [2]int64       // bytes written each way since accepted (or frozen)
 	dir        [2]ldir
-	attempt    uint8
-	dstAsked   bool
-	reset      bool // the next Choose is a retry
 	connecting bool
 	connected  bool
 	freezing   bool // a Freeze waits for this connection's dial to end
 	timed      bool // counted in loop.timed
 	queued     bool // in loop.again
 	closed     bool // ended or frozen: events and sweeps skip it
+}
+
+// ldial is the state of a connection's dial.
+type ldial struct {
+	dst        netip.AddrPort // the original destination, once asked
+	deadline   time.Duration  // of the attempt in progress
+	proxyProto ProxyProtocol  // the target's, sent once connected
+	attempt    uint8
+	dstAsked   bool
+	reset      bool // the next Choose is a retry
 }
 
 // ldir is one direction of a connection.
@@ -491,7 +496,7 @@ func compactPaused(ls []*loopListener) []*loopListener {
 
 // sweepConn ends c's dial attempt or c itself when their time is up.
 func (l *loop) sweepConn(c *lconn) {
-	if c.connecting && l.now >= c.deadline {
+	if c.connecting && l.now >= c.dl.deadline {
 		l.dialFailed(c, unix.ETIMEDOUT)
 		return
 	}
@@ -656,10 +661,11 @@ func ntohs(p uint16) uint16 {
 
 // originalDst returns c's original destination (see tcpOriginalDst), asked once.
 func (c *lconn) originalDst() netip.AddrPort {
-	if !c.dstAsked {
-		c.dst, c.dstAsked = fdOriginalDst(int(c.fd[0])), true
+	d := c.dl
+	if !d.dstAsked {
+		d.dst, d.dstAsked = fdOriginalDst(int(c.fd[0])), true
 	}
-	return c.dst
+	return d.dst
 }
 
 // dial asks the Chooser for an endpoint and starts connecting to it, trying the next endpoint
@@ -667,20 +673,24 @@ func (c *lconn) originalDst() netip.AddrPort {
 // (connectDone) or as the sweep's timeout (dialFailed).
 func (l *loop) dial(c *lconn) {
 	p := c.p
+	if c.dl == nil {
+		c.dl = &ldial{}
+	}
+	dl := c.dl
 	timeouts := p.dialTimeouts()
 	dst := netip.AddrPort{}
 	if oc, ok := p.Chooser.(OriginalDstChooser); !ok || oc.NeedsOriginalDst() {
 		dst = c.originalDst()
 	}
-	for int(c.attempt) < len(timeouts) {
-		target, err := p.Chooser.Choose(c.clientAddr, dst, c.reset)
+	for int(dl.attempt) < len(timeouts) {
+		target, err := p.Chooser.Choose(c.clientAddr, dst, dl.reset)
 		if err != nil {
 			p.logDebug().Err(err).Stringer("client", c.clientAddr).Stringer("dst", dst).
 				Msg("no endpoint; resetting the client")
 			l.finish(c, true, err)
 			return
 		}
-		c.endpoint, c.proxyProto = target.Endpoint, target.ProxyProtocol
+		c.endpoint, dl.proxyProto = target.Endpoint, target.ProxyProtocol
 		fd, err := l.connect(c, target)
 		if err == nil {
 			c.fd[1] = int32(fd)
@@ -690,7 +700,7 @@ func (l *loop) dial(c *lconn) {
 			}
 		}
 		if err == nil {
-			c.connecting, c.deadline = true, l.now+timeouts[c.attempt]
+			c.connecting, dl.deadline = true, l.now+timeouts[dl.attempt]
 			l.dialing++
 			l.armTimer(loopTickBusy)
 			return
@@ -703,9 +713,9 @@ func (l *loop) dial(c *lconn) {
 			return
 		}
 		p.logDebug().Err(err).Stringer("client", c.clientAddr).Stringer("endpoint", target.Endpoint).
-			Int("attempt", int(c.attempt)+1).Dur("timeout", timeouts[c.attempt]).Msg("dial endpoint failed")
-		c.reset = true
-		c.attempt++
+			Int("attempt", int(dl.attempt)+1).Dur("timeout", timeouts[dl.attempt]).Msg("dial endpoint failed")
+		dl.reset = true
+		dl.attempt++
 	}
 	p.logWarn().Stringer("client", c.clientAddr).Stringer("dst", dst).Int("attempts", len(timeouts)).
 		Msg("no endpoint could be reached; resetting the client")
@@ -785,9 +795,10 @@ func (l *loop) connectDone(c *lconn) {
 	}
 	c.connecting, c.connected, c.last = false, true, l.now
 	l.dialing--
-	if c.proxyProto != ProxyProtocolNone && !l.queueProxyHeader(c) {
+	if c.dl.proxyProto != ProxyProtocolNone && !l.queueProxyHeader(c) {
 		return
 	}
+	c.dl = nil
 	if c.freezing {
 		l.freeze(c)
 		return
@@ -804,9 +815,9 @@ func (l *loop) dialFailed(c *lconn, err error) {
 	l.dialing--
 	p.sink().DialFailed(c.endpoint)
 	p.logDebug().Err(err).Stringer("client", c.clientAddr).Stringer("endpoint", c.endpoint).
-		Int("attempt", int(c.attempt)+1).Msg("dial endpoint failed")
-	c.reset = true
-	c.attempt++
+		Int("attempt", int(c.dl.attempt)+1).Msg("dial endpoint failed")
+	c.dl.reset = true
+	c.dl.attempt++
 	l.dial(c)
 }
 
@@ -817,7 +828,7 @@ func (l *loop) queueProxyHeader(c *lconn) bool {
 	if !dst.IsValid() {
 		dst = fdLocalAddr(int(c.fd[0]))
 	}
-	hdr, err := appendProxyHeader(make([]byte, 0, 64), c.proxyProto, true, c.clientAddr, dst)
+	hdr, err := appendProxyHeader(make([]byte, 0, 64), c.dl.proxyProto, true, c.clientAddr, dst)
 	if err != nil {
 		c.p.logDebug().Err(err).Stringer("client", c.clientAddr).Stringer("endpoint", c.endpoint).
 			Msg("sending the PROXY protocol header failed; resetting the client")

@@ -244,7 +244,7 @@ func (l *loop) freeze(c *lconn) {
 		l.dialing--
 	}
 	if !c.connected {
-		c.endpoint, c.attempt, c.reset = netip.AddrPort{}, 0, false
+		c.endpoint, c.dl = netip.AddrPort{}, nil
 		c.dir[0].pending = nil // a PROXY header not sent: the adopter sends its own
 	}
 	l.uncountTimed(c)
