@@ -2,6 +2,8 @@ package forward
 
 import (
 	"bytes"
+	"context"
+	"errors"
 	"io"
 	"net"
 	"net/netip"
@@ -193,4 +195,40 @@ func loopSpliced(p *TCPProxy) bool {
 		}
 	})
 	return spliced
+}
+
+// TestLoopShutdownCutsAndLeaksNothing: Shutdown with an ended context resets the loop's
+// connections (the client sees a reset, Metrics a close), and once the loops are closed no
+// socket, pipe or goroutine of theirs is left.
+func TestLoopShutdownCutsAndLeaksNothing(t *testing.T) {
+	checkNoFDLeaks(t)
+	echo := startTCPEcho(t, loopback("4"))
+	loops, err := NewLoops(2)
+	if err != nil {
+		t.Fatal(err)
+	}
+	goroutines := runtime.NumGoroutine()
+	metrics := &fakeMetrics{}
+	p := &TCPProxy{Listener: listenTCP(t, loopback("4")), Chooser: &fakeChooser{endpoints: []netip.AddrPort{echo}},
+		Log: new(testLogger(t)), Metrics: metrics, Loops: loops}
+	if err := p.Start(nil); err != nil {
+		t.Fatal(err)
+	}
+	c := dialTCPTest(t, listenerAddr(p.Listener))
+	if got, err := roundTrip(c, []byte("ping")); err != nil || string(got) != "ping" {
+		t.Fatalf("round trip: %q, %v", got, err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	if err := p.Shutdown(ctx); !errors.Is(err, context.Canceled) || !strings.Contains(err.Error(), "cut 1 connections") {
+		t.Errorf("Shutdown = %v, want one connection cut", err)
+	}
+	if _, err := c.Read(make([]byte, 1)); !errors.Is(err, syscall.ECONNRESET) {
+		t.Errorf("the client read %v after the cut, want a reset", err)
+	}
+	if m := metrics.snapshot(); m.accepted != 1 || m.closed != 1 {
+		t.Errorf("metrics %+v, want 1 accepted and 1 closed", m)
+	}
+	loops.Close()
+	eventually(t, "the loops' goroutines to end", func() bool { return runtime.NumGoroutine() <= goroutines-2 })
 }
