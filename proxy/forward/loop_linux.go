@@ -931,6 +931,7 @@ func (l *loop) pumpDir(c *lconn, d int) bool {
 				l.fail(c, d, err)
 				return false
 			}
+			copiedHook(n)
 			c.n[d] += int64(n)
 			c.last = l.now
 			if dd.pending = dd.pending[n:]; len(dd.pending) > 0 {
@@ -975,6 +976,7 @@ func (l *loop) pumpDir(c *lconn, d int) bool {
 			l.fail(c, d, err)
 			return false
 		}
+		copiedHook(w)
 		c.n[d] += int64(w)
 		if w < n {
 			dd.pending = append([]byte(nil), l.buf[w:n]...)
@@ -983,6 +985,13 @@ func (l *loop) pumpDir(c *lconn, d int) bool {
 			dd.spliced = true // bulk: spliceDir writes what is pending first
 			return l.spliceDir(c, d)
 		}
+	}
+}
+
+// copiedHook reports n bytes written from a user-space buffer to testHookCopied, if set.
+func copiedHook(n int) {
+	if h := testHookCopied; h != nil && n > 0 {
+		h(int64(n))
 	}
 }
 
@@ -1006,6 +1015,7 @@ func (l *loop) spliceDir(c *lconn, d int) bool {
 				l.fail(c, d, err)
 				return false
 			}
+			copiedHook(n)
 			c.n[d] += int64(n)
 			c.last = l.now
 			if dd.pending = dd.pending[n:]; len(dd.pending) > 0 {
@@ -1021,6 +1031,9 @@ func (l *loop) spliceDir(c *lconn, d int) bool {
 			if err != nil {
 				l.fail(c, d, err)
 				return false
+			}
+			if h := testHookSpliced; h != nil {
+				h(n)
 			}
 			dd.inPipe -= int(n)
 			c.n[d] += n

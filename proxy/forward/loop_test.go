@@ -31,6 +31,12 @@ var loopDataPathTests = []string{
 	"TestTCPHandOverMidStream", "TestTCPHandOverHalfClosed", "TestTCPHandOverWhileDialling",
 	"TestTCPHandOverBacklog", "TestTCPFreezeMisuse", "TestTCPHandOverEndpointGone",
 	"TestTCPKeepAlive", "TestTCPProxyProtocolHeader", "TestOriginalDestination",
+	"TestTCPCopyThenSplice", "TestIdleConnectionsHoldNoPipe", "TestCopyWithoutPipes", "TestTCPSplice",
+	"TestTCPThawMidStream",
+	// park_test.go's, but for the two about the Poller itself (TestParkingReturnsMemory,
+	// TestTCPPollerClosedUnderParked): the loop path must pass what parked connections must.
+	"TestTCPIdleConnectionsHoldNoGoroutine", "TestTCPParkedIdleTimeout", "TestTCPShutdownCutsParked",
+	"TestTCPParkedPeerReset", "TestTCPHandOverParked", "TestTCPAdoptBeforeStartParks", "TestTCPParkedChurn",
 	"TestLoopServesWithoutGoroutines",
 }
 
