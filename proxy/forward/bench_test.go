@@ -41,9 +41,10 @@ func startedModes() []struct {
 	}{"ProxyStarted", true})
 }
 
-// tcpModes is startedModes and the two reference event loops of evloop_bench_test.go (not a data
-// path; what a relay on raw descriptors would cost): EventLoop blocks in epoll_wait, as HAProxy
-// does; EventLoopNetpoll waits in the runtime's poller, as the Poller does.
+// tcpModes is startedModes, Loop (the TCPProxy on the event-loop data path, TCPProxy.Loops)
+// and the two reference event loops of evloop_bench_test.go (not a data path; what a relay on
+// raw descriptors would cost): EventLoop blocks in epoll_wait, as HAProxy does;
+// EventLoopNetpoll waits in the runtime's poller, as the Poller does.
 func tcpModes() []struct {
 	name    string
 	proxied bool
@@ -51,13 +52,15 @@ func tcpModes() []struct {
 	return append(startedModes(), []struct {
 		name    string
 		proxied bool
-	}{{"EventLoop", true}, {"EventLoopNetpoll", true}}...)
+	}{{"Loop", true}, {"EventLoop", true}, {"EventLoopNetpoll", true}}...)
 }
 
 // eventLoopTarget returns the address of the reference event loop of mode in front of backend,
 // and false for the other modes.
 func eventLoopTarget(b *testing.B, mode string, backend netip.AddrPort) (netip.AddrPort, bool) {
 	switch mode {
+	case "Loop":
+		return loopTCPProxy(b, backend), true
 	case "EventLoop":
 		return startEvLoop(b, backend, true).addr, true
 	case "EventLoopNetpoll":
@@ -110,6 +113,17 @@ func startedTCPProxy(b *testing.B, backend netip.AddrPort, configure ...func(*TC
 	return listenerAddr(p.Listener)
 }
 
+// loopTCPProxy returns the address of a TCPProxy in front of backend on event loops of its own
+// (one per processor, as the proxier makes them; a proxy uses one).
+func loopTCPProxy(b *testing.B, backend netip.AddrPort) netip.AddrPort {
+	loops, err := NewLoops(runtime.GOMAXPROCS(0))
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(func() { loops.Close() }) // after the proxy's shutdown, registered below
+	return startedTCPProxy(b, backend, func(p *TCPProxy) { p.Loops = loops })
+}
+
 func udpTarget(b *testing.B, proxied bool, backend netip.AddrPort) netip.AddrPort {
 	if !proxied {
 		return backend
@@ -128,9 +142,17 @@ var benchModes = []struct {
 // one direction.
 func BenchmarkTCPBulk(b *testing.B) {
 	const chunk = 128 << 10
-	for _, mode := range benchModes {
+	modes := append(benchModes[:len(benchModes):len(benchModes)], struct {
+		name    string
+		proxied bool
+	}{"Loop", true})
+	for _, mode := range modes {
 		b.Run(mode.name, func(b *testing.B) {
-			target := tcpTarget(b, mode.proxied, startTCPEcho(b, loopback("4")))
+			backend := startTCPEcho(b, loopback("4"))
+			target, ok := eventLoopTarget(b, mode.name, backend)
+			if !ok {
+				target = tcpTarget(b, mode.proxied, backend)
+			}
 			c := dialTCPTest(b, target)
 			c.SetDeadline(time.Time{})
 			buf := make([]byte, chunk)

@@ -124,12 +124,17 @@ func (p *TCPProxy) Freeze(ctx context.Context) (TCPState, error) {
 		return TCPState{}, err
 	}
 	conns := p.freezeConns()
+	p.freezeLoopConns(ctx)
 	p.awaitStopped(ctx, conns)
 	return p.export()
 }
 
 // wakeAcceptLoop makes a pending accept return, leaving the listening socket open.
 func (p *TCPProxy) wakeAcceptLoop() {
+	if p.Loops != nil {
+		p.detachFromLoop()
+		return
+	}
 	_ = p.Listener.SetDeadline(freezeDeadline)
 }
 
@@ -237,6 +242,7 @@ func (p *TCPProxy) Thaw() error {
 		c  *tcpConn
 		pc *parkedConn
 	}
+	p.thawLoopConns()
 	var parked []thawed
 	p.mu.Lock()
 	p.freezing = false
@@ -284,6 +290,10 @@ func (p *TCPProxy) export() (TCPState, error) {
 		}
 		st.Conns = append(st.Conns, cs)
 	}
+	if err := p.exportLoopConns(&st); err != nil {
+		_ = st.Close()
+		return TCPState{}, fmt.Errorf("freeze TCP proxy: %w", err)
+	}
 	return st, nil
 }
 
@@ -330,6 +340,7 @@ func (p *TCPProxy) Release() {
 	if !p.run.release() {
 		return
 	}
+	p.releaseLoopConns()
 	p.connWG.Wait() // every connection has parked or ended: frozen, they stop promptly
 	if p.Listener != nil {
 		_ = p.Listener.Close()
@@ -402,6 +413,9 @@ func stateErr(closed, frozen bool) error {
 
 // adoptConn starts one adopted connection.
 func (p *TCPProxy) adoptConn(cs TCPConnState) error {
+	if p.Loops != nil {
+		return p.adoptOnLoop(cs)
+	}
 	client, err := tcpConnFromFile(cs.Client, "client")
 	if err != nil {
 		_ = closeFile(cs.Backend)
@@ -484,15 +498,18 @@ func endedConnection(tc *net.TCPConn) bool {
 		return false
 	}
 	ended := false
-	_ = rc.Control(func(fd uintptr) {
-		info, err := unix.GetsockoptTCPInfo(int(fd), unix.IPPROTO_TCP, unix.TCP_INFO)
-		if err != nil {
-			return
-		}
-		listening, err := unix.GetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_ACCEPTCONN)
-		ended = err == nil && listening == 0 && info.State == tcpClose && info.Segs_in > 0
-	})
+	_ = rc.Control(func(fd uintptr) { ended = endedSocket(int(fd)) })
 	return ended
+}
+
+// endedSocket is endedConnection for a descriptor.
+func endedSocket(fd int) bool {
+	info, err := unix.GetsockoptTCPInfo(fd, unix.IPPROTO_TCP, unix.TCP_INFO)
+	if err != nil {
+		return false
+	}
+	listening, err := unix.GetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_ACCEPTCONN)
+	return err == nil && listening == 0 && info.State == tcpClose && info.Segs_in > 0
 }
 
 // tcpClose is the kernel's TCP_CLOSE state (include/net/tcp_states.h).

@@ -321,6 +321,30 @@ func closedTCPPort(t testing.TB, addr netip.Addr) netip.AddrPort {
 	return netip.AddrPort{}
 }
 
+// loopForTest puts p on event loops of its own (TCPProxy.Loops) when the environment has
+// FORWARD_TEST_DATA_PATH=loop: the tests of proxies that Serve then run on the event-loop data
+// path (see TestTCPTestsOnLoops, which runs them so). Call it before the proxy serves, and
+// before registering the cleanup that shuts it down (the loops are closed after).
+func loopForTest(t testing.TB, p *TCPProxy) {
+	t.Helper()
+	if os.Getenv("FORWARD_TEST_DATA_PATH") != "loop" || p.Loops != nil {
+		return
+	}
+	p.Loops = newTestLoops(t, 1)
+}
+
+// newTestLoops starts n event loops, closed when the test ends (after the cleanups registered
+// later, such as a proxy's shutdown).
+func newTestLoops(t testing.TB, n int) *Loops {
+	t.Helper()
+	ls, err := NewLoops(n)
+	if err != nil {
+		t.Fatalf("event loops: %v", err)
+	}
+	t.Cleanup(func() { ls.Close() })
+	return ls
+}
+
 // parkForTest gives p a Poller, as Start would, when the environment has FORWARD_TEST_PARK set,
 // and then, unless the test configured ParkIdleAfter, has its connections park every idle
 // direction at once: the tests of proxies that Serve then run every wait of their connections
@@ -362,6 +386,7 @@ func startTCPProxy(t testing.TB, family string, chooser Chooser, configure func(
 		configure(p)
 	}
 	parkForTest(t, p)
+	loopForTest(t, p)
 	r := &proxyRun{TCPProxy: p, addr: listenerAddr(p.Listener), served: make(chan error, 1)}
 	go func() { r.served <- p.Serve() }()
 	t.Cleanup(func() {

@@ -2,7 +2,6 @@ package forward
 
 import (
 	"maps"
-	"net"
 	"net/netip"
 	"syscall"
 	"testing"
@@ -18,12 +17,7 @@ func TestTCPKeepAlive(t *testing.T) {
 	if _, err := roundTrip(c, []byte("ping")); err != nil {
 		t.Fatalf("round trip: %v", err)
 	}
-	var client, endpoint *net.TCPConn
-	p.mu.Lock()
-	for conn := range p.conns {
-		client, endpoint = conn.client, conn.backend
-	}
-	p.mu.Unlock()
+	client, endpoint := connSockets(p.TCPProxy)
 	if client == nil || endpoint == nil {
 		t.Fatal("the proxy holds no connected connection")
 	}
@@ -36,7 +30,7 @@ func TestTCPKeepAlive(t *testing.T) {
 	}
 }
 
-func keepAliveOptions(t *testing.T, c *net.TCPConn) map[string]int {
+func keepAliveOptions(t *testing.T, c syscall.Conn) map[string]int {
 	t.Helper()
 	rc, err := c.SyscallConn()
 	if err != nil {

@@ -58,9 +58,7 @@ func TestTCPMaxConns(t *testing.T) {
 	}
 	open[0].Close()
 	eventually(t, "the closed connection to free its slot", func() bool {
-		p.mu.Lock()
-		defer p.mu.Unlock()
-		return len(p.conns) == 2
+		return liveConns(p.TCPProxy) == 2
 	})
 	c := dialTCPTest(t, p.addr)
 	if got, err := roundTrip(c, []byte("b")); err != nil || string(got) != "b" {

@@ -55,6 +55,29 @@ func tcpOriginalDst(conn *net.TCPConn) netip.AddrPort {
 	return dst
 }
 
+// fdOriginalDst is tcpOriginalDst for a raw socket descriptor (the event-loop path's).
+func fdOriginalDst(fd int) netip.AddrPort {
+	if h := testHookOriginalDst; h != nil {
+		h()
+	}
+	local := fdLocalAddr(fd)
+	if !local.IsValid() {
+		return netip.AddrPort{}
+	}
+	level, opt := unix.SOL_IP, soOriginalDst // see tcpOriginalDst
+	if local.Addr().Is6() {
+		level, opt = unix.SOL_IPV6, ip6tSoOriginalDst
+	}
+	dst, err := getsockoptSockaddr(fd, level, opt)
+	if err != nil {
+		return netip.AddrPort{}
+	}
+	if dst = unmapAddrPort(dst); dst == local {
+		return netip.AddrPort{}
+	}
+	return dst
+}
+
 // getsockoptSockaddr reads a socket option whose value is a struct sockaddr_in or sockaddr_in6.
 func getsockoptSockaddr(fd, level, opt int) (netip.AddrPort, error) {
 	var buf [unix.SizeofSockaddrAny]byte

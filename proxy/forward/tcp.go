@@ -74,6 +74,13 @@ type TCPProxy struct {
 	// millisecond means at once, negative means never (each direction keeps its goroutine, as
 	// under Serve, which never parks).
 	ParkIdleAfter time.Duration
+	// Loops, when set, serves the listener and the connections on event loops instead of
+	// goroutines (see loop_linux.go): Serve and Start attach the listener to one loop (Start's
+	// poller and ParkIdleAfter are then unused), and every connection it accepts or Adopt takes
+	// is relayed there, with the goroutine path's semantics (splice, PROXY protocol,
+	// transparent dials, timeouts, limits, metrics, Freeze/Adopt/Thaw). The Loops must outlive
+	// the proxy.
+	Loops *Loops
 
 	// testHookAcceptPause, if set, is called before each pause of the accept loop.
 	testHookAcceptPause func(attempt int, delay time.Duration)
@@ -96,7 +103,8 @@ type TCPProxy struct {
 
 	mu       sync.Mutex // guards the following fields
 	conns    map[*tcpConn]struct{}
-	freezing bool // Freeze has marked every connection: Adopt admits no more
+	freezing bool       // Freeze has marked every connection: Adopt admits no more
+	onLoop   *loopProxy // with Loops: the proxy's state on its loop, from its first use
 }
 
 // Serve accepts connections until Close or Shutdown, handing each to its own goroutine. It
@@ -105,6 +113,9 @@ type TCPProxy struct {
 func (p *TCPProxy) Serve() error {
 	if p.Listener == nil || p.Chooser == nil {
 		return errors.New("serve TCP proxy: Listener and Chooser are required")
+	}
+	if p.Loops != nil {
+		return p.serveOnLoop()
 	}
 	ok, err := p.run.start("TCP proxy")
 	if !ok {
@@ -126,6 +137,10 @@ func (p *TCPProxy) Serve() error {
 func (p *TCPProxy) Start(poller *Poller) error {
 	if p.Listener == nil || p.Chooser == nil {
 		return errors.New("start TCP proxy: Listener and Chooser are required")
+	}
+	if p.Loops != nil {
+		_, err := p.startOnLoop()
+		return err
 	}
 	p.mu.Lock()
 	if p.poller == nil { // before start: a connection relayed after it must find it
@@ -191,6 +206,9 @@ func (p *TCPProxy) Close() error {
 	var sock io.Closer
 	if p.Listener != nil {
 		sock = p.Listener
+		if p.Loops != nil {
+			sock = loopListenerCloser{p}
+		}
 	}
 	first, err := p.run.close(sock, "TCP proxy listener")
 	if first {
@@ -222,6 +240,7 @@ func (p *TCPProxy) Shutdown(ctx context.Context) error {
 		c.cutLocked()
 	}
 	p.mu.Unlock()
+	cut += p.cutLoopConns()
 	<-drained // cut connections end promptly: their sockets are closed and dials cancelled
 	return errors.Join(err, fmt.Errorf("shut down TCP proxy: cut %d connections: %w", cut, ctx.Err()))
 }
@@ -301,7 +320,7 @@ func isPendingConnError(err error) bool {
 func (p *TCPProxy) startConn(client *net.TCPConn) {
 	c := p.newConn(client)
 	p.mu.Lock()
-	admitted := (p.MaxConns <= 0 || len(p.conns) < p.MaxConns) && p.Budget.take(tcpConnFDs)
+	admitted := (p.MaxConns <= 0 || p.connCountLocked() < p.MaxConns) && p.Budget.take(tcpConnFDs)
 	if admitted {
 		p.addConnLocked(c)
 	}
@@ -310,15 +329,20 @@ func (p *TCPProxy) startConn(client *net.TCPConn) {
 		c.endDial()
 		p.sink().ConnRefused() // counted before the client can see the reset
 		resetConn(client)
-		if p.refusedWarned.CompareAndSwap(false, true) {
-			p.logWarn().Int("maxConns", p.MaxConns).Int("budget", p.Budget.Limit()).Int("budgetInUse", p.Budget.InUse()).
-				Msg("connection refused: this port's connection limit or the data path's descriptor budget is reached (logged once)")
-		}
+		p.warnRefused()
 		return
 	}
 	p.sink().ConnAccepted()
 	p.connWG.Add(1)
 	go c.handle()
+}
+
+// warnRefused logs the first connection refused at admission at warning level.
+func (p *TCPProxy) warnRefused() {
+	if p.refusedWarned.CompareAndSwap(false, true) {
+		p.logWarn().Int("maxConns", p.MaxConns).Int("budget", p.Budget.Limit()).Int("budgetInUse", p.Budget.InUse()).
+			Msg("connection refused: this port's connection limit or the data path's descriptor budget is reached (logged once)")
+	}
 }
 
 // addConnLocked records c among the proxy's connections; p.mu must be held. The set is made by

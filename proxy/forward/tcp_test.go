@@ -498,15 +498,11 @@ func TestTCPSocketOptions(t *testing.T) {
 	if _, err := roundTrip(c, []byte("x")); err != nil {
 		t.Fatal(err)
 	}
-	p.mu.Lock()
-	var socks map[string]*net.TCPConn
-	for conn := range p.conns {
-		socks = map[string]*net.TCPConn{"client side": conn.client, "endpoint side": conn.backend}
-	}
-	p.mu.Unlock()
-	if socks == nil {
+	client, endpoint := connSockets(p.TCPProxy)
+	if client == nil || endpoint == nil {
 		t.Fatal("no connection registered")
 	}
+	socks := map[string]syscall.Conn{"client side": client, "endpoint side": endpoint}
 	for side, s := range socks {
 		for _, opt := range []struct {
 			name       string

@@ -93,6 +93,9 @@ type listenConfig struct {
 	// keeps a goroutine. The proxier creates it with its first listener and closes it with the
 	// last (closeListeners).
 	poller *forward.Poller
+	// loops, when set, relay TCP on event loops (Options.TCPDataPath); the proxier closes them
+	// at the end of Shutdown.
+	loops *forward.Loops
 	// testHookServe, when set, is called as a listener starts serving (tests).
 	testHookServe func(*listener)
 }

@@ -272,7 +272,8 @@ func (l *listener) newUDP(cfg *listenConfig, conn *net.UDPConn, metrics forward.
 
 func (l *listener) newTCP(cfg *listenConfig, ln *net.TCPListener, metrics forward.Metrics) *forward.TCPProxy {
 	return &forward.TCPProxy{Listener: ln, Chooser: &l.choose, Log: l.log, LogScope: l, Metrics: metrics,
-		Budget: cfg.budget, MaxConns: cfg.maxConns, IdleTimeout: cfg.idleTimeout, ParkIdleAfter: cfg.parkAfter}
+		Budget: cfg.budget, MaxConns: cfg.maxConns, IdleTimeout: cfg.idleTimeout, ParkIdleAfter: cfg.parkAfter,
+		Loops: cfg.loops}
 }
 
 // serveTCP starts the TCP proxy; with cfg's poller, an idle listener holds no goroutine.

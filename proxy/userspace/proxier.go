@@ -79,6 +79,11 @@ type Options struct {
 	TransparentLocal bool
 	// Limits bounds the data path; the zero value bounds nothing.
 	Limits Limits
+	// TCPDataPath is how TCP connections are relayed: TCPDataPathGoroutine (or empty), with
+	// goroutines per connection, or TCPDataPathLoop, on one event loop per processor
+	// (forward.Loops). If the loops cannot be created, the goroutine path is used, with a
+	// warning.
+	TCPDataPath string
 	// ClusterCIDRs are the pods' addresses (kube-proxy's --cluster-cidr). Pods reaching a
 	// NodePort, externalIP or load-balancer IP of an externalTrafficPolicy: Local service are
 	// served by any endpoint, as the node itself is: their traffic is in-cluster, and kube-proxy
@@ -88,6 +93,27 @@ type Options struct {
 	// (after a crash, those the surviving rules name); a port that is taken or out of the range
 	// falls back to allocation. Nil: every port is allocated.
 	PreferredPorts PreferredPorts
+}
+
+// The values of Options.TCPDataPath.
+const (
+	TCPDataPathGoroutine = "goroutine"
+	TCPDataPathLoop      = "loop"
+)
+
+// newLoops returns the event loops of the TCP data path when opts ask for them: one per
+// processor the runtime uses. Nil means the goroutine path.
+func newLoops(opts Options) *forward.Loops {
+	if opts.TCPDataPath != TCPDataPathLoop {
+		return nil
+	}
+	loops, err := forward.NewLoops(runtime.GOMAXPROCS(0))
+	if err != nil {
+		opts.Log.Warn().Err(err).Msg("TCP event loops not available; relaying TCP on goroutines")
+		return nil
+	}
+	opts.Log.Info().Int("loops", runtime.GOMAXPROCS(0)).Msg("TCP data path: event loops")
+	return loops
 }
 
 // newBalancer returns the load balancer for opts: this node, the affinity bound, and evictions
@@ -229,6 +255,7 @@ func New(opts Options) *Proxier {
 		idleTimeout: opts.Limits.TCPIdleTimeout,
 		parkAfter:   opts.Limits.TCPParkIdleAfter,
 		preferred:   opts.PreferredPorts,
+		loops:       newLoops(opts),
 	}
 	setAsidePreferred(p.alloc, opts.PreferredPorts)
 	if prefs := opts.PreferredPorts; prefs != nil {
@@ -921,6 +948,9 @@ func (p *Proxier) Shutdown(ctx context.Context) error {
 			errs = append(errs, fmt.Errorf("%s: %w", l.choose.sp.Load(), err))
 		}
 		l.release(p.alloc)
+	}
+	if loops := p.listen.loops; loops != nil {
+		_ = loops.Close() // after the proxies: their connections have ended or been cut
 	}
 	return errors.Join(errs...)
 }

@@ -22,6 +22,7 @@ import (
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/loadbalancer"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/portalloc"
 )
 
@@ -252,8 +253,14 @@ var (
 )
 
 func TestTCPAndUDPThroughProxy(t *testing.T) {
+	for _, path := range []string{TCPDataPathGoroutine, TCPDataPathLoop} {
+		t.Run(path, func(t *testing.T) { testTCPAndUDPThroughProxy(t, path) })
+	}
+}
+
+func testTCPAndUDPThroughProxy(t *testing.T, path string) {
 	a, b := startBackend(t, "a"), startBackend(t, "b")
-	p := newTestProxier(t, Options{})
+	p := newTestProxier(t, Options{TCPDataPath: path})
 	tr := p.Tracker()
 	tr.OnServiceUpdate(nil, service("echo", []v1.ServicePort{tcpPort("tcp", 80), udpPort("udp", 53)}))
 	tr.OnEndpointSliceUpdate(nil, slice("echo", "echo-a-tcp", "tcp", v1.ProtocolTCP, a))
@@ -273,6 +280,19 @@ func TestTCPAndUDPThroughProxy(t *testing.T) {
 	if got := mustAsk(t, "udp", udp); got != "a" {
 		t.Errorf("UDP answered by %q, want a", got)
 	}
+	switch loops := p.listen.loops; {
+	case path == TCPDataPathLoop && (loops == nil || loops.Served() != 10):
+		t.Errorf("event loops %v served %d TCP connections, want all 10", loops, servedBy(loops))
+	case path == TCPDataPathGoroutine && loops != nil:
+		t.Error("the goroutine data path has event loops")
+	}
+}
+
+func servedBy(loops *forward.Loops) uint64 {
+	if loops == nil {
+		return 0
+	}
+	return loops.Served()
 }
 
 func TestNoEndpointsRefusedAtOnce(t *testing.T) {

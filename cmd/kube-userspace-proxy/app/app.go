@@ -136,6 +136,7 @@ func Run(ctx context.Context, opts *Options, v *Validated, log zerolog.Logger) e
 		SyncPeriod:    opts.SyncPeriod,
 		ClusterCIDRs:  v.ClusterCIDRs,
 		Limits:        limits,
+		TCPDataPath:   opts.TCPDataPath,
 	}
 	var portals *portal.Set
 	release := func() {}

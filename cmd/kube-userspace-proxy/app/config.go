@@ -22,6 +22,8 @@ import (
 	"k8s.io/apimachinery/pkg/runtime/serializer"
 	kpconfig "k8s.io/kube-proxy/config/v1alpha1"
 	"sigs.k8s.io/yaml"
+
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/userspace"
 )
 
 // ProxyModeUserspace is the only KubeProxyConfiguration mode this proxy implements; an empty
@@ -351,6 +353,9 @@ func (o *Options) OwnFlags() []string {
 	}
 	if o.TCPParkIdleAfter != 0 {
 		own["tcp-park-idle-after"] = o.TCPParkIdleAfter.String()
+	}
+	if o.TCPDataPath != userspace.TCPDataPathGoroutine {
+		own["tcp-data-path"] = o.TCPDataPath
 	}
 	if !o.HandoverExit {
 		own["handover-exit"] = "false"

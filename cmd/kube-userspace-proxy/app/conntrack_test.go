@@ -238,3 +238,29 @@ func TestConntrackSysctlsInNetns(t *testing.T) {
 		t.Logf("logs:\n%s", logs.String())
 	}
 }
+
+// TestValidateTCPDataPath: --tcp-data-path takes goroutine (the default) or loop, nothing else.
+func TestValidateTCPDataPath(t *testing.T) {
+	for _, tt := range []struct{ arg, wantErr string }{
+		{"--tcp-data-path=goroutine", ""},
+		{"--tcp-data-path=loop", ""},
+		{"--tcp-data-path=epoll", `--tcp-data-path: "epoll": must be "goroutine" or "loop"`},
+	} {
+		t.Run(tt.arg, func(t *testing.T) {
+			o, err := parse(t, tt.arg, "--hostname-override=n")
+			if err != nil {
+				t.Fatal(err)
+			}
+			_, err = o.Validate()
+			switch {
+			case tt.wantErr == "" && err != nil:
+				t.Errorf("Validate = %v, want no error", err)
+			case tt.wantErr != "" && (err == nil || !strings.Contains(err.Error(), tt.wantErr)):
+				t.Errorf("Validate = %v, want an error containing %q", err, tt.wantErr)
+			}
+		})
+	}
+	if o := NewOptions(); o.TCPDataPath != "goroutine" {
+		t.Errorf("default --tcp-data-path %q, want goroutine", o.TCPDataPath)
+	}
+}

@@ -1,0 +1,1249 @@
+package forward
+
+import (
+	"errors"
+	"fmt"
+	"net/netip"
+	"os"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"time"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
+)
+
+// The event-loop TCP data path (TCPProxy.Loops; --tcp-data-path=loop).
+//
+// Why: under the goroutine path every short connection costs a goroutine for its dial, two for
+// its copiers, two net.TCPConns with their runtime pollDescs, and the scheduler's wake-ups in
+// between; measured with the reference in evloop_bench_test.go, that is ~40 % of the proxy's
+// own cost per short connection and nearly all of an idle connection's memory. Here a
+// connection is a small lconn in a slice indexed by descriptor, moved on by the one goroutine of
+// its loop.
+//
+// Shape: Loops holds one loop per processor. A proxy is placed on one loop at its first use
+// (round robin), and its listener and every connection it accepts or adopts stay there. A loop
+// waits for its epoll descriptor in Go's poller (RawConn.Read, then epoll_wait with a zero
+// timeout): blocking in epoll_wait would hold a thread and double the cost of each message.
+// Other goroutines hand work to a loop with post (a queue and an eventfd). Timeouts (dials,
+// IdleTimeout, the listener's pause after EMFILE) are checked by a coarse sweep driven by a
+// timerfd that is armed only while something needs it: an idle process does not wake.
+//
+// Triggering: listeners are level-triggered and accept one connection per readiness, so a flood
+// on one port takes turns with the others; connection sockets are edge-triggered (IN, OUT,
+// RDHUP), added once and never modified. A direction remembers whether its source may still be
+// readable: a read shorter than the buffer drained it (new data queues a new edge). A direction
+// reads at most loopReadsPerTurn buffers per turn and then waits for the loop's next turn.
+//
+// Relay: a direction reads into the loop's shared 16 KiB buffer and writes at once; only what
+// the destination does not take is copied into a buffer of the direction's own, and its source
+// is not read until that is written. The first EOF is passed on with shutdown(SHUT_WR), the
+// second by closing both sockets; a read or write error resets both (SO_LINGER 0), so a reset
+// is passed on as a reset. A direction whose read fills the buffer is bulk traffic: from then
+// on it moves socket → pipe → socket with splice(2), through a pipe from the proxy's pool held
+// only while data flows (splice-auto, as the goroutine path does; see splice_linux.go).
+//
+// Epoll events carry a generation besides the descriptor, so an event of a socket closed
+// earlier in the same batch is never delivered to a new socket that reused its number.
+
+// loopBufSize is a loop's shared read buffer: one read per turn moves at most this much.
+const loopBufSize = 16 << 10
+
+// loopReadsPerTurn bounds the reads of one direction per turn of its loop (fairness between
+// connections and service ports).
+const loopReadsPerTurn = 4
+
+// Sweep intervals: while a listener is paused or a dial is in progress, and the bounds of the
+// interval used for IdleTimeout alone (an eighth of the smallest IdleTimeout on the loop).
+const (
+	loopTickBusy    = 10 * time.Millisecond
+	loopTickIdleMin = 10 * time.Millisecond
+	loopTickIdleMax = time.Second
+)
+
+// Loops is a set of event loops for TCPProxy.Loops. Create it with NewLoops, give it to the
+// proxies, and Close it after them.
+type Loops struct {
+	loops     []*loop
+	next      atomic.Uint32
+	closeOnce sync.Once
+}
+
+// NewLoops starts n event loops (at least one), each with a goroutine of its own until Close.
+func NewLoops(n int) (*Loops, error) {
+	ls := &Loops{}
+	for i := range max(n, 1) {
+		l, err := newLoop()
+		if err != nil {
+			_ = ls.Close()
+			return nil, fmt.Errorf("start event loop %d of %d: %w", i+1, max(n, 1), err)
+		}
+		ls.loops = append(ls.loops, l)
+		go l.run()
+	}
+	return ls, nil
+}
+
+// Close stops every loop: connections still on them are reset, listeners are let go (their
+// proxies' Close still closes them). It waits for the loops' goroutines. Close the proxies
+// first (Shutdown), so that their connections end as they should.
+func (ls *Loops) Close() error {
+	ls.closeOnce.Do(func() {
+		for _, l := range ls.loops {
+			l.stop()
+		}
+	})
+	return nil
+}
+
+// Served returns how many connections the loops have taken (accepted and admitted, or adopted):
+// a connection on the goroutine path is not counted.
+func (ls *Loops) Served() uint64 {
+	var n uint64
+	for _, l := range ls.loops {
+		n += l.served.Load()
+	}
+	return n
+}
+
+// pick returns the loop of a proxy placed now.
+func (ls *Loops) pick() *loop {
+	return ls.loops[int(ls.next.Add(1)-1)%len(ls.loops)]
+}
+
+// loop is one event loop: its goroutine owns every field below the lock.
+type loop struct {
+	epfd, evfd, tfd int
+	ep              *os.File        // epfd, waited on in the runtime's poller
+	rc              syscall.RawConn // ep's
+	done            chan struct{}   // closed when run has returned and everything is closed
+	served          atomic.Uint64   // see Loops.Served
+
+	mu       sync.Mutex // guards posts and stopped
+	posts    []func()
+	stopped  bool // run no longer takes posts
+	stopping bool // a stop was posted (loop goroutine)
+
+	fds      []fdSlot // by descriptor
+	gen      uint32   // the last generation given to a registration
+	buf      []byte
+	events   [128]unix.EpollEvent
+	epoch    time.Time
+	now      time.Duration // since epoch, at the start of the current turn
+	again    []*lconn      // connections with a direction to pump next turn, not waiting for an event
+	dialing  int           // connections whose endpoint socket is connecting
+	timed    int           // connections with an IdleTimeout
+	idleTick time.Duration // the sweep interval for IdleTimeout: the smallest seen while timed > 0
+	paused   []*loopListener
+	tick     time.Duration // the timerfd's interval; 0: disarmed
+}
+
+// fdSlot is what a descriptor of the loop belongs to: a listener, or side 0 (client) or 1
+// (endpoint) of a connection.
+type fdSlot struct {
+	ln   *loopListener
+	c    *lconn
+	side uint8
+	gen  uint32
+}
+
+// loopListener is a proxy's listening socket on its loop.
+type loopListener struct {
+	p        *TCPProxy
+	fd       int
+	gen      uint32
+	paused   bool
+	pause    resourcePause
+	resumeAt time.Duration
+}
+
+// lconn is one connection on a loop: sockets 0 (client) and 1 (endpoint), and the directions
+// dir[i], from fd[i] to fd[1-i].
+type lconn struct {
+	p          *TCPProxy
+	fd         [2]int32 // -1: none
+	gen        [2]uint32
+	clientAddr netip.AddrPort
+	endpoint   netip.AddrPort // the endpoint being dialled, then the connected one
+	dl         *ldial         // until connected: the dial's state (an idle connection keeps none)
+	last       time.Duration  // the last byte moved (IdleTimeout)
+	n          [2]int64       // bytes written each way since accepted (or frozen)
+	dir        [2]ldir
+	connecting bool
+	connected  bool
+	freezing   bool // a Freeze waits for this connection's dial to end
+	timed      bool // counted in loop.timed
+	queued     bool // in loop.again
+	closed     bool // ended or frozen: events and sweeps skip it
+}
+
+// ldial is the state of a connection's dial.
+type ldial struct {
+	dst        netip.AddrPort // the original destination, once asked
+	deadline   time.Duration  // of the attempt in progress
+	proxyProto ProxyProtocol  // the target's, sent once connected
+	attempt    uint8
+	dstAsked   bool
+	reset      bool // the next Choose is a retry
+}
+
+// ldir is one direction of a connection.
+type ldir struct {
+	pending  []byte // read from the source (or adopted), not yet taken by the destination
+	pipe     *pipe  // while spliced data is in flight: the pool's pipe holding inPipe bytes
+	inPipe   int
+	spliced  bool // a read filled the buffer: the direction splices from now on
+	readable bool // the source may have data or an EOF (an edge not yet drained)
+	rdhup    bool // the source's peer sent its FIN
+	eof      bool // the source's EOF was read
+	shut     bool // the EOF was passed on to the destination
+}
+
+func newLoop() (l *loop, err error) {
+	l = &loop{epfd: -1, evfd: -1, tfd: -1, done: make(chan struct{}), buf: make([]byte, loopBufSize), epoch: time.Now()}
+	defer func() {
+		if err != nil {
+			l.closeFDs()
+		}
+	}()
+	if l.epfd, err = unix.EpollCreate1(unix.EPOLL_CLOEXEC); err != nil {
+		return nil, fmt.Errorf("epoll_create1: %w", err)
+	}
+	if l.evfd, err = unix.Eventfd(0, unix.EFD_NONBLOCK|unix.EFD_CLOEXEC); err != nil {
+		return nil, fmt.Errorf("eventfd: %w", err)
+	}
+	if l.tfd, err = unix.TimerfdCreate(unix.CLOCK_MONOTONIC, unix.TFD_NONBLOCK|unix.TFD_CLOEXEC); err != nil {
+		return nil, fmt.Errorf("timerfd_create: %w", err)
+	}
+	for _, fd := range []int{l.evfd, l.tfd} {
+		if err = unix.EpollCtl(l.epfd, unix.EPOLL_CTL_ADD, fd, &unix.EpollEvent{Events: unix.EPOLLIN, Fd: int32(fd)}); err != nil {
+			return nil, fmt.Errorf("epoll_ctl add: %w", err)
+		}
+	}
+	if err = unix.SetNonblock(l.epfd, true); err != nil {
+		return nil, fmt.Errorf("set the epoll descriptor non-blocking: %w", err)
+	}
+	l.ep = os.NewFile(uintptr(l.epfd), "event-loop-epoll")
+	if l.rc, err = l.ep.SyscallConn(); err != nil {
+		return nil, fmt.Errorf("epoll descriptor: %w", err)
+	}
+	return l, nil
+}
+
+func (l *loop) closeFDs() {
+	for _, fd := range []int{l.evfd, l.tfd} {
+		if fd >= 0 {
+			_ = unix.Close(fd)
+		}
+	}
+	if l.ep != nil {
+		_ = l.ep.Close()
+	} else if l.epfd >= 0 {
+		_ = unix.Close(l.epfd)
+	}
+}
+
+// post queues fn to run on the loop's goroutine and reports whether it will run: false once the
+// loop has stopped.
+func (l *loop) post(fn func()) bool {
+	l.mu.Lock()
+	if l.stopped {
+		l.mu.Unlock()
+		return false
+	}
+	wake := len(l.posts) == 0
+	l.posts = append(l.posts, fn)
+	l.mu.Unlock()
+	if wake {
+		one := [8]byte{1}
+		_, _ = unix.Write(l.evfd, one[:])
+	}
+	return true
+}
+
+// call runs fn on the loop's goroutine and waits for it; false means the loop has stopped and
+// fn did not run. It must not be called from the loop's goroutine.
+func (l *loop) call(fn func()) bool {
+	done := make(chan struct{})
+	if !l.post(func() { fn(); close(done) }) {
+		return false
+	}
+	<-done
+	return true
+}
+
+// stop asks the loop to end and waits for it.
+func (l *loop) stop() {
+	if l.post(func() { l.stopping = true }) {
+		<-l.done
+	}
+}
+
+// runPosts runs the queued posts.
+func (l *loop) runPosts() {
+	var b [8]byte
+	_, _ = unix.Read(l.evfd, b[:])
+	l.mu.Lock()
+	posts := l.posts
+	l.posts = nil
+	l.mu.Unlock()
+	for _, fn := range posts {
+		fn()
+	}
+}
+
+// run is the loop's goroutine: turns until stop, then teardown.
+func (l *loop) run() {
+	defer close(l.done)
+	var accept []*loopListener
+	for !l.stopping {
+		n, err := l.wait()
+		if err != nil {
+			break // the epoll descriptor failed: nothing can be served any more
+		}
+		l.now = time.Since(l.epoch)
+		accept = accept[:0]
+		for i := range l.events[:n] {
+			ev := &l.events[i]
+			switch fd := int(ev.Fd); fd {
+			case l.evfd:
+				l.runPosts()
+			case l.tfd:
+				l.sweep()
+			default:
+				s := l.slot(fd)
+				switch {
+				case s.gen != uint32(ev.Pad):
+				case s.ln != nil:
+					accept = append(accept, s.ln) // after the batch: an accepted socket may reuse a number closed in it
+				case s.c != nil:
+					l.event(s.c, int(s.side), ev.Events)
+				}
+			}
+		}
+		for _, ln := range accept {
+			if s := l.slot(ln.fd); s.ln == ln && !ln.paused {
+				l.accept(ln)
+			}
+		}
+		l.pumpAgain()
+	}
+	l.teardown()
+}
+
+// wait returns the next batch of events, waiting in the runtime's poller unless a connection
+// has work left from the last turn.
+func (l *loop) wait() (int, error) {
+	if len(l.again) > 0 {
+		for {
+			n, err := unix.EpollWait(l.epfd, l.events[:], 0)
+			if err != unix.EINTR {
+				return n, err
+			}
+		}
+	}
+	var n int
+	var werr error
+	err := l.rc.Read(func(fd uintptr) bool {
+		for {
+			n, werr = unix.EpollWait(int(fd), l.events[:], 0)
+			if werr != unix.EINTR {
+				return n > 0 || werr != nil
+			}
+		}
+	})
+	if err == nil {
+		err = werr
+	}
+	return n, err
+}
+
+// teardown is the loop's end: no more posts; connections are reset, listeners let go.
+func (l *loop) teardown() {
+	l.mu.Lock()
+	l.stopped = true
+	posts := l.posts
+	l.posts = nil
+	l.mu.Unlock()
+	for _, fn := range posts {
+		fn()
+	}
+	for fd := range l.fds {
+		s := l.fds[fd]
+		switch {
+		case s.ln != nil:
+			l.detach(s.ln)
+		case s.c != nil && !s.c.closed:
+			l.finish(s.c, true, nil)
+		}
+	}
+	l.closeFDs()
+}
+
+// slot returns the slot of fd (the zero slot when it has none).
+func (l *loop) slot(fd int) fdSlot {
+	if fd < 0 || fd >= len(l.fds) {
+		return fdSlot{}
+	}
+	return l.fds[fd]
+}
+
+// track records s as the owner of fd and returns its generation.
+func (l *loop) track(fd int, s fdSlot) uint32 {
+	if fd >= len(l.fds) {
+		grown := make([]fdSlot, max(fd+1, 2*len(l.fds), 64))
+		copy(grown, l.fds)
+		l.fds = grown
+	}
+	l.gen++
+	s.gen = l.gen
+	l.fds[fd] = s
+	return s.gen
+}
+
+// forget clears fd's slot.
+func (l *loop) forget(fd int) {
+	if fd >= 0 && fd < len(l.fds) {
+		l.fds[fd] = fdSlot{}
+	}
+}
+
+// register adds side of c to the epoll set, edge-triggered.
+func (l *loop) register(c *lconn, side int) error {
+	fd := int(c.fd[side])
+	gen := l.track(fd, fdSlot{c: c, side: uint8(side)})
+	c.gen[side] = gen
+	ev := unix.EpollEvent{Events: unix.EPOLLIN | unix.EPOLLOUT | unix.EPOLLRDHUP | unix.EPOLLET, Fd: int32(fd), Pad: int32(gen)}
+	if err := unix.EpollCtl(l.epfd, unix.EPOLL_CTL_ADD, fd, &ev); err != nil {
+		l.forget(fd)
+		return fmt.Errorf("epoll_ctl add socket %d: %w", fd, err)
+	}
+	return nil
+}
+
+// unregister takes side of c out of the epoll set and its slot, leaving the socket open.
+func (l *loop) unregister(c *lconn, side int) {
+	if fd := int(c.fd[side]); fd >= 0 {
+		_ = unix.EpollCtl(l.epfd, unix.EPOLL_CTL_DEL, fd, nil)
+		l.forget(fd)
+	}
+}
+
+// armTimer makes sure the sweep runs at least every d.
+func (l *loop) armTimer(d time.Duration) {
+	if l.tick != 0 && l.tick <= d {
+		return
+	}
+	l.setTimer(d)
+}
+
+func (l *loop) setTimer(d time.Duration) {
+	ts := unix.NsecToTimespec(int64(d))
+	_ = unix.TimerfdSettime(l.tfd, 0, &unix.ItimerSpec{Interval: ts, Value: ts}, nil)
+	l.tick = d
+}
+
+// sweep runs every tick while needed: dial timeouts, IdleTimeout, paused listeners. It disarms
+// the timer when nothing needs it any more.
+func (l *loop) sweep() {
+	var b [8]byte
+	_, _ = unix.Read(l.tfd, b[:])
+	if l.dialing > 0 || l.timed > 0 {
+		for i := range l.fds {
+			s := l.fds[i]
+			if c := s.c; c != nil && s.side == 0 && !c.closed {
+				l.sweepConn(c)
+			}
+		}
+	}
+	for _, ln := range l.paused {
+		if ln.paused && l.now >= ln.resumeAt {
+			l.resumeListener(ln)
+		}
+	}
+	l.paused = compactPaused(l.paused)
+	if l.timed == 0 {
+		l.idleTick = 0
+	}
+	switch want := l.wantTick(); {
+	case want == 0:
+		l.setTimer(0)
+	case want != l.tick:
+		l.setTimer(want)
+	}
+}
+
+// wantTick is the sweep interval the loop's state asks for; 0: none.
+func (l *loop) wantTick() time.Duration {
+	if l.dialing > 0 || len(l.paused) > 0 {
+		return loopTickBusy
+	}
+	return l.idleTick
+}
+
+func compactPaused(ls []*loopListener) []*loopListener {
+	out := ls[:0]
+	for _, ln := range ls {
+		if ln.paused {
+			out = append(out, ln)
+		}
+	}
+	clear(ls[len(out):])
+	return out
+}
+
+// sweepConn ends c's dial attempt or c itself when their time is up.
+func (l *loop) sweepConn(c *lconn) {
+	if c.connecting && l.now >= c.dl.deadline {
+		l.dialFailed(c, unix.ETIMEDOUT)
+		return
+	}
+	if t := c.p.IdleTimeout; t > 0 && c.connected && l.now-c.last >= t {
+		l.finish(c, true, errIdle)
+	}
+}
+
+// countTimed counts c among the connections with an IdleTimeout.
+func (l *loop) countTimed(c *lconn) {
+	t := c.p.IdleTimeout
+	if t <= 0 || c.timed {
+		return
+	}
+	c.timed = true
+	l.timed++
+	tick := min(max(t/8, loopTickIdleMin), loopTickIdleMax)
+	if l.idleTick == 0 || tick < l.idleTick {
+		l.idleTick = tick
+	}
+	l.armTimer(l.idleTick)
+}
+
+func (l *loop) uncountTimed(c *lconn) {
+	if c.timed {
+		c.timed = false
+		l.timed--
+	}
+}
+
+// attach adds a proxy's listening socket to the loop, level-triggered.
+func (l *loop) attach(ln *loopListener) error {
+	ln.gen = l.track(ln.fd, fdSlot{ln: ln})
+	ev := unix.EpollEvent{Events: unix.EPOLLIN, Fd: int32(ln.fd), Pad: int32(ln.gen)}
+	if err := unix.EpollCtl(l.epfd, unix.EPOLL_CTL_ADD, ln.fd, &ev); err != nil {
+		l.forget(ln.fd)
+		return fmt.Errorf("epoll_ctl add listening socket: %w", err)
+	}
+	return nil
+}
+
+// detach takes a listener off the loop (it stays open) and ends its proxy's serving.
+func (l *loop) detach(ln *loopListener) {
+	if s := l.slot(ln.fd); s.ln != ln {
+		return
+	}
+	if !ln.paused {
+		_ = unix.EpollCtl(l.epfd, unix.EPOLL_CTL_DEL, ln.fd, nil)
+	}
+	ln.paused = false
+	l.forget(ln.fd)
+	ln.p.run.ended()
+}
+
+// pauseListener takes ln out of the epoll set for the next resourcePause delay: a
+// level-triggered listener whose accept fails for want of descriptors would be ready again at
+// once.
+func (l *loop) pauseListener(ln *loopListener, err error) {
+	p := ln.p
+	if ln.pause.attempts == 0 {
+		p.logWarn().Err(err).Msg("accept: out of file descriptors or memory; pausing new connections until some close")
+	}
+	d := ln.pause.next()
+	if h := p.testHookAcceptPause; h != nil {
+		h(ln.pause.attempts, d)
+	}
+	_ = unix.EpollCtl(l.epfd, unix.EPOLL_CTL_DEL, ln.fd, nil)
+	ln.paused, ln.resumeAt = true, l.now+d
+	l.paused = append(l.paused, ln)
+	l.armTimer(loopTickBusy)
+}
+
+// resumeListener puts a paused listener back into the epoll set.
+func (l *loop) resumeListener(ln *loopListener) {
+	ln.paused = false
+	ev := unix.EpollEvent{Events: unix.EPOLLIN, Fd: int32(ln.fd), Pad: int32(ln.gen)}
+	if err := unix.EpollCtl(l.epfd, unix.EPOLL_CTL_ADD, ln.fd, &ev); err != nil {
+		ln.p.logError().Err(err).Msg("event loop: cannot watch the listening socket again; the port accepts no more connections")
+		l.forget(ln.fd)
+		ln.p.run.ended()
+	}
+}
+
+// accept takes one connection from ln, admits it as startConn does and starts its dial.
+func (l *loop) accept(ln *loopListener) {
+	p := ln.p
+	var sa unix.RawSockaddrAny
+	saLen := uint32(unix.SizeofSockaddrAny)
+	// The system call itself: x/sys/unix's Accept4 parses the address with a getsockopt more.
+	r, _, errno := syscall.Syscall6(syscall.SYS_ACCEPT4, uintptr(ln.fd), uintptr(unsafe.Pointer(&sa)),
+		uintptr(unsafe.Pointer(&saLen)), syscall.SOCK_NONBLOCK|syscall.SOCK_CLOEXEC, 0, 0)
+	if errno != 0 {
+		l.acceptFailed(ln, errno)
+		return
+	}
+	cfd := int(r)
+	// Go's default for every socket. Sockets accepted later inherit it from a listener that has
+	// it, but not those already in the backlog when it was set (nor a listener handed over from
+	// the goroutine path): one system call per connection, as today's path.
+	_ = unix.SetsockoptInt(cfd, unix.IPPROTO_TCP, unix.TCP_NODELAY, 1)
+	if ln.pause.attempts > 0 {
+		p.logInfo().Int("retries", ln.pause.attempts).Dur("paused", time.Since(ln.pause.start)).
+			Msg("accepting connections again")
+		ln.pause = resourcePause{}
+	}
+	if !p.admitLoopConn() {
+		p.sink().ConnRefused() // counted before the client can see the reset
+		resetFD(cfd)
+		p.warnRefused()
+		return
+	}
+	p.sink().ConnAccepted()
+	l.served.Add(1)
+	c := &lconn{p: p, fd: [2]int32{int32(cfd), -1}, clientAddr: rawAddrPort(&sa), last: l.now}
+	if err := l.register(c, 0); err != nil {
+		l.finish(c, true, err)
+		return
+	}
+	l.countTimed(c)
+	l.dial(c)
+}
+
+// acceptFailed handles an accept4 error as acceptLoop does.
+func (l *loop) acceptFailed(ln *loopListener, errno syscall.Errno) {
+	p := ln.p
+	switch {
+	case errno == syscall.EAGAIN || errno == syscall.EINTR:
+	case isResourceExhausted(errno):
+		l.pauseListener(ln, errno)
+	case isPendingConnError(errno):
+		p.logDebug().Err(errno).Msg("accept: connection failed before it was accepted")
+	default:
+		p.logError().Err(fmt.Errorf("accept on %s: %w", p.Listener.Addr(), errno)).Msg("TCP proxy stopped")
+		l.detach(ln)
+	}
+}
+
+// resetFD closes a socket with an RST.
+func resetFD(fd int) {
+	_ = unix.SetsockoptLinger(fd, unix.SOL_SOCKET, unix.SO_LINGER, &unix.Linger{Onoff: 1, Linger: 0})
+	_ = unix.Close(fd)
+}
+
+// rawAddrPort decodes accept4's address (unmapped); the zero AddrPort for another family.
+func rawAddrPort(sa *unix.RawSockaddrAny) netip.AddrPort {
+	switch sa.Addr.Family {
+	case unix.AF_INET:
+		in := (*unix.RawSockaddrInet4)(unsafe.Pointer(sa))
+		return netip.AddrPortFrom(netip.AddrFrom4(in.Addr), ntohs(in.Port))
+	case unix.AF_INET6:
+		in := (*unix.RawSockaddrInet6)(unsafe.Pointer(sa))
+		return unmapAddrPort(netip.AddrPortFrom(netip.AddrFrom16(in.Addr), ntohs(in.Port)))
+	}
+	return netip.AddrPort{}
+}
+
+// ntohs turns a port in network byte order, as the kernel stores it, into a number.
+func ntohs(p uint16) uint16 {
+	b := (*[2]byte)(unsafe.Pointer(&p))
+	return uint16(b[0])<<8 | uint16(b[1])
+}
+
+// originalDst returns c's original destination (see tcpOriginalDst), asked once.
+func (c *lconn) originalDst() netip.AddrPort {
+	d := c.dl
+	if !d.dstAsked {
+		d.dst, d.dstAsked = fdOriginalDst(int(c.fd[0])), true
+	}
+	return d.dst
+}
+
+// dial asks the Chooser for an endpoint and starts connecting to it, trying the next endpoint
+// at once when a socket cannot even start connecting; the connect's end comes as EPOLLOUT
+// (connectDone) or as the sweep's timeout (dialFailed).
+func (l *loop) dial(c *lconn) {
+	p := c.p
+	if c.dl == nil {
+		c.dl = &ldial{}
+	}
+	dl := c.dl
+	timeouts := p.dialTimeouts()
+	dst := netip.AddrPort{}
+	if oc, ok := p.Chooser.(OriginalDstChooser); !ok || oc.NeedsOriginalDst() {
+		dst = c.originalDst()
+	}
+	for int(dl.attempt) < len(timeouts) {
+		target, err := p.Chooser.Choose(c.clientAddr, dst, dl.reset)
+		if err != nil {
+			p.logDebug().Err(err).Stringer("client", c.clientAddr).Stringer("dst", dst).
+				Msg("no endpoint; resetting the client")
+			l.finish(c, true, err)
+			return
+		}
+		c.endpoint, dl.proxyProto = target.Endpoint, target.ProxyProtocol
+		fd, err := l.connect(c, target)
+		if err == nil {
+			c.fd[1] = int32(fd)
+			if err = l.register(c, 1); err != nil {
+				_ = unix.Close(fd)
+				c.fd[1] = -1
+			}
+		}
+		if err == nil {
+			c.connecting, dl.deadline = true, l.now+timeouts[dl.attempt]
+			l.dialing++
+			l.armTimer(loopTickBusy)
+			return
+		}
+		p.sink().DialFailed(target.Endpoint)
+		if isResourceExhausted(err) {
+			p.logWarn().Err(err).Stringer("client", c.clientAddr).Stringer("endpoint", target.Endpoint).
+				Msg("cannot create a socket to the endpoint; closing the client")
+			l.finish(c, true, err)
+			return
+		}
+		p.logDebug().Err(err).Stringer("client", c.clientAddr).Stringer("endpoint", target.Endpoint).
+			Int("attempt", int(dl.attempt)+1).Dur("timeout", timeouts[dl.attempt]).Msg("dial endpoint failed")
+		dl.reset = true
+		dl.attempt++
+	}
+	p.logWarn().Stringer("client", c.clientAddr).Stringer("dst", dst).Int("attempts", len(timeouts)).
+		Msg("no endpoint could be reached; resetting the client")
+	l.finish(c, true, errors.New("no endpoint could be reached"))
+}
+
+// connect opens a non-blocking socket to target's endpoint, with the endpoint options of
+// today's dial (TCP_NODELAY, keepalive), transparent when asked and possible, and starts its
+// connect.
+func (l *loop) connect(c *lconn, target Target) (int, error) {
+	ep := target.Endpoint
+	family := unix.AF_INET6
+	if ep.Addr().Unmap().Is4() {
+		family = unix.AF_INET
+	}
+	fd, err := unix.Socket(family, unix.SOCK_STREAM|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		return -1, fmt.Errorf("socket: %w", err)
+	}
+	_ = unix.SetsockoptInt(fd, unix.IPPROTO_TCP, unix.TCP_NODELAY, 1)
+	_ = unix.SetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_KEEPALIVE, 1)
+	_ = unix.SetsockoptInt(fd, unix.IPPROTO_TCP, unix.TCP_KEEPIDLE, int(keepAliveIdle/time.Second))
+	if target.Transparent && canDialFrom(c.clientAddr.Addr(), ep) {
+		if terr := bindTransparent(fd, c.clientAddr.Addr()); terr != nil {
+			_ = unix.Close(fd)
+			logTransparentFallback(logOrNop(c.p.Log), c.p.LogScope, &c.p.transparentWarned, terr, c.clientAddr, ep)
+			target.Transparent = false
+			return l.connect(c, target)
+		}
+	}
+	if err := unix.Connect(fd, sockaddrOf(ep)); err != nil && err != unix.EINPROGRESS {
+		_ = unix.Close(fd)
+		return -1, fmt.Errorf("connect to %s: %w", ep, err)
+	}
+	return fd, nil
+}
+
+// bindTransparent makes fd send from client's address (any port): IP_TRANSPARENT and bind.
+func bindTransparent(fd int, client netip.Addr) error {
+	client = client.Unmap()
+	var sa unix.Sockaddr
+	var err error
+	if client.Is4() {
+		err = unix.SetsockoptInt(fd, unix.SOL_IP, unix.IP_TRANSPARENT, 1)
+		sa = &unix.SockaddrInet4{Addr: client.As4()}
+	} else {
+		err = unix.SetsockoptInt(fd, unix.SOL_IPV6, unix.IPV6_TRANSPARENT, 1)
+		sa = &unix.SockaddrInet6{Addr: client.As16()}
+	}
+	if err != nil {
+		return fmt.Errorf("%w: set IP_TRANSPARENT: %w", errTransparentSetup, err)
+	}
+	if err := unix.Bind(fd, sa); err != nil {
+		return fmt.Errorf("%w: bind to %s: %w", errTransparentSetup, client, err)
+	}
+	return nil
+}
+
+// sockaddrOf returns ep as a socket address of its family.
+func sockaddrOf(ep netip.AddrPort) unix.Sockaddr {
+	if a := ep.Addr().Unmap(); a.Is4() {
+		return &unix.SockaddrInet4{Port: int(ep.Port()), Addr: a.As4()}
+	}
+	return &unix.SockaddrInet6{Port: int(ep.Port()), Addr: ep.Addr().As16()}
+}
+
+// connectDone finishes the connect of c's endpoint socket: relays on success, else tries the
+// next endpoint.
+func (l *loop) connectDone(c *lconn) {
+	serr, err := unix.GetsockoptInt(int(c.fd[1]), unix.SOL_SOCKET, unix.SO_ERROR)
+	if err == nil && serr != 0 {
+		err = syscall.Errno(serr)
+	}
+	if err != nil {
+		l.dialFailed(c, err)
+		return
+	}
+	c.connecting, c.connected, c.last = false, true, l.now
+	l.dialing--
+	if c.dl.proxyProto != ProxyProtocolNone && !l.queueProxyHeader(c) {
+		return
+	}
+	c.dl = nil
+	if c.freezing {
+		l.freeze(c)
+		return
+	}
+	l.pump(c)
+}
+
+// dialFailed ends the dial attempt in progress and tries the next endpoint.
+func (l *loop) dialFailed(c *lconn, err error) {
+	p := c.p
+	l.unregister(c, 1)
+	_ = unix.Close(int(c.fd[1]))
+	c.fd[1], c.connecting = -1, false
+	l.dialing--
+	p.sink().DialFailed(c.endpoint)
+	p.logDebug().Err(err).Stringer("client", c.clientAddr).Stringer("endpoint", c.endpoint).
+		Int("attempt", int(c.dl.attempt)+1).Msg("dial endpoint failed")
+	c.dl.reset = true
+	c.dl.attempt++
+	l.dial(c)
+}
+
+// queueProxyHeader puts the PROXY protocol header before anything the client sends; false when
+// it could not be made (the connection is reset).
+func (l *loop) queueProxyHeader(c *lconn) bool {
+	dst := c.originalDst()
+	if !dst.IsValid() {
+		dst = fdLocalAddr(int(c.fd[0]))
+	}
+	hdr, err := appendProxyHeader(make([]byte, 0, 64), c.dl.proxyProto, true, c.clientAddr, dst)
+	if err != nil {
+		c.p.logDebug().Err(err).Stringer("client", c.clientAddr).Stringer("endpoint", c.endpoint).
+			Msg("sending the PROXY protocol header failed; resetting the client")
+		l.finish(c, true, err)
+		return false
+	}
+	c.dir[0].pending = append(hdr, c.dir[0].pending...)
+	return true
+}
+
+// fdLocalAddr returns a socket's local address (unmapped), or the zero AddrPort. The system
+// call itself: x/sys/unix's Getsockname asks for SO_PROTOCOL too, to parse the address.
+func fdLocalAddr(fd int) netip.AddrPort {
+	var sa unix.RawSockaddrAny
+	saLen := uint32(unix.SizeofSockaddrAny)
+	_, _, errno := syscall.RawSyscall(syscall.SYS_GETSOCKNAME, uintptr(fd), uintptr(unsafe.Pointer(&sa)), uintptr(unsafe.Pointer(&saLen)))
+	if errno != 0 {
+		return netip.AddrPort{}
+	}
+	return rawAddrPort(&sa)
+}
+
+// sockaddrAddrPort converts an IPv4 or IPv6 socket address (unmapped); the zero AddrPort for
+// another kind.
+func sockaddrAddrPort(sa unix.Sockaddr) netip.AddrPort {
+	switch sa := sa.(type) {
+	case *unix.SockaddrInet4:
+		return netip.AddrPortFrom(netip.AddrFrom4(sa.Addr), uint16(sa.Port))
+	case *unix.SockaddrInet6:
+		return unmapAddrPort(netip.AddrPortFrom(netip.AddrFrom16(sa.Addr), uint16(sa.Port)))
+	}
+	return netip.AddrPort{}
+}
+
+// event handles the readiness of side of c.
+func (l *loop) event(c *lconn, side int, events uint32) {
+	if c.closed {
+		return
+	}
+	if events&(unix.EPOLLIN|unix.EPOLLRDHUP|unix.EPOLLHUP|unix.EPOLLERR) != 0 {
+		c.dir[side].readable = true
+		if events&unix.EPOLLRDHUP != 0 {
+			c.dir[side].rdhup = true
+		}
+	}
+	if c.connecting {
+		if side == 1 && events&(unix.EPOLLOUT|unix.EPOLLHUP|unix.EPOLLERR) != 0 {
+			l.connectDone(c)
+		}
+		return // the client's data waits for the endpoint
+	}
+	if c.connected {
+		l.pump(c)
+	}
+}
+
+// pump moves what it can both ways: a direction with nothing to do costs no system call.
+func (l *loop) pump(c *lconn) {
+	for d := range 2 {
+		if !l.pumpDir(c, d) {
+			return
+		}
+	}
+}
+
+// pumpAgain gives the connections that read their share last turn another turn.
+func (l *loop) pumpAgain() {
+	if len(l.again) == 0 {
+		return
+	}
+	again := l.again
+	l.again = nil
+	for _, c := range again {
+		c.queued = false
+		if !c.closed && c.connected {
+			l.pump(c)
+		}
+	}
+	clear(again)
+	if l.again == nil {
+		l.again = again[:0]
+	}
+}
+
+// pumpDir moves direction d of c: pending bytes first, then reads and writes until the source
+// is drained, the destination is full, or the turn's share is read. False when c ended.
+func (l *loop) pumpDir(c *lconn, d int) bool {
+	dd := &c.dir[d]
+	if dd.spliced {
+		return l.spliceDir(c, d)
+	}
+	src, dst := int(c.fd[d]), int(c.fd[1-d])
+	for reads := 0; ; {
+		if len(dd.pending) > 0 {
+			n, err := unix.Write(dst, dd.pending)
+			if err == unix.EAGAIN || err == unix.EINTR {
+				return true // EPOLLOUT on dst calls again
+			}
+			if err != nil {
+				l.fail(c, d, err)
+				return false
+			}
+			copiedHook(n)
+			c.n[d] += int64(n)
+			c.last = l.now
+			if dd.pending = dd.pending[n:]; len(dd.pending) > 0 {
+				continue
+			}
+			dd.pending = nil // a direction's buffer lives only while something is pending
+		}
+		if dd.eof {
+			return l.passEOF(c, d)
+		}
+		if !dd.readable {
+			return true
+		}
+		if reads == loopReadsPerTurn {
+			l.queueAgain(c)
+			return true
+		}
+		reads++
+		n, err := unix.Read(src, l.buf)
+		switch {
+		case err == unix.EAGAIN:
+			dd.readable = false
+			return true
+		case err == unix.EINTR:
+			continue
+		case err != nil:
+			l.fail(c, d, err)
+			return false
+		case n == 0:
+			dd.eof = true
+			continue
+		}
+		c.last = l.now
+		if n < len(l.buf) && !dd.rdhup {
+			dd.readable = false // drained: more data queues a new edge
+		}
+		w, err := unix.Write(dst, l.buf[:n])
+		switch {
+		case err == unix.EAGAIN || err == unix.EINTR:
+			w = 0
+		case err != nil:
+			l.fail(c, d, err)
+			return false
+		}
+		copiedHook(w)
+		c.n[d] += int64(w)
+		if w < n {
+			dd.pending = append([]byte(nil), l.buf[w:n]...)
+		}
+		if n == len(l.buf) && spliceOK {
+			dd.spliced = true // bulk: spliceDir writes what is pending first
+			return l.spliceDir(c, d)
+		}
+	}
+}
+
+// copiedHook reports n bytes written from a user-space buffer to testHookCopied, if set.
+func copiedHook(n int) {
+	if h := testHookCopied; h != nil && n > 0 {
+		h(int64(n))
+	}
+}
+
+// spliceOK: the loops splice bulk traffic (tests turn it off to compare).
+var spliceOK = true
+
+// spliceDir is pumpDir for a spliced direction: the pipe is emptied into the destination
+// first, then the source is spliced into it until EAGAIN; the pipe goes back to the pool as
+// soon as it is empty and the source drained. Without a pipe (the Budget is spent), the
+// direction goes back to copying.
+func (l *loop) spliceDir(c *lconn, d int) bool {
+	dd := &c.dir[d]
+	src, dst := int(c.fd[d]), int(c.fd[1-d])
+	for reads := 0; ; {
+		if len(dd.pending) > 0 { // what the switch to splicing left
+			n, err := unix.Write(dst, dd.pending)
+			if err == unix.EAGAIN || err == unix.EINTR {
+				return true
+			}
+			if err != nil {
+				l.fail(c, d, err)
+				return false
+			}
+			copiedHook(n)
+			c.n[d] += int64(n)
+			c.last = l.now
+			if dd.pending = dd.pending[n:]; len(dd.pending) > 0 {
+				continue
+			}
+			dd.pending = nil
+		}
+		if dd.inPipe > 0 {
+			n, err := syscall.Splice(dd.pipe.r, nil, dst, nil, dd.inPipe, spliceMove|spliceNonblock)
+			if err == unix.EAGAIN || err == unix.EINTR {
+				return true // EPOLLOUT on dst calls again
+			}
+			if err != nil {
+				l.fail(c, d, err)
+				return false
+			}
+			if h := testHookSpliced; h != nil {
+				h(n)
+			}
+			dd.inPipe -= int(n)
+			c.n[d] += n
+			c.last = l.now
+			if dd.inPipe > 0 {
+				continue
+			}
+		}
+		if dd.eof {
+			l.putPipe(c, dd)
+			return l.passEOF(c, d)
+		}
+		if !dd.readable {
+			l.putPipe(c, dd)
+			return true
+		}
+		if reads == loopReadsPerTurn {
+			l.queueAgain(c)
+			return true
+		}
+		reads++
+		if dd.pipe == nil {
+			p, err := c.p.pipePool().get()
+			if err != nil { // out of pipes: copy instead
+				dd.spliced = false
+				return l.pumpDir(c, d)
+			}
+			dd.pipe = p
+		}
+		n, err := syscall.Splice(src, nil, dd.pipe.w, nil, spliceChunk, spliceMove|spliceNonblock)
+		switch {
+		case err == unix.EAGAIN:
+			dd.readable = false
+			continue
+		case err == unix.EINTR:
+			continue
+		case err != nil:
+			l.fail(c, d, err)
+			return false
+		case n == 0:
+			dd.eof = true
+			continue
+		}
+		dd.inPipe += int(n)
+		c.last = l.now
+	}
+}
+
+// putPipe returns a direction's empty pipe to the pool.
+func (l *loop) putPipe(c *lconn, dd *ldir) {
+	if dd.pipe != nil && dd.inPipe == 0 {
+		c.p.pipePool().put(dd.pipe)
+		dd.pipe = nil
+	}
+}
+
+// dropPipes lets c's pipes go: empty ones back to the pool, others closed.
+func (l *loop) dropPipes(c *lconn) {
+	for d := range 2 {
+		dd := &c.dir[d]
+		if dd.pipe == nil {
+			continue
+		}
+		if dd.inPipe == 0 {
+			c.p.pipePool().put(dd.pipe)
+		} else {
+			c.p.pipePool().discard(dd.pipe)
+		}
+		dd.pipe, dd.inPipe = nil, 0
+	}
+}
+
+// unsplice moves what a direction's pipe holds into its pending bytes (a freeze exports them)
+// and lets the pipe go; the direction copies from then on. False if the pipe could not be read.
+func (l *loop) unsplice(c *lconn, d int) error {
+	dd := &c.dir[d]
+	dd.spliced = false
+	if dd.pipe == nil {
+		return nil
+	}
+	for dd.inPipe > 0 {
+		buf := make([]byte, dd.inPipe)
+		n, err := unix.Read(dd.pipe.r, buf)
+		if err != nil {
+			return fmt.Errorf("read the splice pipe: %w", err)
+		}
+		dd.pending = append(dd.pending, buf[:n]...)
+		dd.inPipe -= n
+	}
+	l.putPipe(c, dd)
+	return nil
+}
+
+// queueAgain has c pumped next turn.
+func (l *loop) queueAgain(c *lconn) {
+	if !c.queued {
+		c.queued = true
+		l.again = append(l.again, c)
+	}
+}
+
+// passEOF passes direction d's EOF on: shutdown(SHUT_WR) of the destination, or, for the
+// connection's second EOF, the close of both sockets. False when c ended.
+func (l *loop) passEOF(c *lconn, d int) bool {
+	dd := &c.dir[d]
+	if dd.shut {
+		return true
+	}
+	dd.shut = true
+	if c.dir[1-d].shut {
+		if h := testHookCloseWriteSkipped; h != nil {
+			h()
+		}
+		l.finish(c, false, nil)
+		return false
+	}
+	if err := unix.Shutdown(int(c.fd[1-d]), unix.SHUT_WR); err != nil {
+		l.fail(c, d, err)
+		return false
+	}
+	return true
+}
+
+// fail ends c after an error in direction d: both sides are reset.
+func (l *loop) fail(c *lconn, d int, err error) {
+	what := "toEndpointErr"
+	if d == 1 {
+		what = "fromEndpointErr"
+	}
+	if e := c.p.logDebug(); e.Enabled() {
+		e.AnErr(what, err).Stringer("client", c.clientAddr).Msg("relay failed; resetting both sides")
+	}
+	l.finish(c, true, err)
+}
+
+// finish ends c: closes its sockets (with an RST when reset), reports it as the goroutine path
+// does (closed with its bytes once connected, failed before), and lets the proxy know.
+func (l *loop) finish(c *lconn, reset bool, err error) {
+	if c.closed {
+		return
+	}
+	if c.freezing && !c.connected && err != errCut {
+		l.freeze(c) // a dial that failed while frozen: the adopter tries again (parkUndialled)
+		return
+	}
+	c.closed = true
+	p := c.p
+	for side := range 2 {
+		fd := int(c.fd[side])
+		if fd < 0 {
+			continue
+		}
+		l.forget(fd)
+		if reset {
+			resetFD(fd)
+		} else {
+			_ = unix.Close(fd)
+		}
+		c.fd[side] = -1
+	}
+	if c.connecting {
+		c.connecting = false
+		l.dialing--
+	}
+	l.uncountTimed(c)
+	l.dropPipes(c)
+	if c.connected {
+		p.sink().BytesCopied(c.n[0], c.n[1])
+		p.sink().ConnClosed()
+		if e := p.logDebug(); e.Enabled() {
+			e.Stringer("client", c.clientAddr).Stringer("endpoint", c.endpoint).
+				Int64("toEndpoint", c.n[0]).Int64("fromEndpoint", c.n[1]).AnErr("err", err).
+				Msg("connection closed")
+		}
+	} else {
+		p.sink().ConnFailed()
+	}
+	p.loopConnEnded()
+}
+
+// dupFile duplicates fd into an *os.File (close-on-exec), for a hand-over.
+func dupFile(fd int, name string) (*os.File, error) {
+	nfd, err := unix.FcntlInt(uintptr(fd), unix.F_DUPFD_CLOEXEC, 0)
+	if err != nil {
+		return nil, fmt.Errorf("duplicate the %s socket: %w", name, err)
+	}
+	return os.NewFile(uintptr(nfd), name), nil
+}
+
+// fdFromFile takes a duplicate of f's descriptor, non-blocking, and closes f.
+func fdFromFile(f *os.File, what string) (int, error) {
+	if f == nil {
+		return -1, fmt.Errorf("no %s socket", what)
+	}
+	defer f.Close()
+	rc, err := f.SyscallConn()
+	if err != nil {
+		return -1, fmt.Errorf("%s socket: %w", what, err)
+	}
+	fd := -1
+	var derr error
+	if err := rc.Control(func(s uintptr) { fd, derr = unix.FcntlInt(s, unix.F_DUPFD_CLOEXEC, 0) }); err != nil {
+		return -1, fmt.Errorf("%s socket: %w", what, err)
+	}
+	if derr != nil {
+		return -1, fmt.Errorf("duplicate the %s socket: %w", what, derr)
+	}
+	if err := unix.SetNonblock(fd, true); err != nil {
+		_ = unix.Close(fd)
+		return -1, fmt.Errorf("%s socket: set non-blocking: %w", what, err)
+	}
+	return fd, nil
+}

@@ -1,0 +1,479 @@
+package forward
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net/netip"
+	"os"
+
+	"golang.org/x/sys/unix"
+)
+
+// The TCPProxy side of the event-loop data path (see loop_linux.go): placing a proxy on a
+// loop, admission, Close and Shutdown, and the hand-over of loop connections.
+
+// loopProxy is a TCPProxy's state on its loop; p.mu guards it.
+type loopProxy struct {
+	l      *loop
+	ln     *loopListener // the listener, while attached (set on the loop's goroutine)
+	live   int           // connections admitted on the loop, not yet ended or released
+	frozen []*lconn      // connections stopped by Freeze, until Release or Thaw
+	err    error         // the accept error that stopped the listener, for Serve
+	dials  *freezeWait   // the dials a Freeze waits for (the loop's goroutine's, not p.mu's)
+}
+
+// errCut is the reason of connections cut by Shutdown.
+var errCut = errors.New("cut by shutdown")
+
+// loopState returns the proxy's loop state, placing the proxy on a loop at its first use.
+func (p *TCPProxy) loopState() *loopProxy {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.onLoop == nil {
+		p.onLoop = &loopProxy{l: p.Loops.pick()}
+	}
+	return p.onLoop
+}
+
+// connCountLocked is how many connections count toward MaxConns; p.mu must be held.
+func (p *TCPProxy) connCountLocked() int {
+	n := len(p.conns)
+	if p.onLoop != nil {
+		n += p.onLoop.live
+	}
+	return n
+}
+
+// admitLoopConn admits a connection accepted on the loop as startConn admits one: within
+// MaxConns and the Budget.
+func (p *TCPProxy) admitLoopConn() bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if (p.MaxConns > 0 && p.connCountLocked() >= p.MaxConns) || !p.Budget.take(tcpConnFDs) {
+		return false
+	}
+	p.onLoop.live++
+	p.connWG.Add(1)
+	return true
+}
+
+// loopConnEnded forgets a loop connection that ended: its descriptors go back to the Budget and
+// Shutdown hears of it.
+func (p *TCPProxy) loopConnEnded() {
+	p.Budget.give(tcpConnFDs)
+	p.mu.Lock()
+	p.onLoop.live--
+	p.mu.Unlock()
+	p.connWG.Done()
+}
+
+// serveOnLoop is Serve with Loops: the listener is served by its loop, and Serve waits until
+// Close, Freeze or an accept error takes it off.
+func (p *TCPProxy) serveOnLoop() error {
+	started, err := p.startOnLoop()
+	if !started {
+		return err
+	}
+	p.run.mu.Lock()
+	done := p.run.doneLocked()
+	p.run.mu.Unlock()
+	if done != nil {
+		<-done
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.onLoop.err
+}
+
+// startOnLoop attaches the listener to the proxy's loop; started is false when the proxy was
+// closed first or the attach failed (err).
+func (p *TCPProxy) startOnLoop() (started bool, err error) {
+	ok, err := p.run.start("TCP proxy")
+	if !ok {
+		return false, err
+	}
+	fd, err := socketFD(p.Listener)
+	if err != nil {
+		p.run.ended()
+		return false, fmt.Errorf("start TCP proxy on %s: %w", p.Listener.Addr(), err)
+	}
+	lp := p.loopState()
+	ln := &loopListener{p: p, fd: fd}
+	var aerr error
+	posted := lp.l.call(func() {
+		// Close or Freeze may have come between start and now, and found nothing to detach.
+		if closed, frozen := p.run.state(); closed || frozen {
+			p.run.ended()
+			return
+		}
+		if aerr = lp.l.attach(ln); aerr != nil {
+			p.run.ended()
+			return
+		}
+		p.mu.Lock()
+		lp.ln, lp.err = ln, nil
+		p.mu.Unlock()
+	})
+	if !posted {
+		p.run.ended()
+		aerr = errors.New("the event loops are closed")
+	}
+	if aerr != nil {
+		return false, fmt.Errorf("start TCP proxy on %s: %w", p.Listener.Addr(), aerr)
+	}
+	return true, nil
+}
+
+// detachFromLoop takes the listener off its loop, leaving it open (Close closes it after,
+// Freeze exports it).
+func (p *TCPProxy) detachFromLoop() {
+	p.mu.Lock()
+	lp := p.onLoop
+	p.mu.Unlock()
+	if lp == nil {
+		return
+	}
+	lp.l.call(func() {
+		p.mu.Lock()
+		ln := lp.ln
+		lp.ln = nil
+		p.mu.Unlock()
+		if ln != nil {
+			lp.l.detach(ln)
+		}
+	})
+}
+
+// loopListenerCloser closes a loop proxy's listener: off the loop first, as its descriptor's
+// number may be reused once closed.
+type loopListenerCloser struct{ p *TCPProxy }
+
+func (c loopListenerCloser) Close() error {
+	c.p.detachFromLoop()
+	return c.p.Listener.Close()
+}
+
+// loopConns returns the proxy's live connections on l; loop goroutine only.
+func (l *loop) connsOf(p *TCPProxy) []*lconn {
+	var out []*lconn
+	for i := range l.fds {
+		if s := l.fds[i]; s.c != nil && s.side == 0 && s.c.p == p && !s.c.closed {
+			out = append(out, s.c)
+		}
+	}
+	return out
+}
+
+// cutLoopConns resets every connection of the proxy on its loop and returns how many.
+func (p *TCPProxy) cutLoopConns() int {
+	p.mu.Lock()
+	lp := p.onLoop
+	p.mu.Unlock()
+	if lp == nil {
+		return 0
+	}
+	n := 0
+	lp.l.call(func() {
+		for _, c := range lp.l.connsOf(p) {
+			lp.l.finish(c, true, errCut)
+			n++
+		}
+	})
+	return n
+}
+
+// freezeLoopConns stops every connection of the proxy on its loop where it stands (the loop
+// is one goroutine: nothing is half done) and keeps them for export, Release or Thaw. As
+// Freeze does on the goroutine path, connections still dialling finish their dial first
+// (successful or not) unless ctx ends, which abandons the dials: those are exported undialled
+// and their adopter dials. As park does, the bytes moved so far are reported now.
+func (p *TCPProxy) freezeLoopConns(ctx context.Context) {
+	p.mu.Lock()
+	lp := p.onLoop
+	p.mu.Unlock()
+	if lp == nil {
+		return
+	}
+	l := lp.l
+	dialling := 0
+	done := make(chan struct{})
+	l.call(func() {
+		for _, c := range l.connsOf(p) {
+			if c.connected {
+				l.freeze(c)
+				continue
+			}
+			c.freezing = true
+			dialling++
+		}
+		if dialling > 0 {
+			lp.dials = &freezeWait{left: dialling, done: done}
+		}
+	})
+	if dialling == 0 {
+		return
+	}
+	select {
+	case <-done:
+	case <-ctx.Done():
+		l.call(func() {
+			for _, c := range l.connsOf(p) {
+				if c.freezing {
+					l.freeze(c)
+				}
+			}
+		})
+	}
+}
+
+// freezeWait counts the dials a freeze waits for; the loop's goroutine owns it.
+type freezeWait struct {
+	left int
+	done chan struct{}
+}
+
+// freeze takes c off the loop, its sockets open, and adds it to its proxy's frozen connections.
+func (l *loop) freeze(c *lconn) {
+	p := c.p
+	l.unregister(c, 0)
+	l.unregister(c, 1)
+	if c.connecting {
+		_ = unix.Close(int(c.fd[1]))
+		c.fd[1], c.connecting = -1, false
+		l.dialing--
+	}
+	if !c.connected {
+		c.endpoint, c.dl = netip.AddrPort{}, nil
+		c.dir[0].pending = nil // a PROXY header not sent: the adopter sends its own
+	}
+	l.uncountTimed(c)
+	for d := range 2 {
+		if err := l.unsplice(c, d); err != nil { // the bytes are lost: the connection cannot go on
+			p.logWarn().Err(err).Stringer("client", c.clientAddr).Msg("freeze: connection reset")
+			c.freezing = false
+			l.finish(c, true, err)
+			return
+		}
+	}
+	c.closed = true
+	if c.connected {
+		p.sink().BytesCopied(c.n[0], c.n[1])
+		c.n = [2]int64{}
+	}
+	p.mu.Lock()
+	lp := p.onLoop
+	lp.frozen = append(lp.frozen, c)
+	p.mu.Unlock()
+	if c.freezing {
+		c.freezing = false
+		if w := lp.dials; w != nil {
+			if w.left--; w.left == 0 {
+				close(w.done)
+				lp.dials = nil
+			}
+		}
+	}
+	p.connWG.Done() // as park: Thaw counts it again
+}
+
+// exportLoopConns appends duplicates of the frozen loop connections to st.
+func (p *TCPProxy) exportLoopConns(st *TCPState) error {
+	p.mu.Lock()
+	var frozen []*lconn
+	if p.onLoop != nil {
+		frozen = p.onLoop.frozen
+	}
+	p.mu.Unlock()
+	for _, c := range frozen {
+		cs, err := c.export()
+		if err != nil {
+			return fmt.Errorf("connection from %s: %w", c.clientAddr, err)
+		}
+		st.Conns = append(st.Conns, cs)
+	}
+	return nil
+}
+
+// export duplicates a frozen loop connection's sockets, with copies of its pending bytes.
+func (c *lconn) export() (TCPConnState, error) {
+	cs := TCPConnState{ClientAddr: c.clientAddr,
+		ToEndpoint: cloneBytes(c.dir[0].pending), ToClient: cloneBytes(c.dir[1].pending),
+		ToEndpointDone: c.dir[0].shut, ToClientDone: c.dir[1].shut}
+	var err error
+	if cs.Client, err = dupFile(int(c.fd[0]), "client"); err != nil {
+		return TCPConnState{}, err
+	}
+	if c.fd[1] >= 0 {
+		cs.Endpoint = c.endpoint
+		if cs.Backend, err = dupFile(int(c.fd[1]), "endpoint"); err != nil {
+			_ = cs.close()
+			return TCPConnState{}, err
+		}
+	}
+	return cs, nil
+}
+
+func cloneBytes(b []byte) []byte {
+	if len(b) == 0 {
+		return nil
+	}
+	return append([]byte(nil), b...)
+}
+
+// releaseLoopConns closes the frozen loop connections' own descriptors (no FIN, no RST: the
+// exported duplicates keep the sockets) and reports each released.
+func (p *TCPProxy) releaseLoopConns() {
+	p.mu.Lock()
+	var frozen []*lconn
+	if lp := p.onLoop; lp != nil {
+		frozen, lp.frozen = lp.frozen, nil
+		lp.live -= len(frozen)
+	}
+	p.mu.Unlock()
+	hm, _ := p.sink().(HandoverMetrics)
+	for _, c := range frozen {
+		for _, fd := range c.fd {
+			if fd >= 0 {
+				_ = unix.Close(int(fd))
+			}
+		}
+		p.Budget.give(tcpConnFDs)
+		if hm != nil {
+			hm.ConnReleased()
+		}
+	}
+}
+
+// thawLoopConns puts the frozen loop connections back on the loop where they stopped.
+func (p *TCPProxy) thawLoopConns() {
+	p.mu.Lock()
+	var frozen []*lconn
+	var lp *loopProxy
+	if lp = p.onLoop; lp != nil {
+		frozen, lp.frozen = lp.frozen, nil
+	}
+	p.mu.Unlock()
+	if len(frozen) == 0 {
+		return
+	}
+	p.connWG.Add(len(frozen))
+	if !lp.l.post(func() {
+		for _, c := range frozen {
+			c.closed = false
+			lp.l.resume(c)
+		}
+	}) {
+		for _, c := range frozen {
+			c.closed = false
+			c.connected = false
+			lp.l.finish(c, true, errors.New("the event loops are closed"))
+		}
+	}
+}
+
+// resume puts a connection (thawed or adopted) on the loop: both sockets watched again (the
+// registration reports what is already readable), and dialled afresh when it has no endpoint.
+func (l *loop) resume(c *lconn) {
+	c.last = l.now
+	for side := range 2 {
+		if c.fd[side] < 0 {
+			continue
+		}
+		if err := l.register(c, side); err != nil {
+			l.finish(c, true, err)
+			return
+		}
+	}
+	l.countTimed(c)
+	if c.fd[1] < 0 {
+		l.dial(c)
+		return
+	}
+	c.connected = true
+	l.pump(c)
+}
+
+// adoptOnLoop is adoptConn with Loops: the connection goes on the proxy's loop.
+func (p *TCPProxy) adoptOnLoop(cs TCPConnState) error {
+	cfd, err := connFDFromFile(cs.Client, "client")
+	if err != nil {
+		_ = closeFile(cs.Backend)
+		return err
+	}
+	bfd := -1
+	switch {
+	case cs.Backend != nil:
+		if bfd, err = connFDFromFile(cs.Backend, "endpoint"); err != nil {
+			_ = unix.Close(cfd)
+			return err
+		}
+	case p.Chooser == nil:
+		_ = unix.Close(cfd)
+		return errors.New("an undialled connection needs the Chooser")
+	}
+	c := &lconn{p: p, fd: [2]int32{int32(cfd), int32(bfd)}, clientAddr: cs.ClientAddr}
+	if !c.clientAddr.IsValid() {
+		c.clientAddr = fdPeerAddr(cfd)
+	}
+	if bfd >= 0 {
+		c.endpoint = cs.Endpoint
+		c.dir[0] = ldir{pending: cs.ToEndpoint, eof: cs.ToEndpointDone, shut: cs.ToEndpointDone}
+		c.dir[1] = ldir{pending: cs.ToClient, eof: cs.ToClientDone, shut: cs.ToClientDone}
+	}
+	lp := p.loopState()
+	if err := p.admitAdoptedOnLoop(lp); err != nil {
+		closeFDs(cfd, bfd)
+		return err
+	}
+	p.sink().ConnAccepted()
+	if !lp.l.post(func() { lp.l.served.Add(1); lp.l.resume(c) }) {
+		lp.l.finish(c, true, errors.New("the event loops are closed"))
+		return errors.New("the event loops are closed")
+	}
+	return nil
+}
+
+// admitAdoptedOnLoop counts an adopted connection, even above the Budget's limit.
+func (p *TCPProxy) admitAdoptedOnLoop(lp *loopProxy) error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if closed, frozen := p.run.state(); closed || frozen || p.freezing {
+		return stateErr(closed, true)
+	}
+	lp.live++
+	p.Budget.force(tcpConnFDs)
+	p.connWG.Add(1)
+	return nil
+}
+
+func closeFDs(fds ...int) {
+	for _, fd := range fds {
+		if fd >= 0 {
+			_ = unix.Close(fd)
+		}
+	}
+}
+
+// fdPeerAddr returns a socket's peer address (unmapped), or the zero AddrPort.
+func fdPeerAddr(fd int) netip.AddrPort {
+	sa, err := unix.Getpeername(fd)
+	if err != nil {
+		return netip.AddrPort{}
+	}
+	return sockaddrAddrPort(sa)
+}
+
+// connFDFromFile is fdFromFile for a connected TCP socket, or one whose connection has ended
+// since it was frozen (see tcpConnFromFile).
+func connFDFromFile(f *os.File, what string) (int, error) {
+	fd, err := fdFromFile(f, what)
+	if err != nil {
+		return -1, err
+	}
+	if fdPeerAddr(fd).IsValid() || endedSocket(fd) {
+		return fd, nil
+	}
+	_ = unix.Close(fd)
+	return -1, fmt.Errorf("%s socket is not a connected TCP socket", what)
+}

@@ -1,0 +1,240 @@
+package forward
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"io"
+	"net"
+	"net/netip"
+	"os"
+	"os/exec"
+	"runtime"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"testing"
+	"time"
+)
+
+// loopDataPathTests are the TCP tests that hold for both data paths: TestTCPTestsOnLoops runs
+// them again with every proxy on event loops.
+var loopDataPathTests = []string{
+	"TestTCPEcho", "TestTCPManyConcurrentConnections", "TestTCPDialFailures",
+	"TestTCPSlowDialDoesNotBlockAccept", "TestTCPHalfClose", "TestTCPEndpointResetReachesClient",
+	"TestTCPLargeTransferIntegrity", "TestTCPCloseStopsAcceptingButKeepsConnections",
+	"TestTCPShutdown", "TestTCPSocketOptions", "TestTCPServeValidation", "TestTCPCloseBeforeServe",
+	"TestSecondEOFLeftToClose",
+	"TestTCPMaxConns", "TestTCPFloodOnOnePortSparesAnother", "TestTCPBudgetSpentRefuses", "TestTCPIdleTimeout",
+	"TestTCPOutOfFileDescriptors",
+	"TestTCPHandOverMidStream", "TestTCPHandOverHalfClosed", "TestTCPHandOverWhileDialling",
+	"TestTCPHandOverBacklog", "TestTCPFreezeMisuse", "TestTCPHandOverEndpointGone",
+	"TestTCPKeepAlive", "TestTCPProxyProtocolHeader", "TestOriginalDestination",
+	"TestTCPCopyThenSplice", "TestIdleConnectionsHoldNoPipe", "TestCopyWithoutPipes", "TestTCPSplice",
+	"TestTCPThawMidStream",
+	// park_test.go's, but for the two about the Poller itself (TestParkingReturnsMemory,
+	// TestTCPPollerClosedUnderParked): the loop path must pass what parked connections must.
+	"TestTCPIdleConnectionsHoldNoGoroutine", "TestTCPParkedIdleTimeout", "TestTCPShutdownCutsParked",
+	"TestTCPParkedPeerReset", "TestTCPHandOverParked", "TestTCPAdoptBeforeStartParks", "TestTCPParkedChurn",
+	"TestLoopServesWithoutGoroutines",
+}
+
+// TestTCPTestsOnLoops runs the TCP tests again in a child process with
+// FORWARD_TEST_DATA_PATH=loop, where every proxy they start serves on event loops
+// (loopForTest): the event-loop data path must pass the goroutine path's tests.
+func TestTCPTestsOnLoops(t *testing.T) {
+	if os.Getenv("FORWARD_TEST_DATA_PATH") == "loop" {
+		t.Skip("already on the event loops")
+	}
+	if testing.Short() {
+		t.Skip("runs a child test process")
+	}
+	args := []string{"-test.run", "^(" + strings.Join(loopDataPathTests, "|") + ")$", "-test.count", "1"}
+	if testing.Verbose() {
+		args = append(args, "-test.v")
+	}
+	cmd := exec.Command(os.Args[0], args...)
+	cmd.Env = append(os.Environ(), "FORWARD_TEST_DATA_PATH=loop")
+	out, err := cmd.CombinedOutput()
+	if err != nil || testing.Verbose() {
+		t.Logf("child output:\n%s", out)
+	}
+	if err != nil {
+		t.Fatalf("TCP tests on event loops: %v", err)
+	}
+}
+
+// TestLoopServesWithoutGoroutines fails when a proxy with Loops falls back to goroutines: every
+// connection must be counted by the loops, and fifty open connections must not add a goroutine
+// each (the goroutine path has two or three per connection).
+func TestLoopServesWithoutGoroutines(t *testing.T) {
+	echo := startTCPEcho(t, loopback("4"))
+	loops := newTestLoops(t, 2)
+	r := startTCPProxy(t, "4", &fakeChooser{endpoints: []netip.AddrPort{echo}}, func(p *TCPProxy) { p.Loops = loops })
+	before := runtime.NumGoroutine()
+	const n = 50
+	conns := make([]*net.TCPConn, n)
+	for i := range conns {
+		conns[i] = dialTCPTest(t, r.addr)
+		if got, err := roundTrip(conns[i], []byte("ping")); err != nil || string(got) != "ping" {
+			t.Fatalf("round trip %d: %q, %v", i, got, err)
+		}
+	}
+	if got := loops.Served(); got != n {
+		t.Errorf("the loops served %d connections, want %d: some went to goroutines", got, n)
+	}
+	// The echo server has a goroutine per connection: the proxy's part is what is above n.
+	if grown := runtime.NumGoroutine() - before; grown > n+5 {
+		t.Errorf("goroutines grew by %d with %d connections open (the echo server's are %d): the proxy holds goroutines per connection", grown, n, n)
+	}
+}
+
+// TestLoopPendingAndBackPressure: a destination that does not read stops its source being read
+// (the proxy holds at most what one read or splice took), bulk traffic is spliced, and every
+// byte arrives once the destination reads.
+func TestLoopPendingAndBackPressure(t *testing.T) {
+	type result struct {
+		got []byte
+		err error
+	}
+	read := make(chan result, 1)
+	var proxy atomic.Pointer[TCPProxy]
+	spliced := make(chan bool, 1)
+	writing := make(chan struct{})
+	ep := startTCPServer(t, loopback("4"), func(c *net.TCPConn) {
+		<-writing
+		time.Sleep(100 * time.Millisecond) // the proxy fills the endpoint's socket and waits
+		spliced <- loopSpliced(proxy.Load())
+		c.SetDeadline(time.Now().Add(waitTimeout))
+		got, err := io.ReadAll(c)
+		read <- result{got, err}
+	})
+	loops := newTestLoops(t, 1)
+	r := startTCPProxy(t, "4", &fakeChooser{endpoints: []netip.AddrPort{ep}}, func(p *TCPProxy) { p.Loops = loops })
+	proxy.Store(r.TCPProxy)
+	data := bytes.Repeat([]byte("0123456789abcdef"), (8<<20)/16)
+	client := dialTCPTest(t, r.addr)
+	var wg sync.WaitGroup
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		close(writing)
+		client.Write(data)
+		client.CloseWrite()
+	}()
+	res := <-read
+	if res.err != nil || !bytes.Equal(res.got, data) {
+		t.Fatalf("endpoint read %d bytes (%v), want the %d sent", len(res.got), res.err, len(data))
+	}
+	if !<-spliced {
+		t.Error("bulk traffic was not spliced")
+	}
+	wg.Wait()
+}
+
+// liveConns returns how many connections p holds (either data path).
+func liveConns(p *TCPProxy) int {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.connCountLocked()
+}
+
+// connSockets returns the two sockets of one of p's connected connections (either data path),
+// nil when it has none. A loop connection's are its descriptors, valid while it lives.
+func connSockets(p *TCPProxy) (client, endpoint syscall.Conn) {
+	p.mu.Lock()
+	for conn := range p.conns {
+		if conn.backend != nil {
+			client, endpoint = conn.client, conn.backend
+		}
+	}
+	lp := p.onLoop
+	p.mu.Unlock()
+	if client != nil || lp == nil {
+		return client, endpoint
+	}
+	lp.l.call(func() {
+		for _, c := range lp.l.connsOf(p) {
+			if c.connected {
+				client, endpoint = rawFD(c.fd[0]), rawFD(c.fd[1])
+			}
+		}
+	})
+	return client, endpoint
+}
+
+// rawFD is a descriptor as a syscall.Conn and syscall.RawConn (tests).
+type rawFD int
+
+func (f rawFD) SyscallConn() (syscall.RawConn, error) { return f, nil }
+func (f rawFD) Control(fn func(uintptr)) error        { fn(uintptr(f)); return nil }
+func (f rawFD) Read(fn func(uintptr) bool) error      { fn(uintptr(f)); return nil }
+func (f rawFD) Write(fn func(uintptr) bool) error     { fn(uintptr(f)); return nil }
+
+// loopPendingBoth reports whether a connection of p on its loop has bytes pending both ways.
+func loopPendingBoth(p *TCPProxy) bool {
+	p.mu.Lock()
+	lp := p.onLoop
+	p.mu.Unlock()
+	both := false
+	if lp != nil {
+		lp.l.call(func() {
+			for _, c := range lp.l.connsOf(p) {
+				held := func(d int) bool { return len(c.dir[d].pending) > 0 || c.dir[d].inPipe > 0 }
+				both = both || held(0) && held(1)
+			}
+		})
+	}
+	return both
+}
+
+// loopSpliced reports whether a connection of p on its loop has a spliced direction.
+func loopSpliced(p *TCPProxy) bool {
+	p.mu.Lock()
+	lp := p.onLoop
+	p.mu.Unlock()
+	spliced := false
+	lp.l.call(func() {
+		for _, c := range lp.l.connsOf(p) {
+			spliced = spliced || c.dir[0].spliced || c.dir[1].spliced
+		}
+	})
+	return spliced
+}
+
+// TestLoopShutdownCutsAndLeaksNothing: Shutdown with an ended context resets the loop's
+// connections (the client sees a reset, Metrics a close), and once the loops are closed no
+// socket, pipe or goroutine of theirs is left.
+func TestLoopShutdownCutsAndLeaksNothing(t *testing.T) {
+	checkNoFDLeaks(t)
+	echo := startTCPEcho(t, loopback("4"))
+	loops, err := NewLoops(2)
+	if err != nil {
+		t.Fatal(err)
+	}
+	goroutines := runtime.NumGoroutine()
+	metrics := &fakeMetrics{}
+	p := &TCPProxy{Listener: listenTCP(t, loopback("4")), Chooser: &fakeChooser{endpoints: []netip.AddrPort{echo}},
+		Log: new(testLogger(t)), Metrics: metrics, Loops: loops}
+	if err := p.Start(nil); err != nil {
+		t.Fatal(err)
+	}
+	c := dialTCPTest(t, listenerAddr(p.Listener))
+	if got, err := roundTrip(c, []byte("ping")); err != nil || string(got) != "ping" {
+		t.Fatalf("round trip: %q, %v", got, err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	if err := p.Shutdown(ctx); !errors.Is(err, context.Canceled) || !strings.Contains(err.Error(), "cut 1 connections") {
+		t.Errorf("Shutdown = %v, want one connection cut", err)
+	}
+	if _, err := c.Read(make([]byte, 1)); !errors.Is(err, syscall.ECONNRESET) {
+		t.Errorf("the client read %v after the cut, want a reset", err)
+	}
+	if m := metrics.snapshot(); m.accepted != 1 || m.closed != 1 {
+		t.Errorf("metrics %+v, want 1 accepted and 1 closed", m)
+	}
+	loops.Close()
+	eventually(t, "the loops' goroutines to end", func() bool { return runtime.NumGoroutine() <= goroutines-2 })
+}
