@@ -86,8 +86,10 @@ func (p *TCPProxy) serveOnLoop() error {
 	return p.onLoop.err
 }
 
-// startOnLoop attaches the listener to the proxy's loop; started is false when the proxy was
-// closed first or the attach failed (err).
+// startOnLoop has the proxy's loop attach the listener, without waiting for it: a proxier
+// starting thousands of listeners pays a queued post for each, not a round trip to the loop.
+// started is false when the proxy was closed first or the loops are closed (err); an attach
+// that fails on the loop is logged, and ends Serve with its error.
 func (p *TCPProxy) startOnLoop() (started bool, err error) {
 	ok, err := p.run.start("TCP proxy")
 	if !ok {
@@ -100,29 +102,32 @@ func (p *TCPProxy) startOnLoop() (started bool, err error) {
 	}
 	lp := p.loopState()
 	ln := &loopListener{p: p, fd: fd}
-	var aerr error
-	posted := lp.l.call(func() {
-		// Close or Freeze may have come between start and now, and found nothing to detach.
-		if closed, frozen := p.run.state(); closed || frozen {
-			p.run.ended()
-			return
-		}
-		if aerr = lp.l.attach(ln); aerr != nil {
-			p.run.ended()
-			return
-		}
-		p.mu.Lock()
-		lp.ln, lp.err = ln, nil
-		p.mu.Unlock()
-	})
-	if !posted {
+	if !lp.l.post(func() { p.attachOnLoop(lp, ln) }) {
 		p.run.ended()
-		aerr = errors.New("the event loops are closed")
-	}
-	if aerr != nil {
-		return false, fmt.Errorf("start TCP proxy on %s: %w", p.Listener.Addr(), aerr)
+		return false, fmt.Errorf("start TCP proxy on %s: the event loops are closed", p.Listener.Addr())
 	}
 	return true, nil
+}
+
+// attachOnLoop is startOnLoop's work on the loop's goroutine.
+func (p *TCPProxy) attachOnLoop(lp *loopProxy, ln *loopListener) {
+	// Close or Freeze may have come between start and now, and found nothing to detach.
+	if closed, frozen := p.run.state(); closed || frozen {
+		p.run.ended()
+		return
+	}
+	if err := lp.l.attach(ln); err != nil {
+		err = fmt.Errorf("start TCP proxy on %s: %w", p.Listener.Addr(), err)
+		p.logError().Err(err).Msg("TCP proxy not serving")
+		p.mu.Lock()
+		lp.err = err
+		p.mu.Unlock()
+		p.run.ended()
+		return
+	}
+	p.mu.Lock()
+	lp.ln, lp.err = ln, nil
+	p.mu.Unlock()
 }
 
 // detachFromLoop takes the listener off its loop, leaving it open (Close closes it after,
