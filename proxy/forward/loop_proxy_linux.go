@@ -172,12 +172,10 @@ func (l *loop) connsOf(p *TCPProxy) []*lconn {
 
 // cutLoopConns resets every connection of the proxy on its loop and returns how many.
 func (p *TCPProxy) cutLoopConns() int {
-	p.mu.Lock()
-	lp := p.onLoop
-	p.mu.Unlock()
-	if lp == nil {
+	if p.loopIdle() {
 		return 0
 	}
+	lp := p.onLoop
 	n := 0
 	lp.l.call(func() {
 		for _, c := range lp.l.connsOf(p) {
@@ -194,12 +192,10 @@ func (p *TCPProxy) cutLoopConns() int {
 // (successful or not) unless ctx ends, which abandons the dials: those are exported undialled
 // and their adopter dials. As park does, the bytes moved so far are reported now.
 func (p *TCPProxy) freezeLoopConns(ctx context.Context) {
-	p.mu.Lock()
-	lp := p.onLoop
-	p.mu.Unlock()
-	if lp == nil {
+	if p.loopIdle() {
 		return
 	}
+	lp := p.onLoop
 	l := lp.l
 	dialling := 0
 	done := make(chan struct{})
@@ -230,6 +226,15 @@ func (p *TCPProxy) freezeLoopConns(ctx context.Context) {
 			}
 		})
 	}
+}
+
+// loopIdle reports whether the proxy has no connection on a loop: most service ports of a large
+// cluster have none, and a Freeze or Shutdown of all of them then costs no round trip to the
+// loops. (Once placed, onLoop does not change.)
+func (p *TCPProxy) loopIdle() bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.onLoop == nil || p.onLoop.live == 0
 }
 
 // freezeWait counts the dials a freeze waits for; the loop's goroutine owns it.
