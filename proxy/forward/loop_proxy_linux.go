@@ -86,10 +86,9 @@ func (p *TCPProxy) serveOnLoop() error {
 	return p.onLoop.err
 }
 
-// startOnLoop has the proxy's loop attach the listener, without waiting for it: a proxier
-// starting thousands of listeners pays a queued post for each, not a round trip to the loop.
-// started is false when the proxy was closed first or the loops are closed (err); an attach
-// that fails on the loop is logged, and ends Serve with its error.
+// startOnLoop attaches the listener to the proxy's loop; started is false when the proxy was
+// closed first or the attach failed (err). It does not wake the loop (see withTurn): a proxier
+// starting thousands of listeners pays an epoll_ctl for each.
 func (p *TCPProxy) startOnLoop() (started bool, err error) {
 	ok, err := p.run.start("TCP proxy")
 	if !ok {
@@ -102,36 +101,39 @@ func (p *TCPProxy) startOnLoop() (started bool, err error) {
 	}
 	lp := p.loopState()
 	ln := &loopListener{p: p, fd: fd}
-	if !lp.l.post(func() { p.attachOnLoop(lp, ln) }) {
+	var attached bool
+	var aerr error
+	lp.l.withTurn(func() { attached, aerr = p.attachInTurn(lp, ln) })
+	if !attached {
 		p.run.ended()
-		return false, fmt.Errorf("start TCP proxy on %s: the event loops are closed", p.Listener.Addr())
 	}
-	return true, nil
+	if aerr != nil {
+		return false, fmt.Errorf("start TCP proxy on %s: %w", p.Listener.Addr(), aerr)
+	}
+	return attached, nil
 }
 
-// attachOnLoop is startOnLoop's work on the loop's goroutine.
-func (p *TCPProxy) attachOnLoop(lp *loopProxy, ln *loopListener) {
-	// Close or Freeze may have come between start and now, and found nothing to detach.
+// attachInTurn attaches ln during a turn of the loop's, unless Close or Freeze came since
+// start (their detach, in a turn too, found nothing: the proxy then ends at once, as Serve
+// after Close does).
+func (p *TCPProxy) attachInTurn(lp *loopProxy, ln *loopListener) (attached bool, err error) {
+	if lp.l.isStopped() {
+		return false, errors.New("the event loops are closed")
+	}
 	if closed, frozen := p.run.state(); closed || frozen {
-		p.run.ended()
-		return
+		return false, nil
 	}
 	if err := lp.l.attach(ln); err != nil {
-		err = fmt.Errorf("start TCP proxy on %s: %w", p.Listener.Addr(), err)
-		p.logError().Err(err).Msg("TCP proxy not serving")
-		p.mu.Lock()
-		lp.err = err
-		p.mu.Unlock()
-		p.run.ended()
-		return
+		return false, err
 	}
 	p.mu.Lock()
 	lp.ln, lp.err = ln, nil
 	p.mu.Unlock()
+	return true, nil
 }
 
 // detachFromLoop takes the listener off its loop, leaving it open (Close closes it after,
-// Freeze exports it).
+// Freeze exports it). It does not wake the loop (see withTurn).
 func (p *TCPProxy) detachFromLoop() {
 	p.mu.Lock()
 	lp := p.onLoop
@@ -139,7 +141,7 @@ func (p *TCPProxy) detachFromLoop() {
 	if lp == nil {
 		return
 	}
-	lp.l.call(func() {
+	lp.l.withTurn(func() {
 		p.mu.Lock()
 		ln := lp.ln
 		lp.ln = nil
