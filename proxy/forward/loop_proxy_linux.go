@@ -179,7 +179,7 @@ func (p *TCPProxy) cutLoopConns() int {
 	}
 	lp := p.onLoop
 	n := 0
-	lp.l.call(func() {
+	lp.l.withTurn(func() {
 		for _, c := range lp.l.connsOf(p) {
 			lp.l.finish(c, true, errCut)
 			n++
@@ -201,7 +201,7 @@ func (p *TCPProxy) freezeLoopConns(ctx context.Context) {
 	l := lp.l
 	dialling := 0
 	done := make(chan struct{})
-	l.call(func() {
+	l.withTurn(func() {
 		for _, c := range l.connsOf(p) {
 			if c.connected {
 				l.freeze(c)
@@ -220,7 +220,7 @@ func (p *TCPProxy) freezeLoopConns(ctx context.Context) {
 	select {
 	case <-done:
 	case <-ctx.Done():
-		l.call(func() {
+		l.withTurn(func() {
 			for _, c := range l.connsOf(p) {
 				if c.freezing {
 					l.freeze(c)
