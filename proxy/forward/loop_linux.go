@@ -126,6 +126,10 @@ type loop struct {
 	stopped  bool // run no longer takes posts
 	stopping bool // a stop was posted (loop goroutine)
 
+	// turn is held by the loop's goroutine while it handles a batch of events, and guards the
+	// fields below: another goroutine takes it to act on the loop at once (withTurn) while the
+	// loop waits, instead of waking it with a post.
+	turn     sync.Mutex
 	fds      []fdSlot // by descriptor
 	gen      uint32   // the last generation given to a registration
 	buf      []byte
@@ -274,6 +278,13 @@ func (l *loop) call(fn func()) bool {
 	return true
 }
 
+// isStopped reports whether the loop has stopped taking work.
+func (l *loop) isStopped() bool {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.stopped
+}
+
 // stop asks the loop to end and waits for it.
 func (l *loop) stop() {
 	if l.post(func() { l.stopping = true }) {
@@ -294,6 +305,15 @@ func (l *loop) runPosts() {
 	}
 }
 
+// withTurn runs fn on the caller's goroutine while the loop's goroutine is between batches:
+// cheaper than call for short work, as it does not wake the loop. The caller must not hold a
+// lock the loop takes during a batch (p.mu, runState's).
+func (l *loop) withTurn(fn func()) {
+	l.turn.Lock()
+	defer l.turn.Unlock()
+	fn()
+}
+
 // run is the loop's goroutine: turns until stop, then teardown.
 func (l *loop) run() {
 	defer close(l.done)
@@ -303,6 +323,7 @@ func (l *loop) run() {
 		if err != nil {
 			break // the epoll descriptor failed: nothing can be served any more
 		}
+		l.turn.Lock()
 		l.now = time.Since(l.epoch)
 		accept = accept[:0]
 		for i := range l.events[:n] {
@@ -329,7 +350,10 @@ func (l *loop) run() {
 			}
 		}
 		l.pumpAgain()
+		l.turn.Unlock()
 	}
+	l.turn.Lock()
+	defer l.turn.Unlock()
 	l.teardown()
 }
 
@@ -360,7 +384,8 @@ func (l *loop) wait() (int, error) {
 	return n, err
 }
 
-// teardown is the loop's end: no more posts; connections are reset, listeners let go.
+// teardown is the loop's end: no more posts; connections are reset, listeners let go. The
+// epoll descriptor is closed, so a later withTurn finds every slot empty.
 func (l *loop) teardown() {
 	l.mu.Lock()
 	l.stopped = true
@@ -629,7 +654,11 @@ func (l *loop) acceptFailed(ln *loopListener, errno syscall.Errno) {
 	case isPendingConnError(errno):
 		p.logDebug().Err(errno).Msg("accept: connection failed before it was accepted")
 	default:
-		p.logError().Err(fmt.Errorf("accept on %s: %w", p.Listener.Addr(), errno)).Msg("TCP proxy stopped")
+		err := fmt.Errorf("accept on %s: %w", p.Listener.Addr(), errno)
+		p.logError().Err(err).Msg("TCP proxy stopped")
+		p.mu.Lock()
+		p.onLoop.err = err // for Serve
+		p.mu.Unlock()
 		l.detach(ln)
 	}
 }

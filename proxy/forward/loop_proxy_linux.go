@@ -87,7 +87,8 @@ func (p *TCPProxy) serveOnLoop() error {
 }
 
 // startOnLoop attaches the listener to the proxy's loop; started is false when the proxy was
-// closed first or the attach failed (err).
+// closed first or the attach failed (err). It does not wake the loop (see withTurn): a proxier
+// starting thousands of listeners pays an epoll_ctl for each.
 func (p *TCPProxy) startOnLoop() (started bool, err error) {
 	ok, err := p.run.start("TCP proxy")
 	if !ok {
@@ -100,33 +101,39 @@ func (p *TCPProxy) startOnLoop() (started bool, err error) {
 	}
 	lp := p.loopState()
 	ln := &loopListener{p: p, fd: fd}
+	var attached bool
 	var aerr error
-	posted := lp.l.call(func() {
-		// Close or Freeze may have come between start and now, and found nothing to detach.
-		if closed, frozen := p.run.state(); closed || frozen {
-			p.run.ended()
-			return
-		}
-		if aerr = lp.l.attach(ln); aerr != nil {
-			p.run.ended()
-			return
-		}
-		p.mu.Lock()
-		lp.ln, lp.err = ln, nil
-		p.mu.Unlock()
-	})
-	if !posted {
+	lp.l.withTurn(func() { attached, aerr = p.attachInTurn(lp, ln) })
+	if !attached {
 		p.run.ended()
-		aerr = errors.New("the event loops are closed")
 	}
 	if aerr != nil {
 		return false, fmt.Errorf("start TCP proxy on %s: %w", p.Listener.Addr(), aerr)
 	}
+	return attached, nil
+}
+
+// attachInTurn attaches ln during a turn of the loop's, unless Close or Freeze came since
+// start (their detach, in a turn too, found nothing: the proxy then ends at once, as Serve
+// after Close does).
+func (p *TCPProxy) attachInTurn(lp *loopProxy, ln *loopListener) (attached bool, err error) {
+	if lp.l.isStopped() {
+		return false, errors.New("the event loops are closed")
+	}
+	if closed, frozen := p.run.state(); closed || frozen {
+		return false, nil
+	}
+	if err := lp.l.attach(ln); err != nil {
+		return false, err
+	}
+	p.mu.Lock()
+	lp.ln, lp.err = ln, nil
+	p.mu.Unlock()
 	return true, nil
 }
 
 // detachFromLoop takes the listener off its loop, leaving it open (Close closes it after,
-// Freeze exports it).
+// Freeze exports it). It does not wake the loop (see withTurn).
 func (p *TCPProxy) detachFromLoop() {
 	p.mu.Lock()
 	lp := p.onLoop
@@ -134,7 +141,7 @@ func (p *TCPProxy) detachFromLoop() {
 	if lp == nil {
 		return
 	}
-	lp.l.call(func() {
+	lp.l.withTurn(func() {
 		p.mu.Lock()
 		ln := lp.ln
 		lp.ln = nil
@@ -167,14 +174,12 @@ func (l *loop) connsOf(p *TCPProxy) []*lconn {
 
 // cutLoopConns resets every connection of the proxy on its loop and returns how many.
 func (p *TCPProxy) cutLoopConns() int {
-	p.mu.Lock()
-	lp := p.onLoop
-	p.mu.Unlock()
-	if lp == nil {
+	if p.loopIdle() {
 		return 0
 	}
+	lp := p.onLoop
 	n := 0
-	lp.l.call(func() {
+	lp.l.withTurn(func() {
 		for _, c := range lp.l.connsOf(p) {
 			lp.l.finish(c, true, errCut)
 			n++
@@ -189,16 +194,14 @@ func (p *TCPProxy) cutLoopConns() int {
 // (successful or not) unless ctx ends, which abandons the dials: those are exported undialled
 // and their adopter dials. As park does, the bytes moved so far are reported now.
 func (p *TCPProxy) freezeLoopConns(ctx context.Context) {
-	p.mu.Lock()
-	lp := p.onLoop
-	p.mu.Unlock()
-	if lp == nil {
+	if p.loopIdle() {
 		return
 	}
+	lp := p.onLoop
 	l := lp.l
 	dialling := 0
 	done := make(chan struct{})
-	l.call(func() {
+	l.withTurn(func() {
 		for _, c := range l.connsOf(p) {
 			if c.connected {
 				l.freeze(c)
@@ -217,7 +220,7 @@ func (p *TCPProxy) freezeLoopConns(ctx context.Context) {
 	select {
 	case <-done:
 	case <-ctx.Done():
-		l.call(func() {
+		l.withTurn(func() {
 			for _, c := range l.connsOf(p) {
 				if c.freezing {
 					l.freeze(c)
@@ -225,6 +228,15 @@ func (p *TCPProxy) freezeLoopConns(ctx context.Context) {
 			}
 		})
 	}
+}
+
+// loopIdle reports whether the proxy has no connection on a loop: most service ports of a large
+// cluster have none, and a Freeze or Shutdown of all of them then costs no round trip to the
+// loops. (Once placed, onLoop does not change.)
+func (p *TCPProxy) loopIdle() bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.onLoop == nil || p.onLoop.live == 0
 }
 
 // freezeWait counts the dials a freeze waits for; the loop's goroutine owns it.

@@ -37,7 +37,7 @@ var loopDataPathTests = []string{
 	// TestTCPPollerClosedUnderParked): the loop path must pass what parked connections must.
 	"TestTCPIdleConnectionsHoldNoGoroutine", "TestTCPParkedIdleTimeout", "TestTCPShutdownCutsParked",
 	"TestTCPParkedPeerReset", "TestTCPHandOverParked", "TestTCPAdoptBeforeStartParks", "TestTCPParkedChurn",
-	"TestLoopServesWithoutGoroutines",
+	"TestLoopServesWithoutGoroutines", "TestTCPTransparentDial",
 }
 
 // TestTCPTestsOnLoops runs the TCP tests again in a child process with
@@ -237,4 +237,32 @@ func TestLoopShutdownCutsAndLeaksNothing(t *testing.T) {
 	}
 	loops.Close()
 	eventually(t, "the loops' goroutines to end", func() bool { return runtime.NumGoroutine() <= goroutines-2 })
+}
+
+// TestTCPTransparentDial: a target asking for Transparent is dialled from the client's address
+// (127.0.0.2 here, while the proxy listens on 127.0.0.1, so a plain dial would come from
+// 127.0.0.1). It needs CAP_NET_ADMIN; without it the proxy falls back to a plain dial.
+func TestTCPTransparentDial(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("needs CAP_NET_ADMIN for IP_TRANSPARENT")
+	}
+	client := netip.MustParseAddr("127.0.0.2")
+	seen := make(chan netip.Addr, 1)
+	ep := startTCPServer(t, loopback("4"), func(c *net.TCPConn) {
+		seen <- tcpAddrPort(c.RemoteAddr()).Addr()
+		echoTCP(c)
+	})
+	r := startTCPProxy(t, "4", &fakeChooser{endpoints: []netip.AddrPort{ep}, transparent: true}, nil)
+	c, err := net.DialTCP("tcp", net.TCPAddrFromAddrPort(netip.AddrPortFrom(client, 0)), net.TCPAddrFromAddrPort(r.addr))
+	if err != nil {
+		t.Fatalf("dial from %s: %v", client, err)
+	}
+	defer c.Close()
+	c.SetDeadline(time.Now().Add(waitTimeout))
+	if got, err := roundTrip(c, []byte("ping")); err != nil || string(got) != "ping" {
+		t.Fatalf("round trip: %q, %v", got, err)
+	}
+	if got := <-seen; got != client {
+		t.Errorf("the endpoint saw the connection from %s, want the client's %s", got, client)
+	}
 }
