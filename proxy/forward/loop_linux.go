@@ -951,22 +951,8 @@ func (l *loop) pumpDir(c *lconn, d int) bool {
 	}
 	src, dst := int(c.fd[d]), int(c.fd[1-d])
 	for reads := 0; ; {
-		if len(dd.pending) > 0 {
-			n, err := unix.Write(dst, dd.pending)
-			if err == unix.EAGAIN || err == unix.EINTR {
-				return true // EPOLLOUT on dst calls again
-			}
-			if err != nil {
-				l.fail(c, d, err)
-				return false
-			}
-			copiedHook(n)
-			c.n[d] += int64(n)
-			c.last = l.now
-			if dd.pending = dd.pending[n:]; len(dd.pending) > 0 {
-				continue
-			}
-			dd.pending = nil // a direction's buffer lives only while something is pending
+		if flushed, alive := l.flushPending(c, d); !flushed {
+			return alive
 		}
 		if dd.eof {
 			return l.passEOF(c, d)
@@ -1017,6 +1003,30 @@ func (l *loop) pumpDir(c *lconn, d int) bool {
 	}
 }
 
+// flushPending writes direction d's pending bytes to its destination. flushed: nothing is
+// pending any more; otherwise alive says whether c goes on (the destination is full: EPOLLOUT
+// on it pumps again) or ended (the write failed: both sides were reset).
+func (l *loop) flushPending(c *lconn, d int) (flushed, alive bool) {
+	dd := &c.dir[d]
+	dst := int(c.fd[1-d])
+	for len(dd.pending) > 0 {
+		n, err := unix.Write(dst, dd.pending)
+		if err == unix.EAGAIN || err == unix.EINTR {
+			return false, true
+		}
+		if err != nil {
+			l.fail(c, d, err)
+			return false, false
+		}
+		copiedHook(n)
+		c.n[d] += int64(n)
+		c.last = l.now
+		dd.pending = dd.pending[n:]
+	}
+	dd.pending = nil // a direction's buffer lives only while something is pending
+	return true, true
+}
+
 // copiedHook reports n bytes written from a user-space buffer to testHookCopied, if set.
 func copiedHook(n int) {
 	if h := testHookCopied; h != nil && n > 0 {
@@ -1035,22 +1045,8 @@ func (l *loop) spliceDir(c *lconn, d int) bool {
 	dd := &c.dir[d]
 	src, dst := int(c.fd[d]), int(c.fd[1-d])
 	for reads := 0; ; {
-		if len(dd.pending) > 0 { // what the switch to splicing left
-			n, err := unix.Write(dst, dd.pending)
-			if err == unix.EAGAIN || err == unix.EINTR {
-				return true
-			}
-			if err != nil {
-				l.fail(c, d, err)
-				return false
-			}
-			copiedHook(n)
-			c.n[d] += int64(n)
-			c.last = l.now
-			if dd.pending = dd.pending[n:]; len(dd.pending) > 0 {
-				continue
-			}
-			dd.pending = nil
+		if flushed, alive := l.flushPending(c, d); !flushed { // what the switch to splicing left
+			return alive
 		}
 		if dd.inPipe > 0 {
 			n, err := syscall.Splice(dd.pipe.r, nil, dst, nil, dd.inPipe, spliceMove|spliceNonblock)
