@@ -295,7 +295,7 @@ func (l *loop) stop() {
 // runPosts runs the queued posts.
 func (l *loop) runPosts() {
 	var b [8]byte
-	_, _ = unix.Read(l.evfd, b[:])
+	_, _ = rawRead(l.evfd, b[:])
 	l.mu.Lock()
 	posts := l.posts
 	l.posts = nil
@@ -362,7 +362,7 @@ func (l *loop) run() {
 func (l *loop) wait() (int, error) {
 	if len(l.again) > 0 {
 		for {
-			n, err := unix.EpollWait(l.epfd, l.events[:], 0)
+			n, err := rawEpollPoll(l.epfd, l.events[:])
 			if err != unix.EINTR {
 				return n, err
 			}
@@ -372,7 +372,7 @@ func (l *loop) wait() (int, error) {
 	var werr error
 	err := l.rc.Read(func(fd uintptr) bool {
 		for {
-			n, werr = unix.EpollWait(int(fd), l.events[:], 0)
+			n, werr = rawEpollPoll(int(fd), l.events[:])
 			if werr != unix.EINTR {
 				return n > 0 || werr != nil
 			}
@@ -441,7 +441,7 @@ func (l *loop) register(c *lconn, side int) error {
 	gen := l.track(fd, fdSlot{c: c, side: uint8(side)})
 	c.gen[side] = gen
 	ev := unix.EpollEvent{Events: unix.EPOLLIN | unix.EPOLLOUT | unix.EPOLLRDHUP | unix.EPOLLET, Fd: int32(fd), Pad: int32(gen)}
-	if err := unix.EpollCtl(l.epfd, unix.EPOLL_CTL_ADD, fd, &ev); err != nil {
+	if err := rawEpollCtl(l.epfd, unix.EPOLL_CTL_ADD, fd, &ev); err != nil {
 		l.forget(fd)
 		return fmt.Errorf("epoll_ctl add socket %d: %w", fd, err)
 	}
@@ -451,7 +451,7 @@ func (l *loop) register(c *lconn, side int) error {
 // unregister takes side of c out of the epoll set and its slot, leaving the socket open.
 func (l *loop) unregister(c *lconn, side int) {
 	if fd := int(c.fd[side]); fd >= 0 {
-		_ = unix.EpollCtl(l.epfd, unix.EPOLL_CTL_DEL, fd, nil)
+		_ = rawEpollCtl(l.epfd, unix.EPOLL_CTL_DEL, fd, nil)
 		l.forget(fd)
 	}
 }
@@ -474,7 +474,7 @@ func (l *loop) setTimer(d time.Duration) {
 // the timer when nothing needs it any more.
 func (l *loop) sweep() {
 	var b [8]byte
-	_, _ = unix.Read(l.tfd, b[:])
+	_, _ = rawRead(l.tfd, b[:])
 	if l.dialing > 0 || l.timed > 0 {
 		for i := range l.fds {
 			s := l.fds[i]
@@ -611,7 +611,7 @@ func (l *loop) accept(ln *loopListener) {
 	var sa unix.RawSockaddrAny
 	saLen := uint32(unix.SizeofSockaddrAny)
 	// The system call itself: x/sys/unix's Accept4 parses the address with a getsockopt more.
-	r, _, errno := syscall.Syscall6(syscall.SYS_ACCEPT4, uintptr(ln.fd), uintptr(unsafe.Pointer(&sa)),
+	r, _, errno := unix.RawSyscall6(unix.SYS_ACCEPT4, uintptr(ln.fd), uintptr(unsafe.Pointer(&sa)),
 		uintptr(unsafe.Pointer(&saLen)), syscall.SOCK_NONBLOCK|syscall.SOCK_CLOEXEC, 0, 0)
 	if errno != 0 {
 		l.acceptFailed(ln, errno)
@@ -621,7 +621,7 @@ func (l *loop) accept(ln *loopListener) {
 	// Go's default for every socket. Sockets accepted later inherit it from a listener that has
 	// it, but not those already in the backlog when it was set (nor a listener handed over from
 	// the goroutine path): one system call per connection, as today's path.
-	_ = unix.SetsockoptInt(cfd, unix.IPPROTO_TCP, unix.TCP_NODELAY, 1)
+	_ = rawSetsockoptInt(cfd, unix.IPPROTO_TCP, unix.TCP_NODELAY, 1)
 	if ln.pause.attempts > 0 {
 		p.logInfo().Int("retries", ln.pause.attempts).Dur("paused", time.Since(ln.pause.start)).
 			Msg("accepting connections again")
@@ -665,8 +665,7 @@ func (l *loop) acceptFailed(ln *loopListener, errno syscall.Errno) {
 
 // resetFD closes a socket with an RST.
 func resetFD(fd int) {
-	_ = unix.SetsockoptLinger(fd, unix.SOL_SOCKET, unix.SO_LINGER, &unix.Linger{Onoff: 1, Linger: 0})
-	_ = unix.Close(fd)
+	rawResetClose(fd)
 }
 
 // rawAddrPort decodes accept4's address (unmapped); the zero AddrPort for another family.
@@ -724,7 +723,7 @@ func (l *loop) dial(c *lconn) {
 		if err == nil {
 			c.fd[1] = int32(fd)
 			if err = l.register(c, 1); err != nil {
-				_ = unix.Close(fd)
+				_ = rawClose(fd)
 				c.fd[1] = -1
 			}
 		}
@@ -760,23 +759,23 @@ func (l *loop) connect(c *lconn, target Target) (int, error) {
 	if ep.Addr().Unmap().Is4() {
 		family = unix.AF_INET
 	}
-	fd, err := unix.Socket(family, unix.SOCK_STREAM|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, 0)
+	fd, err := rawSocket(family, unix.SOCK_STREAM|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, 0)
 	if err != nil {
 		return -1, fmt.Errorf("socket: %w", err)
 	}
-	_ = unix.SetsockoptInt(fd, unix.IPPROTO_TCP, unix.TCP_NODELAY, 1)
-	_ = unix.SetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_KEEPALIVE, 1)
-	_ = unix.SetsockoptInt(fd, unix.IPPROTO_TCP, unix.TCP_KEEPIDLE, int(keepAliveIdle/time.Second))
+	_ = rawSetsockoptInt(fd, unix.IPPROTO_TCP, unix.TCP_NODELAY, 1)
+	_ = rawSetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_KEEPALIVE, 1)
+	_ = rawSetsockoptInt(fd, unix.IPPROTO_TCP, unix.TCP_KEEPIDLE, int(keepAliveIdle/time.Second))
 	if target.Transparent && canDialFrom(c.clientAddr.Addr(), ep) {
 		if terr := bindTransparent(fd, c.clientAddr.Addr()); terr != nil {
-			_ = unix.Close(fd)
+			_ = rawClose(fd)
 			logTransparentFallback(logOrNop(c.p.Log), c.p.LogScope, &c.p.transparentWarned, terr, c.clientAddr, ep)
 			target.Transparent = false
 			return l.connect(c, target)
 		}
 	}
-	if err := unix.Connect(fd, sockaddrOf(ep)); err != nil && err != unix.EINPROGRESS {
-		_ = unix.Close(fd)
+	if err := rawConnect(fd, encodeSockaddr(netip.AddrPortFrom(ep.Addr().Unmap(), ep.Port()))); err != nil && err != unix.EINPROGRESS {
+		_ = rawClose(fd)
 		return -1, fmt.Errorf("connect to %s: %w", ep, err)
 	}
 	return fd, nil
@@ -803,18 +802,10 @@ func bindTransparent(fd int, client netip.Addr) error {
 	return nil
 }
 
-// sockaddrOf returns ep as a socket address of its family.
-func sockaddrOf(ep netip.AddrPort) unix.Sockaddr {
-	if a := ep.Addr().Unmap(); a.Is4() {
-		return &unix.SockaddrInet4{Port: int(ep.Port()), Addr: a.As4()}
-	}
-	return &unix.SockaddrInet6{Port: int(ep.Port()), Addr: ep.Addr().As16()}
-}
-
 // connectDone finishes the connect of c's endpoint socket: relays on success, else tries the
 // next endpoint.
 func (l *loop) connectDone(c *lconn) {
-	serr, err := unix.GetsockoptInt(int(c.fd[1]), unix.SOL_SOCKET, unix.SO_ERROR)
+	serr, err := rawGetsockoptInt(int(c.fd[1]), unix.SOL_SOCKET, unix.SO_ERROR)
 	if err == nil && serr != 0 {
 		err = syscall.Errno(serr)
 	}
@@ -839,7 +830,7 @@ func (l *loop) connectDone(c *lconn) {
 func (l *loop) dialFailed(c *lconn, err error) {
 	p := c.p
 	l.unregister(c, 1)
-	_ = unix.Close(int(c.fd[1]))
+	_ = rawClose(int(c.fd[1]))
 	c.fd[1], c.connecting = -1, false
 	l.dialing--
 	p.sink().DialFailed(c.endpoint)
@@ -965,7 +956,7 @@ func (l *loop) pumpDir(c *lconn, d int) bool {
 			return true
 		}
 		reads++
-		n, err := unix.Read(src, l.buf)
+		n, err := rawRead(src, l.buf)
 		switch {
 		case err == unix.EAGAIN:
 			dd.readable = false
@@ -983,7 +974,7 @@ func (l *loop) pumpDir(c *lconn, d int) bool {
 		if n < len(l.buf) && !dd.rdhup {
 			dd.readable = false // drained: more data queues a new edge
 		}
-		w, err := unix.Write(dst, l.buf[:n])
+		w, err := rawWrite(dst, l.buf[:n])
 		switch {
 		case err == unix.EAGAIN || err == unix.EINTR:
 			w = 0
@@ -1010,7 +1001,7 @@ func (l *loop) flushPending(c *lconn, d int) (flushed, alive bool) {
 	dd := &c.dir[d]
 	dst := int(c.fd[1-d])
 	for len(dd.pending) > 0 {
-		n, err := unix.Write(dst, dd.pending)
+		n, err := rawWrite(dst, dd.pending)
 		if err == unix.EAGAIN || err == unix.EINTR {
 			return false, true
 		}
@@ -1049,7 +1040,7 @@ func (l *loop) spliceDir(c *lconn, d int) bool {
 			return alive
 		}
 		if dd.inPipe > 0 {
-			n, err := syscall.Splice(dd.pipe.r, nil, dst, nil, dd.inPipe, spliceMove|spliceNonblock)
+			n, err := rawSplice(dd.pipe.r, dst, dd.inPipe, spliceMove|spliceNonblock)
 			if err == unix.EAGAIN || err == unix.EINTR {
 				return true // EPOLLOUT on dst calls again
 			}
@@ -1088,7 +1079,7 @@ func (l *loop) spliceDir(c *lconn, d int) bool {
 			}
 			dd.pipe = p
 		}
-		n, err := syscall.Splice(src, nil, dd.pipe.w, nil, spliceChunk, spliceMove|spliceNonblock)
+		n, err := rawSplice(src, dd.pipe.w, spliceChunk, spliceMove|spliceNonblock)
 		switch {
 		case err == unix.EAGAIN:
 			dd.readable = false
@@ -1175,7 +1166,7 @@ func (l *loop) passEOF(c *lconn, d int) bool {
 		l.finish(c, false, nil)
 		return false
 	}
-	if err := unix.Shutdown(int(c.fd[1-d]), unix.SHUT_WR); err != nil {
+	if err := rawShutdown(int(c.fd[1-d]), unix.SHUT_WR); err != nil {
 		l.fail(c, d, err)
 		return false
 	}
@@ -1215,7 +1206,7 @@ func (l *loop) finish(c *lconn, reset bool, err error) {
 		if reset {
 			resetFD(fd)
 		} else {
-			_ = unix.Close(fd)
+			_ = rawClose(fd)
 		}
 		c.fd[side] = -1
 	}

@@ -93,9 +93,9 @@ func (p *Poller) Arm(fd int, fn func()) error {
 	if fd < len(p.fds) && p.fds[fd].watched {
 		op, other = other, op
 	}
-	err := unix.EpollCtl(p.epfd, op, fd, &ev)
+	err := rawEpollCtl(p.epfd, op, fd, &ev)
 	if errors.Is(err, unix.ENOENT) || errors.Is(err, unix.EEXIST) {
-		err = unix.EpollCtl(p.epfd, other, fd, &ev)
+		err = rawEpollCtl(p.epfd, other, fd, &ev)
 	}
 	if err != nil {
 		return fmt.Errorf("poller: watching descriptor %d: %w", fd, err)
@@ -124,7 +124,7 @@ func (p *Poller) Disarm(fd int) {
 	}
 	p.fds[fd] = watch{}
 	if !p.closed {
-		_ = unix.EpollCtl(p.epfd, unix.EPOLL_CTL_DEL, fd, nil)
+		_ = rawEpollCtl(p.epfd, unix.EPOLL_CTL_DEL, fd, nil)
 	}
 }
 
@@ -164,7 +164,7 @@ func (p *Poller) run() {
 	var n int
 	var werr error
 	collect := func(fd uintptr) bool {
-		n, werr = unix.EpollWait(int(fd), events, 0)
+		n, werr = rawEpollPoll(int(fd), events)
 		return n > 0 || (werr != nil && werr != unix.EINTR) // nothing ready: wait in the runtime
 	}
 	for {
