@@ -174,7 +174,14 @@ func TestSyncInputReuse(t *testing.T) {
 	ps := scalePortals(10000)
 	host := Host{NodeIPs: []netip.Addr{a("10.0.0.5")}}
 	first := newSyncInput(ps, host)
-	if n := testing.AllocsPerRun(20, func() { newSyncInput(ps, host) }); n != 1 {
+	// Reused: one allocation, the result. Under the race detector sync.Pool drops a quarter of
+	// what is Put, at random, and each drop costs a new hasher (three allocations): over 200
+	// calls the average is then below 2 (1.75 expected), where no reuse at all costs 4 (measured).
+	if raceBuild {
+		if n := testing.AllocsPerRun(200, func() { newSyncInput(ps, host) }); n > 3 {
+			t.Errorf("newSyncInput of 10,000 portals under the race detector: %v allocations on average, want at most 3 (the pool's random drops)", n)
+		}
+	} else if n := testing.AllocsPerRun(20, func() { newSyncInput(ps, host) }); n != 1 {
 		t.Errorf("newSyncInput of 10,000 portals: %v allocations, want 1", n)
 	}
 	other := newSyncInput(ps[:5000], host)
