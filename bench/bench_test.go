@@ -91,7 +91,7 @@ func configure(quick bool) settings {
 // onlyFromEnv applies the partial-run knobs to cfg: a partial run is for working on one figure,
 // not for results (write it to KUP_BENCH_OUT). KUP_BENCH_ONLY picks the rows: controlplane (the
 // control-plane rows, no hand-over), datapath (the data-path rows from a pod and the node, no
-// outside clients) or idle (the idle-connection rows); KUP_BENCH_SCALES=N,M the control plane's
+// outside clients), idle (the idle-connection rows) or none (with KUP_BENCH_HOLD); KUP_BENCH_SCALES=N,M the control plane's
 // service counts, KUP_BENCH_IDLE=N,M the idle rows' connection counts; KUP_BENCH_PROXY_LOG=level
 // kube-userspace-proxy's --log-level; KUP_BENCH_PROXY_ARGS more of its flags and
 // KUP_BENCH_PROXY_ENV variables of its environment (space-separated, NAME=value: an A/B of one
@@ -99,9 +99,9 @@ func configure(quick bool) settings {
 func onlyFromEnv(cfg *settings) (string, error) {
 	only := os.Getenv("KUP_BENCH_ONLY")
 	switch only {
-	case "", "controlplane", "datapath", "idle":
+	case "", "controlplane", "datapath", "idle", "none":
 	default:
-		return "", fmt.Errorf("KUP_BENCH_ONLY=%q: the partial runs are controlplane, datapath and idle", only)
+		return "", fmt.Errorf("KUP_BENCH_ONLY=%q: the partial runs are controlplane, datapath, idle and none (with KUP_BENCH_HOLD)", only)
 	}
 	counts := func(name string) ([]int, error) {
 		var ns []int
@@ -131,6 +131,35 @@ func onlyFromEnv(cfg *settings) (string, error) {
 		cfg.proxyWrapper = append([]string{"env"}, env...)
 	}
 	return only, nil
+}
+
+// holdTopology is KUP_BENCH_HOLD=file: it writes, for each path, the client pod's and node's
+// namespaces, the address to use and the proxy's process id to file, then waits until file is
+// removed (or the test's deadline is near), so that one can measure a path by hand (`ip netns
+// exec NS kup-load conn --addr ADDR`, `strace -c -f -p PID`, `perf record -p PID`) on the
+// topology the figures come from. A development aid: the run then goes on as asked.
+func holdTopology(t *testing.T, file string, targets map[string]target, loadBin string, pids map[string]int) {
+	var b strings.Builder
+	fmt.Fprintf(&b, "# remove this file to let the bench go on\nLOAD=%s\n", loadBin)
+	for _, p := range Paths {
+		tg := targets[p]
+		fmt.Fprintf(&b, "path=%q pod=%s node=%s echo=%s iperf=%s pid=%d\n", p, tg.pod.NS.Name(), tg.node.NS.Name(), tg.echo, tg.iperf, pids[p])
+	}
+	if err := os.WriteFile(file, []byte(b.String()), 0o644); err != nil {
+		t.Fatalf("KUP_BENCH_HOLD: %v", err)
+	}
+	t.Logf("KUP_BENCH_HOLD: topology held; %s describes it; remove it to go on", file)
+	deadline, ok := t.Deadline()
+	for {
+		if _, err := os.Stat(file); errors.Is(err, os.ErrNotExist) {
+			return
+		}
+		if ok && time.Until(deadline) < 5*time.Minute {
+			t.Logf("KUP_BENCH_HOLD: the test's deadline is near; going on")
+			return
+		}
+		time.Sleep(time.Second)
+	}
 }
 
 // keepLog copies a process's log so far to name in the system's temporary directory (a
@@ -202,7 +231,7 @@ func TestBench(t *testing.T) {
 	srv.NS.Start(t, "iperf3", "-s", "-p", strconv.Itoa(iperfPort))
 	nodes := map[string]*netns.Node{}
 	pods := map[string]*netns.Pod{}
-	nodeNames := map[string]string{PathDirect: "direct", PathIPTables: "ipt", PathKUP: "kup", PathKUPLoop: "kupl", PathHAProxy: "hap"}
+	nodeNames := map[string]string{PathDirect: "direct", PathIPTables: "ipt", PathKUP: "kup", PathKUPGoroutine: "kupg", PathHAProxy: "hap"}
 	for _, p := range Paths {
 		nodes[p] = n.AddNode(t, nodeNames[p])
 		pods[p] = n.AddPod(t, nodes[p], "client")
@@ -231,16 +260,16 @@ func TestBench(t *testing.T) {
 			return err
 		}}
 	kup := harness.StartProxy(t, nodes[PathKUP].NS, kupCfg)
-	// The same proxy with the event-loop TCP data path, on a node of its own; it stops before
+	// The same proxy with the goroutine TCP data path, on a node of its own; it stops before
 	// the control-plane workload, which it would otherwise load with every service created there.
-	loopCfg := kupCfg
-	loopCfg.NodeName = nodeNames[PathKUPLoop]
-	loopCfg.Args = slices.Concat(kupCfg.Args, []string{"--tcp-data-path=loop"})
-	loopCfg.Ready = func(ctx context.Context) error {
-		_, err := harness.Ask(ctx, nodes[PathKUPLoop].NS, "tcp", harness.Addr(svc, 0))
+	goCfg := kupCfg
+	goCfg.NodeName = nodeNames[PathKUPGoroutine]
+	goCfg.Args = slices.Concat(kupCfg.Args, []string{"--tcp-data-path=goroutine"})
+	goCfg.Ready = func(ctx context.Context) error {
+		_, err := harness.Ask(ctx, nodes[PathKUPGoroutine].NS, "tcp", harness.Addr(svc, 0))
 		return err
 	}
-	kupLoop := harness.StartProxy(t, nodes[PathKUPLoop].NS, loopCfg)
+	kupGo := harness.StartProxy(t, nodes[PathKUPGoroutine].NS, goCfg)
 	hap := startHAProxy(t, nodes[PathHAProxy], srv.IP.String())
 	harness.WaitFor(t, 30*time.Second, func() error {
 		_, err := harness.Ask(ctx, nodes[PathIPTables].NS, "tcp", harness.Addr(svc, 0))
@@ -249,11 +278,11 @@ func TestBench(t *testing.T) {
 
 	hapIP := nodes[PathHAProxy].IP.String()
 	targets := map[string]target{
-		PathDirect:   {echo: fmt.Sprintf("%s:%d", srv.IP, echoPort), iperf: fmt.Sprintf("%s:%d", srv.IP, iperfPort), udp: true},
-		PathIPTables: {echo: harness.Addr(svc, 0), iperf: harness.Addr(svc, 2), udp: true},
-		PathKUP:      {echo: harness.Addr(svc, 0), iperf: harness.Addr(svc, 2), udp: true},
-		PathKUPLoop:  {echo: harness.Addr(svc, 0), iperf: harness.Addr(svc, 2), udp: true},
-		PathHAProxy:  {echo: fmt.Sprintf("%s:%d", hapIP, hapEchoPort), iperf: fmt.Sprintf("%s:%d", hapIP, hapIperfPort)},
+		PathDirect:       {echo: fmt.Sprintf("%s:%d", srv.IP, echoPort), iperf: fmt.Sprintf("%s:%d", srv.IP, iperfPort), udp: true},
+		PathIPTables:     {echo: harness.Addr(svc, 0), iperf: harness.Addr(svc, 2), udp: true},
+		PathKUP:          {echo: harness.Addr(svc, 0), iperf: harness.Addr(svc, 2), udp: true},
+		PathKUPGoroutine: {echo: harness.Addr(svc, 0), iperf: harness.Addr(svc, 2), udp: true},
+		PathHAProxy:      {echo: fmt.Sprintf("%s:%d", hapIP, hapEchoPort), iperf: fmt.Sprintf("%s:%d", hapIP, hapIperfPort)},
 	}
 	for p, tg := range targets {
 		tg.path, tg.node, tg.pod = p, nodes[p], pods[p]
@@ -266,6 +295,10 @@ func TestBench(t *testing.T) {
 				t.Fatalf("path %s from %s: %v", p, src, err)
 			}
 		}
+	}
+
+	if hold := os.Getenv("KUP_BENCH_HOLD"); hold != "" {
+		holdTopology(t, hold, targets, loadBin, map[string]int{PathKUP: kup.Pid(), PathKUPGoroutine: kupGo.Pid(), PathHAProxy: hap.Pid()})
 	}
 
 	// The outside-client paths of issue 6 (their proxies stop before the idle and control-plane
@@ -286,10 +319,10 @@ func TestBench(t *testing.T) {
 		}
 	}
 	if only == "" || only == "idle" {
-		runIdle(t, rep, cfg, targets, loadBin, map[string]int{PathKUP: kup.Pid(), PathKUPLoop: kupLoop.Pid(), PathHAProxy: hap.Pid()})
+		runIdle(t, rep, cfg, targets, loadBin, map[string]int{PathKUP: kup.Pid(), PathKUPGoroutine: kupGo.Pid(), PathHAProxy: hap.Pid()})
 	}
-	if err := kupLoop.Terminate(30 * time.Second); err != nil {
-		t.Errorf("stop the loop path's proxy: %v", err)
+	if err := kupGo.Terminate(30 * time.Second); err != nil {
+		t.Errorf("stop the goroutine path's proxy: %v", err)
 	}
 	if only == "" || only == "controlplane" {
 		runControlPlane(t, rep, cfg, c, nodes, srvEP, kp, kup, kupCfg, func(kup *harness.Proxy, scale int) *harness.Proxy {
@@ -305,7 +338,7 @@ func TestBench(t *testing.T) {
 			"server pod (kup-echo on 8080 TCP+UDP, iperf3 -s on 5201) on its own node; each path has its own node namespace with a client pod. "+
 			"`from pod` = client in that node's pod; `from node` = client in the node namespace itself.",
 		"Paths: direct = the server pod's IP; iptables = upstream kube-proxy v1.36.3 --proxy-mode=iptables on a ClusterIP; "+
-			"kube-userspace-proxy on the same ClusterIP (its own node); userspace loop = the same with --tcp-data-path=loop (its own node; UDP as the default path); haproxy = Debian HAProxy, mode tcp, option splice-auto, on its node's IP, pointing at the pod.",
+			"kube-userspace-proxy on the same ClusterIP (its own node; the default event-loop TCP data path); userspace goroutine = the same with --tcp-data-path=goroutine (its own node; UDP as the default path); haproxy = Debian HAProxy, mode tcp, option splice-auto, on its node's IP, pointing at the pod.",
 		"HAProxy has no UDP proxying: its UDP cells are n/a. HAProxy runs with maxconn 9900 and maxpipes 40 so that its descriptors fit the 20000 limit.",
 		"The machine is shared (2 cores, other test suites running: see the load averages), so tail latencies (p99, p99.9) are dominated by scheduling delays and vary widely between repetitions; the medians of throughput figures are steadier. Compare paths within a row, not against other machines.",
 		fmt.Sprintf("Bulk figures are iperf3 (%s) receiver throughput; UDP bulk is iperf3 -u -b 0 -l 1400, delivered rate = sender rate × (1 − loss).", strings.Join(cfg.iperfArgs, " ")),
@@ -504,7 +537,7 @@ func runIdle(t *testing.T, rep *Report, cfg settings, targets map[string]target,
 	// RSS before the first test: memory a proxy took for the first count is not returned to the
 	// system, so later counts are measured against the same starting point.
 	base := map[string]int64{}
-	for _, p := range []string{PathKUP, PathKUPLoop, PathHAProxy} {
+	for _, p := range []string{PathKUP, PathKUPGoroutine, PathHAProxy} {
 		v, err := rssKiB(pids[p])
 		if err != nil {
 			t.Errorf("RSS of %s: %v", p, err)
@@ -526,7 +559,7 @@ func runIdle(t *testing.T, rep *Report, cfg settings, targets map[string]target,
 			m.Note(PathIPTables, "n/a (kernel conntrack)")
 		}
 		reached.Note(PathIPTables, "n/a (kernel)")
-		for _, p := range []string{PathKUP, PathKUPLoop, PathHAProxy} {
+		for _, p := range []string{PathKUP, PathKUPGoroutine, PathHAProxy} {
 			before := base[p]
 			tg := targets[p]
 			if p == PathKUP && cfg.proxyLog != "" {
@@ -544,7 +577,7 @@ func runIdle(t *testing.T, rep *Report, cfg settings, targets map[string]target,
 			}
 			time.Sleep(time.Second)
 			after, err := rssKiB(pids[p])
-			// Again once the connections have been idle for a while: kube-userspace-proxy's
+			// Again once the connections have been idle for a while: on the goroutine path,
 			// idle connections give up their goroutines after one to two --tcp-park-idle-after
 			// (200 ms), and their stacks are returned to the system after the burst settles.
 			time.Sleep(5 * time.Second)

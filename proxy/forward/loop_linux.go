@@ -466,7 +466,7 @@ func (l *loop) armTimer(d time.Duration) {
 
 func (l *loop) setTimer(d time.Duration) {
 	ts := unix.NsecToTimespec(int64(d))
-	_ = unix.TimerfdSettime(l.tfd, 0, &unix.ItimerSpec{Interval: ts, Value: ts}, nil)
+	_ = rawTimerfdSettime(l.tfd, &unix.ItimerSpec{Interval: ts, Value: ts})
 	l.tick = d
 }
 

@@ -77,6 +77,12 @@ func rawEpollCtl(epfd, op, fd int, ev *unix.EpollEvent) error {
 	return errnoErr(e)
 }
 
+// rawTimerfdSettime is timerfd_settime(2) with a relative time.
+func rawTimerfdSettime(fd int, spec *unix.ItimerSpec) error {
+	_, _, e := unix.RawSyscall6(unix.SYS_TIMERFD_SETTIME, uintptr(fd), 0, uintptr(unsafe.Pointer(spec)), 0, 0, 0)
+	return errnoErr(e)
+}
+
 // rawSetsockoptInt is setsockopt(2) with an int value.
 func rawSetsockoptInt(fd, level, opt, value int) error {
 	v := int32(value)

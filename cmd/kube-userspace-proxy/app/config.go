@@ -354,7 +354,7 @@ func (o *Options) OwnFlags() []string {
 	if o.TCPParkIdleAfter != 0 {
 		own["tcp-park-idle-after"] = o.TCPParkIdleAfter.String()
 	}
-	if o.TCPDataPath != userspace.TCPDataPathGoroutine {
+	if o.TCPDataPath != userspace.TCPDataPathLoop {
 		own["tcp-data-path"] = o.TCPDataPath
 	}
 	if !o.HandoverExit {

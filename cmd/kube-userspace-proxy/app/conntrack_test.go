@@ -239,7 +239,7 @@ func TestConntrackSysctlsInNetns(t *testing.T) {
 	}
 }
 
-// TestValidateTCPDataPath: --tcp-data-path takes goroutine (the default) or loop, nothing else.
+// TestValidateTCPDataPath: --tcp-data-path takes loop (the default) or goroutine, nothing else.
 func TestValidateTCPDataPath(t *testing.T) {
 	for _, tt := range []struct{ arg, wantErr string }{
 		{"--tcp-data-path=goroutine", ""},
@@ -260,7 +260,7 @@ func TestValidateTCPDataPath(t *testing.T) {
 			}
 		})
 	}
-	if o := NewOptions(); o.TCPDataPath != "goroutine" {
-		t.Errorf("default --tcp-data-path %q, want goroutine", o.TCPDataPath)
+	if o := NewOptions(); o.TCPDataPath != "loop" {
+		t.Errorf("default --tcp-data-path %q, want loop", o.TCPDataPath)
 	}
 }

@@ -125,7 +125,7 @@ func NewOptions() *Options {
 		OOMScoreAdj:           DefaultOOMScoreAdj,
 		TransparentLocal:      true,
 		ConntrackMin:          DefaultConntrackMin,
-		TCPDataPath:           userspace.TCPDataPathGoroutine,
+		TCPDataPath:           userspace.TCPDataPathLoop,
 	}
 }
 
@@ -182,7 +182,7 @@ func (o *Options) FlagGroups() []FlagGroup {
 			fs.IntVar(&o.MaxUDPSessionsPerPort, "max-udp-sessions-per-port", o.MaxUDPSessionsPerPort, "The most UDP sessions (client addresses) one service port may have; a new client beyond it ends the port's longest-idle session. 0: half of the data path's descriptor budget; -1: no bound but the budget.")
 			fs.IntVar(&o.MaxAffinityEntries, "max-affinity-entries-per-port", o.MaxAffinityEntries, "The most ClientIP session-affinity entries one service port keeps; beyond it the least recently used client is forgotten. 0: 10000.")
 			fs.DurationVar(&o.TCPIdleTimeout, "tcp-idle-timeout", o.TCPIdleTimeout, "Reset proxied TCP connections that moved no byte either way for this long. 0: never (iptables mode's conntrack established timeout is 24h).")
-			fs.StringVar(&o.TCPDataPath, "tcp-data-path", o.TCPDataPath, "How TCP connections are relayed: goroutine (goroutines per connection) or loop (one event loop per processor on raw sockets: fewer system calls and no goroutine wake-ups per connection, a few hundred bytes per idle connection; a service port's connections all stay on one loop, so one busy port uses one core). Both splice bulk traffic and hand connections over to either. --tcp-park-idle-after applies to goroutine only.")
+			fs.StringVar(&o.TCPDataPath, "tcp-data-path", o.TCPDataPath, "How TCP connections are relayed: loop (one event loop per processor on raw non-blocking sockets: about half the CPU per connection of goroutine, a few hundred bytes per idle connection; a service port's connections all stay on one loop, so one busy port uses at most one core) or goroutine (goroutines per connection, the only path before the loop: a busy port spreads over every core). Both splice bulk traffic and hand connections over to either. --tcp-park-idle-after applies to goroutine only.")
 			fs.DurationVar(&o.TCPParkIdleAfter, "tcp-park-idle-after", o.TCPParkIdleAfter, "A direction of a proxied TCP connection that moved no byte for this long (to twice that) gives its goroutine up and waits on the proxy's epoll watcher, so that idle connections cost no goroutine stack. 0: 200ms; negative (e.g. -1s): never.")
 		}),
 		group("Health and metrics", func(fs *pflag.FlagSet) {
