@@ -184,6 +184,7 @@ type target struct {
 	echo  string // TCP and UDP kup-echo
 	iperf string // iperf3 TCP (and UDP)
 	udp   bool   // whether the path proxies UDP
+	pid   int    // the proxy's process (0: the path has none, the kernel does the work)
 }
 
 func (tg target) from(src string) *netns.NS {
@@ -292,8 +293,9 @@ func TestBench(t *testing.T) {
 		PathKUPGoroutine: {echo: harness.Addr(svc, 0), iperf: harness.Addr(svc, 2), udp: true},
 		PathHAProxy:      {echo: fmt.Sprintf("%s:%d", hapIP, hapEchoPort), iperf: fmt.Sprintf("%s:%d", hapIP, hapIperfPort)},
 	}
+	pids := map[string]int{PathKUP: kup.Pid(), PathKUPGoroutine: kupGo.Pid(), PathHAProxy: hap.Pid()}
 	for p, tg := range targets {
-		tg.path, tg.node, tg.pod = p, nodes[p], pods[p]
+		tg.path, tg.node, tg.pod, tg.pid = p, nodes[p], pods[p], pids[p]
 		targets[p] = tg
 	}
 	// Every path answers from both sources before anything is measured.
@@ -306,7 +308,7 @@ func TestBench(t *testing.T) {
 	}
 
 	if hold := os.Getenv("KUP_BENCH_HOLD"); hold != "" {
-		holdTopology(t, hold, targets, loadBin, map[string]int{PathKUP: kup.Pid(), PathKUPGoroutine: kupGo.Pid(), PathHAProxy: hap.Pid()})
+		holdTopology(t, hold, targets, loadBin, pids)
 	}
 
 	// The outside-client paths of issue 6 (their proxies stop before the idle and control-plane
@@ -327,7 +329,7 @@ func TestBench(t *testing.T) {
 		}
 	}
 	if only == "" || only == "idle" {
-		runIdle(t, rep, cfg, targets, loadBin, map[string]int{PathKUP: kup.Pid(), PathKUPGoroutine: kupGo.Pid(), PathHAProxy: hap.Pid()})
+		runIdle(t, rep, cfg, targets, loadBin, pids)
 	}
 	if err := kupGo.Terminate(30 * time.Second); err != nil {
 		t.Errorf("stop the goroutine path's proxy: %v", err)
@@ -378,27 +380,38 @@ func runDataPath(t *testing.T, rep *Report, cfg settings, targets map[string]tar
 				})
 			}
 			m := rep.Metric("short connections", src, "conn/s", true)
+			shortCost := newProxyCost(rep, "short connection", src)
 			each(func(tg target, ns *netns.NS) {
+				before := usageOf(tg.pid)
 				res, err := load(ns, loadBin, "conn", tg.echo, "--duration", secs, "--concurrency", "4", "--max", "200000")
 				record(t, m, tg.path, res.Rate, err)
+				shortCost.record(t, tg, before, res, err)
 			})
 			p50 := rep.Metric("keep-alive latency p50", src, "µs", false)
 			p99 := rep.Metric("keep-alive latency p99", src, "µs", false)
 			p999 := rep.Metric("keep-alive latency p99.9", src, "µs", false)
+			latCost := newProxyCost(rep, "keep-alive request", src)
 			each(func(tg target, ns *netns.NS) {
+				before := usageOf(tg.pid)
 				res, err := load(ns, loadBin, "lat", tg.echo, "--duration", secs, "--rate", fmt.Sprint(cfg.latRate))
+				latCost.record(t, tg, before, res, err)
 				record(t, p50, tg.path, res.P50us, err)
 				record(t, p99, tg.path, res.P99us, err)
 				record(t, p999, tg.path, res.P999us, err)
 			})
 			m = rep.Metric("UDP 64-byte req/resp", src, "req/s", true)
+			udpCost := newProxyCost(rep, "UDP request", src)
 			each(func(tg target, ns *netns.NS) {
 				if !tg.udp {
 					m.Note(tg.path, "n/a (no UDP)")
+					udpCost.cpu.Note(tg.path, "n/a (no UDP)")
+					udpCost.switches.Note(tg.path, "n/a (no UDP)")
 					return
 				}
+				before := usageOf(tg.pid)
 				res, err := load(ns, loadBin, "udprr", tg.echo, "--duration", secs, "--concurrency", "4", "--size", "64")
 				record(t, m, tg.path, res.Rate, err)
+				udpCost.record(t, tg, before, res, err)
 			})
 			m = rep.Metric("UDP bulk, 1400-byte datagrams", src, "Mbit/s", true)
 			each(func(tg target, ns *netns.NS) {
@@ -415,6 +428,80 @@ func runDataPath(t *testing.T, rep *Report, cfg settings, targets map[string]tar
 }
 
 // record adds v to m for path, or notes err (a failed measurement is reported, not fatal).
+// usage is a process's CPU time (all its threads, from /proc/PID/task/*/schedstat, in ns) and
+// context switches (voluntary and not, summed over its threads) at one moment.
+type usage struct {
+	cpu      time.Duration
+	switches int64
+	ok       bool
+}
+
+// usageOf reads pid's usage; not ok for pid 0 or a process that is gone. A thread that ends
+// between two readings takes its share with it: the proxies measured keep their threads.
+func usageOf(pid int) usage {
+	if pid == 0 {
+		return usage{}
+	}
+	tasks, err := filepath.Glob(fmt.Sprintf("/proc/%d/task/*", pid))
+	if err != nil || len(tasks) == 0 {
+		return usage{}
+	}
+	u := usage{ok: true}
+	for _, task := range tasks {
+		if b, err := os.ReadFile(filepath.Join(task, "schedstat")); err == nil {
+			if f := strings.Fields(string(b)); len(f) > 0 {
+				ns, _ := strconv.ParseInt(f[0], 10, 64)
+				u.cpu += time.Duration(ns)
+			}
+		}
+		b, err := os.ReadFile(filepath.Join(task, "status"))
+		if err != nil {
+			continue // a thread that ended
+		}
+		for _, l := range strings.Split(string(b), "\n") {
+			if v, ok := strings.CutPrefix(l, "voluntary_ctxt_switches:"); ok {
+				n, _ := strconv.ParseInt(strings.TrimSpace(v), 10, 64)
+				u.switches += n
+			} else if v, ok := strings.CutPrefix(l, "nonvoluntary_ctxt_switches:"); ok {
+				n, _ := strconv.ParseInt(strings.TrimSpace(v), 10, 64)
+				u.switches += n
+			}
+		}
+	}
+	return u
+}
+
+// proxyCost is the proxy's CPU time and context switches per operation of a workload: what a
+// path costs the node besides its rate. The kernel paths (direct, iptables) have no process.
+type proxyCost struct{ cpu, switches *Metric }
+
+func newProxyCost(rep *Report, op, src string) proxyCost {
+	return proxyCost{
+		cpu:      rep.Metric("proxy CPU per "+op, src, "µs", false),
+		switches: rep.Metric("proxy context switches per "+op, src, "switches", false),
+	}
+}
+
+// record adds the cost per operation of one run of tg's workload that started at before.
+func (pc proxyCost) record(t *testing.T, tg target, before usage, res loadResult, err error) {
+	if tg.pid == 0 {
+		pc.cpu.Note(tg.path, "n/a (kernel)")
+		pc.switches.Note(tg.path, "n/a (kernel)")
+		return
+	}
+	after := usageOf(tg.pid)
+	if err == nil && (!before.ok || !after.ok || res.Ops == 0) {
+		err = fmt.Errorf("no usage of process %d", tg.pid)
+	}
+	var cpu, sw float64
+	if err == nil {
+		cpu = float64((after.cpu-before.cpu)/time.Nanosecond) / 1e3 / float64(res.Ops)
+		sw = float64(after.switches-before.switches) / float64(res.Ops)
+	}
+	record(t, pc.cpu, tg.path, cpu, err)
+	record(t, pc.switches, tg.path, sw, err)
+}
+
 func record(t *testing.T, m *Metric, path string, v float64, err error) {
 	if err != nil {
 		t.Logf("%s (%s) via %s: %v", m.Workload, m.Source, path, err)
