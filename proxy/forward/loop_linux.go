@@ -25,8 +25,9 @@ import (
 //
 // Shape: Loops holds one loop per processor. A proxy is placed on one loop at its first use
 // (round robin), and its listener and every connection it accepts or adopts stay there. A loop
-// waits for its epoll descriptor in Go's poller (RawConn.Read, then epoll_wait with a zero
-// timeout): blocking in epoll_wait would hold a thread and double the cost of each message.
+// waits for its epoll descriptor in Go's poller (one RawConn.Read for its whole life, polling
+// with a zero timeout: see run): blocking in epoll_wait would hold a thread and double the cost
+// of each message.
 // Other goroutines hand work to a loop with post (a queue and an eventfd). Timeouts (dials,
 // IdleTimeout, the listener's pause after EMFILE) are checked by a coarse sweep driven by a
 // timerfd that is armed only while something needs it: an idle process does not wake.
@@ -315,73 +316,79 @@ func (l *loop) withTurn(fn func()) {
 }
 
 // run is the loop's goroutine: turns until stop, then teardown.
+//
+// The whole life of the loop is one RawConn.Read of its epoll descriptor: the function polls
+// the epoll set (a zero timeout) and takes turns while events come, and returns false, to wait in
+// the runtime's poller, once a poll has emptied the set (fewer events than the batch holds) and
+// no connection has work left. RawConn.Read clears the descriptor's readiness once, before its
+// first call; after that, readiness signalled while a turn ran (an event that came after the
+// poll) is kept, and the wait ends at once. So a wake-up costs one poll, the one that finds the
+// events — not, as when each turn was a RawConn.Read of its own, one more after the turn to catch
+// what the clearing may have hidden.
 func (l *loop) run() {
 	defer close(l.done)
 	var accept []*loopListener
-	for !l.stopping {
-		n, err := l.wait()
-		if err != nil {
-			break // the epoll descriptor failed: nothing can be served any more
-		}
-		l.turn.Lock()
-		l.now = time.Since(l.epoch)
-		accept = accept[:0]
-		for i := range l.events[:n] {
-			ev := &l.events[i]
-			switch fd := int(ev.Fd); fd {
-			case l.evfd:
-				l.runPosts()
-			case l.tfd:
-				l.sweep()
-			default:
-				s := l.slot(fd)
-				switch {
-				case s.gen != uint32(ev.Pad):
-				case s.ln != nil:
-					accept = append(accept, s.ln) // after the batch: an accepted socket may reuse a number closed in it
-				case s.c != nil:
-					l.event(s.c, int(s.side), ev.Events)
-				}
+	// An error (the epoll descriptor failed) ends the loop as a stop does: nothing can be
+	// served any more.
+	_ = l.rc.Read(func(fd uintptr) bool {
+		for {
+			n, err := rawEpollPoll(int(fd), l.events[:])
+			switch {
+			case err == unix.EINTR:
+				continue
+			case err != nil:
+				return true
+			case n == 0 && len(l.again) == 0:
+				return false // nothing to do: wait in the runtime's poller
+			}
+			accept = l.takeTurn(n, accept)
+			switch {
+			case l.stopping:
+				return true
+			case n < len(l.events) && len(l.again) == 0:
+				// The poll emptied the set; what came since has marked the descriptor
+				// ready again, so the wait ends at once if anything did.
+				return false
 			}
 		}
-		for _, ln := range accept {
-			if s := l.slot(ln.fd); s.ln == ln && !ln.paused {
-				l.accept(ln)
-			}
-		}
-		l.pumpAgain()
-		l.turn.Unlock()
-	}
+	})
 	l.turn.Lock()
 	defer l.turn.Unlock()
 	l.teardown()
 }
 
-// wait returns the next batch of events, waiting in the runtime's poller unless a connection
-// has work left from the last turn.
-func (l *loop) wait() (int, error) {
-	if len(l.again) > 0 {
-		for {
-			n, err := rawEpollPoll(l.epfd, l.events[:])
-			if err != unix.EINTR {
-				return n, err
+// takeTurn handles a batch of n events (and the connections with work left from the last
+// turn), holding the turn. accept is scratch space, returned for the next turn.
+func (l *loop) takeTurn(n int, accept []*loopListener) []*loopListener {
+	l.turn.Lock()
+	defer l.turn.Unlock()
+	l.now = time.Since(l.epoch)
+	accept = accept[:0]
+	for i := range l.events[:n] {
+		ev := &l.events[i]
+		switch fd := int(ev.Fd); fd {
+		case l.evfd:
+			l.runPosts()
+		case l.tfd:
+			l.sweep()
+		default:
+			s := l.slot(fd)
+			switch {
+			case s.gen != uint32(ev.Pad):
+			case s.ln != nil:
+				accept = append(accept, s.ln) // after the batch: an accepted socket may reuse a number closed in it
+			case s.c != nil:
+				l.event(s.c, int(s.side), ev.Events)
 			}
 		}
 	}
-	var n int
-	var werr error
-	err := l.rc.Read(func(fd uintptr) bool {
-		for {
-			n, werr = rawEpollPoll(int(fd), l.events[:])
-			if werr != unix.EINTR {
-				return n > 0 || werr != nil
-			}
+	for _, ln := range accept {
+		if s := l.slot(ln.fd); s.ln == ln && !ln.paused {
+			l.accept(ln)
 		}
-	})
-	if err == nil {
-		err = werr
 	}
-	return n, err
+	l.pumpAgain()
+	return accept
 }
 
 // teardown is the loop's end: no more posts; connections are reset, listeners let go. The
