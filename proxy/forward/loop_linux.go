@@ -319,8 +319,8 @@ func (l *loop) withTurn(fn func()) {
 //
 // The whole life of the loop is one RawConn.Read of its epoll descriptor: the function polls
 // the epoll set (a zero timeout) and takes turns while events come, and returns false, to wait in
-// the runtime's poller, once a poll has emptied the set (fewer events than the batch holds) and
-// no connection has work left. RawConn.Read clears the descriptor's readiness once, before its
+// the runtime's poller, once a poll has emptied the set (fewer events than the batch holds), no
+// connection has work left and no listener took a connection (see below). RawConn.Read clears the descriptor's readiness once, before its
 // first call; after that, readiness signalled while a turn ran (an event that came after the
 // poll) is kept, and the wait ends at once. So a wake-up costs one poll, the one that finds the
 // events — not, as when each turn was a RawConn.Read of its own, one more after the turn to catch
@@ -345,9 +345,12 @@ func (l *loop) run() {
 			switch {
 			case l.stopping:
 				return true
-			case n < len(l.events) && len(l.again) == 0:
+			case n < len(l.events) && len(l.again) == 0 && len(accept) == 0:
 				// The poll emptied the set; what came since has marked the descriptor
-				// ready again, so the wait ends at once if anything did.
+				// ready again, so the wait ends at once if anything did. Not after an
+				// accept: a listener is level-triggered and takes one connection per
+				// turn, and the kernel puts it back in the set for the next one without
+				// marking the descriptor ready again (TestLoopDrainsABurstOfRefusals).
 				return false
 			}
 		}

@@ -266,3 +266,47 @@ func TestTCPTransparentDial(t *testing.T) {
 		t.Errorf("the endpoint saw the connection from %s, want the client's %s", got, client)
 	}
 }
+
+// TestLoopDrainsABurstOfRefusals: connections queued at once on a listener at its limit are all
+// accepted and refused promptly, though a refused connection gives the loop no event of its own:
+// the loop takes one connection per turn, and the listener, level-triggered, must bring it back
+// for the next one without a new connection arriving.
+func TestLoopDrainsABurstOfRefusals(t *testing.T) {
+	echo := startTCPEcho(t, loopback("4"))
+	metrics := &fakeMetrics{}
+	r := startTCPProxy(t, "4", &fakeChooser{endpoints: []netip.AddrPort{echo}}, func(p *TCPProxy) {
+		p.Loops, p.MaxConns, p.Metrics = newTestLoops(t, 1), 1, metrics
+	})
+	held := dialTCPTest(t, r.addr)
+	if got, err := roundTrip(held, []byte("ping")); err != nil || string(got) != "ping" {
+		t.Fatalf("the connection within the limit: %q, %v", got, err)
+	}
+	const n = 30
+	var wg sync.WaitGroup
+	results := make(chan error, n)
+	for range n {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			c, err := net.DialTCP("tcp", nil, net.TCPAddrFromAddrPort(r.addr))
+			if err != nil {
+				results <- err
+				return
+			}
+			defer c.Close()
+			c.SetReadDeadline(time.Now().Add(5 * time.Second))
+			_, err = c.Read(make([]byte, 1))
+			results <- err
+		}()
+	}
+	wg.Wait()
+	close(results)
+	for err := range results {
+		if !errors.Is(err, syscall.ECONNRESET) && !errors.Is(err, io.EOF) {
+			t.Errorf("a connection beyond the limit: %v, want a reset at once", err)
+		}
+	}
+	if m := metrics.snapshot(); m.refused != n {
+		t.Errorf("metrics %+v, want %d refused", m, n)
+	}
+}
