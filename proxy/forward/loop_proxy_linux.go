@@ -94,9 +94,15 @@ func (p *TCPProxy) startOnLoop() (started bool, err error) {
 	if !ok {
 		return false, err
 	}
+	if h := p.testHookLoopStarting; h != nil {
+		h()
+	}
 	fd, err := socketFD(p.Listener)
 	if err != nil {
 		p.run.ended()
+		if closed, _ := p.run.state(); closed {
+			return false, nil // Close came between start and here (and closed the listener): as Serve after Close
+		}
 		return false, fmt.Errorf("start TCP proxy on %s: %w", p.Listener.Addr(), err)
 	}
 	lp := p.loopState()

@@ -86,6 +86,9 @@ type TCPProxy struct {
 	testHookAcceptPause func(attempt int, delay time.Duration)
 	// testHookDialed, if set, is called with each socket dialled to an endpoint.
 	testHookDialed func(*net.TCPConn)
+	// testHookLoopStarting, if set, is called by a Serve on Loops once it has started, before it
+	// takes the listener's descriptor.
+	testHookLoopStarting func()
 
 	connWG sync.WaitGroup // one count per connection goroutine
 
