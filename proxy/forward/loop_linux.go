@@ -673,11 +673,6 @@ func (l *loop) acceptFailed(ln *loopListener, errno syscall.Errno) {
 	}
 }
 
-// resetFD closes a socket with an RST.
-func resetFD(fd int) {
-	rawResetClose(fd)
-}
-
 // rawAddrPort decodes accept4's address (unmapped); the zero AddrPort for another family.
 func rawAddrPort(sa *unix.RawSockaddrAny) netip.AddrPort {
 	switch sa.Addr.Family {

@@ -30,25 +30,18 @@ func errnoErr(e syscall.Errno) error {
 }
 
 // rawRead is read(2).
-func rawRead(fd int, p []byte) (int, error) {
-	var ptr unsafe.Pointer
-	if len(p) > 0 {
-		ptr = unsafe.Pointer(&p[0])
-	}
-	n, _, e := unix.RawSyscall(unix.SYS_READ, uintptr(fd), uintptr(ptr), uintptr(len(p)))
-	if e != 0 {
-		return 0, e
-	}
-	return int(n), nil
-}
+func rawRead(fd int, p []byte) (int, error) { return rawIO(unix.SYS_READ, fd, p) }
 
 // rawWrite is write(2).
-func rawWrite(fd int, p []byte) (int, error) {
+func rawWrite(fd int, p []byte) (int, error) { return rawIO(unix.SYS_WRITE, fd, p) }
+
+// rawIO is read(2) or write(2) (trap) of p.
+func rawIO(trap uintptr, fd int, p []byte) (int, error) {
 	var ptr unsafe.Pointer
 	if len(p) > 0 {
 		ptr = unsafe.Pointer(&p[0])
 	}
-	n, _, e := unix.RawSyscall(unix.SYS_WRITE, uintptr(fd), uintptr(ptr), uintptr(len(p)))
+	n, _, e := unix.RawSyscall(trap, uintptr(fd), uintptr(ptr), uintptr(len(p)))
 	if e != 0 {
 		return 0, e
 	}
@@ -100,8 +93,8 @@ func rawGetsockoptInt(fd, level, opt int) (int, error) {
 	return int(v), errnoErr(e)
 }
 
-// rawResetClose closes a socket with an RST (SO_LINGER 0: close does not wait).
-func rawResetClose(fd int) {
+// resetFD closes a socket with an RST (SO_LINGER 0: close does not wait).
+func resetFD(fd int) {
 	l := unix.Linger{Onoff: 1, Linger: 0}
 	_, _, _ = unix.RawSyscall6(unix.SYS_SETSOCKOPT, uintptr(fd), unix.SOL_SOCKET, unix.SO_LINGER,
 		uintptr(unsafe.Pointer(&l)), unsafe.Sizeof(l), 0)
