@@ -15,8 +15,9 @@
 // it on a new goroutine (park.go): an idle connection thus costs its two sockets and a few
 // hundred bytes of heap per direction, and no goroutine stack; after a burst of parkings the
 // Poller has the freed stacks returned to the system (memreturn.go). The client side's TCP
-// keepalive is inherited from the listening socket (ListenTCP), so accepting sets no options. Running out of file descriptors on accept pauses accepting with a
-// growing sleep instead of failing.
+// keepalive and TCP_NODELAY are inherited from the listening socket (ListenTCP), so accepting
+// on an event loop sets no options. Running out of file descriptors on accept pauses accepting
+// with a growing sleep instead of failing.
 //
 // TCP on event loops (TCPProxy.Loops, --tcp-data-path=loop; loop_linux.go): the same
 // semantics without a goroutine per connection. A proxy's listener and connections live on one

@@ -156,12 +156,15 @@ type fdSlot struct {
 
 // loopListener is a proxy's listening socket on its loop.
 type loopListener struct {
-	p        *TCPProxy
-	fd       int
-	gen      uint32
-	paused   bool
-	pause    resourcePause
-	resumeAt time.Duration
+	p   *TCPProxy
+	fd  int
+	gen uint32
+	// setNoDelay is how many more accepted sockets need TCP_NODELAY set on them: those already
+	// queued when the listener was attached (see noDelayToSet); -1 for every one.
+	setNoDelay int
+	paused     bool
+	pause      resourcePause
+	resumeAt   time.Duration
 }
 
 // lconn is one connection on a loop: sockets 0 (client) and 1 (endpoint), and the directions
@@ -564,6 +567,7 @@ func (l *loop) uncountTimed(c *lconn) {
 
 // attach adds a proxy's listening socket to the loop, level-triggered.
 func (l *loop) attach(ln *loopListener) error {
+	ln.setNoDelay = noDelayToSet(ln.fd)
 	ln.gen = l.track(ln.fd, fdSlot{ln: ln})
 	ev := unix.EpollEvent{Events: unix.EPOLLIN, Fd: int32(ln.fd), Pad: int32(ln.gen)}
 	if err := unix.EpollCtl(l.epfd, unix.EPOLL_CTL_ADD, ln.fd, &ev); err != nil {
@@ -628,10 +632,12 @@ func (l *loop) accept(ln *loopListener) {
 		return
 	}
 	cfd := int(r)
-	// Go's default for every socket. Sockets accepted later inherit it from a listener that has
-	// it, but not those already in the backlog when it was set (nor a listener handed over from
-	// the goroutine path): one system call per connection, as today's path.
-	_ = rawSetsockoptInt(cfd, unix.IPPROTO_TCP, unix.TCP_NODELAY, 1)
+	if ln.setNoDelay != 0 { // Go's default for every socket; otherwise inherited (noDelayToSet)
+		_ = rawSetsockoptInt(cfd, unix.IPPROTO_TCP, unix.TCP_NODELAY, 1)
+		if ln.setNoDelay > 0 {
+			ln.setNoDelay--
+		}
+	}
 	if ln.pause.attempts > 0 {
 		p.logInfo().Int("retries", ln.pause.attempts).Dur("paused", time.Since(ln.pause.start)).
 			Msg("accepting connections again")
@@ -652,6 +658,22 @@ func (l *loop) accept(ln *loopListener) {
 	}
 	l.countTimed(c)
 	l.dial(c)
+}
+
+// noDelayToSet returns how many of a listener's accepted sockets need TCP_NODELAY set on them
+// (loopListener.setNoDelay). A socket accept(2) returns inherits TCP_NODELAY from its listener
+// if the listener had it when the connection was set up (ListenTCP sets it before listening;
+// TCPListenerFromFile on a socket handed over, which may hold connections set up before): so
+// those queued now, and -1 (all) for a listener without it or when it cannot be asked.
+func noDelayToSet(fd int) int {
+	if v, err := rawGetsockoptInt(fd, unix.IPPROTO_TCP, unix.TCP_NODELAY); err != nil || v == 0 {
+		return -1
+	}
+	info, err := unix.GetsockoptTCPInfo(fd, unix.IPPROTO_TCP, unix.TCP_INFO)
+	if err != nil {
+		return -1
+	}
+	return int(info.Unacked) // a listening socket's: its accept queue's length
 }
 
 // acceptFailed handles an accept4 error as acceptLoop does.
@@ -807,16 +829,19 @@ func bindTransparent(fd int, client netip.Addr) error {
 	return nil
 }
 
-// connectDone finishes the connect of c's endpoint socket: relays on success, else tries the
-// next endpoint.
-func (l *loop) connectDone(c *lconn) {
-	serr, err := rawGetsockoptInt(int(c.fd[1]), unix.SOL_SOCKET, unix.SO_ERROR)
-	if err == nil && serr != 0 {
-		err = syscall.Errno(serr)
-	}
-	if err != nil {
-		l.dialFailed(c, err)
-		return
+// connectDone finishes the connect of c's endpoint socket on its first events: relays on
+// success, else tries the next endpoint. A connecting socket reports EPOLLOUT alone only once
+// connected; the connect's error is asked for only with EPOLLERR or EPOLLHUP.
+func (l *loop) connectDone(c *lconn, events uint32) {
+	if events&(unix.EPOLLERR|unix.EPOLLHUP) != 0 {
+		serr, err := rawGetsockoptInt(int(c.fd[1]), unix.SOL_SOCKET, unix.SO_ERROR)
+		if err == nil && serr != 0 {
+			err = syscall.Errno(serr)
+		}
+		if err != nil {
+			l.dialFailed(c, err)
+			return
+		}
 	}
 	c.connecting, c.connected, c.last = false, true, l.now
 	l.dialing--
@@ -901,7 +926,7 @@ func (l *loop) event(c *lconn, side int, events uint32) {
 	}
 	if c.connecting {
 		if side == 1 && events&(unix.EPOLLOUT|unix.EPOLLHUP|unix.EPOLLERR) != 0 {
-			l.connectDone(c)
+			l.connectDone(c, events)
 		}
 		return // the client's data waits for the endpoint
 	}

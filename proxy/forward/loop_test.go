@@ -333,3 +333,60 @@ func TestLoopServeClosedWhileStarting(t *testing.T) {
 		t.Errorf("Close: %v", err)
 	}
 }
+
+// TestLoopAcceptedSocketsHaveNoDelay: the loop sets TCP_NODELAY only on the sockets that cannot
+// inherit it from their listener — those queued before the listener had it (a socket handed
+// over from an older process; checkListening sets it) — and every accepted socket has it.
+func TestLoopAcceptedSocketsHaveNoDelay(t *testing.T) {
+	echo := startTCPEcho(t, loopback("4"))
+	const queued, later = 3, 3
+	var early []*net.TCPConn
+	r := startTCPProxy(t, "4", &fakeChooser{endpoints: []netip.AddrPort{echo}}, func(p *TCPProxy) {
+		p.Loops = newTestLoops(t, 1)
+		p.Listener.Close()
+		p.Listener = listenTCP(t, loopback("4")) // without TCP_NODELAY, as an older process's
+		for range queued {
+			early = append(early, dialTCPTest(t, listenerAddr(p.Listener)))
+		}
+		if err := checkListening(p.Listener); err != nil {
+			t.Fatalf("checkListening: %v", err)
+		}
+	})
+	conns := early
+	for range later {
+		conns = append(conns, dialTCPTest(t, r.addr))
+	}
+	for i, c := range conns {
+		if got, err := roundTrip(c, []byte("ping")); err != nil || string(got) != "ping" {
+			t.Fatalf("connection %d: %q, %v", i, got, err)
+		}
+	}
+	lp := r.loopState()
+	var noDelay []int
+	left := -2
+	lp.l.call(func() {
+		for _, c := range lp.l.connsOf(r.TCPProxy) {
+			v, err := syscall.GetsockoptInt(int(c.fd[0]), syscall.IPPROTO_TCP, syscall.TCP_NODELAY)
+			if err != nil {
+				t.Errorf("getsockopt TCP_NODELAY: %v", err)
+			}
+			noDelay = append(noDelay, v)
+		}
+		for _, s := range lp.l.fds {
+			if s.ln != nil && s.ln.p == r.TCPProxy {
+				left = s.ln.setNoDelay
+			}
+		}
+	})
+	if len(noDelay) != queued+later {
+		t.Fatalf("%d connections on the loop, want %d", len(noDelay), queued+later)
+	}
+	for i, v := range noDelay {
+		if v == 0 {
+			t.Errorf("accepted socket %d of %d has no TCP_NODELAY", i+1, len(noDelay))
+		}
+	}
+	if left != 0 {
+		t.Errorf("the listener's setNoDelay = %d after the queued connections, want 0 (inherited from then on)", left)
+	}
+}
