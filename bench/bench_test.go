@@ -232,7 +232,7 @@ func TestBench(t *testing.T) {
 	srv.NS.Start(t, "iperf3", "-s", "-p", strconv.Itoa(iperfPort))
 	nodes := map[string]*netns.Node{}
 	pods := map[string]*netns.Pod{}
-	nodeNames := map[string]string{PathDirect: "direct", PathIPTables: "ipt", PathKUP: "kup", PathKUPGoroutine: "kupg", PathHAProxy: "hap"}
+	nodeNames := map[string]string{PathDirect: "direct", PathIPTables: "ipt", PathKUP: "kup", PathKUPGoroutine: "kupg", PathHAProxy: "hap", PathHAProxyRedirect: "hapr"}
 	for _, p := range Paths {
 		nodes[p] = n.AddNode(t, nodeNames[p])
 		pods[p] = n.AddPod(t, nodes[p], "client")
@@ -280,6 +280,8 @@ func TestBench(t *testing.T) {
 	}
 	kupGo := harness.StartProxy(t, nodes[PathKUPGoroutine].NS, goCfg)
 	hap := startHAProxy(t, nodes[PathHAProxy], srv.IP.String())
+	hapr := startHAProxy(t, nodes[PathHAProxyRedirect], srv.IP.String())
+	copyPortalRules(ctx, t, nodes[PathKUP], nodes[PathHAProxyRedirect])
 	harness.WaitFor(t, 30*time.Second, func() error {
 		_, err := harness.Ask(ctx, nodes[PathIPTables].NS, "tcp", harness.Addr(svc, 0))
 		return err
@@ -292,8 +294,10 @@ func TestBench(t *testing.T) {
 		PathKUP:          {echo: harness.Addr(svc, 0), iperf: harness.Addr(svc, 2), udp: true},
 		PathKUPGoroutine: {echo: harness.Addr(svc, 0), iperf: harness.Addr(svc, 2), udp: true},
 		PathHAProxy:      {echo: fmt.Sprintf("%s:%d", hapIP, hapEchoPort), iperf: fmt.Sprintf("%s:%d", hapIP, hapIperfPort)},
+		// The ClusterIP, redirected to HAProxy by the copy of kube-userspace-proxy's rules.
+		PathHAProxyRedirect: {echo: harness.Addr(svc, 0), iperf: harness.Addr(svc, 2)},
 	}
-	pids := map[string]int{PathKUP: kup.Pid(), PathKUPGoroutine: kupGo.Pid(), PathHAProxy: hap.Pid()}
+	pids := map[string]int{PathKUP: kup.Pid(), PathKUPGoroutine: kupGo.Pid(), PathHAProxy: hap.Pid(), PathHAProxyRedirect: hapr.Pid()}
 	for p, tg := range targets {
 		tg.path, tg.node, tg.pod, tg.pid = p, nodes[p], pods[p], pids[p]
 		targets[p] = tg
@@ -348,7 +352,8 @@ func TestBench(t *testing.T) {
 			"server pod (kup-echo on 8080 TCP+UDP, iperf3 -s on 5201) on its own node; each path has its own node namespace with a client pod. "+
 			"`from pod` = client in that node's pod; `from node` = client in the node namespace itself.",
 		"Paths: direct = the server pod's IP; iptables = upstream kube-proxy v1.36.3 --proxy-mode=iptables on a ClusterIP; "+
-			"kube-userspace-proxy on the same ClusterIP (its own node; the default event-loop TCP data path); userspace goroutine = the same with --tcp-data-path=goroutine (its own node; UDP as the default path); haproxy = Debian HAProxy, mode tcp, option splice-auto, on its node's IP, pointing at the pod.",
+			"kube-userspace-proxy on the same ClusterIP (its own node; the default event-loop TCP data path); userspace goroutine = the same with --tcp-data-path=goroutine (its own node; UDP as the default path); haproxy = Debian HAProxy, mode tcp, option splice-auto, on its node's IP, pointing at the pod; its node namespace has no netfilter rules, so no conntrack. "+
+			"haproxy redirect = the same HAProxy on a node of its own that holds a copy of kube-userspace-proxy's node rules (iptables-save from its node once it has synced, restored there) with the bench service's TCP portal rules pointed at HAProxy's ports, reached through the ClusterIP as kube-userspace-proxy is: a proxy in userspace mode's place, paying its netfilter work (REDIRECT and conntrack, the filter rules on new flows, the mangle rule of transparent sockets); not in the idle-connection rows.",
 		"Client pods run with net.ipv4.tcp_tw_reuse=1, so that the load generator's connects do not search past its own TIME_WAIT sockets (with the default, iptables mode and direct reached about half the short-connection rate); node namespaces, where the proxies connect to the endpoint and the `from node` client runs, keep the default (2).",
 		"HAProxy has no UDP proxying: its UDP cells are n/a. HAProxy runs with maxconn 9900 and maxpipes 40 so that its descriptors fit the 20000 limit.",
 		"The machine is shared (2 cores, other test suites running: see the load averages), so tail latencies (p99, p99.9) are dominated by scheduling delays and vary widely between repetitions; the medians of throughput figures are steadier. Compare paths within a row, not against other machines.",
@@ -588,6 +593,47 @@ func load(ns *netns.NS, bin, mode, addr string, args ...string) (loadResult, err
 		return res, fmt.Errorf("kup-load %s %s: %d errors (first: %s)", mode, addr, raw.Errors, raw.FirstErr)
 	}
 	return res, nil
+}
+
+// copyPortalRules gives node to the netfilter rules kube-userspace-proxy keeps on node from
+// (iptables-save there, iptables-restore here), with the TCP portal rules of the bench service's
+// echo and iperf ports pointed at HAProxy's frontends on to: REDIRECT --to-ports P becomes
+// HAProxy's port, DNAT --to-destination fromIP:P becomes to's IP and HAProxy's port.
+func copyPortalRules(ctx context.Context, t *testing.T, from, to *netns.Node) {
+	t.Helper()
+	saved, err := from.NS.Exec(ctx, "iptables-save")
+	if err != nil {
+		t.Fatalf("haproxy redirect: %v", err)
+	}
+	ports := map[string]int{`"default/bench:echo"`: hapEchoPort, `"default/bench:iperf"`: hapIperfPort}
+	var b strings.Builder
+	rewritten := 0
+	for line := range strings.Lines(saved) {
+		line = strings.TrimSuffix(line, "\n")
+		for comment, port := range ports {
+			if !strings.HasPrefix(line, "-A ") || !strings.Contains(line, " -p tcp ") || !strings.Contains(line, "--comment "+comment+" ") {
+				continue
+			}
+			if i := strings.Index(line, "-j REDIRECT --to-ports "); i >= 0 {
+				line = fmt.Sprintf("%s-j REDIRECT --to-ports %d", line[:i], port)
+				rewritten++
+			} else if i := strings.Index(line, "-j DNAT --to-destination "); i >= 0 {
+				line = fmt.Sprintf("%s-j DNAT --to-destination %s:%d", line[:i], to.IP, port)
+				rewritten++
+			}
+		}
+		b.WriteString(line + "\n")
+	}
+	if rewritten != 4 { // echo and iperf, each in KUBE-PORTALS-CONTAINER and -HOST
+		t.Fatalf("haproxy redirect: %d portal rules pointed at HAProxy, want 4; kube-userspace-proxy's rules:\n%s", rewritten, saved)
+	}
+	path := filepath.Join(t.TempDir(), "rules")
+	if err := os.WriteFile(path, []byte(b.String()), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := to.NS.Exec(ctx, "iptables-restore", path); err != nil {
+		t.Fatalf("haproxy redirect: %v", err)
+	}
 }
 
 // startHAProxy runs HAProxy in node (tcp mode, splice) in front of the server pod.

@@ -23,14 +23,17 @@ const (
 	PathKUP          = "kube-userspace-proxy"
 	PathKUPGoroutine = "userspace goroutine"
 	PathHAProxy      = "haproxy"
-	Baseline         = PathIPTables
+	// PathHAProxyRedirect is the same HAProxy reached through the ClusterIP, behind a copy of
+	// kube-userspace-proxy's node rules: what userspace mode's netfilter work costs any proxy.
+	PathHAProxyRedirect = "haproxy redirect"
+	Baseline            = PathIPTables
 )
 
 // Paths are the measured paths in table order. PathKUP is kube-userspace-proxy as it starts by
 // default (the event-loop TCP data path since session 27); PathKUPGoroutine is the same with
 // --tcp-data-path=goroutine (UDP is the same as PathKUP's), measured in the data-path and idle
 // workloads only; the targets are checked against PathKUP.
-var Paths = []string{PathDirect, PathIPTables, PathKUP, PathKUPGoroutine, PathHAProxy}
+var Paths = []string{PathDirect, PathIPTables, PathKUP, PathKUPGoroutine, PathHAProxy, PathHAProxyRedirect}
 
 // Paths of the outside-client table (issue 6): an outside client to the NodePort of an
 // externalTrafficPolicy: Local service whose endpoint is on the receiving node, through
@@ -327,7 +330,7 @@ func num(v float64) string {
 }
 
 // pathColors are the bar colours of the plot, per path.
-var pathColors = map[string]string{PathDirect: "#7f7f7f", PathIPTables: "#1f77b4", PathKUP: "#2ca02c", PathKUPGoroutine: "#98df8a", PathHAProxy: "#d62728"}
+var pathColors = map[string]string{PathDirect: "#7f7f7f", PathIPTables: "#1f77b4", PathKUP: "#2ca02c", PathKUPGoroutine: "#98df8a", PathHAProxy: "#d62728", PathHAProxyRedirect: "#ff9896"}
 
 // WriteSVG writes a plot of every metric as ratios to iptables mode: one group of horizontal
 // bars per metric (one bar per path, the median; a whisker from min to max), with a line at 1.
@@ -348,7 +351,7 @@ func (r *Report) WriteSVG(w io.Writer) error {
 	fmt.Fprintf(&b, `<rect width="100%%" height="100%%" fill="white"/>`+"\n")
 	fmt.Fprintf(&b, `<text x="10" y="18" font-size="13">Ratio to iptables mode (median, whisker min–max; ↑/↓ = higher/lower is better)</text>`+"\n")
 	for i, p := range Paths {
-		fmt.Fprintf(&b, `<rect x="%.0f" y="28" width="10" height="10" fill="%s"/><text x="%.0f" y="37">%s</text>`+"\n", 10+float64(i)*170, pathColors[p], 24+float64(i)*170, html.EscapeString(p))
+		fmt.Fprintf(&b, `<rect x="%.0f" y="28" width="10" height="10" fill="%s"/><text x="%.0f" y="37">%s</text>`+"\n", 10+float64(i)*160, pathColors[p], 24+float64(i)*160, html.EscapeString(p))
 	}
 	for q := 0.0; q <= maxRatio; q += 0.5 {
 		fmt.Fprintf(&b, `<line x1="%.1f" x2="%.1f" y1="%.0f" y2="%.0f" stroke="%s"/>`+"\n", x(q), x(q), top, height-30, map[bool]string{true: "black", false: "#ddd"}[q == 1])
