@@ -330,7 +330,7 @@ func loopForTest(t testing.TB, p *TCPProxy) {
 	if os.Getenv("FORWARD_TEST_DATA_PATH") != "loop" || p.Loops != nil {
 		return
 	}
-	p.Loops = newTestLoops(t, 1)
+	p.Loops = newTestLoops(t, 2) // two: a listener is on every loop, each accepting for itself
 }
 
 // newTestLoops starts n event loops, closed when the test ends (after the cleanups registered

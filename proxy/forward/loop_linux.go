@@ -109,9 +109,22 @@ func (ls *Loops) Served() uint64 {
 	return n
 }
 
-// pick returns the loop of a proxy placed now.
-func (ls *Loops) pick() *loop {
-	return ls.loops[int(ls.next.Add(1)-1)%len(ls.loops)]
+// loopsPerPort is how many loops a proxy's listener is on (fewer when there are fewer loops).
+// Every one of them wakes for each new connection and all but one find nothing to accept: the
+// loops wait in Go's poller, not in epoll_wait on their own descriptors, so EPOLLEXCLUSIVE
+// cannot pick one. Two spread a busy port over two processors at one wasted wake-up per
+// connection.
+const loopsPerPort = 2
+
+// pick returns the loops of a proxy placed now, its home loop first: the next loopsPerPort in
+// round robin.
+func (ls *Loops) pick() []*loop {
+	first := int(ls.next.Add(1) - 1)
+	set := make([]*loop, min(loopsPerPort, len(ls.loops)))
+	for i := range set {
+		set[i] = ls.loops[(first+i)%len(ls.loops)]
+	}
+	return set
 }
 
 // loop is one event loop: its goroutine owns every field below the lock.
@@ -569,15 +582,30 @@ func (l *loop) uncountTimed(c *lconn) {
 func (l *loop) attach(ln *loopListener) error {
 	ln.setNoDelay = noDelayToSet(ln.fd)
 	ln.gen = l.track(ln.fd, fdSlot{ln: ln})
-	ev := unix.EpollEvent{Events: unix.EPOLLIN, Fd: int32(ln.fd), Pad: int32(ln.gen)}
-	if err := unix.EpollCtl(l.epfd, unix.EPOLL_CTL_ADD, ln.fd, &ev); err != nil {
+	if err := l.watchListener(ln); err != nil {
 		l.forget(ln.fd)
 		return fmt.Errorf("epoll_ctl add listening socket: %w", err)
 	}
 	return nil
 }
 
-// detach takes a listener off the loop (it stays open) and ends its proxy's serving.
+// watchListener adds ln to the epoll set, level-triggered and exclusive (the listener is in
+// several loops' sets, see loopProxy). EPOLLEXCLUSIVE would have a connection wake one of them
+// if the loops waited in epoll_wait on their own descriptors; they wait in Go's poller, so each
+// wakes (see loopsPerPort). Kept for when that changes; a kernel before 4.5 refuses the flag and
+// gets the listener without it.
+func (l *loop) watchListener(ln *loopListener) error {
+	ev := unix.EpollEvent{Events: unix.EPOLLIN | unix.EPOLLEXCLUSIVE, Fd: int32(ln.fd), Pad: int32(ln.gen)}
+	err := unix.EpollCtl(l.epfd, unix.EPOLL_CTL_ADD, ln.fd, &ev)
+	if err == unix.EINVAL {
+		ev.Events = unix.EPOLLIN
+		err = unix.EpollCtl(l.epfd, unix.EPOLL_CTL_ADD, ln.fd, &ev)
+	}
+	return err
+}
+
+// detach takes a listener off the loop (it stays open); the last of its proxy's listeners to go
+// ends its serving.
 func (l *loop) detach(ln *loopListener) {
 	if s := l.slot(ln.fd); s.ln != ln {
 		return
@@ -587,7 +615,7 @@ func (l *loop) detach(ln *loopListener) {
 	}
 	ln.paused = false
 	l.forget(ln.fd)
-	ln.p.run.ended()
+	ln.p.listenerOff()
 }
 
 // pauseListener takes ln out of the epoll set for the next resourcePause delay: a
@@ -611,11 +639,10 @@ func (l *loop) pauseListener(ln *loopListener, err error) {
 // resumeListener puts a paused listener back into the epoll set.
 func (l *loop) resumeListener(ln *loopListener) {
 	ln.paused = false
-	ev := unix.EpollEvent{Events: unix.EPOLLIN, Fd: int32(ln.fd), Pad: int32(ln.gen)}
-	if err := unix.EpollCtl(l.epfd, unix.EPOLL_CTL_ADD, ln.fd, &ev); err != nil {
-		ln.p.logError().Err(err).Msg("event loop: cannot watch the listening socket again; the port accepts no more connections")
+	if err := l.watchListener(ln); err != nil {
+		ln.p.logError().Err(err).Msg("event loop: cannot watch the listening socket again; this loop accepts no more connections for the port")
 		l.forget(ln.fd)
-		ln.p.run.ended()
+		ln.p.listenerOff()
 	}
 }
 
@@ -686,11 +713,17 @@ func (l *loop) acceptFailed(ln *loopListener, errno syscall.Errno) {
 	case isPendingConnError(errno):
 		p.logDebug().Err(errno).Msg("accept: connection failed before it was accepted")
 	default:
+		// Every loop's listener meets the error: the first reports it, for Serve too.
 		err := fmt.Errorf("accept on %s: %w", p.Listener.Addr(), errno)
-		p.logError().Err(err).Msg("TCP proxy stopped")
 		p.mu.Lock()
-		p.onLoop.err = err // for Serve
+		first := p.onLoop.err == nil
+		if first {
+			p.onLoop.err = err
+		}
 		p.mu.Unlock()
+		if first {
+			p.logError().Err(err).Msg("TCP proxy stopped")
+		}
 		l.detach(ln)
 	}
 }

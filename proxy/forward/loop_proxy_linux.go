@@ -13,14 +13,21 @@ import (
 // The TCPProxy side of the event-loop data path (see loop_linux.go): placing a proxy on a
 // loop, admission, Close and Shutdown, and the hand-over of loop connections.
 
-// loopProxy is a TCPProxy's state on its loop; p.mu guards it.
+// loopProxy is a TCPProxy's state on the loops; p.mu guards it.
+//
+// The listener is attached to each of the proxy's loops (loopsPerPort of them), and each
+// accepts for itself: a busy port's connections spread over them (and over processors) with no
+// hand-off between loops. A connection stays on the loop that accepted it; adopted and thawed
+// ones go on the proxy's home loop, l.
 type loopProxy struct {
 	l      *loop
-	ln     *loopListener // the listener, while attached (set on the loop's goroutine)
-	live   int           // connections admitted on the loop, not yet ended or released
-	frozen []*lconn      // connections stopped by Freeze, until Release or Thaw
-	err    error         // the accept error that stopped the listener, for Serve
-	dials  *freezeWait   // the dials a Freeze waits for (the loop's goroutine's, not p.mu's)
+	set    []*loop         // the proxy's loops, l first
+	lns    []*loopListener // by loop of set: the listener, while attached there
+	holds  int             // attached listeners, and startOnLoop while it attaches: the last to go ends Serve
+	live   int             // connections admitted on the loops, not yet ended or released
+	frozen []*lconn        // connections stopped by Freeze, until Release or Thaw
+	err    error           // the accept error that stopped the listener, for Serve
+	dials  *freezeWait     // the dials a Freeze waits for
 }
 
 // errCut is the reason of connections cut by Shutdown.
@@ -31,7 +38,8 @@ func (p *TCPProxy) loopState() *loopProxy {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if p.onLoop == nil {
-		p.onLoop = &loopProxy{l: p.Loops.pick()}
+		set := p.Loops.pick()
+		p.onLoop = &loopProxy{l: set[0], set: set, lns: make([]*loopListener, len(set))}
 	}
 	return p.onLoop
 }
@@ -106,40 +114,64 @@ func (p *TCPProxy) startOnLoop() (started bool, err error) {
 		return false, fmt.Errorf("start TCP proxy on %s: %w", p.Listener.Addr(), err)
 	}
 	lp := p.loopState()
-	ln := &loopListener{p: p, fd: fd}
-	var attached bool
+	p.mu.Lock()
+	lp.holds = 1 // this start's: released below, after every attach
+	p.mu.Unlock()
+	attached := false
 	var aerr error
-	lp.l.withTurn(func() { attached, aerr = p.attachInTurn(lp, ln) })
-	if !attached {
-		p.run.ended()
+	for i, l := range lp.set {
+		ln := &loopListener{p: p, fd: fd}
+		ok := false
+		l.withTurn(func() { ok, aerr = p.attachInTurn(lp, i, l, ln) })
+		attached = attached || ok
+		if !ok {
+			break // closed, frozen or failed: the loops attached so far were or will be let go
+		}
 	}
+	if aerr != nil {
+		p.detachFromLoop()
+	}
+	p.listenerOff()
 	if aerr != nil {
 		return false, fmt.Errorf("start TCP proxy on %s: %w", p.Listener.Addr(), aerr)
 	}
 	return attached, nil
 }
 
-// attachInTurn attaches ln during a turn of the loop's, unless Close or Freeze came since
-// start (their detach, in a turn too, found nothing: the proxy then ends at once, as Serve
-// after Close does).
-func (p *TCPProxy) attachInTurn(lp *loopProxy, ln *loopListener) (attached bool, err error) {
-	if lp.l.isStopped() {
+// attachInTurn attaches ln to loop l (the i-th) during a turn of l's, unless Close or Freeze
+// came since start (their detach, in a turn too, found nothing there: the proxy then ends
+// once what was attached is let go, as Serve after Close does).
+func (p *TCPProxy) attachInTurn(lp *loopProxy, i int, l *loop, ln *loopListener) (attached bool, err error) {
+	if l.isStopped() {
 		return false, errors.New("the event loops are closed")
 	}
 	if closed, frozen := p.run.state(); closed || frozen {
 		return false, nil
 	}
-	if err := lp.l.attach(ln); err != nil {
+	if err := l.attach(ln); err != nil {
 		return false, err
 	}
 	p.mu.Lock()
-	lp.ln, lp.err = ln, nil
+	lp.lns[i], lp.err = ln, nil
+	lp.holds++
 	p.mu.Unlock()
 	return true, nil
 }
 
-// detachFromLoop takes the listener off its loop, leaving it open (Close closes it after,
-// Freeze exports it). It does not wake the loop (see withTurn).
+// listenerOff lets go of one hold on the proxy's Serve (an attached listener detached, or
+// startOnLoop done attaching); the last ends it.
+func (p *TCPProxy) listenerOff() {
+	p.mu.Lock()
+	p.onLoop.holds--
+	last := p.onLoop.holds == 0
+	p.mu.Unlock()
+	if last {
+		p.run.ended()
+	}
+}
+
+// detachFromLoop takes the listener off every loop, leaving it open (Close closes it after,
+// Freeze exports it). It does not wake the loops (see withTurn).
 func (p *TCPProxy) detachFromLoop() {
 	p.mu.Lock()
 	lp := p.onLoop
@@ -147,15 +179,17 @@ func (p *TCPProxy) detachFromLoop() {
 	if lp == nil {
 		return
 	}
-	lp.l.withTurn(func() {
-		p.mu.Lock()
-		ln := lp.ln
-		lp.ln = nil
-		p.mu.Unlock()
-		if ln != nil {
-			lp.l.detach(ln)
-		}
-	})
+	for i, l := range lp.set {
+		l.withTurn(func() {
+			p.mu.Lock()
+			ln := lp.lns[i]
+			lp.lns[i] = nil
+			p.mu.Unlock()
+			if ln != nil {
+				l.detach(ln)
+			}
+		})
+	}
 }
 
 // loopListenerCloser closes a loop proxy's listener: off the loop first, as its descriptor's
@@ -178,19 +212,20 @@ func (l *loop) connsOf(p *TCPProxy) []*lconn {
 	return out
 }
 
-// cutLoopConns resets every connection of the proxy on its loop and returns how many.
+// cutLoopConns resets every connection of the proxy on the loops and returns how many.
 func (p *TCPProxy) cutLoopConns() int {
 	if p.loopIdle() {
 		return 0
 	}
-	lp := p.onLoop
 	n := 0
-	lp.l.withTurn(func() {
-		for _, c := range lp.l.connsOf(p) {
-			lp.l.finish(c, true, errCut)
-			n++
-		}
-	})
+	for _, l := range p.onLoop.set { // placed: onLoop does not change
+		l.withTurn(func() {
+			for _, c := range l.connsOf(p) {
+				l.finish(c, true, errCut)
+				n++
+			}
+		})
+	}
 	return n
 }
 
@@ -204,48 +239,64 @@ func (p *TCPProxy) freezeLoopConns(ctx context.Context) {
 		return
 	}
 	lp := p.onLoop
-	l := lp.l
-	dialling := 0
-	done := make(chan struct{})
-	l.withTurn(func() {
-		for _, c := range l.connsOf(p) {
-			if c.connected {
-				l.freeze(c)
-				continue
-			}
-			c.freezing = true
-			dialling++
-		}
-		if dialling > 0 {
-			lp.dials = &freezeWait{left: dialling, done: done}
-		}
-	})
-	if dialling == 0 {
-		return
-	}
-	select {
-	case <-done:
-	case <-ctx.Done():
+	// The wait holds one count itself until every loop has been visited, so that a dial that
+	// ends on one loop while another is visited cannot end it early.
+	w := &freezeWait{left: 1, done: make(chan struct{})}
+	p.mu.Lock()
+	lp.dials = w
+	p.mu.Unlock()
+	for _, l := range lp.set {
 		l.withTurn(func() {
 			for _, c := range l.connsOf(p) {
-				if c.freezing {
+				if c.connected {
 					l.freeze(c)
+					continue
 				}
+				c.freezing = true
+				p.mu.Lock()
+				w.left++
+				p.mu.Unlock()
 			}
 		})
 	}
+	p.dialFrozen(w)
+	select {
+	case <-w.done:
+	case <-ctx.Done():
+		for _, l := range lp.set {
+			l.withTurn(func() {
+				for _, c := range l.connsOf(p) {
+					if c.freezing {
+						l.freeze(c)
+					}
+				}
+			})
+		}
+	}
 }
 
-// loopIdle reports whether the proxy has no connection on a loop: most service ports of a large
-// cluster have none, and a Freeze or Shutdown of all of them then costs no round trip to the
-// loops. (Once placed, onLoop does not change.)
+// dialFrozen counts one of w's dials as ended.
+func (p *TCPProxy) dialFrozen(w *freezeWait) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if w.left--; w.left == 0 {
+		close(w.done)
+		if p.onLoop.dials == w {
+			p.onLoop.dials = nil
+		}
+	}
+}
+
+// loopIdle reports whether the proxy has no connection on the loops: most service ports of a
+// large cluster have none, and a Freeze or Shutdown of all of them then costs no round trip to
+// the loops. (Once placed, onLoop does not change.)
 func (p *TCPProxy) loopIdle() bool {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	return p.onLoop == nil || p.onLoop.live == 0
 }
 
-// freezeWait counts the dials a freeze waits for; the loop's goroutine owns it.
+// freezeWait counts the dials a freeze waits for; its proxy's p.mu guards it.
 type freezeWait struct {
 	left int
 	done chan struct{}
@@ -282,14 +333,12 @@ func (l *loop) freeze(c *lconn) {
 	p.mu.Lock()
 	lp := p.onLoop
 	lp.frozen = append(lp.frozen, c)
+	w := lp.dials
 	p.mu.Unlock()
 	if c.freezing {
 		c.freezing = false
-		if w := lp.dials; w != nil {
-			if w.left--; w.left == 0 {
-				close(w.done)
-				lp.dials = nil
-			}
+		if w != nil {
+			p.dialFrozen(w)
 		}
 	}
 	p.connWG.Done() // as park: Thaw counts it again
@@ -363,7 +412,7 @@ func (p *TCPProxy) releaseLoopConns() {
 	}
 }
 
-// thawLoopConns puts the frozen loop connections back on the loop where they stopped.
+// thawLoopConns puts the frozen loop connections back on the proxy's home loop.
 func (p *TCPProxy) thawLoopConns() {
 	p.mu.Lock()
 	var frozen []*lconn
@@ -412,7 +461,7 @@ func (l *loop) resume(c *lconn) {
 	l.pump(c)
 }
 
-// adoptOnLoop is adoptConn with Loops: the connection goes on the proxy's loop.
+// adoptOnLoop is adoptConn with Loops: the connection goes on the proxy's home loop.
 func (p *TCPProxy) adoptOnLoop(cs TCPConnState) error {
 	cfd, err := connFDFromFile(cs.Client, "client")
 	if err != nil {

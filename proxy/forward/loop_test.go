@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"io"
 	"net"
 	"net/netip"
@@ -154,14 +155,30 @@ func connSockets(p *TCPProxy) (client, endpoint syscall.Conn) {
 	if client != nil || lp == nil {
 		return client, endpoint
 	}
-	lp.l.call(func() {
-		for _, c := range lp.l.connsOf(p) {
-			if c.connected {
-				client, endpoint = rawFD(c.fd[0]), rawFD(c.fd[1])
-			}
+	forEachLoopConn(p, func(c *lconn) {
+		if c.connected {
+			client, endpoint = rawFD(c.fd[0]), rawFD(c.fd[1])
 		}
 	})
 	return client, endpoint
+}
+
+// forEachLoopConn calls fn with each of p's live connections, on their loops' goroutines in
+// turn (not at once).
+func forEachLoopConn(p *TCPProxy, fn func(c *lconn)) {
+	p.mu.Lock()
+	lp := p.onLoop
+	p.mu.Unlock()
+	if lp == nil {
+		return
+	}
+	for _, l := range lp.set {
+		l.call(func() {
+			for _, c := range l.connsOf(p) {
+				fn(c)
+			}
+		})
+	}
 }
 
 // rawFD is a descriptor as a syscall.Conn and syscall.RawConn (tests).
@@ -172,33 +189,21 @@ func (f rawFD) Control(fn func(uintptr)) error        { fn(uintptr(f)); return n
 func (f rawFD) Read(fn func(uintptr) bool) error      { fn(uintptr(f)); return nil }
 func (f rawFD) Write(fn func(uintptr) bool) error     { fn(uintptr(f)); return nil }
 
-// loopPendingBoth reports whether a connection of p on its loop has bytes pending both ways.
+// loopPendingBoth reports whether a connection of p on the loops has bytes pending both ways.
 func loopPendingBoth(p *TCPProxy) bool {
-	p.mu.Lock()
-	lp := p.onLoop
-	p.mu.Unlock()
 	both := false
-	if lp != nil {
-		lp.l.call(func() {
-			for _, c := range lp.l.connsOf(p) {
-				held := func(d int) bool { return len(c.dir[d].pending) > 0 || c.dir[d].inPipe > 0 }
-				both = both || held(0) && held(1)
-			}
-		})
-	}
+	forEachLoopConn(p, func(c *lconn) {
+		held := func(d int) bool { return len(c.dir[d].pending) > 0 || c.dir[d].inPipe > 0 }
+		both = both || held(0) && held(1)
+	})
 	return both
 }
 
-// loopSpliced reports whether a connection of p on its loop has a spliced direction.
+// loopSpliced reports whether a connection of p on the loops has a spliced direction.
 func loopSpliced(p *TCPProxy) bool {
-	p.mu.Lock()
-	lp := p.onLoop
-	p.mu.Unlock()
 	spliced := false
-	lp.l.call(func() {
-		for _, c := range lp.l.connsOf(p) {
-			spliced = spliced || c.dir[0].spliced || c.dir[1].spliced
-		}
+	forEachLoopConn(p, func(c *lconn) {
+		spliced = spliced || c.dir[0].spliced || c.dir[1].spliced
 	})
 	return spliced
 }
@@ -388,5 +393,63 @@ func TestLoopAcceptedSocketsHaveNoDelay(t *testing.T) {
 	}
 	if left != 0 {
 		t.Errorf("the listener's setNoDelay = %d after the queued connections, want 0 (inherited from then on)", left)
+	}
+}
+
+// TestLoopListenerOnTwoLoops: a proxy's listener is on both of its loops, and each accepts for
+// itself: with one loop held busy (its turn taken), the other accepts and serves a new
+// connection; connections keep working after the hold.
+func TestLoopListenerOnTwoLoops(t *testing.T) {
+	echo := startTCPEcho(t, loopback("4"))
+	loops := newTestLoops(t, 2)
+	r := startTCPProxy(t, "4", &fakeChooser{endpoints: []netip.AddrPort{echo}}, func(p *TCPProxy) {
+		p.Loops = loops
+	})
+	warm := dialTCPTest(t, r.addr) // Serve has attached the listener once a connection is served
+	if got, err := roundTrip(warm, []byte("warm")); err != nil || string(got) != "warm" {
+		t.Fatalf("first connection: %q, %v", got, err)
+	}
+	for busy := range loops.loops {
+		other := loops.loops[1-busy]
+		before := other.served.Load()
+		ok := make(chan error, 1)
+		loops.loops[busy].withTurn(func() {
+			c := dialTCPTest(t, r.addr)
+			got, err := roundTrip(c, []byte("ping"))
+			if err == nil && string(got) != "ping" {
+				err = fmt.Errorf("echoed %q", got)
+			}
+			ok <- err
+		})
+		if err := <-ok; err != nil {
+			t.Fatalf("loop %d busy: a new connection: %v", busy, err)
+		}
+		if got := other.served.Load(); got != before+1 {
+			t.Errorf("loop %d busy: loop %d served %d connections, want %d", busy, 1-busy, got, before+1)
+		}
+	}
+	if got, err := roundTrip(warm, []byte("again")); err != nil || string(got) != "again" {
+		t.Fatalf("first connection after: %q, %v", got, err)
+	}
+}
+
+// TestLoopsPick: proxies placed one after another get loopsPerPort distinct loops each, their
+// home loops in round robin; with one loop, that one.
+func TestLoopsPick(t *testing.T) {
+	ls := newTestLoops(t, 3)
+	for i := range 4 {
+		set := ls.pick()
+		if len(set) != loopsPerPort {
+			t.Fatalf("placement %d: %d loops, want %d", i, len(set), loopsPerPort)
+		}
+		for j, l := range set {
+			if want := ls.loops[(i+j)%3]; l != want {
+				t.Errorf("placement %d: loop %d of its set is not loop %d", i, j, (i+j)%3)
+			}
+		}
+	}
+	one := newTestLoops(t, 1)
+	if set := one.pick(); len(set) != 1 || set[0] != one.loops[0] {
+		t.Errorf("one loop: a set of %d", len(set))
 	}
 }
