@@ -20,9 +20,9 @@
 // with a growing sleep instead of failing.
 //
 // TCP on event loops (TCPProxy.Loops, --tcp-data-path=loop; loop_linux.go): the same
-// semantics without a goroutine per connection. A proxy's listener and connections live on one
-// of a few loops (one per processor), each a goroutine waiting in Go's poller for its epoll
-// descriptor; a connection is ~0.3 KiB of state indexed by descriptor, dialled with a
+// semantics without a goroutine per connection. A proxy's listener is on two of a few loops (one
+// per processor), each a goroutine waiting in Go's poller for its epoll descriptor and accepting
+// for itself, and a connection lives on the loop that accepted it; a connection is ~0.3 KiB of state indexed by descriptor, dialled with a
 // non-blocking connect, relayed through the loop's buffer (splice once a read fills it), and
 // timed by a coarse sweep rather than a timer of its own. Freeze, Adopt and Thaw work on it
 // too, and a hand-over may cross from one data path to the other.

@@ -23,8 +23,10 @@ import (
 // connection is a small lconn in a slice indexed by descriptor, moved on by the one goroutine of
 // its loop.
 //
-// Shape: Loops holds one loop per processor. A proxy is placed on one loop at its first use
-// (round robin), and its listener and every connection it accepts or adopts stay there. A loop
+// Shape: Loops holds one loop per processor. A proxy is placed at its first use on
+// loopsPerPort loops (round robin; the first is its home loop): its listener is on each of them,
+// each accepts for itself, and a connection stays on the loop that accepted it (adopted and
+// thawed ones go on the home loop). A loop
 // waits for its epoll descriptor in Go's poller (one RawConn.Read for its whole life, polling
 // with a zero timeout: see run): blocking in epoll_wait would hold a thread and double the cost
 // of each message.
