@@ -94,9 +94,10 @@ func (p *TCPProxy) serveOnLoop() error {
 	return p.onLoop.err
 }
 
-// startOnLoop attaches the listener to the proxy's loop; started is false when the proxy was
-// closed first or the attach failed (err). It does not wake the loop (see withTurn): a proxier
-// starting thousands of listeners pays an epoll_ctl for each.
+// startOnLoop attaches the listener to each of the proxy's loops; started is false when the
+// proxy was closed first or an attach failed (err: what was attached is let go). It does not
+// wake the loops (see withTurn): a proxier starting thousands of listeners pays an epoll_ctl
+// per listener and loop.
 func (p *TCPProxy) startOnLoop() (started bool, err error) {
 	ok, err := p.run.start("TCP proxy")
 	if !ok {
@@ -115,7 +116,7 @@ func (p *TCPProxy) startOnLoop() (started bool, err error) {
 	}
 	lp := p.loopState()
 	p.mu.Lock()
-	lp.holds = 1 // this start's: released below, after every attach
+	lp.holds++ // this start's: released below, after every attach
 	p.mu.Unlock()
 	attached := false
 	var aerr error
