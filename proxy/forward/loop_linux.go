@@ -112,9 +112,8 @@ func (ls *Loops) Served() uint64 {
 }
 
 // loopsPerPort is how many loops a proxy's listener is on (fewer when there are fewer loops).
-// Every one of them wakes for each new connection and all but one find nothing to accept: the
-// loops wait in Go's poller, not in epoll_wait on their own descriptors, so EPOLLEXCLUSIVE
-// cannot pick one. Two spread a busy port over two processors at one wasted wake-up per
+// Every one of them wakes for each new connection and all but one find nothing to accept (see
+// watchListener). Two spread a busy port over two processors at one wasted wake-up per
 // connection.
 const loopsPerPort = 2
 
@@ -591,19 +590,13 @@ func (l *loop) attach(ln *loopListener) error {
 	return nil
 }
 
-// watchListener adds ln to the epoll set, level-triggered and exclusive (the listener is in
-// several loops' sets, see loopProxy). EPOLLEXCLUSIVE would have a connection wake one of them
-// if the loops waited in epoll_wait on their own descriptors; they wait in Go's poller, so each
-// wakes (see loopsPerPort). Kept for when that changes; a kernel before 4.5 refuses the flag and
-// gets the listener without it.
+// watchListener adds ln to the epoll set, level-triggered. (The listener is in several loops'
+// sets, see loopsPerPort. EPOLLEXCLUSIVE would not make one of them wake per connection: it
+// picks among threads blocked in epoll_wait on a descriptor, and the loops' descriptors are
+// waited on in Go's poller, through its own epoll — checked: both nested sets are signalled.)
 func (l *loop) watchListener(ln *loopListener) error {
-	ev := unix.EpollEvent{Events: unix.EPOLLIN | unix.EPOLLEXCLUSIVE, Fd: int32(ln.fd), Pad: int32(ln.gen)}
-	err := unix.EpollCtl(l.epfd, unix.EPOLL_CTL_ADD, ln.fd, &ev)
-	if err == unix.EINVAL {
-		ev.Events = unix.EPOLLIN
-		err = unix.EpollCtl(l.epfd, unix.EPOLL_CTL_ADD, ln.fd, &ev)
-	}
-	return err
+	ev := unix.EpollEvent{Events: unix.EPOLLIN, Fd: int32(ln.fd), Pad: int32(ln.gen)}
+	return unix.EpollCtl(l.epfd, unix.EPOLL_CTL_ADD, ln.fd, &ev)
 }
 
 // detach takes a listener off the loop (it stays open); the last of its proxy's listeners to go
