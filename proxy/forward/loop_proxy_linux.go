@@ -219,15 +219,24 @@ func (p *TCPProxy) cutLoopConns() int {
 		return 0
 	}
 	n := 0
-	for _, l := range p.onLoop.set { // placed: onLoop does not change
+	p.eachLoopConn(func(l *loop, c *lconn) {
+		l.finish(c, true, errCut)
+		n++
+	})
+	return n
+}
+
+// eachLoopConn calls fn with each of the proxy's live connections during a turn of the loop
+// that holds it, visiting its loops one after another. The proxy must be placed (onLoop does
+// not change then); fn may take p.mu.
+func (p *TCPProxy) eachLoopConn(fn func(l *loop, c *lconn)) {
+	for _, l := range p.onLoop.set {
 		l.withTurn(func() {
 			for _, c := range l.connsOf(p) {
-				l.finish(c, true, errCut)
-				n++
+				fn(l, c)
 			}
 		})
 	}
-	return n
 }
 
 // freezeLoopConns stops every connection of the proxy on its loop where it stands (the loop
@@ -246,33 +255,25 @@ func (p *TCPProxy) freezeLoopConns(ctx context.Context) {
 	p.mu.Lock()
 	lp.dials = w
 	p.mu.Unlock()
-	for _, l := range lp.set {
-		l.withTurn(func() {
-			for _, c := range l.connsOf(p) {
-				if c.connected {
-					l.freeze(c)
-					continue
-				}
-				c.freezing = true
-				p.mu.Lock()
-				w.left++
-				p.mu.Unlock()
-			}
-		})
-	}
+	p.eachLoopConn(func(l *loop, c *lconn) {
+		if c.connected {
+			l.freeze(c)
+			return
+		}
+		c.freezing = true
+		p.mu.Lock()
+		w.left++
+		p.mu.Unlock()
+	})
 	p.dialFrozen(w)
 	select {
 	case <-w.done:
 	case <-ctx.Done():
-		for _, l := range lp.set {
-			l.withTurn(func() {
-				for _, c := range l.connsOf(p) {
-					if c.freezing {
-						l.freeze(c)
-					}
-				}
-			})
-		}
+		p.eachLoopConn(func(l *loop, c *lconn) {
+			if c.freezing {
+				l.freeze(c)
+			}
+		})
 	}
 }
 

@@ -163,21 +163,14 @@ func connSockets(p *TCPProxy) (client, endpoint syscall.Conn) {
 	return client, endpoint
 }
 
-// forEachLoopConn calls fn with each of p's live connections, on their loops' goroutines in
-// turn (not at once).
+// forEachLoopConn calls fn with each of p's live connections (eachLoopConn), if p was placed
+// on the loops.
 func forEachLoopConn(p *TCPProxy, fn func(c *lconn)) {
 	p.mu.Lock()
-	lp := p.onLoop
+	placed := p.onLoop != nil
 	p.mu.Unlock()
-	if lp == nil {
-		return
-	}
-	for _, l := range lp.set {
-		l.call(func() {
-			for _, c := range l.connsOf(p) {
-				fn(c)
-			}
-		})
+	if placed {
+		p.eachLoopConn(func(_ *loop, c *lconn) { fn(c) })
 	}
 }
 
