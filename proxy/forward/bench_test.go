@@ -524,3 +524,35 @@ func cpuTime() time.Duration {
 func reportCPU(b *testing.B, start time.Duration) {
 	b.ReportMetric(float64(cpuTime()-start)/float64(time.Microsecond)/float64(b.N), "cpu-µs/op")
 }
+
+// BenchmarkLoopSweep is the cost of one second of a loop's sweeps (100 ticks of loopTickBusy)
+// while a dial is in progress, with idleConns connections of a proxy with an IdleTimeout
+// of 10 s on the loop (their checks are due every idleTick, 1 s). The connections are the
+// loop's bookkeeping only, with no sockets: nothing expires, so this is the walking alone.
+func BenchmarkLoopSweep(b *testing.B) {
+	const idleConns = 10_000
+	l, err := newLoop()
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer l.closeFDs()
+	p := &TCPProxy{IdleTimeout: 10 * time.Second}
+	l.fds = make([]fdSlot, idleConns+1)
+	for i := range idleConns {
+		c := &lconn{p: p, connected: true, last: 1 << 61} // moving data: none goes idle
+		l.fds[i] = fdSlot{c: c}
+		l.countTimed(c)
+	}
+	dialing := &lconn{p: p, connecting: true, dl: &ldial{deadline: time.Duration(1<<62 - 1)}}
+	l.fds[idleConns] = fdSlot{c: dialing}
+	l.dialStarted(dialing)
+	b.ResetTimer()
+	for range b.N {
+		for range time.Second / loopTickBusy {
+			l.now += loopTickBusy
+			l.sweep()
+		}
+	}
+	b.StopTimer()
+	b.ReportMetric(float64(idleConns), "conns")
+}

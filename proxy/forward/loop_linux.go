@@ -144,19 +144,24 @@ type loop struct {
 	// turn is held by the loop's goroutine while it handles a batch of events, and guards the
 	// fields below: another goroutine takes it to act on the loop at once (withTurn) while the
 	// loop waits, instead of waking it with a post.
-	turn     sync.Mutex
-	fds      []fdSlot // by descriptor
-	gen      uint32   // the last generation given to a registration
-	buf      []byte
-	events   [128]unix.EpollEvent
-	epoch    time.Time
-	now      time.Duration // since epoch, at the start of the current turn
-	again    []*lconn      // connections with a direction to pump next turn, not waiting for an event
-	dialing  int           // connections whose endpoint socket is connecting
-	timed    int           // connections with an IdleTimeout
-	idleTick time.Duration // the sweep interval for IdleTimeout: the smallest seen while timed > 0
-	paused   []*loopListener
-	tick     time.Duration // the timerfd's interval; 0: disarmed
+	turn    sync.Mutex
+	fds     []fdSlot // by descriptor
+	gen     uint32   // the last generation given to a registration
+	buf     []byte
+	events  [128]unix.EpollEvent
+	epoch   time.Time
+	now     time.Duration // since epoch, at the start of the current turn
+	again   []*lconn      // connections with a direction to pump next turn, not waiting for an event
+	dialing int           // connections whose endpoint socket is connecting
+	// dials holds every connecting connection (lconn.inDials), and connections whose dial
+	// ended since the last sweep: the sweep checks dial deadlines there rather than walking
+	// every descriptor of the loop. Emptied when no dial is left.
+	dials, dialsSpare []*lconn
+	timed             int           // connections with an IdleTimeout
+	idleTick          time.Duration // the interval of IdleTimeout checks: the smallest seen while timed > 0
+	idleSweepAt       time.Duration // the next sweep at or after it walks the connections for IdleTimeout
+	paused            []*loopListener
+	tick              time.Duration // the timerfd's interval; 0: disarmed
 }
 
 // fdSlot is what a descriptor of the loop belongs to: a listener, or side 0 (client) or 1
@@ -197,6 +202,7 @@ type lconn struct {
 	connected  bool
 	freezing   bool // a Freeze waits for this connection's dial to end
 	timed      bool // counted in loop.timed
+	inDials    bool // in loop.dials
 	queued     bool // in loop.again
 	closed     bool // ended or frozen: events and sweeps skip it
 }
@@ -497,16 +503,23 @@ func (l *loop) setTimer(d time.Duration) {
 	l.tick = d
 }
 
-// sweep runs every tick while needed: dial timeouts, IdleTimeout, paused listeners. It disarms
-// the timer when nothing needs it any more.
+// sweep runs every tick while needed: dial timeouts (every tick, over loop.dials), IdleTimeout
+// (every idleTick, over every connection), paused listeners. It disarms the timer when nothing
+// needs it any more.
 func (l *loop) sweep() {
 	var b [8]byte
 	_, _ = rawRead(l.tfd, b[:])
-	if l.dialing > 0 || l.timed > 0 {
+	if len(l.dials) > 0 {
+		l.sweepDials()
+	}
+	// The timer ticks every idleTick or more often (wantTick); half a busy tick of slack keeps
+	// a tick that comes a little early from putting the walk off by a whole interval.
+	if l.timed > 0 && l.now >= l.idleSweepAt {
+		l.idleSweepAt = l.now + l.idleTick - loopTickBusy/2
 		for i := range l.fds {
 			s := l.fds[i]
 			if c := s.c; c != nil && s.side == 0 && !c.closed {
-				l.sweepConn(c)
+				l.sweepIdle(c)
 			}
 		}
 	}
@@ -546,14 +559,54 @@ func compactPaused(ls []*loopListener) []*loopListener {
 	return out
 }
 
-// sweepConn ends c's dial attempt or c itself when their time is up.
-func (l *loop) sweepConn(c *lconn) {
-	if c.connecting && l.now >= c.dl.deadline {
-		l.dialFailed(c, unix.ETIMEDOUT)
-		return
+// sweepDials ends the dial attempts whose time is up and keeps the connections still
+// connecting in loop.dials.
+func (l *loop) sweepDials() {
+	cur := l.dials
+	l.dials = l.dialsSpare[:0]
+	for i, c := range cur {
+		cur[i] = nil
+		c.inDials = false
+		if c.closed || !c.connecting {
+			continue
+		}
+		if l.now >= c.dl.deadline {
+			l.dialFailed(c, unix.ETIMEDOUT) // the next attempt, if any, puts c back
+			continue
+		}
+		c.inDials = true
+		l.dials = append(l.dials, c)
 	}
+	l.dialsSpare = cur[:0]
+}
+
+// sweepIdle ends c when it has moved nothing for its proxy's IdleTimeout.
+func (l *loop) sweepIdle(c *lconn) {
 	if t := c.p.IdleTimeout; t > 0 && c.connected && l.now-c.last >= t {
 		l.finish(c, true, errIdle)
+	}
+}
+
+// dialStarted counts c's new dial attempt (c.connecting is set) and lists it for the sweep.
+func (l *loop) dialStarted(c *lconn) {
+	l.dialing++
+	if !c.inDials {
+		c.inDials = true
+		l.dials = append(l.dials, c)
+	}
+	l.armTimer(loopTickBusy)
+}
+
+// dialEnded uncounts c's dial attempt (c.connecting is cleared). With no dial left, loop.dials
+// is emptied rather than left to the next sweep: the timer may be disarmed by then.
+func (l *loop) dialEnded() {
+	l.dialing--
+	if l.dialing == 0 {
+		for i, c := range l.dials {
+			c.inDials = false
+			l.dials[i] = nil
+		}
+		l.dials = l.dials[:0]
 	}
 }
 
@@ -784,8 +837,7 @@ func (l *loop) dial(c *lconn) {
 		}
 		if err == nil {
 			c.connecting, dl.deadline = true, l.now+timeouts[dl.attempt]
-			l.dialing++
-			l.armTimer(loopTickBusy)
+			l.dialStarted(c)
 			return
 		}
 		p.sink().DialFailed(target.Endpoint)
@@ -872,7 +924,7 @@ func (l *loop) connectDone(c *lconn, events uint32) {
 		}
 	}
 	c.connecting, c.connected, c.last = false, true, l.now
-	l.dialing--
+	l.dialEnded()
 	if c.dl.proxyProto != ProxyProtocolNone && !l.queueProxyHeader(c) {
 		return
 	}
@@ -890,7 +942,7 @@ func (l *loop) dialFailed(c *lconn, err error) {
 	l.unregister(c, 1)
 	_ = rawClose(int(c.fd[1]))
 	c.fd[1], c.connecting = -1, false
-	l.dialing--
+	l.dialEnded()
 	p.sink().DialFailed(c.endpoint)
 	p.logDebug().Err(err).Stringer("client", c.clientAddr).Stringer("endpoint", c.endpoint).
 		Int("attempt", int(c.dl.attempt)+1).Msg("dial endpoint failed")
@@ -1270,7 +1322,7 @@ func (l *loop) finish(c *lconn, reset bool, err error) {
 	}
 	if c.connecting {
 		c.connecting = false
-		l.dialing--
+		l.dialEnded()
 	}
 	l.uncountTimed(c)
 	l.dropPipes(c)

@@ -312,7 +312,7 @@ func (l *loop) freeze(c *lconn) {
 	if c.connecting {
 		_ = unix.Close(int(c.fd[1]))
 		c.fd[1], c.connecting = -1, false
-		l.dialing--
+		l.dialEnded()
 	}
 	if !c.connected {
 		c.endpoint, c.dl = netip.AddrPort{}, nil
