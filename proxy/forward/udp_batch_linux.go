@@ -151,27 +151,18 @@ func (b *udpBatch) outBytes(from, to int) int64 {
 
 // recvmmsg receives up to len(msgs) datagrams from the non-blocking socket fd. It returns
 // EAGAIN when none is waiting.
-func recvmmsg(fd int, msgs []mmsghdr) (int, error) {
-	for {
-		n, _, errno := unix.RawSyscall6(unix.SYS_RECVMMSG, uintptr(fd), uintptr(unsafe.Pointer(&msgs[0])),
-			uintptr(len(msgs)), 0, 0, 0)
-		if errno == unix.EINTR {
-			continue
-		}
-		if errno != 0 {
-			return 0, errno
-		}
-		return int(n), nil
-	}
-}
+func recvmmsg(fd int, msgs []mmsghdr) (int, error) { return mmsg(unix.SYS_RECVMMSG, fd, msgs) }
 
 // sendmmsg sends up to len(msgs) datagrams through the non-blocking socket fd and returns how
 // many it sent. The error is that of the first datagram: the kernel drops that of a later one
 // (a retry from there meets it again, unless it was a one-time error such as a pending ICMP
 // error, which the session's reader also sees).
-func sendmmsg(fd int, msgs []mmsghdr) (int, error) {
+func sendmmsg(fd int, msgs []mmsghdr) (int, error) { return mmsg(unix.SYS_SENDMMSG, fd, msgs) }
+
+// mmsg makes the raw recvmmsg or sendmmsg call (trap), again after EINTR.
+func mmsg(trap uintptr, fd int, msgs []mmsghdr) (int, error) {
 	for {
-		n, _, errno := unix.RawSyscall6(unix.SYS_SENDMMSG, uintptr(fd), uintptr(unsafe.Pointer(&msgs[0])),
+		n, _, errno := unix.RawSyscall6(trap, uintptr(fd), uintptr(unsafe.Pointer(&msgs[0])),
 			uintptr(len(msgs)), 0, 0, 0)
 		if errno == unix.EINTR {
 			continue
