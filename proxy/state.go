@@ -84,9 +84,9 @@ type SyncResult struct {
 	Kind  SyncKind
 	// Err is the sync's failure (programming the portals), nil on success.
 	Err error
-	// OldestChange is when the oldest change this sync applied was seen (zero if none): the start
-	// of the network programming latency.
-	OldestChange time.Time
+	// Triggers are the trigger times of the endpoint changes this sync programmed (see
+	// TriggerTime): on success, each is one network programming latency observation.
+	Triggers []TriggerTime
 	// ServiceChanges and EndpointChanges count the services whose definition, and whose
 	// endpoints, changed since the previous sync.
 	ServiceChanges, EndpointChanges int

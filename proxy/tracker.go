@@ -1,6 +1,7 @@
 package proxy
 
 import (
+	"fmt"
 	"maps"
 	"slices"
 	"strings"
@@ -79,9 +80,18 @@ type Changes struct {
 	// the new zone ("" when the node has none).
 	ZoneChanged bool
 	Zone        string
-	// Oldest is when the oldest change in this batch was recorded (zero when empty): the start
-	// of the network programming latency.
-	Oldest time.Time
+	// Triggers are the EndpointSlice trigger times of this batch's endpoint changes (see
+	// TriggerTime): each starts one network programming latency observation once programmed.
+	Triggers []TriggerTime
+}
+
+// TriggerTime is when a change of a service's endpoints was triggered, as the EndpointSlice's
+// endpoints.kubernetes.io/last-change-trigger-time annotation says (the time the controller saw
+// the Pod or Service change that the slice reflects), and the slice's address family: the start
+// of one network programming latency observation, as kube-proxy defines it.
+type TriggerTime struct {
+	Family v1.IPFamily
+	At     time.Time
 }
 
 // Empty reports whether there is nothing to apply.
@@ -98,7 +108,8 @@ type TrackerOptions struct {
 	OnChange func()
 	// OnSynced, if set, is called when the source reports its initial state complete.
 	OnSynced func()
-	// Now returns the current time; nil means time.Now.
+	// Now returns the current time; nil means time.Now. Trigger times before the Tracker was
+	// created are not reported (they describe changes made before the proxy started).
 	Now func() time.Time
 }
 
@@ -121,7 +132,10 @@ type Tracker struct {
 	pendingEndpoints map[types.NamespacedName]*Change[EndpointsByPort]
 	// zone is this node's zone as last reported, appliedZone the one the last Drain handed out.
 	zone, appliedZone string
-	oldest            time.Time
+	// triggers holds the trigger times of the pending endpoint changes, per service (see
+	// TriggerTime); started is when the Tracker was created.
+	triggers map[types.NamespacedName][]TriggerTime
+	started  time.Time
 	// lastErr remembers the last reported error per object so a repeated event does not repeat it.
 	lastErr map[string]string
 }
@@ -143,6 +157,8 @@ func NewTracker(opts TrackerOptions) *Tracker {
 		slices:           map[types.NamespacedName][]SliceEndpoints{},
 		pendingPorts:     map[types.NamespacedName]*Change[ServicePorts]{},
 		pendingEndpoints: map[types.NamespacedName]*Change[EndpointsByPort]{},
+		triggers:         map[types.NamespacedName][]TriggerTime{},
+		started:          opts.Now(),
 		lastErr:          map[string]string{},
 	}
 }
@@ -203,16 +219,30 @@ func (t *Tracker) OnEndpointSliceUpdate(prev, cur *discovery.EndpointSlice) {
 	}
 
 	var se *SliceEndpoints
+	var trigger time.Time
 	if cur != nil {
 		v := FromSlice(cur)
 		se = &v
+		var err error
+		trigger, err = LastChangeTriggerTime(cur)
+		t.report("EndpointSlice", types.NamespacedName{Namespace: obj.Namespace, Name: obj.Name}, err)
 	}
 	t.mu.Lock()
-	list := withSlice(t.slices[svc], obj.Name, se)
+	old := t.slices[svc]
+	list := withSlice(old, obj.Name, se)
 	if len(list) == 0 {
 		delete(t.slices, svc)
 	} else {
 		t.slices[svc] = list
+	}
+	// As kube-proxy: a slice whose contribution changed brings its trigger time (if it has one,
+	// and it is not older than the Tracker); a deleted slice drops the service's pending ones,
+	// since a deleted object's annotation tells when it was last updated, not when it was deleted.
+	switch {
+	case cur == nil:
+		delete(t.triggers, svc)
+	case !trigger.IsZero() && trigger.After(t.started) && sliceChanged(old, list, obj.Name):
+		t.triggers[svc] = append(t.triggers[svc], TriggerTime{Family: sliceFamily(cur), At: trigger})
 	}
 	t.mu.Unlock()
 
@@ -243,6 +273,57 @@ func withSlice(list []SliceEndpoints, name string, cur *SliceEndpoints) []SliceE
 	return slices.Concat(list[:i], []SliceEndpoints{*cur}, list[i:])
 }
 
+// sliceChanged reports whether what the slice named name contributes differs between the lists
+// before and after (sorted by slice name, as the Tracker keeps them).
+func sliceChanged(before, after []SliceEndpoints, name string) bool {
+	find := func(list []SliceEndpoints) *SliceEndpoints {
+		i, ok := slices.BinarySearchFunc(list, name, func(s SliceEndpoints, name string) int { return strings.Compare(s.Name, name) })
+		if !ok {
+			return nil
+		}
+		return &list[i]
+	}
+	a, b := find(before), find(after)
+	if a == nil || b == nil {
+		return a != b
+	}
+	return !endpointsEqual(a.Ports, b.Ports) || errString(a.Err) != errString(b.Err)
+}
+
+func errString(err error) string {
+	if err == nil {
+		return ""
+	}
+	return err.Error()
+}
+
+// sliceFamily returns the IP family of a slice's addresses (IPv4 for an FQDN slice, which
+// contributes nothing).
+func sliceFamily(s *discovery.EndpointSlice) v1.IPFamily {
+	if s.AddressType == discovery.AddressTypeIPv6 {
+		return v1.IPv6Protocol
+	}
+	return v1.IPv4Protocol
+}
+
+// LastChangeTriggerTime returns the time in the slice's
+// endpoints.kubernetes.io/last-change-trigger-time annotation (v1.EndpointsLastChangeTriggerTime):
+// zero when it has none, and zero with an error naming the field when it is not an RFC 3339
+// time. Kube-proxy takes the same annotation, with the same fallbacks (no observation without a
+// valid time).
+func LastChangeTriggerTime(s *discovery.EndpointSlice) (time.Time, error) {
+	v, ok := s.Annotations[v1.EndpointsLastChangeTriggerTime]
+	if !ok {
+		return time.Time{}, nil
+	}
+	at, err := time.Parse(time.RFC3339Nano, v)
+	if err != nil {
+		return time.Time{}, &FieldError{Object: "EndpointSlice " + s.Namespace + "/" + s.Name,
+			Field: "metadata.annotations[" + v1.EndpointsLastChangeTriggerTime + "]", Detail: fmt.Sprintf("not an RFC 3339 time: %q", v)}
+	}
+	return at, nil
+}
+
 // recordLocked makes cur the pending state of name (previous: the state the last Drain handed
 // out) and reports whether a change is now pending; a change back to that state is none.
 func recordLocked[T ServicePorts | EndpointsByPort](pending map[types.NamespacedName]*Change[T], applied map[types.NamespacedName]T,
@@ -260,12 +341,9 @@ func recordLocked[T ServicePorts | EndpointsByPort](pending map[types.Namespaced
 	return true
 }
 
-// noteLocked ends an event: it records the time of the first pending change, releases t.mu and,
-// when the event left a change pending, calls OnChange.
+// noteLocked ends an event: it releases t.mu and, when the event left a change pending, calls
+// OnChange.
 func (t *Tracker) noteLocked(changed bool) {
-	if changed {
-		t.markLocked()
-	}
 	t.mu.Unlock()
 	if changed && t.opts.OnChange != nil {
 		t.opts.OnChange()
@@ -345,7 +423,7 @@ func (t *Tracker) Drain() Changes {
 	c := Changes{
 		Services:  make(map[types.NamespacedName]Change[ServicePorts], len(t.pendingPorts)),
 		Endpoints: make(map[types.NamespacedName]Change[EndpointsByPort], len(t.pendingEndpoints)),
-		Oldest:    t.oldest,
+		Triggers:  t.takeTriggersLocked(),
 	}
 	if t.zone != t.appliedZone {
 		c.ZoneChanged, c.Zone = true, t.zone
@@ -353,14 +431,24 @@ func (t *Tracker) Drain() Changes {
 	}
 	t.appliedPorts, t.pendingPorts = drainLocked(t.pendingPorts, t.appliedPorts, c.Services)
 	t.appliedEndpoints, t.pendingEndpoints = drainLocked(t.pendingEndpoints, t.appliedEndpoints, c.Endpoints)
-	t.oldest = time.Time{}
 	return c
 }
 
-func (t *Tracker) markLocked() {
-	if t.oldest.IsZero() {
-		t.oldest = t.opts.Now()
+// takeTriggersLocked returns the pending trigger times (nil when there are none) and forgets them.
+func (t *Tracker) takeTriggersLocked() []TriggerTime {
+	if len(t.triggers) == 0 {
+		return nil
 	}
+	var out []TriggerTime
+	for _, ts := range t.triggers {
+		out = append(out, ts...)
+	}
+	if len(t.triggers) > smallBatch { // a cleared map keeps its size, and ranging walks it
+		t.triggers = map[types.NamespacedName][]TriggerTime{}
+	} else {
+		clear(t.triggers)
+	}
+	return out
 }
 
 // report logs err for the object kind name unless the same error was the last one reported for

@@ -9,6 +9,7 @@ import (
 	"slices"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/rs/zerolog"
 	v1 "k8s.io/api/core/v1"
@@ -91,8 +92,8 @@ func TestServiceCoalescing(t *testing.T) {
 			}
 			checkPorts(t, "previous", ch.Previous, tc.wantPrev)
 			checkPorts(t, "current", ch.Current, tc.wantCur)
-			if c.Oldest.IsZero() {
-				t.Error("Oldest not set")
+			if len(c.Triggers) != 0 {
+				t.Errorf("Service changes brought trigger times %v; kube-proxy takes them from EndpointSlices only", c.Triggers)
 			}
 			if triggers == 0 {
 				t.Error("OnChange never called")
@@ -348,4 +349,73 @@ func TestAwaitsFirstSlices(t *testing.T) {
 		tr.OnServiceUpdate(nil, trackedSvc(fmt.Sprintf("many-%d", i), fmt.Sprintf("10.0.1.%d", i), 80))
 	}
 	check("more new Services than awaitMax", false)
+}
+
+// TestTriggerTimes pins the start of the network programming latency to kube-proxy's definition:
+// the last-change-trigger-time annotation of an EndpointSlice whose contribution changed, none
+// without a valid one, none from before the Tracker started, none from Services, and a deleted
+// slice drops its service's pending ones.
+func TestTriggerTimes(t *testing.T) {
+	start := time.Date(2026, 11, 27, 12, 0, 0, 0, time.UTC)
+	at := func(ms int) time.Time { return start.Add(time.Duration(ms) * time.Millisecond) }
+	annotated := func(s *discovery.EndpointSlice, v string) *discovery.EndpointSlice {
+		s = s.DeepCopy()
+		s.Annotations = map[string]string{v1.EndpointsLastChangeTriggerTime: v}
+		return s
+	}
+	stamp := func(ms int) string { return at(ms).Format(time.RFC3339Nano) }
+	a1 := trackedSlice("s-1", "s", 80, "10.1.0.1")
+	a2 := trackedSlice("s-1", "s", 80, "10.1.0.1", "10.1.0.2")
+	b1 := trackedSlice("s-2", "s", 80, "10.1.0.3")
+	v6 := trackedSlice("s-6", "s", 80, "fd00::1")
+	v6.AddressType = discovery.AddressTypeIPv6
+	v4 := func(ms int) TriggerTime { return TriggerTime{Family: v1.IPv4Protocol, At: at(ms)} }
+	tests := []struct {
+		name     string
+		baseline []*discovery.EndpointSlice // applied and drained first
+		events   [][2]*discovery.EndpointSlice
+		want     []TriggerTime
+	}{
+		{name: "new slice", events: [][2]*discovery.EndpointSlice{{nil, annotated(a1, stamp(10))}}, want: []TriggerTime{v4(10)}},
+		{name: "update", baseline: []*discovery.EndpointSlice{a1},
+			events: [][2]*discovery.EndpointSlice{{a1, annotated(a2, stamp(20))}}, want: []TriggerTime{v4(20)}},
+		{name: "every change of a batch", baseline: []*discovery.EndpointSlice{a1}, events: [][2]*discovery.EndpointSlice{
+			{a1, annotated(a2, stamp(20))}, {a2, annotated(a1, stamp(30))}, {nil, annotated(b1, stamp(40))}},
+			want: []TriggerTime{v4(20), v4(30), v4(40)}},
+		{name: "IPv6 slice", events: [][2]*discovery.EndpointSlice{{nil, annotated(v6, stamp(10))}},
+			want: []TriggerTime{{Family: v1.IPv6Protocol, At: at(10)}}},
+		{name: "no annotation", events: [][2]*discovery.EndpointSlice{{nil, a1}}},
+		{name: "invalid annotation", events: [][2]*discovery.EndpointSlice{{nil, annotated(a1, "yesterday")}}},
+		{name: "before the tracker started", events: [][2]*discovery.EndpointSlice{{nil, annotated(a1, stamp(-1))}}},
+		{name: "same endpoints, new annotation", baseline: []*discovery.EndpointSlice{a1},
+			events: [][2]*discovery.EndpointSlice{{a1, annotated(a1, stamp(10))}}},
+		{name: "deleted slice drops the service's pending times", baseline: []*discovery.EndpointSlice{a1, b1},
+			events: [][2]*discovery.EndpointSlice{{a1, annotated(a2, stamp(20))}, {b1, nil}}},
+		{name: "deletion drops only its service's", events: [][2]*discovery.EndpointSlice{
+			{nil, annotated(a1, stamp(10))}, {nil, annotated(trackedSlice("o-1", "other", 80, "10.2.0.1"), stamp(11))},
+			{annotated(a1, stamp(10)), nil}}, want: []TriggerTime{v4(11)}},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			tr := NewTracker(TrackerOptions{Now: func() time.Time { return start }})
+			tr.OnServiceUpdate(nil, trackedSvc("s", "10.0.0.1", 80))
+			for _, s := range tc.baseline {
+				tr.OnEndpointSliceUpdate(nil, s)
+			}
+			if c := tr.Drain(); len(c.Triggers) != 0 {
+				t.Fatalf("baseline without annotations brought %v", c.Triggers)
+			}
+			for _, ev := range tc.events {
+				tr.OnEndpointSliceUpdate(ev[0], ev[1])
+			}
+			got := tr.Drain().Triggers
+			slices.SortFunc(got, func(a, b TriggerTime) int { return a.At.Compare(b.At) })
+			if !slices.Equal(got, tc.want) {
+				t.Errorf("trigger times %v, want %v", got, tc.want)
+			}
+			if again := tr.Drain().Triggers; len(again) != 0 {
+				t.Errorf("second Drain brought %v again", again)
+			}
+		})
+	}
 }

@@ -25,6 +25,7 @@ package metrics
 import (
 	"net/http"
 	"net/netip"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -104,7 +105,7 @@ type Metrics struct {
 	queuedLast      prometheus.Gauge
 	serviceChanges  prometheus.Counter
 	endpointChanges prometheus.Counter
-	netProg         prometheus.Histogram
+	netProg         *prometheus.HistogramVec
 	syncFailures    prometheus.Counter
 	ports           prometheus.Gauge
 
@@ -150,17 +151,11 @@ func New(opts Options) *Metrics {
 	m.queuedLast = prometheus.NewGauge(prometheus.GaugeOpts{Name: SyncLastQueuedTimestamp, Help: "The last time a sync of proxy rules was queued"})
 	m.serviceChanges = prometheus.NewCounter(prometheus.CounterOpts{Name: ServiceChangesTotal, Help: "Cumulative proxy rules Service changes"})
 	m.endpointChanges = prometheus.NewCounter(prometheus.CounterOpts{Name: EndpointChangesTotal, Help: "Cumulative proxy rules Endpoint changes"})
-	// kube-proxy's buckets: 0.25s steps to 0.5s, 1s steps to 59s, 5s steps to 115s, 30s steps to 570s.
-	var netBuckets []float64
-	netBuckets = append(netBuckets, prometheus.LinearBuckets(0.25, 0.25, 2)...)
-	netBuckets = append(netBuckets, prometheus.LinearBuckets(1, 1, 59)...)
-	netBuckets = append(netBuckets, prometheus.LinearBuckets(60, 5, 12)...)
-	netBuckets = append(netBuckets, prometheus.LinearBuckets(300, 30, 10)...)
-	m.netProg = prometheus.NewHistogram(prometheus.HistogramOpts{
+	m.netProg = prometheus.NewHistogramVec(prometheus.HistogramOpts{
 		Name:    NetworkProgrammingDuration,
 		Help:    "In Cluster Network Programming Latency in seconds",
-		Buckets: netBuckets,
-	})
+		Buckets: NetworkProgrammingBuckets(),
+	}, []string{"ip_family"})
 	m.syncFailures = prometheus.NewCounter(prometheus.CounterOpts{
 		Name: SyncFailuresTotal,
 		Help: "Cumulative proxy rules restore failures",
@@ -212,6 +207,13 @@ func New(opts Options) *Metrics {
 	return m
 }
 
+// NetworkProgrammingBuckets returns kube-proxy's buckets of NetworkProgrammingDuration: 0.25 s
+// steps to 0.5 s, 1 s steps to 59 s, 5 s steps to 115 s, 30 s steps from 2 to 5 minutes.
+func NetworkProgrammingBuckets() []float64 {
+	return slices.Concat(prometheus.LinearBuckets(0.25, 0.25, 2), prometheus.LinearBuckets(1, 1, 59),
+		prometheus.LinearBuckets(60, 5, 12), prometheus.LinearBuckets(120, 30, 7))
+}
+
 // Handover records a hand-over this process took part in: its role (HandoverSuccessor or
 // HandoverPredecessor), its result (HandoverCompleted, HandoverFailed, HandoverRefused), and for
 // a completed one its duration and the records it moved, by kind.
@@ -259,10 +261,8 @@ func (m *Metrics) Handler() http.Handler {
 // when it programmed portals; the changes it applied (kube-proxy counts every update event; we
 // count per service per sync, so several updates of one service between two syncs count once);
 // the service ports and each one's local endpoints. On success also the last-sync timestamp
-// and, when it applied changes, the network programming latency measured from the oldest change
-// (kube-proxy measures from the EndpointSlice's last-change-trigger-time; we measure from when
-// the proxy saw the change, which leaves out the control plane's share). A failed sync counts
-// in the failures counter.
+// and the network programming latency of each endpoint change it programmed (see Programmed). A
+// failed sync counts in the failures counter.
 func (m *Metrics) Synced(r proxy.SyncResult) {
 	m.serviceChanges.Add(float64(r.ServiceChanges))
 	m.endpointChanges.Add(float64(r.EndpointChanges))
@@ -293,8 +293,17 @@ func (m *Metrics) Synced(r proxy.SyncResult) {
 	}
 	end := r.Start.Add(r.Took)
 	m.syncLast.Set(float64(end.UnixNano()) / 1e9)
-	if !r.OldestChange.IsZero() {
-		m.netProg.Observe(end.Sub(r.OldestChange).Seconds())
+	m.Programmed(r.Triggers, end)
+}
+
+// Programmed observes the network programming latency of endpoint changes programmed at at: one
+// observation per trigger time, from it to at, labelled with its IP family, as kube-proxy does
+// (from the EndpointSlice's last-change-trigger-time annotation to the end of the sync that
+// programmed the change; a change whose slice has no such annotation, a deleted slice, and
+// Service changes give none).
+func (m *Metrics) Programmed(triggers []proxy.TriggerTime, at time.Time) {
+	for _, tr := range triggers {
+		m.netProg.WithLabelValues(string(tr.Family)).Observe(at.Sub(tr.At).Seconds())
 	}
 }
 

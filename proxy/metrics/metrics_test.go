@@ -3,12 +3,15 @@ package metrics
 import (
 	"errors"
 	"fmt"
+	"math"
 	"net/http"
 	"net/http/httptest"
 	"net/netip"
+	"slices"
 	"testing"
 	"time"
 
+	dto "github.com/prometheus/client_model/go"
 	v1 "k8s.io/api/core/v1"
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/loadbalancer"
@@ -121,11 +124,11 @@ func TestSyncMetrics(t *testing.T) {
 	sp := &proxy.ServicePort{Name: webName, Protocol: v1.ProtocolTCP}
 	m.Synced(proxy.SyncResult{
 		Start: now.Add(-time.Second), Took: 500 * time.Millisecond, Kind: proxy.SyncFull,
-		OldestChange: now.Add(-3 * time.Second), ServiceChanges: 2, EndpointChanges: 5,
+		Triggers: []proxy.TriggerTime{{Family: v1.IPv4Protocol, At: now.Add(-3 * time.Second)}}, ServiceChanges: 2, EndpointChanges: 5,
 		Ports: []proxy.PortState{{ServicePort: sp, LocalEndpoints: 2}},
 	})
 	// A failed sync counts its duration but does not move the last-success timestamp.
-	m.Synced(proxy.SyncResult{Start: now, Took: 20 * time.Millisecond, Kind: proxy.SyncPartial, OldestChange: now,
+	m.Synced(proxy.SyncResult{Start: now, Took: 20 * time.Millisecond, Kind: proxy.SyncPartial, Triggers: []proxy.TriggerTime{{Family: v1.IPv4Protocol, At: now}},
 		Ports: []proxy.PortState{{ServicePort: sp, LocalEndpoints: 2}}, Err: errors.New("restore failed")})
 
 	fams := scrape(t, m)
@@ -141,7 +144,6 @@ func TestSyncMetrics(t *testing.T) {
 		{"last queued", SyncLastQueuedTimestamp, float64(now.Add(-3*time.Second).UnixNano()) / 1e9},
 		{"service changes", ServiceChangesTotal, 2},
 		{"endpoint changes", EndpointChangesTotal, 5},
-		{"network programming observations", NetworkProgrammingDuration, 1},
 		{"sync failures", SyncFailuresTotal, 1},
 		{"service ports", ServicePortsTotal, 1},
 	}
@@ -156,10 +158,17 @@ func TestSyncMetrics(t *testing.T) {
 			}
 		})
 	}
-	t.Run("network programming latency is 2.5s", func(t *testing.T) {
-		h := fams[NetworkProgrammingDuration].GetMetric()[0].GetHistogram()
-		if h.GetSampleSum() != 2.5 {
-			t.Errorf("sum = %v, want 2.5", h.GetSampleSum())
+	t.Run("network programming latency is 2.5s, of the successful sync only", func(t *testing.T) {
+		ms := fams[NetworkProgrammingDuration].GetMetric()
+		if len(ms) != 1 {
+			t.Fatalf("%d series, want 1", len(ms))
+		}
+		h := ms[0].GetHistogram()
+		if h.GetSampleCount() != 1 || h.GetSampleSum() != 2.5 {
+			t.Errorf("count %v sum %v, want 1 and 2.5", h.GetSampleCount(), h.GetSampleSum())
+		}
+		if l := ms[0].GetLabel(); len(l) != 1 || l[0].GetName() != "ip_family" || l[0].GetValue() != "IPv4" {
+			t.Errorf("labels %v, want ip_family=IPv4", l)
 		}
 	})
 	t.Run("runtime collectors present", func(t *testing.T) {
@@ -370,4 +379,58 @@ func TestSyncedAllocationsDoNotGrowWithPorts(t *testing.T) {
 	if few, many := allocs(10), allocs(1000); many > few+2 {
 		t.Errorf("Synced: %v allocations for 10 ports, %v for 1,000", few, many)
 	}
+}
+
+// TestNetworkProgrammingAsKubeProxy pins the histogram to kube-proxy's: its buckets (0.25 s, 0.5 s,
+// 1 s to 59 s, 60 s to 115 s by 5, 120 s to 300 s by 30), its ip_family label, and one
+// observation per trigger time, from it to the time the change was programmed.
+func TestNetworkProgrammingAsKubeProxy(t *testing.T) {
+	var want []float64
+	want = append(want, 0.25, 0.5)
+	for s := 1; s <= 59; s++ {
+		want = append(want, float64(s))
+	}
+	for s := 60; s <= 115; s += 5 {
+		want = append(want, float64(s))
+	}
+	for s := 120; s <= 300; s += 30 {
+		want = append(want, float64(s))
+	}
+	if got := NetworkProgrammingBuckets(); !slices.Equal(got, want) {
+		t.Errorf("buckets %v,\nwant kube-proxy's %v", got, want)
+	}
+
+	m := New(Options{NoRuntimeCollectors: true})
+	done := time.Date(2026, 11, 27, 12, 0, 0, 0, time.UTC)
+	m.Programmed([]proxy.TriggerTime{
+		{Family: v1.IPv4Protocol, At: done.Add(-40 * time.Millisecond)},
+		{Family: v1.IPv4Protocol, At: done.Add(-2 * time.Second)},
+		{Family: v1.IPv6Protocol, At: done.Add(-300 * time.Millisecond)},
+	}, done)
+	fams := scrape(t, m)
+	byFamily := map[string]*dto.Histogram{}
+	for _, s := range fams[NetworkProgrammingDuration].GetMetric() {
+		for _, l := range s.GetLabel() {
+			if l.GetName() == "ip_family" {
+				byFamily[l.GetValue()] = s.GetHistogram()
+			}
+		}
+	}
+	check := func(family string, count uint64, sum float64, le05 uint64) {
+		t.Helper()
+		h := byFamily[family]
+		if h == nil {
+			t.Fatalf("no %s series", family)
+		}
+		if h.GetSampleCount() != count || math.Abs(h.GetSampleSum()-sum) > 1e-9 {
+			t.Errorf("%s: count %d sum %v, want %d and %v", family, h.GetSampleCount(), h.GetSampleSum(), count, sum)
+		}
+		for _, b := range h.GetBucket() {
+			if b.GetUpperBound() == 0.5 && b.GetCumulativeCount() != le05 {
+				t.Errorf("%s: %d at or below 0.5 s, want %d", family, b.GetCumulativeCount(), le05)
+			}
+		}
+	}
+	check("IPv4", 2, 2.04, 1)
+	check("IPv6", 1, 0.3, 1)
 }

@@ -337,7 +337,7 @@ func (p *Proxier) sync(periodic bool) bool {
 	}
 	res := proxy.SyncResult{Start: time.Now()}
 	ch := p.tracker.Drain()
-	res.OldestChange, res.ServiceChanges, res.EndpointChanges = ch.Oldest, len(ch.Services), len(ch.Endpoints)
+	res.Triggers, res.ServiceChanges, res.EndpointChanges = ch.Triggers, len(ch.Services), len(ch.Endpoints)
 
 	node, err := p.opts.NodeAddrs()
 	if err != nil {

@@ -225,7 +225,8 @@ func setup(inf cache.SharedIndexInformer, w *watchState, eh cache.ResourceEventH
 //   - every object: metadata.managedFields (often the largest part of an object);
 //   - a Service: its annotations other than those the proxy reads (proxy.UsedServiceAnnotations;
 //     kubectl's last-applied-configuration alone repeats the whole object);
-//   - an EndpointSlice: its annotations and owner references, and of each endpoint its
+//   - an EndpointSlice: its annotations but the last-change-trigger-time (the start of the
+//     network programming latency), its owner references, and of each endpoint its
 //     targetRef (a Pod reference: kind, namespace, name, uid), hostname and deprecatedTopology;
 //   - a Node: its annotations and its status (images, volumes, addresses, conditions); the
 //     proxy reads its labels, taints and deletion.
@@ -237,7 +238,7 @@ func trimObject(obj any) (any, error) {
 	case *v1.Service:
 		o.Annotations = keepAnnotations(o.Annotations, proxy.UsedServiceAnnotations)
 	case *discovery.EndpointSlice:
-		o.Annotations, o.OwnerReferences = nil, nil
+		o.Annotations, o.OwnerReferences = keepAnnotations(o.Annotations, sliceAnnotations), nil
 		for i := range o.Endpoints {
 			e := &o.Endpoints[i]
 			e.TargetRef, e.Hostname, e.DeprecatedTopology = nil, nil, nil
@@ -248,6 +249,9 @@ func trimObject(obj any) (any, error) {
 	}
 	return obj, nil
 }
+
+// sliceAnnotations are the EndpointSlice annotations the proxy reads.
+var sliceAnnotations = []string{v1.EndpointsLastChangeTriggerTime}
 
 // keepAnnotations returns the entries of a whose keys are in keep: a itself when that is all
 // of them, nil when none.

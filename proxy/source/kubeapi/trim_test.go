@@ -42,8 +42,9 @@ func realService() *v1.Service {
 func realSlice(name string, endpoints int) *discovery.EndpointSlice {
 	s := &discovery.EndpointSlice{
 		ObjectMeta: metav1.ObjectMeta{Namespace: "shop", Name: name, UID: types.UID(name + "-uid"), ResourceVersion: "13",
-			Labels:      map[string]string{discovery.LabelServiceName: "web", discovery.LabelManagedBy: "endpointslice-controller.k8s.io"},
-			Annotations: map[string]string{"endpoints.kubernetes.io/last-change-trigger-time": "2026-11-25T10:00:00Z"},
+			Labels: map[string]string{discovery.LabelServiceName: "web", discovery.LabelManagedBy: "endpointslice-controller.k8s.io"},
+			Annotations: map[string]string{"endpoints.kubernetes.io/last-change-trigger-time": "2026-11-25T10:00:00Z",
+				"example.com/other": "x"},
 			OwnerReferences: []metav1.OwnerReference{{APIVersion: "v1", Kind: "Service", Name: "web", UID: "u1",
 				Controller: ptr.To(true), BlockOwnerDeletion: ptr.To(true)}},
 			ManagedFields: []metav1.ManagedFieldsEntry{{Manager: "kube-controller-manager", Operation: metav1.ManagedFieldsOperationUpdate}}},
@@ -97,7 +98,8 @@ func TestTrimObjectKeepsWhatTheProxyReads(t *testing.T) {
 	}
 	trimmed, _ = trimObject(slice.DeepCopy())
 	tslice := trimmed.(*discovery.EndpointSlice)
-	if tslice.ManagedFields != nil || tslice.Annotations != nil || tslice.OwnerReferences != nil {
+	if tslice.ManagedFields != nil || len(tslice.Annotations) != 1 || tslice.OwnerReferences != nil ||
+		tslice.Annotations[v1.EndpointsLastChangeTriggerTime] != "2026-11-25T10:00:00Z" {
 		t.Errorf("trimmed slice metadata: %+v", tslice.ObjectMeta)
 	}
 	for i, e := range tslice.Endpoints {

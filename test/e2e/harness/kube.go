@@ -103,12 +103,14 @@ type Endpoint struct {
 }
 
 // Slice returns the EndpointSlice "<service>-e2e" for svc (ports from its target ports, which
-// must be numbers) holding eps.
+// must be numbers) holding eps. Like the EndpointSlice controller's, it carries the
+// endpoints.kubernetes.io/last-change-trigger-time annotation: now, the time of the change.
 func Slice(svc *corev1.Service, eps ...Endpoint) *discoveryv1.EndpointSlice {
 	slice := &discoveryv1.EndpointSlice{
 		ObjectMeta: metav1.ObjectMeta{
-			Name:      svc.Name + "-e2e",
-			Namespace: svc.Namespace,
+			Name:        svc.Name + "-e2e",
+			Namespace:   svc.Namespace,
+			Annotations: map[string]string{corev1.EndpointsLastChangeTriggerTime: time.Now().UTC().Format(time.RFC3339Nano)},
 			Labels: map[string]string{
 				discoveryv1.LabelServiceName: svc.Name,
 				discoveryv1.LabelManagedBy:   ManagedBy,
@@ -141,8 +143,8 @@ func Slice(svc *corev1.Service, eps ...Endpoint) *discoveryv1.EndpointSlice {
 	return slice
 }
 
-// ApplySlice creates slice, or replaces the endpoints and ports of the existing one of the same
-// name. It fails the test on error.
+// ApplySlice creates slice, or replaces the endpoints, ports and annotations of the existing one
+// of the same name. It fails the test on error.
 func ApplySlice(ctx context.Context, t testing.TB, client kubernetes.Interface, slice *discoveryv1.EndpointSlice) *discoveryv1.EndpointSlice {
 	t.Helper()
 	got, err := applySlice(ctx, client, slice)
@@ -165,7 +167,7 @@ func applySlice(ctx context.Context, client kubernetes.Interface, slice *discove
 	if err != nil {
 		return nil, fmt.Errorf("get endpointslice %s/%s: %w", slice.Namespace, slice.Name, err)
 	}
-	cur.Endpoints, cur.Ports = slice.Endpoints, slice.Ports
+	cur.Endpoints, cur.Ports, cur.Annotations = slice.Endpoints, slice.Ports, slice.Annotations
 	updated, err := api.Update(ctx, cur, metav1.UpdateOptions{})
 	if err != nil {
 		return nil, fmt.Errorf("update endpointslice %s/%s: %w", slice.Namespace, slice.Name, err)
