@@ -72,6 +72,10 @@ func FromSlice(s *discovery.EndpointSlice) SliceEndpoints {
 	}
 	var byPort map[string][]Endpoint
 	var index map[string]map[netip.AddrPort]int
+	addresses := 0
+	for i := range s.Endpoints {
+		addresses += len(s.Endpoints[i].Addresses)
+	}
 	for pi, p := range s.Ports {
 		if p.Port == nil {
 			bad(fmt.Sprintf("ports[%d].port", pi), "missing")
@@ -139,6 +143,11 @@ func FromSlice(s *discovery.EndpointSlice) SliceEndpoints {
 				}
 				if m := index[portName]; m != nil {
 					m[ap] = len(list)
+				}
+				if list == nil {
+					// Sized for every address at once: the list is kept (by the Tracker and the
+					// balancer), and grown by doubling it held up to twice its endpoints.
+					list = make([]Endpoint, 0, addresses)
 				}
 				byPort[portName] = append(list, ep)
 			}

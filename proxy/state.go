@@ -97,6 +97,19 @@ type SyncResult struct {
 	Unservable int
 }
 
+// EndpointsResult is what one endpoint-only update produced: endpoint changes handed to the
+// balancer without a sync, because they change no rule. It is not modified after it is handed out.
+type EndpointsResult struct {
+	// Start is when the update started and Took how long it took.
+	Start time.Time
+	Took  time.Duration
+	// EndpointChanges counts the services whose endpoints changed.
+	EndpointChanges int
+	// Triggers are the trigger times of the changes it programmed (see TriggerTime); those of
+	// changes that wait for a sync's rules come with that sync's SyncResult.
+	Triggers []TriggerTime
+}
+
 // NodeAddrs is one snapshot of the node's own addresses (IPv4-mapped addresses unmapped). A sync
 // takes one and hands it to everything that needs it. The zero value holds no address.
 type NodeAddrs struct {

@@ -106,6 +106,10 @@ type TrackerOptions struct {
 	// OnChange, if set, is called (without locks held) after an event left a change pending:
 	// the proxy uses it to trigger a sync.
 	OnChange func()
+	// OnEndpointsChange, if set, is called instead of OnChange after an EndpointSlice event left
+	// a change of endpoints pending: the proxy hands endpoints to its balancer at once
+	// (DrainEndpoints), without waiting for a rate-limited sync.
+	OnEndpointsChange func()
 	// OnSynced, if set, is called when the source reports its initial state complete.
 	OnSynced func()
 	// Now returns the current time; nil means time.Now. Trigger times before the Tracker was
@@ -251,6 +255,11 @@ func (t *Tracker) OnEndpointSliceUpdate(prev, cur *discovery.EndpointSlice) {
 
 	t.mu.Lock()
 	changed := recordLocked(t.pendingEndpoints, t.appliedEndpoints, svc, eps, endpointsEqual)
+	if changed && t.opts.OnEndpointsChange != nil {
+		t.mu.Unlock()
+		t.opts.OnEndpointsChange()
+		return
+	}
 	t.noteLocked(changed)
 }
 
@@ -378,6 +387,14 @@ func (t *Tracker) AwaitsFirstSlices() bool {
 	return true
 }
 
+// HasPendingService reports whether a change of the Service name is pending (not yet drained).
+func (t *Tracker) HasPendingService(name types.NamespacedName) bool {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	_, ok := t.pendingPorts[name]
+	return ok
+}
+
 // awaitMax is the most pending Service changes AwaitsFirstSlices looks at.
 const awaitMax = 8
 
@@ -430,6 +447,19 @@ func (t *Tracker) Drain() Changes {
 		t.appliedZone = t.zone
 	}
 	t.appliedPorts, t.pendingPorts = drainLocked(t.pendingPorts, t.appliedPorts, c.Services)
+	t.appliedEndpoints, t.pendingEndpoints = drainLocked(t.pendingEndpoints, t.appliedEndpoints, c.Endpoints)
+	return c
+}
+
+// DrainEndpoints is Drain for the endpoint changes only (and their trigger times): the Service
+// and zone changes stay pending for the next Drain.
+func (t *Tracker) DrainEndpoints() Changes {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	c := Changes{
+		Endpoints: make(map[types.NamespacedName]Change[EndpointsByPort], len(t.pendingEndpoints)),
+		Triggers:  t.takeTriggersLocked(),
+	}
 	t.appliedEndpoints, t.pendingEndpoints = drainLocked(t.pendingEndpoints, t.appliedEndpoints, c.Endpoints)
 	return c
 }

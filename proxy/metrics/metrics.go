@@ -296,6 +296,13 @@ func (m *Metrics) Synced(r proxy.SyncResult) {
 	m.Programmed(r.Triggers, end)
 }
 
+// EndpointsProgrammed records an endpoint-only update (proxy.EndpointsResult): its endpoint
+// changes, and the network programming latency of each change it programmed.
+func (m *Metrics) EndpointsProgrammed(r proxy.EndpointsResult) {
+	m.endpointChanges.Add(float64(r.EndpointChanges))
+	m.Programmed(r.Triggers, r.Start.Add(r.Took))
+}
+
 // Programmed observes the network programming latency of endpoint changes programmed at at: one
 // observation per trigger time, from it to at, labelled with its IP family, as kube-proxy does
 // (from the EndpointSlice's last-change-trigger-time annotation to the end of the sync that

@@ -14,6 +14,12 @@
 //  5. tells the Portals (iptables rules, or nothing with --portal-mode none) the complete state;
 //  6. hands the sync's result (proxy.SyncResult) to Options.OnSynced.
 //
+// An endpoint change does not wait for that rate-limited sync: the proxy's rules do not name
+// endpoints, so the Tracker hands endpoint changes (DrainEndpoints) to a loop of their own,
+// which gives the changed services' ports their new endpoints at once and reports
+// (Options.OnEndpointsProgrammed); only a change that alters a port's state (its first or last
+// usable endpoint, its local endpoints) asks for a sync, which writes the rules.
+//
 // A connection's walk: a portal rule redirects it to a listener; the listener's forward.TCPProxy
 // accepts it and asks the listener's chooser for an endpoint (the chooser asks the balancer,
 // with the traffic class the original destination implies); the TCPProxy dials, then splices

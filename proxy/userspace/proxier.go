@@ -68,6 +68,9 @@ type Options struct {
 	OnQueued func(at time.Time)
 	// OnSynced, if set, receives the result of every sync, on the sync's goroutine.
 	OnSynced func(proxy.SyncResult)
+	// OnEndpointsProgrammed, if set, receives the result of every endpoint-only update that
+	// programmed its changes without a sync (see Proxier), on that update's goroutine.
+	OnEndpointsProgrammed func(proxy.EndpointsResult)
 	// Metrics, if set, receives per-service-port traffic events.
 	Metrics TrafficMetrics
 	// NodeAddrs lists the node's own addresses, once per sync; nil means proxy.ListNodeAddrs.
@@ -205,6 +208,12 @@ type Proxier struct {
 	// holds keeps the preferred proxy ports from other sockets until the first sync opens
 	// their listeners (see portHolds); nil from then on.
 	holds *portHolds
+	// triggers are the trigger times of endpoint changes handed to the balancer that wait for
+	// a sync to program their rules (see programEndpoints).
+	triggers []proxy.TriggerTime
+
+	// endpointsDue holds a pending request for programEndpoints (one slot: requests merge).
+	endpointsDue chan struct{}
 }
 
 // New returns a Proxier configured by opts. Nothing runs until Run.
@@ -237,6 +246,8 @@ func New(opts Options) *Proxier {
 		stash:     map[listenerKey]*inherited{},
 
 		unservable: map[proxy.Name]bool{},
+
+		endpointsDue: make(chan struct{}, 1),
 	}
 	p.openFDs = openFDCount
 	p.routing = &routing{nodeName: opts.NodeName, clusterCIDRs: opts.ClusterCIDRs}
@@ -278,6 +289,12 @@ func New(opts Options) *Proxier {
 			}
 			p.runner.Trigger()
 		},
+		OnEndpointsChange: func() {
+			select {
+			case p.endpointsDue <- struct{}{}:
+			default:
+			}
+		},
 		OnSynced: func() {
 			p.syncedOnce.Do(func() { close(p.synced) })
 			p.runner.Trigger()
@@ -301,11 +318,87 @@ func (p *Proxier) Tracker() *proxy.Tracker { return p.tracker }
 // Synced is closed once the source has delivered its initial state.
 func (p *Proxier) Synced() <-chan struct{} { return p.synced }
 
-// Run runs the sync loop until ctx is done, then closes every listener (established connections
-// are left to Shutdown) and returns.
+// Run runs the sync loop, and the loop that hands endpoint changes to the balancer at once
+// (programEndpoints), until ctx is done, then closes every listener (established connections
+// are left to Shutdown) and returns once both loops have.
 func (p *Proxier) Run(ctx context.Context) {
+	var wg sync.WaitGroup
+	wg.Go(func() {
+		for {
+			select {
+			case <-ctx.Done():
+				return
+			case <-p.endpointsDue:
+				p.programEndpoints()
+			}
+		}
+	})
 	p.runner.Run(ctx)
+	wg.Wait()
 	p.closeListeners()
+}
+
+// programEndpoints hands the pending endpoint changes to the balancer at once, without waiting
+// for the rate limit of syncs (MinSyncPeriod), which is for rule writes: a userspace proxy's
+// rules do not name endpoints, so most endpoint changes (a rolling update's, a scale-up's)
+// change no rule. It touches only the changed services' ports. An endpoint change that does
+// change a port's rules (its first or last usable endpoint, the local endpoints of a Local
+// policy, a service whose listener is not open yet) triggers a sync for them; the changes'
+// trigger times are then observed when that sync has programmed the rules, the others' now
+// (Options.OnEndpointsProgrammed). Before the first sync, and while frozen, it leaves the
+// changes to the sync.
+func (p *Proxier) programEndpoints() {
+	select {
+	case <-p.synced:
+	default:
+		return
+	}
+	p.syncMu.Lock()
+	defer p.syncMu.Unlock()
+	p.mu.Lock()
+	if p.closed || p.frozen || p.self == nil || p.stale {
+		p.mu.Unlock()
+		p.runner.Trigger() // the sync applies them
+		return
+	}
+	start := time.Now()
+	ch := p.tracker.DrainEndpoints()
+	needSync := false
+	for svc, c := range ch.Endpoints {
+		if c.Current == nil {
+			delete(p.endpoints, svc)
+		} else {
+			p.endpoints[svc] = c.Current
+		}
+		ls := p.servicePortsLocked(svc)
+		if len(ls) == 0 {
+			needSync = needSync || c.Current != nil && p.tracker.HasPendingService(svc)
+			continue
+		}
+		for _, l := range ls {
+			p.refreshPortLocked(l, c.Current, p.self)
+			if st := p.portStateLocked(l); !l.stateOK || !l.isOpen() || !sameState(&l.state, &st) {
+				l.stateOK = false // the sync recomputes it
+				needSync = true
+			}
+		}
+	}
+	if needSync {
+		p.triggers = append(p.triggers, ch.Triggers...)
+		ch.Triggers = nil
+	}
+	p.mu.Unlock()
+	if needSync {
+		if p.opts.OnQueued != nil {
+			p.opts.OnQueued(time.Now())
+		}
+		p.runner.Trigger()
+	}
+	if p.opts.OnEndpointsProgrammed != nil && len(ch.Endpoints) > 0 {
+		p.opts.OnEndpointsProgrammed(proxy.EndpointsResult{Start: start, Took: time.Since(start),
+			EndpointChanges: len(ch.Endpoints), Triggers: ch.Triggers})
+	}
+	p.log.Debug().Int("endpoints", len(ch.Endpoints)).Bool("rulesChange", needSync).Dur("took", time.Since(start)).Msg("endpoints programmed")
 }
 
 // Sync runs one sync now, on the caller's goroutine. It is for tests and must not be called
@@ -337,7 +430,7 @@ func (p *Proxier) sync(periodic bool) bool {
 	}
 	res := proxy.SyncResult{Start: time.Now()}
 	ch := p.tracker.Drain()
-	res.Triggers, res.ServiceChanges, res.EndpointChanges = ch.Triggers, len(ch.Services), len(ch.Endpoints)
+	res.ServiceChanges, res.EndpointChanges = len(ch.Services), len(ch.Endpoints)
 
 	node, err := p.opts.NodeAddrs()
 	if err != nil {
@@ -352,6 +445,8 @@ func (p *Proxier) sync(periodic bool) bool {
 		return false
 	}
 	dirty := p.applyLocked(&ch)
+	res.Triggers = append(p.triggers, ch.Triggers...)
+	p.triggers = nil
 	var opened []*listener
 	res.Unservable, opened = p.openPendingLocked(dirty)
 	p.holds.releaseAll() // the ports of service ports that are gone, or left closed
@@ -771,15 +866,7 @@ func (p *Proxier) portStatesLocked(dirty map[types.NamespacedName]bool, all bool
 	for i, l := range p.sorted {
 		sp := l.choose.sp.Load()
 		if all || !l.stateOK || dirty[sp.Name.Service()] {
-			av := p.lb.Availability(sp.Name)
-			st := proxy.PortState{
-				ServicePort:    sp,
-				ProxyPort:      l.proxyPort,
-				LocalEndpoints: av.LocalEndpoints,
-				LocalReady:     localReady(l.endpoints, p.opts.NodeName, l.state.LocalReady),
-			}
-			st.Internal, st.External = actions(av, l.isOpen())
-			l.state, l.stateOK = st, true
+			l.state, l.stateOK = p.portStateLocked(l), true
 		}
 		if out == nil && (!same || !sameState(&p.last[i], &l.state)) {
 			if !same {
@@ -798,6 +885,20 @@ func (p *Proxier) portStatesLocked(dirty map[types.NamespacedName]bool, all bool
 		return p.last
 	}
 	return []proxy.PortState{}
+}
+
+// portStateLocked returns l's state as of its balancer's endpoints.
+func (p *Proxier) portStateLocked(l *listener) proxy.PortState {
+	sp := l.choose.sp.Load()
+	av := p.lb.Availability(sp.Name)
+	st := proxy.PortState{
+		ServicePort:    sp,
+		ProxyPort:      l.proxyPort,
+		LocalEndpoints: av.LocalEndpoints,
+		LocalReady:     localReady(l.endpoints, p.opts.NodeName, l.state.LocalReady),
+	}
+	st.Internal, st.External = actions(av, l.isOpen())
+	return st
 }
 
 // sameState reports whether a and b are the same state (LocalReady compared by content).

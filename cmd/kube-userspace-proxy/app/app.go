@@ -180,7 +180,7 @@ func Run(ctx context.Context, opts *Options, v *Validated, log zerolog.Logger) e
 	}
 	firstSync := make(chan struct{})
 	var firstSyncOnce sync.Once
-	pOpts.OnQueued, pOpts.Metrics = srv.queued, srv.metrics
+	pOpts.OnQueued, pOpts.Metrics, pOpts.OnEndpointsProgrammed = srv.queued, srv.metrics, srv.metrics.EndpointsProgrammed
 	pOpts.OnSynced = func(r proxy.SyncResult) {
 		srv.synced(r)
 		firstSyncOnce.Do(func() { close(firstSync) })
