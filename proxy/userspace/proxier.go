@@ -377,9 +377,14 @@ func (p *Proxier) programEndpoints() {
 		}
 		for _, l := range ls {
 			p.refreshPortLocked(l, c.Current, p.self)
-			if st := p.portStateLocked(l); !l.stateOK || !l.isOpen() || !sameState(&l.state, &st) {
+			switch st := p.portStateLocked(l); {
+			case !l.stateOK || !l.isOpen() || !sameRules(&l.state, &st):
 				l.stateOK = false // the sync recomputes it
 				needSync = true
+			default:
+				// What changed (a Cluster-policy port's local endpoints) is only reported:
+				// the next sync publishes it.
+				l.state = st
 			}
 		}
 	}
@@ -899,6 +904,16 @@ func (p *Proxier) portStateLocked(l *listener) proxy.PortState {
 	}
 	st.Internal, st.External = actions(av, l.isOpen())
 	return st
+}
+
+// sameRules reports whether the portals' rules and the health checks are the same for states a
+// and b of one port: the same actions and proxy port, and for a port with a Local external
+// policy (whose health check counts the ready local endpoints) the same local endpoints.
+func sameRules(a, b *proxy.PortState) bool {
+	if a.ServicePort != b.ServicePort || a.ProxyPort != b.ProxyPort || a.Internal != b.Internal || a.External != b.External {
+		return false
+	}
+	return !b.ServicePort.ExternalPolicyLocal || a.LocalEndpoints == b.LocalEndpoints && slices.Equal(a.LocalReady, b.LocalReady)
 }
 
 // sameState reports whether a and b are the same state (LocalReady compared by content).
