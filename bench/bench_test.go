@@ -99,9 +99,9 @@ func configure(quick bool) settings {
 func onlyFromEnv(cfg *settings) (string, error) {
 	only := os.Getenv("KUP_BENCH_ONLY")
 	switch only {
-	case "", "controlplane", "datapath", "idle", "none":
+	case "", "controlplane", "datapath", "idle", "none", "churn":
 	default:
-		return "", fmt.Errorf("KUP_BENCH_ONLY=%q: the partial runs are controlplane, datapath, idle and none (with KUP_BENCH_HOLD)", only)
+		return "", fmt.Errorf("KUP_BENCH_ONLY=%q: the partial runs are controlplane, datapath, idle, churn (the endpoint churn rows) and none (with KUP_BENCH_HOLD)", only)
 	}
 	counts := func(name string) ([]int, error) {
 		var ns []int
@@ -208,6 +208,10 @@ func TestBench(t *testing.T) {
 	}
 	if quick {
 		outDir = filepath.Join(outDir, "quick")
+	}
+	if only == "churn" { // the endpoint churn rows have a topology and a table of their own
+		runChurn(t, quick, outDir)
+		return
 	}
 	defer func() { writeReport(t, rep, outDir, cfg.serviceScales[len(cfg.serviceScales)-1]) }()
 
@@ -345,6 +349,10 @@ func TestBench(t *testing.T) {
 			}
 			return runHandover(t, rep, cfg, scale, targets[PathKUP], loadBin, kup, kupCfg)
 		})
+	}
+
+	if only == "" {
+		t.Run("endpoint churn", func(t *testing.T) { runChurn(t, quick, outDir) })
 	}
 
 	rep.Notes = append(rep.Notes,

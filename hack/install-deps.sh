@@ -3,7 +3,7 @@
 # Debian packages (iptables in both its nft and legacy flavours, iproute2, conntrack, strace, ...).
 # Idempotent: packages already present are not reinstalled.
 set -euo pipefail
-pkgs=(iptables iproute2 conntrack strace procps kmod ca-certificates haproxy iperf3 debootstrap openssl)
+pkgs=(iptables nftables iproute2 conntrack strace procps kmod ca-certificates haproxy iperf3 debootstrap openssl)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

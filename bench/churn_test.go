@@ -1,0 +1,425 @@
+//go:build bench
+
+package bench
+
+import (
+	"context"
+	"fmt"
+	"math/rand/v2"
+	"net/netip"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	discoveryv1 "k8s.io/api/discovery/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/test/cluster"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/test/e2e/harness"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/test/netns"
+)
+
+// churnSettings are the sizes of the endpoint churn workload.
+type churnSettings struct {
+	services, endpoints int           // the bulk: services × endpoints (fake addresses)
+	rate                float64       // slice updates per second during the churn
+	duration            time.Duration // of the churn
+	probeEvery          time.Duration // a rolling-update step of the probe service (real pods)
+}
+
+func churnConfig(quick bool) churnSettings {
+	if quick {
+		return churnSettings{services: 1000, endpoints: 10, rate: 20, duration: 30 * time.Second, probeEvery: 2 * time.Second}
+	}
+	return churnSettings{services: 10000, endpoints: 10, rate: 20, duration: 5 * time.Minute, probeEvery: 3 * time.Second}
+}
+
+// Network programming samples of each proxy's metric.
+const (
+	npCount = `kubeproxy_network_programming_duration_seconds_count{ip_family="IPv4"}`
+	npSum   = `kubeproxy_network_programming_duration_seconds_sum{ip_family="IPv4"}`
+	npLE025 = `kubeproxy_network_programming_duration_seconds_bucket{ip_family="IPv4",le="0.25"}`
+)
+
+// churnPod is the fake address of endpoint k of bulk service i (10.200.0.0/14, never routed:
+// no connection goes to them).
+func churnPod(i, k int) string {
+	n := i*16 + k%16
+	return netip.AddrFrom4([4]byte{10, byte(200 + n>>16), byte(n >> 8), byte(n)}).String()
+}
+
+// bulkSlice is the slice of bulk service svc with endpoints first..first+n-1 (mod 16), all
+// ready but notReady and terminating (indexes among them; -1 for none).
+func bulkSlice(svc *corev1.Service, i, first, n, notReady, terminating int) *discoveryv1.EndpointSlice {
+	var eps []harness.Endpoint
+	for k := range n {
+		eps = append(eps, harness.Endpoint{IP: netip.MustParseAddr(churnPod(i, first+k)), NotReady: k == notReady, Terminating: k == terminating})
+	}
+	return harness.Slice(svc, eps...)
+}
+
+// runChurn is the endpoint churn workload: its own control plane, one node per path (upstream
+// kube-proxy in iptables mode and in nftables mode, kube-userspace-proxy), the bulk of services
+// with fake endpoints, then churn at a steady rate, while a probe service of real pods is
+// rolled now and then and a client on each node connects to it without pause.
+func runChurn(t *testing.T, quick bool, outDir string) {
+	cfg := churnConfig(quick)
+	rep := &ChurnReport{Started: time.Now(), Quick: quick, LoadStart: loadavg(), Machine: machine(t)}
+	defer func() {
+		rep.Finished, rep.LoadEnd = time.Now(), loadavg()
+		writeChurnReport(t, rep, outDir)
+	}()
+	ctx := context.Background()
+	nw := netns.NewNetwork(t, "churn")
+	c := cluster.Start(t, cluster.Options{Network: nw})
+	srvNode := nw.AddNode(t, "csrv")
+	if _, err := c.CreateNode(ctx, "csrv", srvNode.IP); err != nil {
+		t.Fatal(err)
+	}
+	const probePods = 6
+	var probe []harness.Endpoint
+	for i := range probePods {
+		name := fmt.Sprintf("cp%d", i)
+		pod := nw.AddPod(t, srvNode, name)
+		harness.StartEcho(t, pod.NS, name, echoPort)
+		probe = append(probe, harness.Endpoint{IP: pod.IP, Node: "csrv", Name: name})
+	}
+	probeSvc := harness.CreateService(ctx, t, c.Client, harness.ClusterIPService("probe", harness.TCPPort("tcp", 80, echoPort)))
+	active := []int{0, 1, 2}
+	probeSlice := func(ready []int, notReady, terminating int) *discoveryv1.EndpointSlice {
+		var eps []harness.Endpoint
+		for _, i := range ready {
+			eps = append(eps, probe[i])
+		}
+		if notReady >= 0 {
+			e := probe[notReady]
+			e.NotReady = true
+			eps = append(eps, e)
+		}
+		if terminating >= 0 {
+			e := probe[terminating]
+			e.Terminating = true
+			eps = append(eps, e)
+		}
+		return harness.Slice(probeSvc, eps...)
+	}
+	harness.ApplySlice(ctx, t, c.Client, probeSlice(active, -1, -1))
+
+	nodes := map[string]*netns.Node{}
+	pids := map[string]int{}
+	names := map[string]string{PathIPTables: "cipt", PathNFTables: "cnft", PathKUP: "ckup"}
+	for _, p := range ChurnPaths {
+		nodes[p] = nw.AddNode(t, names[p])
+		if _, err := c.CreateNode(ctx, names[p], nodes[p].IP); err != nil {
+			t.Fatal(err)
+		}
+	}
+	pids[PathIPTables] = c.KubeProxy(t, nodes[PathIPTables].NS, names[PathIPTables]).Pid()
+	pids[PathNFTables] = c.KubeProxy(t, nodes[PathNFTables].NS, names[PathNFTables], "--proxy-mode=nftables").Pid()
+	kup := harness.StartProxy(t, nodes[PathKUP].NS, harness.ProxyConfig{NodeName: names[PathKUP], Kubeconfig: c.Kubeconfig,
+		MetricsBindAddress: metricsAddr, LogLevel: "info",
+		Ready: func(ctx context.Context) error {
+			_, err := harness.Ask(ctx, nodes[PathKUP].NS, "tcp", harness.Addr(probeSvc, 0))
+			return err
+		}})
+	pids[PathKUP] = kup.Pid()
+	for _, p := range ChurnPaths {
+		harness.WaitFor(t, time.Minute, func() error {
+			_, err := harness.AskTimeout(ctx, nodes[p].NS, "tcp", harness.Addr(probeSvc, 0), time.Second)
+			return err
+		})
+	}
+
+	// The bulk: services × endpoints, slices of at most 100 endpoints (one per service here).
+	start := time.Now()
+	bulk := make([]*corev1.Service, cfg.services)
+	var wg sync.WaitGroup
+	errs := make(chan error, 8)
+	for w := range 8 {
+		wg.Go(func() {
+			for i := w; i < cfg.services; i += 8 {
+				s := harness.ClusterIPService(fmt.Sprintf("churn-%05d", i), harness.TCPPort("tcp", 80, echoPort))
+				cs, err := c.Client.CoreV1().Services(s.Namespace).Create(ctx, s, metav1.CreateOptions{})
+				if err == nil {
+					_, err = c.Client.DiscoveryV1().EndpointSlices(s.Namespace).Create(ctx, bulkSlice(cs, i, 0, cfg.endpoints, -1, -1), metav1.CreateOptions{})
+				}
+				if err != nil {
+					errs <- err
+					return
+				}
+				bulk[i] = cs
+			}
+		})
+	}
+	wg.Wait()
+	close(errs)
+	if err := <-errs; err != nil {
+		t.Fatalf("create the bulk: %v", err)
+	}
+	t.Logf("%d services × %d endpoints created in %v", cfg.services, cfg.endpoints, time.Since(start).Round(time.Millisecond))
+	scrape := func(p string) map[string]float64 {
+		m, err := harness.ScrapeMetrics(nodes[p].NS, metricsAddr)
+		if err != nil {
+			t.Errorf("%s: %v", p, err)
+		}
+		return m
+	}
+	// Every proxy has programmed every slice (one observation each: all were written after
+	// the proxies started).
+	for _, p := range ChurnPaths {
+		harness.WaitFor(t, 20*time.Minute, func() error {
+			if got := scrape(p)[npCount]; got < float64(cfg.services) {
+				return fmt.Errorf("%s: %v of %d slices programmed", p, got, cfg.services)
+			}
+			return nil
+		})
+	}
+	t.Logf("all proxies programmed the bulk %v after its creation began", time.Since(start).Round(time.Millisecond))
+	time.Sleep(3 * time.Second)
+	rss := rep.Metric(fmt.Sprintf("RSS at %s × %d endpoints", thousands(cfg.services), cfg.endpoints), "MiB", false)
+	rules := rep.Metric(fmt.Sprintf("rules at %s × %d endpoints", thousands(cfg.services), cfg.endpoints), "lines", false)
+	for _, p := range ChurnPaths {
+		kib, err := rssKiB(pids[p])
+		record(t, rss, p, float64(kib)/1024, err)
+		tool := []string{"iptables-save"}
+		if p == PathNFTables {
+			tool = []string{"nft", "list", "ruleset"}
+		}
+		out, err := nodes[p].NS.Exec(ctx, tool...)
+		record(t, rules, p, float64(strings.Count(out, "\n")), err)
+	}
+	rules.Note(PathKUP, "iptables-save of its node")
+
+	// The churn.
+	before := map[string]map[string]float64{}
+	for _, p := range ChurnPaths {
+		before[p] = scrape(p)
+	}
+	type conn struct {
+		at      time.Time
+		backend string
+	}
+	var mu sync.Mutex
+	conns := map[string][]conn{}
+	stop := make(chan struct{})
+	var clients sync.WaitGroup
+	for _, p := range ChurnPaths {
+		clients.Go(func() {
+			for {
+				select {
+				case <-stop:
+					return
+				default:
+				}
+				at := time.Now()
+				a, err := harness.AskTimeout(ctx, nodes[p].NS, "tcp", harness.Addr(probeSvc, 0), 2*time.Second)
+				if err == nil {
+					mu.Lock()
+					conns[p] = append(conns[p], conn{at, a.Backend})
+					mu.Unlock()
+				}
+				time.Sleep(2 * time.Millisecond)
+			}
+		})
+	}
+	ticks := map[string]float64{}
+	for _, p := range ChurnPaths {
+		ticks[p] = cpuTicks(pids[p])
+	}
+	peak := map[string]int64{}
+	type event struct {
+		at  time.Time
+		pod string
+	}
+	var added, removed []event
+	r := rand.New(rand.NewPCG(1, 2))
+	// rolling[i] is bulk service i's next step (0: oldest terminating, 1: new one not ready,
+	// 2: ready, 3: terminating one gone) and its first endpoint.
+	type roll struct{ step, first int }
+	rolling := map[int]*roll{}
+	every := time.Duration(float64(time.Second) / cfg.rate)
+	churnStart := time.Now()
+	nextProbe, probeStep, fresh := churnStart.Add(cfg.probeEvery), 0, 3
+	updates := 0
+	for tick := churnStart; time.Since(churnStart) < cfg.duration; tick = tick.Add(every) {
+		time.Sleep(time.Until(tick))
+		if time.Now().After(nextProbe) {
+			// One step of the probe's rolling update per tick (it counts in the rate).
+			switch probeStep {
+			case 0:
+				harness.ApplySlice(ctx, t, c.Client, probeSlice(active[1:], -1, active[0]))
+				removed = append(removed, event{time.Now(), probe[active[0]].Name})
+			case 1:
+				harness.ApplySlice(ctx, t, c.Client, probeSlice(active[1:], fresh, active[0]))
+			case 2:
+				w := time.Now()
+				harness.ApplySlice(ctx, t, c.Client, probeSlice(slices.Concat(active[1:], []int{fresh}), -1, active[0]))
+				added = append(added, event{w, probe[fresh].Name})
+			case 3:
+				active = slices.Concat(active[1:], []int{fresh})
+				fresh = (fresh + 1) % probePods
+				harness.ApplySlice(ctx, t, c.Client, probeSlice(active, -1, -1))
+				nextProbe = time.Now().Add(cfg.probeEvery)
+			}
+			probeStep = (probeStep + 1) % 4
+			updates++
+			continue
+		}
+		i := r.IntN(cfg.services)
+		ro := rolling[i]
+		if ro == nil {
+			ro = &roll{}
+			rolling[i] = ro
+		}
+		var s *discoveryv1.EndpointSlice
+		switch ro.step {
+		case 0:
+			s = bulkSlice(bulk[i], i, ro.first, cfg.endpoints, -1, 0)
+		case 1:
+			s = bulkSlice(bulk[i], i, ro.first, cfg.endpoints+1, cfg.endpoints, 0)
+		case 2:
+			s = bulkSlice(bulk[i], i, ro.first, cfg.endpoints+1, -1, 0)
+		case 3:
+			ro.first++
+			s = bulkSlice(bulk[i], i, ro.first, cfg.endpoints, -1, -1)
+		}
+		ro.step = (ro.step + 1) % 4
+		harness.ApplySlice(ctx, t, c.Client, s)
+		updates++
+		if updates%int(cfg.rate) == 0 {
+			for _, p := range ChurnPaths {
+				if kib, err := rssKiB(pids[p]); err == nil && kib > peak[p] {
+					peak[p] = kib
+				}
+			}
+		}
+	}
+	took := time.Since(churnStart)
+	cpu := rep.Metric("proxy CPU during the churn", "% of a core", false)
+	for _, p := range ChurnPaths {
+		cpu.Add(p, (cpuTicks(pids[p])-ticks[p])/100/took.Seconds()*100)
+	}
+	time.Sleep(2 * time.Second) // the last changes are programmed
+	close(stop)
+	clients.Wait()
+	t.Logf("churn: %d slice updates in %v (%.1f/s)", updates, took.Round(time.Millisecond), float64(updates)/took.Seconds())
+
+	mean := rep.Metric("programming latency, mean (metric)", "ms", false)
+	within := rep.Metric("programming latency ≤ 0.25 s (metric)", "% of changes", true)
+	for _, p := range ChurnPaths {
+		after := scrape(p)
+		n := after[npCount] - before[p][npCount]
+		if n <= 0 {
+			mean.Note(p, "no observation")
+			continue
+		}
+		mean.Add(p, (after[npSum]-before[p][npSum])/n*1000)
+		within.Add(p, (after[npLE025]-before[p][npLE025])/n*100)
+	}
+	peakRSS := rep.Metric("RSS during the churn, peak", "MiB", false)
+	for _, p := range ChurnPaths {
+		peakRSS.Add(p, float64(peak[p])/1024)
+	}
+	// Client side: the first connection that reached a new endpoint after its slice was
+	// written, the last one that reached an endpoint after its becoming terminating was written.
+	first := map[string][]float64{}
+	last := map[string][]float64{}
+	for _, p := range ChurnPaths {
+		for _, ev := range added {
+			for _, cn := range conns[p] {
+				if cn.at.After(ev.at) && cn.backend == ev.pod {
+					first[p] = append(first[p], float64(cn.at.Sub(ev.at).Microseconds())/1e3)
+					break
+				}
+			}
+		}
+		for _, ev := range removed {
+			// Until the pod is added again (the probe's pods take turns).
+			until := time.Now()
+			for _, a := range added {
+				if a.pod == ev.pod && a.at.After(ev.at) {
+					until = a.at
+					break
+				}
+			}
+			lastAt := 0.0
+			for _, cn := range conns[p] {
+				if cn.at.After(ev.at) && cn.at.Before(until) && cn.backend == ev.pod {
+					lastAt = float64(cn.at.Sub(ev.at).Microseconds()) / 1e3
+				}
+			}
+			last[p] = append(last[p], lastAt)
+		}
+	}
+	for _, q := range []struct {
+		name string
+		pct  float64
+	}{{"p50", 50}, {"p99", 99}, {"max", 100}} {
+		mf := rep.Metric("programming latency "+q.name+" (client: first connection to a new endpoint)", "ms", false)
+		ml := rep.Metric("programming latency "+q.name+" (client: last connection to a terminating endpoint)", "ms", false)
+		for _, p := range ChurnPaths {
+			if len(first[p]) > 0 {
+				mf.Add(p, percentile(first[p], q.pct))
+			}
+			if len(last[p]) > 0 {
+				ml.Add(p, percentile(last[p], q.pct))
+			}
+		}
+	}
+	rep.Notes = append(rep.Notes,
+		fmt.Sprintf("One control plane (etcd + kube-apiserver) and one node namespace per path, all watching it: upstream kube-proxy v1.36.3 --proxy-mode=iptables, the same with --proxy-mode=nftables, kube-userspace-proxy; every proxy with its default minimum sync period (1 s). The bulk: %d ClusterIP services of %d endpoints each (one slice per service; addresses nowhere: no traffic goes to them), created through the API server; RSS and rules once every proxy had programmed every slice.", cfg.services, cfg.endpoints),
+		fmt.Sprintf("Churn: %.0f EndpointSlice updates/s for %v, each one step of a rolling update of a random service (oldest endpoint terminating; a new one not ready; ready; the terminating one removed), every slice written with endpoints.kubernetes.io/last-change-trigger-time = now, as the EndpointSlice controller does. CPU: utime+stime of each proxy over the churn (kube-userspace-proxy's includes relaying the probe client's connections, which the kernel does for kube-proxy); RSS peak sampled every second.", cfg.rate, cfg.duration),
+		"Metric: kubeproxy_network_programming_duration_seconds over the churn (from each slice's trigger time to the end of the programming); kube-proxy's buckets start at 0.25 s, so the metric gives the mean (sum/count) and the share within 0.25 s. Client: a probe service of 6 real pods (kup-echo) is rolled every few seconds (its updates count in the rate); a client on each node connects to its ClusterIP without pause; first connection = the first that reached the new pod after its ready slice was written; last connection = the last that reached the pod after the slice making it terminating was written (0 when none did).",
+	)
+	_ = kup
+}
+
+// cpuTicks returns utime+stime of pid in clock ticks (0 if it cannot be read).
+func cpuTicks(pid int) float64 {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		return 0
+	}
+	s := string(b)
+	f := strings.Fields(s[strings.LastIndex(s, ")")+2:])
+	var u, k float64
+	fmt.Sscan(f[11], &u)
+	fmt.Sscan(f[12], &k)
+	return u + k
+}
+
+// thousands formats n with a comma every three digits.
+func thousands(n int) string {
+	s := fmt.Sprint(n)
+	for i := len(s) - 3; i > 0; i -= 3 {
+		s = s[:i] + "," + s[i:]
+	}
+	return s
+}
+
+// writeChurnReport writes churn.md and churn.json into dir.
+func writeChurnReport(t *testing.T, rep *ChurnReport, dir string) {
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		t.Errorf("results: %v", err)
+		return
+	}
+	var md strings.Builder
+	_ = rep.WriteMarkdown(&md)
+	fmt.Println(md.String())
+	if err := os.WriteFile(filepath.Join(dir, "churn.md"), []byte(md.String()), 0o644); err != nil {
+		t.Errorf("results: %v", err)
+	}
+	f, err := os.Create(filepath.Join(dir, "churn.json"))
+	if err == nil {
+		err = rep.WriteJSON(f)
+		err = cmpErr(err, f.Close())
+	}
+	if err != nil {
+		t.Errorf("results churn.json: %v", err)
+	}
+}
