@@ -198,3 +198,53 @@ func waitFor(t *testing.T, cond func() bool) {
 		}
 	}
 }
+
+// blockingPortals is Portals whose Sync, once armed, waits until released: a rule write that
+// takes long (a full restore at 10,000 service ports takes about a second).
+type blockingPortals struct {
+	armed   bool
+	entered chan struct{}
+	release chan struct{}
+}
+
+func (b *blockingPortals) Sync(context.Context, []proxy.PortState, proxy.NodeAddrs, bool) error {
+	if b.armed {
+		b.entered <- struct{}{}
+		<-b.release
+	}
+	return nil
+}
+
+// TestEndpointsNotHeldByRuleWrite: while a sync writes rules, an endpoint change still reaches
+// the balancer.
+func TestEndpointsNotHeldByRuleWrite(t *testing.T) {
+	a, b := startBackend(t, "a"), startBackend(t, "b")
+	portals := &blockingPortals{entered: make(chan struct{}), release: make(chan struct{})}
+	p := newTestProxier(t, Options{Portals: portals, BindAddress: netip.MustParseAddr("127.0.0.1")})
+	tr := p.Tracker()
+	tr.OnServiceUpdate(nil, service("echo", []v1.ServicePort{tcpPort("tcp", 80)}))
+	sa := slice("echo", "echo-a", "tcp", v1.ProtocolTCP, a)
+	tr.OnEndpointSliceUpdate(nil, sa)
+	p.sync(false)
+	port := proxyPort(t, p, echoTCP)
+
+	portals.armed = true
+	syncDone := make(chan struct{})
+	go func() { p.sync(true); close(syncDone) }()
+	<-portals.entered // the periodic sync is writing rules
+	tr.OnEndpointSliceUpdate(sa, nil)
+	tr.OnEndpointSliceUpdate(nil, slice("echo", "echo-b", "tcp", v1.ProtocolTCP, b))
+	programmed := make(chan struct{})
+	go func() { p.programEndpoints(); close(programmed) }()
+	select {
+	case <-programmed:
+	case <-time.After(10 * time.Second): // a bound for a stuck test, not a timing requirement
+		t.Error("the endpoint change waited for the rule write")
+	}
+	if got := mustAsk(t, "tcp", port); got != "b" {
+		t.Errorf("answered by %q during the rule write, want b", got)
+	}
+	close(portals.release)
+	<-syncDone
+	<-programmed
+}

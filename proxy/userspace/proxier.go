@@ -353,8 +353,10 @@ func (p *Proxier) programEndpoints() {
 	default:
 		return
 	}
-	p.syncMu.Lock()
-	defer p.syncMu.Unlock()
+	// Not syncMu: a sync holds it while it writes rules (at 10,000 service ports a full
+	// sync's restore takes a second), and endpoint changes must not wait for that. mu is
+	// enough: a sync drains and applies its changes under it too, and Freeze sets frozen
+	// under it.
 	p.mu.Lock()
 	if p.closed || p.frozen || p.self == nil || p.stale {
 		p.mu.Unlock()
@@ -434,9 +436,6 @@ func (p *Proxier) sync(periodic bool) bool {
 		return false // the changes wait in the tracker
 	}
 	res := proxy.SyncResult{Start: time.Now()}
-	ch := p.tracker.Drain()
-	res.ServiceChanges, res.EndpointChanges = len(ch.Services), len(ch.Endpoints)
-
 	node, err := p.opts.NodeAddrs()
 	if err != nil {
 		p.log.Warn().Err(err).Msg("listing node addresses; keeping the previous list")
@@ -449,6 +448,10 @@ func (p *Proxier) sync(periodic bool) bool {
 		p.mu.Unlock()
 		return false
 	}
+	// Drained under mu, as programEndpoints drains and applies: no older change is applied
+	// after a newer one.
+	ch := p.tracker.Drain()
+	res.ServiceChanges, res.EndpointChanges = len(ch.Services), len(ch.Endpoints)
 	dirty := p.applyLocked(&ch)
 	res.Triggers = append(p.triggers, ch.Triggers...)
 	p.triggers = nil
