@@ -3,8 +3,10 @@
 package bench
 
 import (
+	"cmp"
 	"context"
 	"fmt"
+	"math"
 	"math/rand/v2"
 	"net/netip"
 	"os"
@@ -30,13 +32,14 @@ type churnSettings struct {
 	rate                float64       // slice updates per second during the churn
 	duration            time.Duration // of the churn
 	probeEvery          time.Duration // a rolling-update step of the probe service (real pods)
+	scales              int           // large services scaled 10 → 1,000 → 10 during the churn
 }
 
 func churnConfig(quick bool) churnSettings {
 	if quick {
-		return churnSettings{services: 1000, endpoints: 10, rate: 20, duration: 30 * time.Second, probeEvery: 2 * time.Second}
+		return churnSettings{services: 1000, endpoints: 10, rate: 20, duration: 30 * time.Second, probeEvery: 2 * time.Second, scales: 1}
 	}
-	return churnSettings{services: 10000, endpoints: 10, rate: 20, duration: 5 * time.Minute, probeEvery: 3 * time.Second}
+	return churnSettings{services: 10000, endpoints: 10, rate: 20, duration: 5 * time.Minute, probeEvery: 3 * time.Second, scales: 3}
 }
 
 // Network programming samples of each proxy's metric.
@@ -89,6 +92,20 @@ func runChurn(t *testing.T, quick bool, outDir string) {
 		harness.StartEcho(t, pod.NS, name, echoPort)
 		probe = append(probe, harness.Endpoint{IP: pod.IP, Node: "csrv", Name: name})
 	}
+	// The large services' endpoints: two pods, each answering on a range of addresses (a local
+	// route in the pod: its echo server's socket on 0.0.0.0 takes them all), routed to it by its
+	// node: "bigold" the 10 endpoints a large service starts and ends with, "bignew" the 990 it
+	// is scaled up with.
+	bigOld, bigNew := nw.AddPod(t, srvNode, "bigold"), nw.AddPod(t, srvNode, "bignew")
+	harness.StartEcho(t, bigOld.NS, "bigold", echoPort)
+	harness.StartEcho(t, bigNew.NS, "bignew", echoPort)
+	for _, r := range []struct {
+		pod   *netns.Pod
+		scope string
+	}{{bigOld, bigOldRange}, {bigNew, bigNewRange}} {
+		r.pod.Run(t, "ip", "route", "add", "local", r.scope, "dev", "lo")
+		srvNode.Run(t, "ip", "route", "add", r.scope, "dev", "v"+fmt.Sprint(r.pod.IP.As4()[3]))
+	}
 	probeSvc := harness.CreateService(ctx, t, c.Client, harness.ClusterIPService("probe", harness.TCPPort("tcp", 80, echoPort)))
 	active := []int{0, 1, 2}
 	probeSlice := func(ready []int, notReady, terminating int) *discoveryv1.EndpointSlice {
@@ -118,6 +135,13 @@ func runChurn(t *testing.T, quick bool, outDir string) {
 		if _, err := c.CreateNode(ctx, names[p], nodes[p].IP); err != nil {
 			t.Fatal(err)
 		}
+		nodes[p].Run(t, "ip", "route", "add", bigRange, "via", srvNode.IP.String())
+	}
+	var bigSvcs []*corev1.Service
+	for k := range cfg.scales {
+		svc := harness.CreateService(ctx, t, c.Client, harness.ClusterIPService(fmt.Sprintf("big-%d", k), harness.TCPPort("tcp", 80, echoPort)))
+		harness.ApplySlice(ctx, t, c.Client, bigSlice(svc, 0, 10, 0, 0))
+		bigSvcs = append(bigSvcs, svc)
 	}
 	pids[PathIPTables] = c.KubeProxy(t, nodes[PathIPTables].NS, names[PathIPTables]).Pid()
 	pids[PathNFTables] = c.KubeProxy(t, nodes[PathNFTables].NS, names[PathNFTables], "--proxy-mode=nftables").Pid()
@@ -223,7 +247,7 @@ func runChurn(t *testing.T, quick bool, outDir string) {
 					conns[p] = append(conns[p], conn{at, a.Backend})
 					mu.Unlock()
 				}
-				time.Sleep(2 * time.Millisecond)
+				time.Sleep(5 * time.Millisecond)
 			}
 		})
 	}
@@ -244,6 +268,16 @@ func runChurn(t *testing.T, quick bool, outDir string) {
 	rolling := map[int]*roll{}
 	every := time.Duration(float64(time.Second) / cfg.rate)
 	churnStart := time.Now()
+	scaleUp := rep.Metric("scale-up 10 → 1,000, first connection to a new endpoint", "ms", false)
+	scaleDown := rep.Metric("scale-down 1,000 → 10, last connection to a removed endpoint", "ms", false)
+	var scaling sync.WaitGroup
+	scaling.Go(func() {
+		for k, svc := range bigSvcs {
+			// Spread over the churn: up at (2k+1)/(2n+1) of it, down 10 s later.
+			time.Sleep(time.Until(churnStart.Add(cfg.duration * time.Duration(2*k+1) / time.Duration(2*len(bigSvcs)+1))))
+			scaleOnce(t, c, nodes, svc, scaleUp, scaleDown)
+		}
+	})
 	nextProbe, probeStep, fresh := churnStart.Add(cfg.probeEvery), 0, 3
 	updates := 0
 	for tick := churnStart; time.Since(churnStart) < cfg.duration; tick = tick.Add(every) {
@@ -300,6 +334,7 @@ func runChurn(t *testing.T, quick bool, outDir string) {
 		}
 	}
 	took := time.Since(churnStart)
+	scaling.Wait()
 	cpu := rep.Metric("proxy CPU during the churn", "% of a core", false)
 	for _, p := range ChurnPaths {
 		cpu.Add(p, (cpuTicks(pids[p])-ticks[p])/100/took.Seconds()*100)
@@ -320,6 +355,17 @@ func runChurn(t *testing.T, quick bool, outDir string) {
 		}
 		mean.Add(p, (after[npSum]-before[p][npSum])/n*1000)
 		within.Add(p, (after[npLE025]-before[p][npLE025])/n*100)
+	}
+	for _, q := range []struct {
+		name string
+		q    float64
+	}{{"p50", 0.5}, {"p99", 0.99}, {"max", 1}} {
+		m := rep.Metric("programming latency "+q.name+" (metric, histogram_quantile)", "ms", false)
+		for _, p := range ChurnPaths {
+			if v, ok := histQuantile(before[p], scrape(p), q.q); ok {
+				m.Add(p, v*1000)
+			}
+		}
 	}
 	peakRSS := rep.Metric("RSS during the churn, peak", "MiB", false)
 	for _, p := range ChurnPaths {
@@ -374,9 +420,153 @@ func runChurn(t *testing.T, quick bool, outDir string) {
 	rep.Notes = append(rep.Notes,
 		fmt.Sprintf("One control plane (etcd + kube-apiserver) and one node namespace per path, all watching it: upstream kube-proxy v1.36.3 --proxy-mode=iptables, the same with --proxy-mode=nftables, kube-userspace-proxy; every proxy with its default minimum sync period (1 s). The bulk: %d ClusterIP services of %d endpoints each (one slice per service; addresses nowhere: no traffic goes to them), created through the API server; RSS and rules once every proxy had programmed every slice.", cfg.services, cfg.endpoints),
 		fmt.Sprintf("Churn: %.0f EndpointSlice updates/s for %v, each one step of a rolling update of a random service (oldest endpoint terminating; a new one not ready; ready; the terminating one removed), every slice written with endpoints.kubernetes.io/last-change-trigger-time = now, as the EndpointSlice controller does. CPU: utime+stime of each proxy over the churn (kube-userspace-proxy's includes relaying the probe client's connections, which the kernel does for kube-proxy); RSS peak sampled every second.", cfg.rate, cfg.duration),
-		"Metric: kubeproxy_network_programming_duration_seconds over the churn (from each slice's trigger time to the end of the programming); kube-proxy's buckets start at 0.25 s, so the metric gives the mean (sum/count) and the share within 0.25 s. Client: a probe service of 6 real pods (kup-echo) is rolled every few seconds (its updates count in the rate); a client on each node connects to its ClusterIP without pause; first connection = the first that reached the new pod after its ready slice was written; last connection = the last that reached the pod after the slice making it terminating was written (0 when none did).",
+		"Metric: kubeproxy_network_programming_duration_seconds over the churn (from each slice's trigger time to the end of the programming); kube-proxy's buckets start at 0.25 s, so the metric gives the mean (sum/count), the share within 0.25 s, and histogram_quantile's estimates (linear within a bucket: any p99 in the first bucket reads about 0.25 s; max is the upper bound of the highest bucket reached). Client: a probe service of 6 real pods (kup-echo) is rolled every few seconds (its updates count in the rate); a client on each node connects to its ClusterIP without pause; first connection = the first that reached the new pod after its ready slice was written; last connection = the last that reached the pod after the slice making it terminating was written (0 when none did).",
 	)
 	_ = kup
+}
+
+// The large services' endpoint addresses: bigOldRange holds the 10 they keep, bigNewRange the
+// 990 of a scale-up; bigRange covers both.
+const (
+	bigRange    = "10.210.0.0/16"
+	bigOldRange = "10.210.0.0/28"
+	bigNewRange = "10.210.4.0/22"
+)
+
+// bigSlice returns slice number k of the large service svc: old endpoints of bigOldRange, then
+// fresh ones of bigNewRange from its index from.
+func bigSlice(svc *corev1.Service, k, old, from, fresh int) *discoveryv1.EndpointSlice {
+	var eps []harness.Endpoint
+	for i := range old {
+		eps = append(eps, harness.Endpoint{IP: netip.AddrFrom4([4]byte{10, 210, 0, byte(i)})})
+	}
+	for i := from; i < from+fresh; i++ {
+		eps = append(eps, harness.Endpoint{IP: netip.AddrFrom4([4]byte{10, 210, byte(4 + i/256), byte(i % 256)})})
+	}
+	s := harness.Slice(svc, eps...)
+	s.Name = fmt.Sprintf("%s-%d", svc.Name, k)
+	return s
+}
+
+// scaleOnce scales svc from 10 endpoints to 1,000 (10 slices of 100) and back, while a client
+// on each path's node connects to it without pause, and records the first connection that
+// reached a new endpoint after the first slice was written, and the last that reached one after
+// the scale-down began.
+func scaleOnce(t *testing.T, c *cluster.Cluster, nodes map[string]*netns.Node, svc *corev1.Service, up, down *Metric) {
+	ctx := context.Background()
+	type conn struct {
+		at      time.Time
+		backend string
+	}
+	var mu sync.Mutex
+	conns := map[string][]conn{}
+	stop := make(chan struct{})
+	var clients sync.WaitGroup
+	for _, p := range ChurnPaths {
+		clients.Go(func() {
+			for {
+				select {
+				case <-stop:
+					return
+				default:
+				}
+				at := time.Now()
+				if a, err := harness.AskTimeout(ctx, nodes[p].NS, "tcp", harness.Addr(svc, 0), 2*time.Second); err == nil {
+					mu.Lock()
+					conns[p] = append(conns[p], conn{at, a.Backend})
+					mu.Unlock()
+				}
+				time.Sleep(5 * time.Millisecond)
+			}
+		})
+	}
+	time.Sleep(500 * time.Millisecond)
+	upAt := time.Now()
+	harness.ApplySlice(ctx, t, c.Client, bigSlice(svc, 0, 10, 0, 90))
+	for k := 1; k < 10; k++ {
+		harness.ApplySlice(ctx, t, c.Client, bigSlice(svc, k, 0, 90+(k-1)*100, 100))
+	}
+	time.Sleep(10 * time.Second)
+	downAt := time.Now()
+	harness.ApplySlice(ctx, t, c.Client, bigSlice(svc, 0, 10, 0, 0))
+	for k := 1; k < 10; k++ {
+		name := fmt.Sprintf("%s-%d", svc.Name, k)
+		if err := c.Client.DiscoveryV1().EndpointSlices(svc.Namespace).Delete(ctx, name, metav1.DeleteOptions{}); err != nil {
+			t.Errorf("delete endpointslice %s: %v", name, err)
+		}
+	}
+	time.Sleep(5 * time.Second)
+	close(stop)
+	clients.Wait()
+	for _, p := range ChurnPaths {
+		first, last := -1.0, 0.0
+		for _, cn := range conns[p] {
+			if cn.backend != "bignew" {
+				continue
+			}
+			if d := float64(cn.at.Sub(upAt).Microseconds()) / 1e3; first < 0 && cn.at.After(upAt) {
+				first = d
+			}
+			if cn.at.After(downAt) {
+				last = float64(cn.at.Sub(downAt).Microseconds()) / 1e3
+			}
+		}
+		if first < 0 {
+			up.Note(p, "no connection reached a new endpoint")
+		} else {
+			up.Add(p, first)
+		}
+		down.Add(p, last)
+	}
+}
+
+// histQuantile returns the q-quantile of the network programming observations made between
+// the scrapes before and after, as Prometheus's histogram_quantile estimates it from the buckets
+// (linear within a bucket); q = 1 gives the upper bound of the highest bucket that got one.
+func histQuantile(before, after map[string]float64, q float64) (float64, bool) {
+	const prefix = `kubeproxy_network_programming_duration_seconds_bucket{ip_family="IPv4",le="`
+	type bucket struct{ le, n float64 }
+	var bs []bucket
+	for k, v := range after {
+		le, ok := strings.CutPrefix(k, prefix)
+		if !ok {
+			continue
+		}
+		le = strings.TrimSuffix(le, `"}`)
+		var f float64
+		if le == "+Inf" {
+			f = math.Inf(1)
+		} else if _, err := fmt.Sscan(le, &f); err != nil {
+			continue
+		}
+		bs = append(bs, bucket{f, v - before[k]})
+	}
+	slices.SortFunc(bs, func(a, b bucket) int { return cmp.Compare(a.le, b.le) })
+	if len(bs) == 0 || bs[len(bs)-1].n <= 0 {
+		return 0, false
+	}
+	total := bs[len(bs)-1].n
+	if q >= 1 {
+		for i, b := range bs {
+			if b.n >= total {
+				if math.IsInf(b.le, 1) && i > 0 {
+					return bs[i-1].le, true
+				}
+				return b.le, true
+			}
+		}
+	}
+	rank, lo, below := q*total, 0.0, 0.0
+	for _, b := range bs {
+		if b.n >= rank {
+			if math.IsInf(b.le, 1) {
+				return lo, true
+			}
+			return lo + (b.le-lo)*(rank-below)/(b.n-below), true
+		}
+		lo, below = b.le, b.n
+	}
+	return lo, true
 }
 
 // cpuTicks returns utime+stime of pid in clock ticks (0 if it cannot be read).
