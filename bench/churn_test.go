@@ -12,6 +12,7 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -35,11 +36,29 @@ type churnSettings struct {
 	scales              int           // large services scaled 10 → 1,000 → 10 during the churn
 }
 
-func churnConfig(quick bool) churnSettings {
+// churnConfig returns the sizes of a full or quick run; KUP_BENCH_CHURN_SERVICES=N and
+// KUP_BENCH_CHURN_DURATION=D (a Go duration) override the bulk's size and the churn's length
+// (a development aid, not for results).
+func churnConfig(quick bool) (churnSettings, error) {
+	cfg := churnSettings{services: 10000, endpoints: 10, rate: 20, duration: 5 * time.Minute, probeEvery: 3 * time.Second, scales: 3}
 	if quick {
-		return churnSettings{services: 1000, endpoints: 10, rate: 20, duration: 30 * time.Second, probeEvery: 2 * time.Second, scales: 1}
+		cfg = churnSettings{services: 1000, endpoints: 10, rate: 20, duration: 30 * time.Second, probeEvery: 2 * time.Second, scales: 1}
 	}
-	return churnSettings{services: 10000, endpoints: 10, rate: 20, duration: 5 * time.Minute, probeEvery: 3 * time.Second, scales: 3}
+	if v := os.Getenv("KUP_BENCH_CHURN_SERVICES"); v != "" {
+		n, err := strconv.Atoi(v)
+		if err != nil || n <= 0 {
+			return cfg, fmt.Errorf("KUP_BENCH_CHURN_SERVICES=%q: want a count", v)
+		}
+		cfg.services = n
+	}
+	if v := os.Getenv("KUP_BENCH_CHURN_DURATION"); v != "" {
+		d, err := time.ParseDuration(v)
+		if err != nil || d <= 0 {
+			return cfg, fmt.Errorf("KUP_BENCH_CHURN_DURATION=%q: want a duration", v)
+		}
+		cfg.duration = d
+	}
+	return cfg, nil
 }
 
 // Network programming samples of each proxy's metric.
@@ -71,7 +90,10 @@ func bulkSlice(svc *corev1.Service, i, first, n, notReady, terminating int) *dis
 // with fake endpoints, then churn at a steady rate, while a probe service of real pods is
 // rolled now and then and a client on each node connects to it without pause.
 func runChurn(t *testing.T, quick bool, outDir string) {
-	cfg := churnConfig(quick)
+	cfg, err := churnConfig(quick)
+	if err != nil {
+		t.Fatal(err)
+	}
 	rep := &ChurnReport{Started: time.Now(), Quick: quick, LoadStart: loadavg(), Machine: machine(t)}
 	defer func() {
 		rep.Finished, rep.LoadEnd = time.Now(), loadavg()
