@@ -6,8 +6,10 @@ import (
 	"cmp"
 	"context"
 	"fmt"
+	"io"
 	"math"
 	"math/rand/v2"
+	"net/http"
 	"net/netip"
 	"os"
 	"path/filepath"
@@ -165,21 +167,32 @@ func runChurn(t *testing.T, quick bool, outDir string) {
 		harness.ApplySlice(ctx, t, c.Client, bigSlice(svc, 0, 10, 0, 0))
 		bigSvcs = append(bigSvcs, svc)
 	}
-	pids[PathIPTables] = c.KubeProxy(t, nodes[PathIPTables].NS, names[PathIPTables]).Pid()
-	pids[PathNFTables] = c.KubeProxy(t, nodes[PathNFTables].NS, names[PathNFTables], "--proxy-mode=nftables").Pid()
-	kup := harness.StartProxy(t, nodes[PathKUP].NS, harness.ProxyConfig{NodeName: names[PathKUP], Kubeconfig: c.Kubeconfig,
-		MetricsBindAddress: metricsAddr, LogLevel: "info",
-		Ready: func(ctx context.Context) error {
-			_, err := harness.Ask(ctx, nodes[PathKUP].NS, "tcp", harness.Addr(probeSvc, 0))
-			return err
-		}})
-	pids[PathKUP] = kup.Pid()
-	for _, p := range ChurnPaths {
-		harness.WaitFor(t, time.Minute, func() error {
-			_, err := harness.AskTimeout(ctx, nodes[p].NS, "tcp", harness.Addr(probeSvc, 0), time.Second)
-			return err
-		})
+	// start starts (or restarts) every proxy and waits until each serves the probe service.
+	stops := map[string]func(){}
+	startProxies := func() {
+		for _, p := range []string{PathIPTables, PathNFTables} {
+			var extra []string
+			if p == PathNFTables {
+				extra = []string{"--proxy-mode=nftables"}
+			}
+			kp := c.KubeProxyWithin(t, nodes[p].NS, names[p], 15*time.Minute, extra...)
+			pids[p], stops[p] = kp.Pid(), kp.Stop
+		}
+		kup := harness.StartProxy(t, nodes[PathKUP].NS, harness.ProxyConfig{NodeName: names[PathKUP], Kubeconfig: c.Kubeconfig,
+			MetricsBindAddress: metricsAddr, LogLevel: "info", Args: []string{"--profiling"}, ReadyTimeout: 10 * time.Minute,
+			Ready: func(ctx context.Context) error {
+				_, err := harness.Ask(ctx, nodes[PathKUP].NS, "tcp", harness.Addr(probeSvc, 0))
+				return err
+			}})
+		pids[PathKUP], stops[PathKUP] = kup.Pid(), kup.Stop
+		for _, p := range ChurnPaths {
+			harness.WaitFor(t, 10*time.Minute, func() error {
+				_, err := harness.AskTimeout(ctx, nodes[p].NS, "tcp", harness.Addr(probeSvc, 0), time.Second)
+				return err
+			})
+		}
 	}
+	startProxies()
 
 	// The bulk: services × endpoints, slices of at most 100 endpoints (one per service here).
 	start := time.Now()
@@ -227,6 +240,20 @@ func runChurn(t *testing.T, quick bool, outDir string) {
 	}
 	t.Logf("all proxies programmed the bulk %v after its creation began", time.Since(start).Round(time.Millisecond))
 	time.Sleep(3 * time.Second)
+	grown := rep.Metric(fmt.Sprintf("RSS at %s × %d endpoints, grown from none", thousands(cfg.services), cfg.endpoints), "MiB", false)
+	for _, p := range ChurnPaths {
+		kib, err := rssKiB(pids[p])
+		record(t, grown, p, float64(kib)/1024, err)
+	}
+	// Restarted with the bulk present, as a node's proxy usually starts: the figure of the
+	// targets. (The churn then runs on the restarted proxies.)
+	for _, p := range ChurnPaths {
+		stops[p]()
+	}
+	restarted := time.Now()
+	startProxies()
+	t.Logf("all proxies restarted and serving in %v", time.Since(restarted).Round(time.Millisecond))
+	time.Sleep(10 * time.Second)
 	rss := rep.Metric(fmt.Sprintf("RSS at %s × %d endpoints", thousands(cfg.services), cfg.endpoints), "MiB", false)
 	rules := rep.Metric(fmt.Sprintf("rules at %s × %d endpoints", thousands(cfg.services), cfg.endpoints), "lines", false)
 	for _, p := range ChurnPaths {
@@ -240,6 +267,7 @@ func runChurn(t *testing.T, quick bool, outDir string) {
 		record(t, rules, p, float64(strings.Count(out, "\n")), err)
 	}
 	rules.Note(PathKUP, "iptables-save of its node")
+	saveHeapProfile(t, nodes[PathKUP].NS, filepath.Join(os.TempDir(), "kup-churn-heap.pb.gz"))
 
 	// The churn.
 	before := map[string]map[string]float64{}
@@ -440,11 +468,10 @@ func runChurn(t *testing.T, quick bool, outDir string) {
 		}
 	}
 	rep.Notes = append(rep.Notes,
-		fmt.Sprintf("One control plane (etcd + kube-apiserver) and one node namespace per path, all watching it: upstream kube-proxy v1.36.3 --proxy-mode=iptables, the same with --proxy-mode=nftables, kube-userspace-proxy; every proxy with its default minimum sync period (1 s). The bulk: %d ClusterIP services of %d endpoints each (one slice per service; addresses nowhere: no traffic goes to them), created through the API server; RSS and rules once every proxy had programmed every slice.", cfg.services, cfg.endpoints),
+		fmt.Sprintf("One control plane (etcd + kube-apiserver) and one node namespace per path, all watching it: upstream kube-proxy v1.36.3 --proxy-mode=iptables, the same with --proxy-mode=nftables, kube-userspace-proxy; every proxy with its default minimum sync period (1 s). The bulk: %d ClusterIP services of %d endpoints each (one slice per service; addresses nowhere: no traffic goes to them), created through the API server after the proxies started; RSS grown from none once every proxy had programmed every slice; then every proxy restarted with the bulk present, and RSS and rules 10 s after it served again (the churn runs on the restarted proxies).", cfg.services, cfg.endpoints),
 		fmt.Sprintf("Churn: %.0f EndpointSlice updates/s for %v, each one step of a rolling update of a random service (oldest endpoint terminating; a new one not ready; ready; the terminating one removed), every slice written with endpoints.kubernetes.io/last-change-trigger-time = now, as the EndpointSlice controller does. CPU: utime+stime of each proxy over the churn (kube-userspace-proxy's includes relaying the probe client's connections, which the kernel does for kube-proxy); RSS peak sampled every second.", cfg.rate, cfg.duration),
 		"Metric: kubeproxy_network_programming_duration_seconds over the churn (from each slice's trigger time to the end of the programming); kube-proxy's buckets start at 0.25 s, so the metric gives the mean (sum/count), the share within 0.25 s, and histogram_quantile's estimates (linear within a bucket: any p99 in the first bucket reads about 0.25 s; max is the upper bound of the highest bucket reached). Client: a probe service of 6 real pods (kup-echo) is rolled every few seconds (its updates count in the rate); a client on each node connects to its ClusterIP without pause; first connection = the first that reached the new pod after its ready slice was written; last connection = the last that reached the pod after the slice making it terminating was written (0 when none did).",
 	)
-	_ = kup
 }
 
 // The large services' endpoint addresses: bigOldRange holds the 10 they keep, bigNewRange the
@@ -589,6 +616,25 @@ func histQuantile(before, after map[string]float64, q float64) (float64, bool) {
 		lo, below = b.le, b.n
 	}
 	return lo, true
+}
+
+// saveHeapProfile writes kube-userspace-proxy's heap profile (its --profiling endpoint in ns)
+// to file, for the figures' explanation; a failure is logged, not fatal.
+func saveHeapProfile(t *testing.T, ns *netns.NS, file string) {
+	hc := &http.Client{Timeout: 30 * time.Second, Transport: &http.Transport{DialContext: ns.DialContext, DisableKeepAlives: true}}
+	resp, err := hc.Get("http://" + metricsAddr + "/debug/pprof/heap?gc=1")
+	if err == nil {
+		defer resp.Body.Close()
+		var b []byte
+		if b, err = io.ReadAll(resp.Body); err == nil {
+			err = os.WriteFile(file, b, 0o644)
+		}
+	}
+	if err != nil {
+		t.Logf("heap profile: %v", err)
+		return
+	}
+	t.Logf("kube-userspace-proxy's heap profile after the bulk: %s", file)
 }
 
 // cpuTicks returns utime+stime of pid in clock ticks (0 if it cannot be read).

@@ -319,6 +319,13 @@ func (c *Cluster) CreateNode(ctx context.Context, name string, internalIP netip.
 // t.Cleanup; it fails the test on error.
 func (c *Cluster) KubeProxy(t testing.TB, node *netns.NS, nodeName string, extraArgs ...string) *netns.Process {
 	t.Helper()
+	return c.KubeProxyWithin(t, node, nodeName, 60*time.Second, extraArgs...)
+}
+
+// KubeProxyWithin is KubeProxy waiting up to timeout for the first sync (at tens of thousands
+// of endpoints, a restarted kube-proxy's first sync takes minutes on a busy machine).
+func (c *Cluster) KubeProxyWithin(t testing.TB, node *netns.NS, nodeName string, timeout time.Duration, extraArgs ...string) *netns.Process {
+	t.Helper()
 	args := []string{
 		binary(t, c.binDir, binKubeProxy),
 		"--kubeconfig=" + c.Kubeconfig,
@@ -334,7 +341,7 @@ func (c *Cluster) KubeProxy(t testing.TB, node *netns.NS, nodeName string, extra
 		"--metrics-bind-address=" + kubeProxyMetricsAddr,
 	}
 	p := node.Start(t, append(args, extraArgs...)...)
-	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), timeout)
 	defer cancel()
 	if err := waitSynced(ctx, node, p); err != nil {
 		t.Fatalf("cluster: kube-proxy for node %s in %s: %v", nodeName, node, err)
