@@ -99,6 +99,9 @@ func runChurn(t *testing.T, quick bool, outDir string) {
 	rep := &ChurnReport{Started: time.Now(), Quick: quick, LoadStart: loadavg(), Machine: machine(t)}
 	defer func() {
 		rep.Finished, rep.LoadEnd = time.Now(), loadavg()
+		if t.Failed() {
+			rep.Notes = append(rep.Notes, "INCOMPLETE: the run failed before the end.")
+		}
 		writeChurnReport(t, rep, outDir)
 	}()
 	ctx := context.Background()
