@@ -53,8 +53,14 @@ type Record struct {
 	Files  []*os.File `json:"-"`
 }
 
-// NewRecord returns a record of kind whose Meta is meta encoded as JSON.
+// NewRecord returns a record of kind whose Meta is meta encoded as JSON. Every file must be
+// open: a record carries no placeholder for a socket it lacks (say so in meta instead).
 func NewRecord(kind string, meta any, files ...*os.File) (Record, error) {
+	for i, f := range files {
+		if f == nil {
+			return Record{}, fmt.Errorf("hand-over record %s: descriptor %d of %d is missing", kind, i+1, len(files))
+		}
+	}
 	b, err := json.Marshal(meta)
 	if err != nil {
 		return Record{}, fmt.Errorf("hand-over record %s: %w", kind, err)

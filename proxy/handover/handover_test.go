@@ -320,3 +320,19 @@ func TestCloseHandedOverKeepsSuccessorSocket(t *testing.T) {
 	}
 	c.Close()
 }
+
+// A record cannot carry a missing descriptor: NewRecord says so, and a send of one fails
+// instead of falling over it.
+func TestRecordWithMissingDescriptor(t *testing.T) {
+	f, err := os.Open(os.DevNull)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	if _, err := NewRecord("tcp-conn", struct{}{}, f, nil); err == nil {
+		t.Error("NewRecord took a nil file")
+	}
+	if _, err := rawFD(nil); err == nil {
+		t.Error("rawFD of a nil file: no error")
+	}
+}

@@ -35,6 +35,10 @@ type listenerMeta struct {
 	ProxyPort int         `json:"proxyPort"`
 }
 
+// tcpConnMeta is a KindTCPConn record's meta. The record carries the client socket and the
+// endpoint socket, or the client socket alone for a connection frozen before its endpoint
+// answered (its dial was abandoned, or failed while frozen): Endpoint is then zero, nothing is
+// pending, and the adopter dials it as if it had just been accepted.
 type tcpConnMeta struct {
 	Name           proxy.Name     `json:"name"`
 	Client         netip.AddrPort `json:"client"`
@@ -261,7 +265,7 @@ func (l *listener) freeze(ctx context.Context, name proxy.Name, add func(string,
 		for i, c := range st.Conns {
 			m := tcpConnMeta{Name: name, Client: c.ClientAddr, Endpoint: c.Endpoint, ToEndpoint: c.ToEndpoint, ToClient: c.ToClient,
 				ToEndpointDone: c.ToEndpointDone, ToClientDone: c.ToClientDone}
-			if err := add(KindTCPConn, m, c.Client, c.Backend); err != nil {
+			if err := add(KindTCPConn, m, connFiles(c)...); err != nil {
 				_ = forward.TCPState{Conns: st.Conns[i+1:]}.Close()
 				return err
 			}
@@ -285,6 +289,15 @@ func (l *listener) freeze(ctx context.Context, name proxy.Name, add func(string,
 		}
 	}
 	return nil
+}
+
+// connFiles returns a frozen connection's sockets for its record: the client's, and the
+// endpoint's unless it was frozen undialled.
+func connFiles(c forward.TCPConnState) []*os.File {
+	if c.Backend == nil {
+		return []*os.File{c.Client}
+	}
+	return []*os.File{c.Client, c.Backend}
 }
 
 // dupCloser duplicates the descriptor of a held port's socket.
@@ -398,14 +411,24 @@ func (p *Proxier) adoptLocked(r *handover.Record) (ok bool, err error) {
 		p.stash[k] = &inherited{proxyPort: m.ProxyPort, sock: r.Files[0]}
 	case KindTCPConn:
 		var m tcpConnMeta
-		if err := decode(r, &m, files(2)); err != nil {
+		nf := files(2)
+		if len(r.Files) == 1 { // undialled: the client socket alone
+			nf = nil
+		}
+		if err := decode(r, &m, nf); err != nil {
 			return true, err
+		}
+		var backend *os.File
+		if len(r.Files) == 2 {
+			backend = r.Files[1]
+		} else if len(m.ToEndpoint)+len(m.ToClient) > 0 || m.ToEndpointDone || m.ToClientDone {
+			return true, fmt.Errorf("connection of %s from %s: bytes in flight without an endpoint socket", m.Name, m.Client)
 		}
 		in := p.stash[listenerKey{m.Name, v1.ProtocolTCP}]
 		if in == nil {
 			return true, fmt.Errorf("connection of %s: its listener was not handed over", m.Name)
 		}
-		in.conns = append(in.conns, forward.TCPConnState{Client: r.Files[0], Backend: r.Files[1], ClientAddr: m.Client,
+		in.conns = append(in.conns, forward.TCPConnState{Client: r.Files[0], Backend: backend, ClientAddr: m.Client,
 			Endpoint: m.Endpoint, ToEndpoint: m.ToEndpoint, ToClient: m.ToClient, ToEndpointDone: m.ToEndpointDone, ToClientDone: m.ToClientDone})
 	case KindUDPSession:
 		var m udpSessionMeta
