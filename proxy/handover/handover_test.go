@@ -119,7 +119,12 @@ func take(t *testing.T, path string, claim func() error) (*Package, error) {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	return Take(ctx, path, "test", claim, zerolog.Nop())
+	return Take(ctx, path, "test", func(lock *os.File) error {
+		if lock != nil {
+			lock.Close()
+		}
+		return claim()
+	}, zerolog.Nop())
 }
 
 func claimOK() error { return nil }

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"net"
 	"net/netip"
+	"os"
 	"path/filepath"
 	"testing"
 	"time"
@@ -112,7 +113,7 @@ func TestHandOverOfDiallingConnection(t *testing.T) {
 	feedHole(successor, b) // the successor's endpoint answers
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	pkg, err := handover.Take(ctx, path, "test", func() error { return nil }, zerolog.Nop())
+	pkg, err := handover.Take(ctx, path, "test", func(*os.File) error { return nil }, zerolog.Nop())
 	if err != nil {
 		t.Fatal(err)
 	}
