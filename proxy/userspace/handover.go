@@ -317,9 +317,14 @@ func dupCloser(c io.Closer) (*os.File, error) {
 // Shutdown then return at once.
 func (p *Proxier) Release() {
 	p.mu.Lock()
-	defer p.mu.Unlock()
 	p.releaseFrozenLocked()
 	p.closed = true
+	poller := p.listen.poller // no listener is watched any more (closeListeners does nothing now)
+	p.listen.poller = nil
+	p.mu.Unlock()
+	if poller != nil {
+		_ = poller.Close()
+	}
 }
 
 // releaseFrozenLocked closes the frozen listeners' and held ports' own descriptors.
