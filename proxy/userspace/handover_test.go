@@ -329,7 +329,7 @@ func TestFreezeFailingHalfwayThaws(t *testing.T) {
 	// a freeze that ran out of descriptors.
 	listeners := 0
 	p.testHookRecord = func(kind string) error {
-		if kind == KindListener {
+		if kind == handover.KindListener {
 			if listeners++; listeners == 2 {
 				return errors.New("injected failure")
 			}

@@ -108,16 +108,12 @@ func waitForLock(ctx context.Context, log zerolog.Logger) (*instanceLock, error)
 	}
 }
 
-// kindFlowTargets is the hand-over record of what the portals did with each UDP target
-// (portal.FlowTargets).
-const kindFlowTargets = "flow-targets"
-
 // flowTargetsRecord returns the record of the portals' UDP targets (none when portals is nil).
 func flowTargetsRecord(portals *portal.Set) []handover.Record {
 	if portals == nil {
 		return nil
 	}
-	r, err := handover.NewRecord(kindFlowTargets, portals.FlowTargets())
+	r, err := handover.NewRecord(handover.KindFlowTargets, portals.FlowTargets())
 	if err != nil { // maps of strings always encode
 		return nil
 	}
@@ -128,7 +124,7 @@ func flowTargetsRecord(portals *portal.Set) []handover.Record {
 // sync keeps the conntrack flows of the UDP sessions just adopted.
 func adoptFlowTargets(pkg *handover.Package, portals *portal.Set, log zerolog.Logger) {
 	for _, r := range pkg.Records {
-		if r.Kind != kindFlowTargets || portals == nil {
+		if r.Kind != handover.KindFlowTargets || portals == nil {
 			continue
 		}
 		var ft portal.FlowTargets
