@@ -87,3 +87,37 @@ func TestReleasedCarriesTheLock(t *testing.T) {
 	}
 	f.Close()
 }
+
+// With a version-1 peer the lock is not passed: the predecessor frees it, and the successor
+// takes it itself.
+func TestVersionOneFreesTheLock(t *testing.T) {
+	saved := versions
+	versions = []int{1}
+	t.Cleanup(func() { versions = saved })
+	path := filepath.Join(t.TempDir(), "instance.lock")
+	lock, err := flockFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	g := &lockGiver{giver: newGiver(t, 1), path: path, lock: lock}
+	sock, stop := serve(t, g)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	var held *os.File
+	pkg, err := Take(ctx, sock, "test", func(passed *os.File) error {
+		if passed != nil {
+			passed.Close()
+			return errors.New("a version-1 predecessor passed a descriptor with released")
+		}
+		held, err = flockFile(path)
+		return err
+	}, zerolog.Nop())
+	if err != nil {
+		t.Fatal(err)
+	}
+	pkg.Close()
+	defer held.Close()
+	if !stop() {
+		t.Fatal("the predecessor did not hand over")
+	}
+}
