@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"net/netip"
 	"os"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -25,8 +26,8 @@ import (
 //
 // Shape: Loops holds one loop per processor. A proxy is placed at its first use on
 // loopsPerPort loops (round robin; the first is its home loop): its listener is on each of them,
-// each accepts for itself, and a connection stays on the loop that accepted it (adopted and
-// thawed ones go on the home loop). A loop
+// each accepts for itself, and a connection stays on the loop that accepted it, thawed too
+// (adopted ones go on the home loop). A loop
 // waits for its epoll descriptor in Go's poller (one RawConn.Read for its whole life, polling
 // with a zero timeout: see run): blocking in epoll_wait would hold a thread and double the cost
 // of each message.
@@ -188,8 +189,12 @@ type loopListener struct {
 
 // lconn is one connection on a loop: sockets 0 (client) and 1 (endpoint), and the directions
 // dir[i], from fd[i] to fd[1-i].
+//
+// A connection belongs to one loop, l, for its whole life (thawed, it goes back there): only
+// that loop's goroutine, or a holder of its turn, touches it.
 type lconn struct {
 	p          *TCPProxy
+	l          *loop    // the loop that owns it
 	fd         [2]int32 // -1: none
 	gen        [2]uint32
 	clientAddr netip.AddrPort
@@ -597,6 +602,17 @@ func (l *loop) dialStarted(c *lconn) {
 	l.armTimer(loopTickBusy)
 }
 
+// dropDial takes c, whose dial ended off the loop's books (frozen), out of loop.dials.
+func (l *loop) dropDial(c *lconn) {
+	if !c.inDials {
+		return
+	}
+	c.inDials = false
+	if i := slices.Index(l.dials, c); i >= 0 {
+		l.dials = slices.Delete(l.dials, i, i+1)
+	}
+}
+
 // dialEnded uncounts c's dial attempt (c.connecting is cleared). With no dial left, loop.dials
 // is emptied rather than left to the next sweep: the timer may be disarmed by then.
 func (l *loop) dialEnded() {
@@ -726,7 +742,7 @@ func (l *loop) accept(ln *loopListener) {
 	}
 	p.sink().ConnAccepted()
 	l.served.Add(1)
-	c := &lconn{p: p, fd: [2]int32{int32(cfd), -1}, clientAddr: rawAddrPort(&sa), last: l.now}
+	c := &lconn{p: p, l: l, fd: [2]int32{int32(cfd), -1}, clientAddr: rawAddrPort(&sa), last: l.now}
 	if err := l.register(c, 0); err != nil {
 		l.finish(c, true, err)
 		return

@@ -17,8 +17,8 @@ import (
 //
 // The listener is attached to each of the proxy's loops (loopsPerPort of them), and each
 // accepts for itself: a busy port's connections spread over them (and over processors) with no
-// hand-off between loops. A connection stays on the loop that accepted it; adopted and thawed
-// ones go on the proxy's home loop, l.
+// hand-off between loops. A connection stays on the loop that accepted it, also across a freeze
+// and thaw; adopted ones go on the proxy's home loop, l.
 type loopProxy struct {
 	l      *loop
 	set    []*loop         // the proxy's loops, l first
@@ -314,6 +314,7 @@ func (l *loop) freeze(c *lconn) {
 		c.fd[1], c.connecting = -1, false
 		l.dialEnded()
 	}
+	l.dropDial(c) // its sweep must not time out a dial it no longer has
 	if !c.connected {
 		c.endpoint, c.dl = netip.AddrPort{}, nil
 		c.dir[0].pending = nil // a PROXY header not sent: the adopter sends its own
@@ -414,7 +415,7 @@ func (p *TCPProxy) releaseLoopConns() {
 	}
 }
 
-// thawLoopConns puts the frozen loop connections back on the proxy's home loop.
+// thawLoopConns puts the frozen loop connections back on their loops.
 func (p *TCPProxy) thawLoopConns() {
 	p.mu.Lock()
 	var frozen []*lconn
@@ -427,16 +428,24 @@ func (p *TCPProxy) thawLoopConns() {
 		return
 	}
 	p.connWG.Add(len(frozen))
-	if !lp.l.post(func() {
-		for _, c := range frozen {
-			c.closed = false
-			lp.l.resume(c)
+	// Each goes back to the loop that owns it (see lconn).
+	byLoop := map[*loop][]*lconn{}
+	for _, c := range frozen {
+		byLoop[c.l] = append(byLoop[c.l], c)
+	}
+	for l, cs := range byLoop {
+		if l.post(func() {
+			for _, c := range cs {
+				c.closed = false
+				l.resume(c)
+			}
+		}) {
+			continue
 		}
-	}) {
-		for _, c := range frozen {
+		for _, c := range cs {
 			c.closed = false
 			c.connected = false
-			lp.l.finish(c, true, errors.New("the event loops are closed"))
+			l.finish(c, true, errors.New("the event loops are closed"))
 		}
 	}
 }
@@ -481,7 +490,8 @@ func (p *TCPProxy) adoptOnLoop(cs TCPConnState) error {
 		_ = unix.Close(cfd)
 		return errors.New("an undialled connection needs the Chooser")
 	}
-	c := &lconn{p: p, fd: [2]int32{int32(cfd), int32(bfd)}, clientAddr: cs.ClientAddr}
+	lp := p.loopState()
+	c := &lconn{p: p, l: lp.l, fd: [2]int32{int32(cfd), int32(bfd)}, clientAddr: cs.ClientAddr}
 	if !c.clientAddr.IsValid() {
 		c.clientAddr = fdPeerAddr(cfd)
 	}
@@ -490,7 +500,6 @@ func (p *TCPProxy) adoptOnLoop(cs TCPConnState) error {
 		c.dir[0] = ldir{pending: cs.ToEndpoint, eof: cs.ToEndpointDone, shut: cs.ToEndpointDone}
 		c.dir[1] = ldir{pending: cs.ToClient, eof: cs.ToClientDone, shut: cs.ToClientDone}
 	}
-	lp := p.loopState()
 	if err := p.admitAdoptedOnLoop(lp); err != nil {
 		closeFDs(cfd, bfd)
 		return err

@@ -142,6 +142,9 @@ func parseRights(oob []byte) ([]*os.File, error) {
 // blocking mode, and O_NONBLOCK belongs to the open socket, shared with every process that holds
 // it, so a successor's socket would block the predecessor's network poller.
 func rawFD(f *os.File) (int, error) {
+	if f == nil {
+		return -1, errors.New("a record's descriptor is missing")
+	}
 	rc, err := f.SyscallConn()
 	if err != nil {
 		return -1, fmt.Errorf("descriptor of %s: %w", f.Name(), err)

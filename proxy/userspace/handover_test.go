@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"net"
 	"net/netip"
+	"os"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -123,7 +124,7 @@ func testHandOverBetweenProxiers(t *testing.T, from, to string) {
 	feed(successor, a, b)
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	pkg, err := handover.Take(ctx, path, "test", func() error { return nil }, zerolog.Nop())
+	pkg, err := handover.Take(ctx, path, "test", func(*os.File) error { return nil }, zerolog.Nop())
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -328,7 +329,7 @@ func TestFreezeFailingHalfwayThaws(t *testing.T) {
 	// a freeze that ran out of descriptors.
 	listeners := 0
 	p.testHookRecord = func(kind string) error {
-		if kind == KindListener {
+		if kind == handover.KindListener {
 			if listeners++; listeners == 2 {
 				return errors.New("injected failure")
 			}

@@ -139,7 +139,7 @@ func Run(ctx context.Context, opts *Options, v *Validated, log zerolog.Logger) e
 		TCPDataPath:   opts.TCPDataPath,
 	}
 	var portals *portal.Set
-	release := func() {}
+	var lock *instanceLock // held while this proxy programs the portals
 	hoPath, successor := "", false
 	if opts.PortalMode == PortalModeIPTables {
 		if hoPath, err = handoverSocket(opts); err != nil {
@@ -148,17 +148,16 @@ func Run(ctx context.Context, opts *Options, v *Validated, log zerolog.Logger) e
 		// Before any rule is touched: a second proxy must not remove the running one's portals.
 		// With a hand-over socket it prepares to take over instead (nothing it does before
 		// that writes a rule or binds a port the running one holds).
-		r, err := lockInstance(InstanceLockDir)
+		var err error
+		lock, err = lockInstance(InstanceLockDir)
 		switch {
 		case errors.Is(err, errInstanceRunning) && hoPath != "":
 			successor = true
 			log.Info().Err(err).Str("socket", hoPath).Msg("another proxy serves this node: preparing to take over")
 		case err != nil:
 			return err
-		default:
-			release = onceFunc(r)
 		}
-		defer func() { release() }()
+		defer func() { lock.release() }()
 		portals, err = portal.NewSet(ctx, portal.SetOptions{
 			BindAddress:       v.BindAddress,
 			NodePortAddresses: v.NodePortAddresses,
@@ -201,14 +200,14 @@ func Run(ctx context.Context, opts *Options, v *Validated, log zerolog.Logger) e
 
 	var pkg *handover.Package
 	if successor {
-		var r func()
-		pkg, r, err = takeOver(ctx, hoPath, px, portals, srv.metrics, log.With().Str("component", "handover").Logger())
+		var l *instanceLock
+		pkg, l, err = takeOver(ctx, hoPath, px, portals, srv.metrics, log.With().Str("component", "handover").Logger())
 		if err != nil {
 			stopSource()
 			_ = waitSource(srcDone, sourceStopTimeout, log)
 			return err
 		}
-		release = r
+		lock = l
 	}
 	err = srv.listen(inheritedServers(pkg))
 	pkg.Close() // what neither the proxier nor the servers took
@@ -263,13 +262,15 @@ func Run(ctx context.Context, opts *Options, v *Validated, log zerolog.Logger) e
 	defer func() { stopServers(); <-serversDone }()
 
 	handedOver := make(chan struct{})
+	var stopHandovers func() bool
 	if hoPath != "" {
-		g := &giver{px: px, srv: srv, portals: portals, release: func() { release() }}
-		stopHandovers, err := serveHandovers(ctx, hoPath, g, handedOver, log.With().Str("component", "handover").Logger())
+		g := &giver{px: px, srv: srv, portals: portals, lock: lock}
+		stop, err := serveHandovers(ctx, hoPath, g, handedOver, log.With().Str("component", "handover").Logger())
 		if err != nil {
 			log.Warn().Err(err).Msg("no hand-over socket: a successor will restart instead of taking over")
 		} else {
-			defer stopHandovers()
+			stopHandovers = stop
+			defer stop()
 		}
 	}
 
@@ -284,6 +285,15 @@ func Run(ctx context.Context, opts *Options, v *Validated, log zerolog.Logger) e
 		}
 	case <-handedOver:
 		handed = true
+	}
+	// An exchange under way when the signal (or the source's end) came is finished first
+	// (within handoverTimeout; its freeze gives up dials still in progress), and it decides:
+	// handed over, everything is the successor's and no portal may be removed; failed, the
+	// proxier serves again and shuts down as usual. No new exchange begins.
+	if !handed && stopHandovers != nil {
+		handed = stopHandovers()
+	}
+	if handed {
 		// The servers' sockets are the successor's now: stop accepting on them at once, and
 		// finish what they accepted.
 		srv.handedOver.Store(true)

@@ -175,7 +175,7 @@ func (s *servers) handoverRecords() ([]handover.Record, error) {
 	}
 	var recs []handover.Record
 	for k, f := range files {
-		r, err := handover.NewRecord(kindServer, k, f)
+		r, err := handover.NewRecord(handover.KindServer, k, f)
 		if err != nil {
 			f.Close()
 			continue
@@ -184,10 +184,6 @@ func (s *servers) handoverRecords() ([]handover.Record, error) {
 	}
 	return recs, nil
 }
-
-// kindServer is the hand-over record of an HTTP server's listening socket; its meta is the
-// server's name ("healthz", "metrics", "healthcheck <network> <address>").
-const kindServer = "server"
 
 // inheritedServers takes the server sockets out of a hand-over package, by name ("healthz", "metrics", "healthcheck <network> <address>").
 func inheritedServers(pkg *handover.Package) map[string]*os.File {
@@ -198,7 +194,7 @@ func inheritedServers(pkg *handover.Package) map[string]*os.File {
 	for i := range pkg.Records {
 		r := &pkg.Records[i]
 		var key string
-		if r.Kind != kindServer || len(r.Files) != 1 || json.Unmarshal(r.Meta, &key) != nil {
+		if r.Kind != handover.KindServer || len(r.Files) != 1 || json.Unmarshal(r.Meta, &key) != nil {
 			continue
 		}
 		out[key] = r.Files[0]
