@@ -10,6 +10,8 @@ import (
 	"sync/atomic"
 	"syscall"
 	"time"
+
+	"golang.org/x/sys/unix"
 )
 
 // Copying: a direction of a TCP connection copies through a small user-space buffer (read and
@@ -51,6 +53,19 @@ func newPipe() (*pipe, error) {
 	// A smaller pipe still works, with more system calls: ignore a refusal.
 	_, _, _ = syscall.Syscall(syscall.SYS_FCNTL, uintptr(fds[1]), fSetPipeSz, pipeSize)
 	return &pipe{r: fds[0], w: fds[1]}, nil
+}
+
+// buffered returns the bytes the pipe holds.
+func (p *pipe) buffered() (int, error) { return fionread(p.r) }
+
+// fionread returns the bytes ready to read on fd (FIONREAD): a socket's receive queue, a
+// pipe's content.
+func fionread(fd int) (int, error) {
+	n, err := unix.IoctlGetInt(fd, unix.TIOCINQ) // FIONREAD
+	if err != nil {
+		return 0, os.NewSyscallError("ioctl FIONREAD", err)
+	}
+	return n, nil
 }
 
 func (p *pipe) close() {
@@ -100,8 +115,14 @@ func (pp *pipePool) discard(p *pipe) {
 	pp.budget.give(pipeFDs)
 }
 
-// put returns an empty pipe to the pool (or closes it).
+// put returns an empty pipe to the pool (or closes it). A pipe that still holds bytes, or whose
+// content cannot be told, is closed: the pool is every service port's, and a pipe handed out
+// is written to a socket from its first byte, so a stale byte would reach another connection.
 func (pp *pipePool) put(p *pipe) {
+	if n, err := p.buffered(); n != 0 || err != nil {
+		pp.discard(p)
+		return
+	}
 	pp.mu.Lock()
 	if !pp.closed && len(pp.free) < pipePoolMax {
 		pp.free = append(pp.free, p)
@@ -259,8 +280,8 @@ func (s *splicer) run() (int64, error) {
 		if s.filled == 0 {
 			return s.total, nil // EOF
 		}
-		if err := s.moved(); err != nil {
-			return s.total, err
+		if err := s.moved(); err != nil { // a freeze, or src closed: the chunk is not written
+			return s.total, s.stopFilled(errors.Is(err, errFrozen), err)
 		}
 		s.idle.touch()
 		if h := s.chunkHook(); h != nil {
@@ -377,11 +398,23 @@ func (s *splicer) checkFrozen() error {
 	return nil
 }
 
-// drainFailed handles a failed write to dst (err from RawConn.Write, or s.err): on a freeze's
-// deadline the unwritten bytes (the buffer's, or the pipe's) become s.pending; otherwise they
-// are dropped, with the pipe, which may still hold data.
+// drainFailed handles a failed write to dst (err from RawConn.Write, or s.err): see stopFilled.
 func (s *splicer) drainFailed(err error) error {
 	if err != nil && s.frozenBy(err) {
+		return s.stopFilled(true, err)
+	}
+	if err == nil {
+		err = os.NewSyscallError(s.errOp, s.err)
+	}
+	return s.stopFilled(false, err)
+}
+
+// stopFilled ends run with the s.filled bytes read from src and not written to dst (the
+// buffer's, or the pipe's): on a freeze (frozen) they become s.pending and it returns errFrozen;
+// otherwise, or if the pipe cannot be read, they are dropped with the pipe, which is closed, never
+// pooled, and it returns the error.
+func (s *splicer) stopFilled(frozen bool, err error) error {
+	if frozen {
 		if s.buf != nil {
 			s.pending = bytes.Clone((*s.buf)[s.off : s.off+int(s.filled)])
 			s.releaseBuf()
@@ -398,9 +431,6 @@ func (s *splicer) drainFailed(err error) error {
 	if s.p != nil {
 		s.pool.discard(s.p)
 		s.p = nil
-	}
-	if err == nil {
-		err = os.NewSyscallError(s.errOp, s.err)
 	}
 	return err
 }
