@@ -46,11 +46,10 @@ func (p *TCPProxy) loopState() *loopProxy {
 
 // connCountLocked is how many connections count toward MaxConns; p.mu must be held.
 func (p *TCPProxy) connCountLocked() int {
-	n := len(p.conns)
-	if p.onLoop != nil {
-		n += p.onLoop.live
+	if p.onLoop == nil {
+		return 0
 	}
-	return n
+	return p.onLoop.live
 }
 
 // admitLoopConn admits a connection accepted on the loop as startConn admits one: within
@@ -534,7 +533,7 @@ func fdPeerAddr(fd int) netip.AddrPort {
 }
 
 // connFDFromFile is fdFromFile for a connected TCP socket, or one whose connection has ended
-// since it was frozen (see tcpConnFromFile).
+// since it was frozen (see endedSocket).
 func connFDFromFile(f *os.File, what string) (int, error) {
 	fd, err := fdFromFile(f, what)
 	if err != nil {
