@@ -289,17 +289,6 @@ func (l *loop) post(fn func()) bool {
 	return true
 }
 
-// call runs fn on the loop's goroutine and waits for it; false means the loop has stopped and
-// fn did not run. It must not be called from the loop's goroutine.
-func (l *loop) call(fn func()) bool {
-	done := make(chan struct{})
-	if !l.post(func() { fn(); close(done) }) {
-		return false
-	}
-	<-done
-	return true
-}
-
 // isStopped reports whether the loop has stopped taking work.
 func (l *loop) isStopped() bool {
 	l.mu.Lock()

@@ -387,3 +387,14 @@ func TestLoopsPick(t *testing.T) {
 		t.Errorf("one loop: a set of %d", len(set))
 	}
 }
+
+// call runs fn on the loop's goroutine and waits for it; false means the loop has stopped and
+// fn did not run. It must not be called from the loop's goroutine.
+func (l *loop) call(fn func()) bool {
+	done := make(chan struct{})
+	if !l.post(func() { fn(); close(done) }) {
+		return false
+	}
+	<-done
+	return true
+}

@@ -832,3 +832,13 @@ func TestPortalsRetryDue(t *testing.T) {
 		t.Errorf("%d syncs, want 2: the first and the one retry", len(portals.syncs))
 	}
 }
+
+// heldKeys returns the held ports (for tests).
+func (h *holder) heldKeys() []string {
+	out := make([]string, 0, len(h.held))
+	for k := range h.held {
+		out = append(out, k.String())
+	}
+	slices.Sort(out)
+	return out
+}
