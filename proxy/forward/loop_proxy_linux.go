@@ -239,10 +239,10 @@ func (p *TCPProxy) eachLoopConn(fn func(l *loop, c *lconn)) {
 }
 
 // freezeLoopConns stops every connection of the proxy on its loop where it stands (the loop
-// is one goroutine: nothing is half done) and keeps them for export, Release or Thaw. As
-// Freeze does on the goroutine path, connections still dialling finish their dial first
-// (successful or not) unless ctx ends, which abandons the dials: those are exported undialled
-// and their adopter dials. As park does, the bytes moved so far are reported now.
+// is one goroutine: nothing is half done) and keeps them for export, Release or Thaw.
+// Connections still dialling finish their dial first (successful or not) unless ctx ends, which
+// abandons the dials: those are exported undialled and their adopter dials. The bytes moved so
+// far are reported now.
 func (p *TCPProxy) freezeLoopConns(ctx context.Context) {
 	if p.loopIdle() {
 		return
