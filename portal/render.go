@@ -46,15 +46,7 @@ func recentJumps(b []byte, from, to int) []byte {
 	return b
 }
 
-// Render returns the iptables-restore input (the lines between "*table" and "COMMIT") that sets
-// our nat and filter chains to exactly what portals need. Output is deterministic: portals are
-// ordered by Comment, Protocol and ports, and each portal's addresses by value. Portals that fail
-// Validate, and addresses not in cfg.Family, are left out. Render does no I/O.
-func Render(cfg Config, host Host, portals []Portal) (nat, filter []byte) {
-	return render(cfg, host, renderOrder(portals), nil)
-}
-
-// renderOrder returns the valid portals in Render's order.
+// renderOrder returns the valid portals in render's order.
 func renderOrder(portals []Portal) []*Portal {
 	order := make([]*Portal, 0, len(portals))
 	for i := range portals {
@@ -68,8 +60,11 @@ func renderOrder(portals []Portal) []*Portal {
 	return order
 }
 
-// render is Render of the portals in order (see renderOrder). With lay, it also records what
-// each portal contributed (see layout); lay.counts is left nil when a count does not fit.
+// render returns the iptables-restore input (the lines between "*table" and "COMMIT") that sets
+// our nat and filter chains to exactly what the portals, in order (see renderOrder), need, with
+// each portal's addresses by value and those not in cfg.Family left out; it does no I/O. With
+// lay, it also records what each portal contributed (see layout); lay.counts is left nil when a
+// count does not fit.
 func render(cfg Config, host Host, order []*Portal, lay *layout) (nat, filter []byte) {
 	r := newRenderer(cfg, host)
 	// Sizes from a count keep appends from copying (~170 bytes a rule).

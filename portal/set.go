@@ -239,16 +239,6 @@ func (s *Set) Cleanup(context.Context) error {
 	return errors.Join(errs...)
 }
 
-// toPortals converts the proxier's port states into one family's portals: a service port has
-// portals in a family when it has a ClusterIP of that family. In a family it has no ClusterIP
-// of, a port whose listener is open still gets a portal with no address and no NodePort: it
-// captures nothing but guards the proxy port (KUBE-PORTALS-PROXY-PORTS), because a listener on
-// the unspecified address accepts both families.
-func toPortals(fam iptables.Family, ports []proxy.PortState) []Portal {
-	var c portalCache
-	return c.toPortals(fam, ports)
-}
-
 // portalCache is what toPortals made of one sync's ports in one family, for the next sync: a
 // port whose state the portal depends on is the same takes its portal from here (no comment
 // string, protocol or source ranges made again), and when the proxier hands over the very

@@ -17,8 +17,8 @@ import (
 // sockets taken over by a fresh proxy, in this process or another one.
 //
 // Freeze stops the proxy at a safe point and exports, as plain data and duplicated descriptors,
-// its listening socket and every connection (UDP: session), together with the bytes a copier
-// had read from one socket but not yet written to the other. The frozen proxy serves nothing;
+// its listening socket and every connection (UDP: session), together with the bytes it had read
+// from one socket but not yet written to the other. The frozen proxy serves nothing;
 // it keeps its own descriptors until Release closes them, which touches no socket: the
 // duplicates keep every socket, its queues and its backlog alive. Adopt, on a fresh proxy, turns
 // the exported state back into running connections: pending bytes are written first, in order,
@@ -28,10 +28,11 @@ import (
 // The descriptors cross a process boundary as the caller sees fit (SCM_RIGHTS over a Unix
 // socket); everything else in TCPState and UDPState is plain data.
 //
-// Freezing stops the copiers by setting deadlines in the past on the frozen proxy's own
-// descriptors (a deadline belongs to the Go runtime's view of a descriptor, not to the socket,
-// so the duplicates are unaffected) and checking a frozen flag when a copier wakes up: the
-// copy loop pays nothing per chunk.
+// A TCP connection is frozen in a turn of its event loop, where nothing is half done. A UDP
+// proxy's goroutines are stopped by deadlines in the past on the frozen proxy's own descriptors
+// (a deadline belongs to the Go runtime's view of a descriptor, not to the socket, so the
+// duplicates are unaffected) and a frozen flag checked when one wakes up: the relay pays nothing
+// per datagram.
 
 // ErrClosed is returned (wrapped) by Freeze and Adopt on a proxy that was closed or released.
 var ErrClosed = errors.New("proxy closed")
@@ -102,132 +103,29 @@ type HandoverMetrics interface {
 	UDPSessionReleased()
 }
 
-// parkedConn is a connection stopped by a freeze: its goroutines are gone, its sockets are open,
-// and the adopter starts from here.
-type parkedConn struct {
-	backend *net.TCPConn // nil: frozen before an endpoint was reached
-	start   relayStart
-}
-
 // Freeze stops the proxy for a hand-over and exports its sockets (see TCPState). It stops
 // accepting without closing the listening socket, lets connections still dialling finish their
 // dial (when ctx ends first, their dials are abandoned and they are exported undialled), stops
-// both copiers of every connection where they stand, and returns duplicates of every socket with
-// the bytes in flight. Connections that end meanwhile end as usual. Serve returns nil.
+// every connection where it stands, and returns duplicates of every socket with the bytes in
+// flight. Connections that end meanwhile end as usual. Serve returns nil.
 //
 // After Freeze the proxy serves nothing and holds its own descriptors until Release (or Close,
 // or Shutdown, which release a frozen proxy). Freeze fails on a closed or frozen proxy. When
 // duplicating a socket fails (out of descriptors: a hand-over needs one more per socket for a
 // while), it returns the error, closes the duplicates it made and the proxy stays frozen.
 func (p *TCPProxy) Freeze(ctx context.Context) (TCPState, error) {
-	if err := p.run.freeze("TCP proxy", p.wakeAcceptLoop); err != nil {
+	if err := p.run.freeze("TCP proxy", p.detachFromLoop); err != nil {
 		return TCPState{}, err
 	}
-	conns := p.freezeConns()
+	p.mu.Lock()
+	p.freezing = true
+	p.mu.Unlock()
 	p.freezeLoopConns(ctx)
-	p.awaitStopped(ctx, conns)
 	return p.export()
 }
 
-// wakeAcceptLoop makes a pending accept return, leaving the listening socket open.
-func (p *TCPProxy) wakeAcceptLoop() {
-	if p.Loops != nil {
-		p.detachFromLoop()
-		return
-	}
-	_ = p.Listener.SetDeadline(freezeDeadline)
-}
-
-// freezeConns asks every connection to stop at a safe point and returns them. Adopt admits none
-// after it.
-func (p *TCPProxy) freezeConns() []*tcpConn {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	p.freezing = true
-	conns := make([]*tcpConn, 0, len(p.conns))
-	for c := range p.conns {
-		c.freezeLocked()
-		c.stoppedLocked() // for awaitStopped
-		conns = append(conns, c)
-	}
-	return conns
-}
-
-// freezeLocked sets the connection's frozen flag and wakes its copiers, if they run, with
-// deadlines in the past on both sockets (reads and writes alike), resuming those parked on the
-// Poller, which then see the deadlines. A connection still dialling sees the flag when it is
-// about to relay.
-func (c *tcpConn) freezeLocked() {
-	c.frozen.Store(true)
-	if c.relaying {
-		_ = c.client.SetDeadline(freezeDeadline)
-		_ = c.backend.SetDeadline(freezeDeadline)
-		c.wakeParkedLocked() // parked on the Poller: woken, they see the deadline
-	}
-}
-
-// awaitStopped waits until every connection in conns has parked or ended. When ctx ends first,
-// it abandons the dials still in progress (those connections park undialled) and waits for the
-// rest, which stop promptly.
-func (p *TCPProxy) awaitStopped(ctx context.Context, conns []*tcpConn) {
-	for i, c := range conns {
-		select {
-		case <-c.stoppedCh:
-			continue
-		case <-ctx.Done():
-		}
-		p.abandonDials(conns[i:])
-		for _, c := range conns[i:] {
-			<-c.stoppedCh
-		}
-		return
-	}
-}
-
-// abandonDials cancels the dials of the frozen connections that have not started relaying.
-func (p *TCPProxy) abandonDials(conns []*tcpConn) {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	for _, c := range conns {
-		if !c.relaying && c.parked == nil {
-			c.endDial()
-		}
-	}
-}
-
-// park records where a frozen connection stopped and ends its goroutines' part: its sockets
-// stay open, its descriptors stay counted in the Budget, and nothing is reported closed. The
-// bytes this process moved are reported now.
-func (c *tcpConn) park(backend *net.TCPConn, start relayStart, toEndpoint, fromEndpoint int64) {
-	p := c.p
-	p.sink().BytesCopied(toEndpoint, fromEndpoint)
-	p.mu.Lock()
-	c.parked = &parkedConn{backend: backend, start: start}
-	c.stopLocked()
-	p.mu.Unlock()
-	p.connWG.Done()
-}
-
-// parkUndialled parks a connection whose dial a freeze abandoned (or which failed to connect
-// while frozen: the adopter tries again), and reports whether it did. A backend socket connected
-// meanwhile is dropped: the adopter dials afresh.
-func (c *tcpConn) parkUndialled() bool {
-	c.p.mu.Lock()
-	frozen := c.frozen.Load() && !c.cut
-	if frozen && c.backend != nil {
-		resetConn(c.backend)
-		c.backend = nil
-	}
-	c.endpoint = netip.AddrPort{}
-	c.p.mu.Unlock()
-	if frozen {
-		c.park(nil, relayStart{}, 0, 0)
-	}
-	return frozen
-}
-
 // Thaw undoes a Freeze that no Release followed (the hand-over failed): the proxy serves again
-// on its own sockets, without a descriptor more. Every parked connection relays on where it
+// on its own sockets, without a descriptor more. Every frozen connection relays on where it
 // stopped (its pending bytes first; one frozen undialled is dialled now). Call Serve again.
 // What Freeze exported is the caller's to close. Thaw fails on a proxy that is not frozen or
 // was released.
@@ -235,44 +133,14 @@ func (p *TCPProxy) Thaw() error {
 	if !p.run.thaw() {
 		return errors.New("thaw TCP proxy: not frozen, or released")
 	}
-	if p.Listener != nil {
-		_ = p.Listener.SetDeadline(time.Time{})
-	}
-	type thawed struct {
-		c  *tcpConn
-		pc *parkedConn
-	}
 	p.thawLoopConns()
-	var parked []thawed
 	p.mu.Lock()
 	p.freezing = false
-	for c := range p.conns {
-		if c.parked == nil {
-			continue
-		}
-		parked = append(parked, thawed{c, c.parked})
-		if c.parked.backend == nil { // its dial was abandoned: a fresh context for the next one
-			c.dialing.Store(newDialScope())
-		}
-		c.parked, c.relaying, c.relayed = nil, false, nil
-		c.stopped, c.stoppedCh = false, nil
-		c.frozen.Store(false)
-		p.connWG.Add(1) // park counted it done
-	}
 	p.mu.Unlock()
-	for _, t := range parked {
-		_ = t.c.client.SetDeadline(time.Time{})
-		if t.pc.backend == nil {
-			go t.c.handle()
-			continue
-		}
-		_ = t.pc.backend.SetDeadline(time.Time{})
-		t.c.relay(t.pc.backend, t.pc.start)
-	}
 	return nil
 }
 
-// export duplicates the listening socket and the sockets of every parked connection.
+// export duplicates the listening socket and the sockets of every frozen connection.
 func (p *TCPProxy) export() (TCPState, error) {
 	var st TCPState
 	if p.Listener != nil {
@@ -282,53 +150,11 @@ func (p *TCPProxy) export() (TCPState, error) {
 		}
 		st.Listener = f
 	}
-	for _, c := range p.parkedConns() {
-		cs, err := c.export()
-		if err != nil {
-			_ = st.Close()
-			return TCPState{}, fmt.Errorf("freeze TCP proxy: connection from %s: %w", c.clientAddr, err)
-		}
-		st.Conns = append(st.Conns, cs)
-	}
 	if err := p.exportLoopConns(&st); err != nil {
 		_ = st.Close()
 		return TCPState{}, fmt.Errorf("freeze TCP proxy: %w", err)
 	}
 	return st, nil
-}
-
-// parkedConns returns the parked connections.
-func (p *TCPProxy) parkedConns() []*tcpConn {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	var out []*tcpConn
-	for c := range p.conns {
-		if c.parked != nil {
-			out = append(out, c)
-		}
-	}
-	return out
-}
-
-// export duplicates a parked connection's sockets.
-func (c *tcpConn) export() (TCPConnState, error) {
-	c.p.mu.Lock()
-	pc, ep := c.parked, c.endpoint
-	c.p.mu.Unlock()
-	cs := TCPConnState{ClientAddr: c.clientAddr, Endpoint: ep,
-		ToEndpoint: pc.start.toEndpoint, ToClient: pc.start.toClient,
-		ToEndpointDone: pc.start.toEndpointDone, ToClientDone: pc.start.toClientDone}
-	var err error
-	if cs.Client, err = c.client.File(); err != nil {
-		return TCPConnState{}, fmt.Errorf("duplicate the client socket: %w", err)
-	}
-	if pc.backend != nil {
-		if cs.Backend, err = pc.backend.File(); err != nil {
-			_ = cs.close()
-			return TCPConnState{}, fmt.Errorf("duplicate the endpoint socket: %w", err)
-		}
-	}
-	return cs, nil
 }
 
 // Release closes a frozen proxy's own descriptors (its listening socket, the sockets of its
@@ -341,36 +167,11 @@ func (p *TCPProxy) Release() {
 		return
 	}
 	p.releaseLoopConns()
-	p.connWG.Wait() // every connection has parked or ended: frozen, they stop promptly
+	p.connWG.Wait() // every connection has stopped or ended
 	if p.Listener != nil {
 		_ = p.Listener.Close()
 	}
-	p.mu.Lock()
-	conns := make([]*tcpConn, 0, len(p.conns))
-	for c := range p.conns {
-		c.disarmLocked() // before release closes them
-		conns = append(conns, c)
-		delete(p.conns, c)
-	}
-	p.mu.Unlock()
-	hm, _ := p.sink().(HandoverMetrics)
-	for _, c := range conns {
-		c.release()
-		if hm != nil {
-			hm.ConnReleased()
-		}
-	}
 	p.pipes.closeAll()
-}
-
-// release closes a parked connection's descriptors, leaving its sockets to their duplicates.
-func (c *tcpConn) release() {
-	_ = c.client.Close()
-	if c.parked != nil && c.parked.backend != nil {
-		_ = c.parked.backend.Close()
-	}
-	c.p.Budget.give(tcpConnFDs)
-	c.endDial()
 }
 
 // Adopt takes over connections exported by Freeze (of this process or another one), before or
@@ -413,96 +214,18 @@ func stateErr(closed, frozen bool) error {
 
 // adoptConn starts one adopted connection.
 func (p *TCPProxy) adoptConn(cs TCPConnState) error {
-	if p.Loops != nil {
-		return p.adoptOnLoop(cs)
+	if p.Loops == nil {
+		_ = cs.close()
+		return errors.New("adopting needs the proxy's Loops")
 	}
-	client, err := tcpConnFromFile(cs.Client, "client")
-	if err != nil {
-		_ = closeFile(cs.Backend)
-		return err
-	}
-	var backend *net.TCPConn
-	switch {
-	case cs.Backend != nil:
-		if backend, err = tcpConnFromFile(cs.Backend, "endpoint"); err != nil {
-			_ = client.Close()
-			return err
-		}
-	case p.Chooser == nil:
-		_ = client.Close()
-		return errors.New("an undialled connection needs the Chooser")
-	}
-	c := p.newConn(client)
-	if cs.ClientAddr.IsValid() {
-		c.clientAddr = cs.ClientAddr
-	}
-	c.endpoint, c.backend = cs.Endpoint, backend
-	if err := p.admitAdopted(c); err != nil {
-		_ = client.Close()
-		if backend != nil {
-			_ = backend.Close()
-		}
-		c.endDial()
-		return err
-	}
-	p.sink().ConnAccepted()
-	if backend == nil {
-		go c.handle()
-		return nil
-	}
-	c.relay(backend, relayStart{toEndpoint: cs.ToEndpoint, toClient: cs.ToClient,
-		toEndpointDone: cs.ToEndpointDone, toClientDone: cs.ToClientDone})
-	return nil
+	return p.adoptOnLoop(cs)
 }
 
-// admitAdopted registers an adopted connection, counting it in the Budget even above its limit.
-func (p *TCPProxy) admitAdopted(c *tcpConn) error {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	if closed, frozen := p.run.state(); closed || frozen || p.freezing {
-		return stateErr(closed, true)
-	}
-	p.addConnLocked(c)
-	p.Budget.force(tcpConnFDs)
-	p.connWG.Add(1)
-	return nil
-}
-
-// tcpConnFromFile turns a received connected TCP socket into a *net.TCPConn and closes f. A
-// socket whose connection has ended since it was frozen (both FINs crossed: the kernel moved
-// the connection to TIME_WAIT; or it was reset) is taken too: it is no longer connected, but it
-// still holds what the peer sent before its FIN, then the EOF (or the reset), which the relay
-// passes on as it would have without the hand-over.
-func tcpConnFromFile(f *os.File, what string) (*net.TCPConn, error) {
-	if f == nil {
-		return nil, fmt.Errorf("no %s socket", what)
-	}
-	defer f.Close()
-	conn, err := net.FileConn(f)
-	if err != nil {
-		return nil, fmt.Errorf("%s socket: %w", what, err)
-	}
-	tc, ok := conn.(*net.TCPConn)
-	if !ok || tc.RemoteAddr() == nil && !endedConnection(tc) {
-		_ = conn.Close()
-		return nil, fmt.Errorf("%s socket is not a connected TCP socket (%T)", what, conn)
-	}
-	return tc, nil
-}
-
-// endedConnection reports whether tc, not connected, is the socket of a connection that ended:
-// closed, not listening, and it has received segments (a socket never connected has none).
-func endedConnection(tc *net.TCPConn) bool {
-	rc, err := tc.SyscallConn()
-	if err != nil {
-		return false
-	}
-	ended := false
-	_ = rc.Control(func(fd uintptr) { ended = endedSocket(int(fd)) })
-	return ended
-}
-
-// endedSocket is endedConnection for a descriptor.
+// endedSocket reports whether fd, not connected, is the socket of a connection that ended since
+// it was frozen (both FINs crossed: the kernel moved the connection to TIME_WAIT; or it was
+// reset): closed, not listening, and it has received segments (a socket never connected has
+// none). Such a socket is adopted too: it still holds what the peer sent before its FIN, then
+// the EOF (or the reset), which the relay passes on as it would have without the hand-over.
 func endedSocket(fd int) bool {
 	info, err := unix.GetsockoptTCPInfo(fd, unix.IPPROTO_TCP, unix.TCP_INFO)
 	if err != nil {

@@ -81,7 +81,7 @@ func proxyGoroutines() string {
 	buf := allStacks()
 	var out []string
 	for _, g := range strings.Split(string(buf), "\n\n") {
-		for _, marker := range []string{"forward.(*Poller)", "forward.(*TCPProxy)", "forward.(*tcpConn)", "forward.(*relayRun)", "forward.(*direction)", "forward.(*UDPProxy)", "forward.(*udpSession)"} {
+		for _, marker := range []string{"forward.(*Poller)", "forward.(*TCPProxy)", "forward.(*loop)", "forward.(*UDPProxy)", "forward.(*udpSession)"} {
 			if strings.Contains(g, marker) {
 				out = append(out, g)
 				break
@@ -321,16 +321,15 @@ func closedTCPPort(t testing.TB, addr netip.Addr) netip.AddrPort {
 	return netip.AddrPort{}
 }
 
-// loopForTest puts p on event loops of its own (TCPProxy.Loops) when the environment has
-// FORWARD_TEST_DATA_PATH=loop: the tests of proxies that Serve then run on the event-loop data
-// path (see TestTCPTestsOnLoops, which runs them so). Call it before the proxy serves, and
-// before registering the cleanup that shuts it down (the loops are closed after).
+// loopForTest puts p on two event loops of its own (TCPProxy.Loops) unless the test gave it
+// some: a listener is on two loops, each accepting for itself, as the proxier places it. Call
+// it before the proxy serves, and before registering the cleanup that shuts it down (the loops
+// are closed after).
 func loopForTest(t testing.TB, p *TCPProxy) {
 	t.Helper()
-	if os.Getenv("FORWARD_TEST_DATA_PATH") != "loop" || p.Loops != nil {
-		return
+	if p.Loops == nil {
+		p.Loops = newTestLoops(t, 2)
 	}
-	p.Loops = newTestLoops(t, 2) // two: a listener is on every loop, each accepting for itself
 }
 
 // newTestLoops starts n event loops, closed when the test ends (after the cleanups registered
@@ -343,27 +342,6 @@ func newTestLoops(t testing.TB, n int) *Loops {
 	}
 	t.Cleanup(func() { ls.Close() })
 	return ls
-}
-
-// parkForTest gives p a Poller, as Start would, when the environment has FORWARD_TEST_PARK set,
-// and then, unless the test configured ParkIdleAfter, has its connections park every idle
-// direction at once: the tests of proxies that Serve then run every wait of their connections
-// through parking (FORWARD_TEST_PARK=1 go test). Call it before the proxy serves, and before
-// registering the cleanup that shuts it down (the Poller is closed after).
-func parkForTest(t testing.TB, p *TCPProxy) {
-	t.Helper()
-	if os.Getenv("FORWARD_TEST_PARK") == "" || p.poller != nil {
-		return
-	}
-	poller, err := NewPoller()
-	if err != nil {
-		t.Fatalf("poller: %v", err)
-	}
-	t.Cleanup(func() { poller.Close() })
-	p.poller = poller
-	if p.ParkIdleAfter == 0 {
-		p.ParkIdleAfter = time.Nanosecond
-	}
 }
 
 // proxyRun is a TCPProxy serving in the background of a test.
@@ -385,7 +363,6 @@ func startTCPProxy(t testing.TB, family string, chooser Chooser, configure func(
 	if configure != nil {
 		configure(p)
 	}
-	parkForTest(t, p)
 	loopForTest(t, p)
 	r := &proxyRun{TCPProxy: p, addr: listenerAddr(p.Listener), served: make(chan error, 1)}
 	go func() { r.served <- p.Serve() }()
@@ -517,12 +494,20 @@ func udpExchange(c *net.UDPConn, msg []byte, tries int, perTry time.Duration) ([
 // TestLeakCheckSeesProxies makes sure checkNoLeaks can fail: a serving proxy's goroutines are
 // found, and none once it is closed.
 func TestLeakCheckSeesProxies(t *testing.T) {
-	p := &TCPProxy{Listener: listenTCP(t, loopback("4")), Chooser: &fakeChooser{}}
+	loops, err := NewLoops(1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := &TCPProxy{Listener: listenTCP(t, loopback("4")), Chooser: &fakeChooser{}, Loops: loops}
 	served := make(chan error, 1)
 	go func() { served <- p.Serve() }()
-	eventually(t, "the accept loop to show in goroutine stacks", func() bool { return proxyGoroutines() != "" })
+	eventually(t, "Serve and the loop to show in goroutine stacks", func() bool {
+		g := proxyGoroutines()
+		return strings.Contains(g, "forward.(*TCPProxy)") && strings.Contains(g, "forward.(*loop)")
+	})
 	p.Close()
 	<-served
+	loops.Close()
 	if g := proxyGoroutines(); g != "" {
 		t.Errorf("goroutines after Close:\n%s", g)
 	}
@@ -579,4 +564,19 @@ func allStacks() []byte {
 		}
 		buf = make([]byte, 2*len(buf))
 	}
+}
+
+// resetConn closes conn with an RST instead of a FIN (SO_LINGER with a zero timeout), dropping
+// unsent data.
+func resetConn(conn *net.TCPConn) {
+	_ = conn.SetLinger(0)
+	_ = conn.Close()
+}
+
+// tcpAddrPort returns the address of a TCP socket end, or the zero AddrPort.
+func tcpAddrPort(a net.Addr) netip.AddrPort {
+	if ta, ok := a.(*net.TCPAddr); ok {
+		return unmapAddrPort(ta.AddrPort())
+	}
+	return netip.AddrPort{}
 }

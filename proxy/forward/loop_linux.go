@@ -15,14 +15,13 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// The event-loop TCP data path (TCPProxy.Loops; --tcp-data-path=loop).
+// The TCP data path: event loops (TCPProxy.Loops).
 //
-// Why: under the goroutine path every short connection costs a goroutine for its dial, two for
-// its copiers, two net.TCPConns with their runtime pollDescs, and the scheduler's wake-ups in
-// between; measured with the reference in evloop_bench_test.go, that is ~40 % of the proxy's
-// own cost per short connection and nearly all of an idle connection's memory. Here a
-// connection is a small lconn in a slice indexed by descriptor, moved on by the one goroutine of
-// its loop.
+// Why: with goroutines per connection every short connection costs a goroutine for its dial,
+// two for its copiers, two net.TCPConns with their runtime pollDescs, and the scheduler's
+// wake-ups in between: ~40 % of the proxy's own cost per short connection and nearly all of an
+// idle connection's memory. Here a connection is a small lconn in a slice indexed by
+// descriptor, moved on by the one goroutine of its loop.
 //
 // Shape: Loops holds one loop per processor. A proxy is placed at its first use on
 // loopsPerPort loops (round robin; the first is its home loop): its listener is on each of them,
@@ -47,7 +46,7 @@ import (
 // second by closing both sockets; a read or write error resets both (SO_LINGER 0), so a reset
 // is passed on as a reset. A direction whose read fills the buffer is bulk traffic: from then
 // on it moves socket → pipe → socket with splice(2), through a pipe from the proxy's pool held
-// only while data flows (splice-auto, as the goroutine path does; see splice_linux.go).
+// only while data flows (splice-auto; see pipe_linux.go).
 //
 // Epoll events carry a generation besides the descriptor, so an event of a socket closed
 // earlier in the same batch is never delivered to a new socket that reused its number.
@@ -102,8 +101,7 @@ func (ls *Loops) Close() error {
 	return nil
 }
 
-// Served returns how many connections the loops have taken (accepted and admitted, or adopted):
-// a connection on the goroutine path is not counted.
+// Served returns how many connections the loops have taken (accepted and admitted, or adopted).
 func (ls *Loops) Served() uint64 {
 	var n uint64
 	for _, l := range ls.loops {
@@ -293,17 +291,6 @@ func (l *loop) post(fn func()) bool {
 		one := [8]byte{1}
 		_, _ = unix.Write(l.evfd, one[:])
 	}
-	return true
-}
-
-// call runs fn on the loop's goroutine and waits for it; false means the loop has stopped and
-// fn did not run. It must not be called from the loop's goroutine.
-func (l *loop) call(fn func()) bool {
-	done := make(chan struct{})
-	if !l.post(func() { fn(); close(done) }) {
-		return false
-	}
-	<-done
 	return true
 }
 
@@ -1311,8 +1298,8 @@ func (l *loop) fail(c *lconn, d int, err error) {
 	l.finish(c, true, err)
 }
 
-// finish ends c: closes its sockets (with an RST when reset), reports it as the goroutine path
-// does (closed with its bytes once connected, failed before), and lets the proxy know.
+// finish ends c: closes its sockets (with an RST when reset), reports it (closed with its bytes
+// once connected, failed before), and lets the proxy know.
 func (l *loop) finish(c *lconn, reset bool, err error) {
 	if c.closed {
 		return

@@ -46,11 +46,10 @@ func (p *TCPProxy) loopState() *loopProxy {
 
 // connCountLocked is how many connections count toward MaxConns; p.mu must be held.
 func (p *TCPProxy) connCountLocked() int {
-	n := len(p.conns)
-	if p.onLoop != nil {
-		n += p.onLoop.live
+	if p.onLoop == nil {
+		return 0
 	}
-	return n
+	return p.onLoop.live
 }
 
 // admitLoopConn admits a connection accepted on the loop as startConn admits one: within
@@ -240,10 +239,10 @@ func (p *TCPProxy) eachLoopConn(fn func(l *loop, c *lconn)) {
 }
 
 // freezeLoopConns stops every connection of the proxy on its loop where it stands (the loop
-// is one goroutine: nothing is half done) and keeps them for export, Release or Thaw. As
-// Freeze does on the goroutine path, connections still dialling finish their dial first
-// (successful or not) unless ctx ends, which abandons the dials: those are exported undialled
-// and their adopter dials. As park does, the bytes moved so far are reported now.
+// is one goroutine: nothing is half done) and keeps them for export, Release or Thaw.
+// Connections still dialling finish their dial first (successful or not) unless ctx ends, which
+// abandons the dials: those are exported undialled and their adopter dials. The bytes moved so
+// far are reported now.
 func (p *TCPProxy) freezeLoopConns(ctx context.Context) {
 	if p.loopIdle() {
 		return
@@ -543,7 +542,7 @@ func fdPeerAddr(fd int) netip.AddrPort {
 }
 
 // connFDFromFile is fdFromFile for a connected TCP socket, or one whose connection has ended
-// since it was frozen (see tcpConnFromFile).
+// since it was frozen (see endedSocket).
 func connFDFromFile(f *os.File, what string) (int, error) {
 	fd, err := fdFromFile(f, what)
 	if err != nil {

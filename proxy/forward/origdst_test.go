@@ -181,7 +181,7 @@ func originalDestinationInNetns(t *testing.T, ns string) {
 				if err != nil {
 					t.Fatal(err)
 				}
-				p := &TCPProxy{Listener: ln, Chooser: chooser, Log: new(testLogger(t))}
+				p := &TCPProxy{Listener: ln, Chooser: chooser, Log: new(testLogger(t)), Loops: newTestLoops(t, 2)}
 				done := make(chan error, 1)
 				go func() { done <- p.Serve() }()
 				t.Cleanup(func() {

@@ -744,13 +744,6 @@ func (s *udpSession) finish() {
 		Msg("UDP session closed")
 }
 
-// sessionCount returns the number of live sessions (for tests).
-func (p *UDPProxy) sessionCount() int {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	return len(p.sessions)
-}
-
 // isUnreachable reports whether err is an ICMP error reported on a connected UDP socket: the
 // endpoint's port is closed or its host cannot be reached.
 func isUnreachable(err error) bool {
@@ -758,9 +751,8 @@ func isUnreachable(err error) bool {
 		errors.Is(err, syscall.ENETUNREACH) || errors.Is(err, syscall.EHOSTDOWN)
 }
 
-// logDebug, logInfo, logWarn and logError start an event of Log at their level, with LogScope's
+// logDebug, logWarn and logError start an event of Log at their level, with LogScope's
 // fields.
 func (p *UDPProxy) logDebug() *zerolog.Event { return scoped(p.LogScope, logOrNop(p.Log).Debug()) }
-func (p *UDPProxy) logInfo() *zerolog.Event  { return scoped(p.LogScope, logOrNop(p.Log).Info()) }
 func (p *UDPProxy) logWarn() *zerolog.Event  { return scoped(p.LogScope, logOrNop(p.Log).Warn()) }
 func (p *UDPProxy) logError() *zerolog.Event { return scoped(p.LogScope, logOrNop(p.Log).Error()) }

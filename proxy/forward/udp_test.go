@@ -265,3 +265,10 @@ func TestUDPConnReceiveBuffer(t *testing.T) {
 		t.Fatalf("SO_RCVBUF of the proxy's socket: %d (%v), want at least %d", size, err, udpConnRcvBuf)
 	}
 }
+
+// sessionCount returns the number of live sessions (for tests).
+func (p *UDPProxy) sessionCount() int {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return len(p.sessions)
+}

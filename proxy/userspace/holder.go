@@ -102,16 +102,6 @@ func (h *holder) reconcile(ports []proxy.PortState, node proxy.NodeAddrs) {
 	}
 }
 
-// heldKeys returns the held ports (for tests).
-func (h *holder) heldKeys() []string {
-	out := make([]string, 0, len(h.held))
-	for k := range h.held {
-		out = append(out, k.String())
-	}
-	sort.Strings(out)
-	return out
-}
-
 func (h *holder) closeAll() {
 	for k, c := range h.held {
 		_ = c.Close()

@@ -108,7 +108,6 @@ func Run(ctx context.Context, opts *Options, v *Validated, log zerolog.Logger) e
 		MaxSessionsPerPort: opts.MaxUDPSessionsPerPort,
 		MaxAffinityEntries: opts.MaxAffinityEntries,
 		TCPIdleTimeout:     opts.TCPIdleTimeout,
-		TCPParkIdleAfter:   opts.TCPParkIdleAfter,
 	}
 	log.Info().Uint64("openFilesLimit", fileLimit).Int("reserve", limits.ReserveFDs()).
 		Int("maxConnectionsPerPort", limits.ConnsPerPort()).Int("maxUDPSessionsPerPort", limits.SessionsPerPort()).
@@ -136,7 +135,6 @@ func Run(ctx context.Context, opts *Options, v *Validated, log zerolog.Logger) e
 		SyncPeriod:    opts.SyncPeriod,
 		ClusterCIDRs:  v.ClusterCIDRs,
 		Limits:        limits,
-		TCPDataPath:   opts.TCPDataPath,
 	}
 	var portals *portal.Set
 	var lock *instanceLock // held while this proxy programs the portals

@@ -22,8 +22,6 @@ import (
 	"k8s.io/apimachinery/pkg/runtime/serializer"
 	kpconfig "k8s.io/kube-proxy/config/v1alpha1"
 	"sigs.k8s.io/yaml"
-
-	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/userspace"
 )
 
 // ProxyModeUserspace is the only KubeProxyConfiguration mode this proxy implements; an empty
@@ -350,12 +348,6 @@ func (o *Options) OwnFlags() []string {
 	}
 	if o.TCPIdleTimeout != 0 {
 		own["tcp-idle-timeout"] = o.TCPIdleTimeout.String()
-	}
-	if o.TCPParkIdleAfter != 0 {
-		own["tcp-park-idle-after"] = o.TCPParkIdleAfter.String()
-	}
-	if o.TCPDataPath != userspace.TCPDataPathLoop {
-		own["tcp-data-path"] = o.TCPDataPath
 	}
 	if !o.HandoverExit {
 		own["handover-exit"] = "false"

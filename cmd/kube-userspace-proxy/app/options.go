@@ -12,7 +12,6 @@ import (
 	"github.com/spf13/pflag"
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/portalloc"
-	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/userspace"
 )
 
 // Portal modes.
@@ -70,8 +69,11 @@ type Options struct {
 	MaxUDPSessionsPerPort int
 	MaxAffinityEntries    int
 	TCPIdleTimeout        time.Duration
-	TCPParkIdleAfter      time.Duration
-	TCPDataPath           string
+	// TCPDataPath and TCPParkIdleAfter are deprecated flags' values, without effect: TCP is
+	// relayed on event loops only. TCPDataPath may be empty or "loop"; Validate rejects
+	// "goroutine", the removed data path, whose TCPParkIdleAfter is accepted and ignored.
+	TCPDataPath      string
+	TCPParkIdleAfter time.Duration
 
 	// Servers.
 	HealthzBindAddress string
@@ -125,7 +127,6 @@ func NewOptions() *Options {
 		OOMScoreAdj:           DefaultOOMScoreAdj,
 		TransparentLocal:      true,
 		ConntrackMin:          DefaultConntrackMin,
-		TCPDataPath:           userspace.TCPDataPathLoop,
 	}
 }
 
@@ -182,8 +183,10 @@ func (o *Options) FlagGroups() []FlagGroup {
 			fs.IntVar(&o.MaxUDPSessionsPerPort, "max-udp-sessions-per-port", o.MaxUDPSessionsPerPort, "The most UDP sessions (client addresses) one service port may have; a new client beyond it ends the port's longest-idle session. 0: half of the data path's descriptor budget; -1: no bound but the budget.")
 			fs.IntVar(&o.MaxAffinityEntries, "max-affinity-entries-per-port", o.MaxAffinityEntries, "The most ClientIP session-affinity entries one service port keeps; beyond it the least recently used client is forgotten. 0: 10000.")
 			fs.DurationVar(&o.TCPIdleTimeout, "tcp-idle-timeout", o.TCPIdleTimeout, "Reset proxied TCP connections that moved no byte either way for this long. 0: never (iptables mode's conntrack established timeout is 24h).")
-			fs.StringVar(&o.TCPDataPath, "tcp-data-path", o.TCPDataPath, "How TCP connections are relayed: loop (one event loop per processor on raw non-blocking sockets: about half the CPU per connection of goroutine, a few hundred bytes per idle connection; a service port's listener is on two loops and a connection stays on the loop that accepted it, so one busy port uses at most two cores) or goroutine (goroutines per connection, the only path before the loop: a busy port spreads over every core). Both splice bulk traffic and hand connections over to either. --tcp-park-idle-after applies to goroutine only.")
-			fs.DurationVar(&o.TCPParkIdleAfter, "tcp-park-idle-after", o.TCPParkIdleAfter, "A direction of a proxied TCP connection that moved no byte for this long (to twice that) gives its goroutine up and waits on the proxy's epoll watcher, so that idle connections cost no goroutine stack. 0: 200ms; negative (e.g. -1s): never.")
+			fs.StringVar(&o.TCPDataPath, "tcp-data-path", o.TCPDataPath, "Deprecated: TCP is relayed on event loops (loop), the only data path; goroutine was removed.")
+			_ = fs.MarkDeprecated("tcp-data-path", "TCP is relayed on event loops, the only data path (loop, the former default); the flag has no effect and will be removed. --tcp-data-path=goroutine is refused: that data path was removed.")
+			fs.DurationVar(&o.TCPParkIdleAfter, "tcp-park-idle-after", o.TCPParkIdleAfter, "Deprecated: applied to the removed goroutine data path only.")
+			_ = fs.MarkDeprecated("tcp-park-idle-after", "it applied to the removed goroutine TCP data path only; it has no effect and will be removed.")
 		}),
 		group("Health and metrics", func(fs *pflag.FlagSet) {
 			fs.StringVar(&o.HealthzBindAddress, "healthz-bind-address", o.HealthzBindAddress, "IP:port of the /healthz and /livez server; empty disables it. [config: healthzBindAddress]")
@@ -294,9 +297,11 @@ func (o *Options) Validate() (*Validated, error) {
 		}
 	}
 	switch o.TCPDataPath {
-	case userspace.TCPDataPathGoroutine, userspace.TCPDataPathLoop:
+	case "", "loop":
+	case "goroutine":
+		bad("tcp-data-path", "%q: the goroutine TCP data path was removed; TCP is relayed on event loops (the former default, loop: the same behaviour at about two thirds of the CPU per connection, but one busy service port uses at most two cores); remove the flag", o.TCPDataPath)
 	default:
-		bad("tcp-data-path", "%q: must be %q or %q", o.TCPDataPath, userspace.TCPDataPathGoroutine, userspace.TCPDataPathLoop)
+		bad("tcp-data-path", "%q: the flag is deprecated; its only value is \"loop\"", o.TCPDataPath)
 	}
 	if o.TCPIdleTimeout < 0 {
 		bad("tcp-idle-timeout", "%v: must not be negative", o.TCPIdleTimeout)
