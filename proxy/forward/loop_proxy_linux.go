@@ -343,7 +343,7 @@ func (l *loop) freeze(c *lconn) {
 			p.dialFrozen(w)
 		}
 	}
-	p.connWG.Done() // as park: Thaw counts it again
+	p.connWG.Done() // Thaw counts it again
 }
 
 // exportLoopConns appends duplicates of the frozen loop connections to st.

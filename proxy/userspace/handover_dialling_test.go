@@ -75,7 +75,7 @@ func TestHandOverOfDiallingConnection(t *testing.T) {
 		tr.OnServiceUpdate(nil, service("other", []v1.ServicePort{tcpPort("tcp", 80)}))
 		tr.OnEndpointSliceUpdate(nil, slice("other", "other-tcp", "tcp", v1.ProtocolTCP, b))
 	}
-	old := newTestProxier(t, Options{TCPDataPath: TCPDataPathLoop})
+	old := newTestProxier(t, Options{})
 	feedHole(old, hole)
 	old.Sync()
 	port, otherPort := proxyPort(t, old, echoTCP), proxyPort(t, old, other)
@@ -109,7 +109,7 @@ func TestHandOverOfDiallingConnection(t *testing.T) {
 	handed := make(chan bool, 1)
 	go func() { handed <- ln.Serve(context.Background(), g, 10*time.Second) }()
 
-	successor := newTestProxier(t, Options{TCPDataPath: TCPDataPathLoop})
+	successor := newTestProxier(t, Options{})
 	feedHole(successor, b) // the successor's endpoint answers
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
@@ -135,7 +135,7 @@ func TestHandOverOfDiallingConnection(t *testing.T) {
 // serving it: it dials again, and reaches the endpoint a later sync gives it.
 func TestResumeDiallingConnection(t *testing.T) {
 	hole, b := startBlackHole(t, "hole"), startBackend(t, "b")
-	p := newTestProxier(t, Options{TCPDataPath: TCPDataPathLoop})
+	p := newTestProxier(t, Options{})
 	tr := p.Tracker()
 	tr.OnServiceUpdate(nil, service("echo", []v1.ServicePort{tcpPort("tcp", 80)}))
 	tr.OnEndpointSliceUpdate(nil, slice("echo", "echo-tcp", "tcp", v1.ProtocolTCP, hole))

@@ -398,7 +398,7 @@ func TestHandOverTorture(t *testing.T) {
 	}
 
 	newProxier := func() *Proxier {
-		p := New(Options{TCPDataPath: TCPDataPathLoop, UDPTimeout: 10 * time.Second})
+		p := New(Options{UDPTimeout: 10 * time.Second})
 		p.Tracker().OnSynced()
 		feedTorture(p, echo, ppEcho, hole, refused)
 		return p
