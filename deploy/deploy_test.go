@@ -83,6 +83,15 @@ func TestManifests(t *testing.T) {
 		t.Errorf("DaemonSet: hostNetwork container has ports %v (each a hostPort: the rolling update's surge pod cannot be scheduled)", ports)
 	}
 
+	// The old pod of a rolling update serves on until the new one has taken over (its readiness
+	// probe is answered by the old process: same port, same network namespace).
+	if cmd, _, _ := unstructured.NestedStringSlice(c, "lifecycle", "preStop", "exec", "command"); len(cmd) != 2 || cmd[0] != "sleep" {
+		t.Errorf("DaemonSet: preStop = %v, want a sleep before SIGTERM", cmd)
+	}
+	if grace, _ := spec("terminationGracePeriodSeconds").(float64); grace < 5+30 {
+		t.Errorf("DaemonSet: terminationGracePeriodSeconds %v, want at least the preStop sleep plus --shutdown-grace-period", grace)
+	}
+
 	// The kubeconfig that names the API server: the configuration's clientConnection.kubeconfig
 	// is the ConfigMap's kubeconfig.conf as mounted, and it parses.
 	var cmMount string
