@@ -26,6 +26,7 @@
 # 10.244.N.0/24, services 10.96.0.0/16, load-balancer IPs 10.77.1.0/24 (the client routes them
 # to node-1).
 set -euo pipefail
+exec 9>&- # make test-cluster's lock: the cluster's long-lived processes must not hold it
 root=$(cd "$(dirname "$0")/.." && pwd)
 here=$root/hack/cluster
 state=${KUP_CLUSTER_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/kube-userspace-proxy/cluster}

@@ -44,10 +44,13 @@ cluster: test-bins
 cluster-down:
 	$(KUP_CLUSTER_SH) down
 
+# One test-cluster at a time on a machine (a second waits): they share the cluster's names.
+KUP_CLUSTER_LOCK ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/kube-userspace-proxy/cluster.lock
+
 test-cluster: test-bins
-	@set -e; was_up=; $(KUP_CLUSTER_SH) kubeconfig >/dev/null 2>&1 && was_up=1; \
+	@set -e; mkdir -p "$$(dirname "$(KUP_CLUSTER_LOCK)")"; exec 9>"$(KUP_CLUSTER_LOCK)"; flock 9; was_up=; $(KUP_CLUSTER_SH) kubeconfig >/dev/null 2>&1 && was_up=1; \
 	GO="$(GO)" $(KUP_CLUSTER_SH) up; rc=0; \
-	$(GO) test -race -count=1 -tags cluster -timeout $(KUP_CLUSTER_TEST_TIMEOUT) ./$(KUP_TEST_MK_DIR)/kcluster/ || rc=$$?; \
+	$(GO) test -race -count=1 -v -tags cluster -timeout $(KUP_CLUSTER_TEST_TIMEOUT) ./$(KUP_TEST_MK_DIR)/kcluster/ || rc=$$?; \
 	if [ -z "$$was_up" ] && [ -z "$(KUP_CLUSTER_KEEP)" ]; then $(KUP_CLUSTER_SH) down || rc=1; fi; \
 	exit $$rc
 
