@@ -288,6 +288,7 @@ func workload(t *testing.T) {
 	// the client through each node (the EndpointSlice controller and the proxies follow the
 	// pods' readiness a moment after the rollout's end).
 	backends := echoPods(t)
+	waitStart := time.Now()
 	for _, n := range nodes {
 		addr := net.JoinHostPort(nodeIP(n), strconv.Itoa(wl.nodePort))
 		waitFor(t, 30*time.Second, 200*time.Millisecond, "every backend through the NodePort of "+n, func() error {
@@ -309,6 +310,15 @@ func workload(t *testing.T) {
 			return nil
 		})
 	}
+	// The load-balancer IPs were set a moment ago: node-1 (where the client routes them) has
+	// them once they answer.
+	for _, addr := range []string{net.JoinHostPort(lbIP, "80"), net.JoinHostPort(lbLocal, "80")} {
+		waitFor(t, 30*time.Second, 200*time.Millisecond, "the load-balancer IP "+addr, func() error {
+			_, _, err := where("client").ask(addr, 2*time.Second)
+			return err
+		})
+	}
+	t.Logf("every backend answered through every node, and the load-balancer IPs, %v after the Deployment's rollout", time.Since(waitStart).Round(10*time.Millisecond))
 	wl.done = true
 }
 
