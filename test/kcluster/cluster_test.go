@@ -763,6 +763,19 @@ func TestDrain(t *testing.T) {
 	if e, code, err := eligible(); err != nil || !e || code != 200 {
 		t.Errorf("after a plain drain: nodeEligible %v (%d, %v), want true and 200 as kube-proxy's", e, code, err)
 	}
+	// The drain evicted node-3's kup-echo pod: the Local service's health check there says so.
+	hc := "http://" + net.JoinHostPort(nodeIP(node), strconv.Itoa(wl.healthCheckNodePort)) + "/"
+	waitFor(t, 20*time.Second, 200*time.Millisecond, node+"'s healthCheckNodePort without a local endpoint", func() error {
+		code, body, err := where("client").httpGet(hc)
+		if err != nil {
+			return err
+		}
+		var h struct{ LocalEndpoints *int }
+		if err := json.Unmarshal([]byte(body), &h); err != nil || h.LocalEndpoints == nil || *h.LocalEndpoints != 0 || code != 503 {
+			return fmt.Errorf("%s: %d %s, want 503 with localEndpoints 0", hc, code, body)
+		}
+		return nil
+	})
 	kubectl(t, time.Minute, "taint", "node", node, "ToBeDeletedByClusterAutoscaler="+strconv.FormatInt(time.Now().Unix(), 10)+":NoSchedule")
 	waitFor(t, 20*time.Second, 200*time.Millisecond, node+"'s /healthz turning nodeEligible false", func() error {
 		e, code, err := eligible()
