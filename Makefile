@@ -40,6 +40,7 @@ fmt-check:
 # namespaces against a real kube-apiserver + etcd (built once by test-bins, then cached).
 test: deps test-bins fmt-check vet
 	$(GO) test -race -count=1 -timeout $(TEST_TIMEOUT) ./...
+	$(MAKE) test-cluster
 	$(MAKE) fuzz
 
 # Every fuzz target for a bounded number of inputs (their seed corpora also run in every `go test`),
