@@ -57,6 +57,9 @@ type SetOptions struct {
 	// NodePortAddresses and ClusterCIDRs are Config's.
 	NodePortAddresses []netip.Prefix
 	ClusterCIDRs      []netip.Prefix
+	// NoLocalhostNodePorts is Config's: false serves NodePorts on 127.0.0.1, as kube-proxy's
+	// default does.
+	NoLocalhostNodePorts bool
 	// Log receives the portals' logs; the zero value logs nothing.
 	Log zerolog.Logger
 	// Successor: this proxy is about to take over from one that runs (package handover).
@@ -113,7 +116,8 @@ func NewSet(ctx context.Context, opts SetOptions) (*Set, error) {
 			return nil, fmt.Errorf("portals: %w", err)
 		}
 		m, err := NewManager(Options{
-			Config: Config{Family: fam, BindIP: bind, HostIP: host, NodePortAddresses: opts.NodePortAddresses, ClusterCIDRs: opts.ClusterCIDRs},
+			Config: Config{Family: fam, BindIP: bind, HostIP: host, NodePortAddresses: opts.NodePortAddresses, ClusterCIDRs: opts.ClusterCIDRs,
+				NoLocalhostNodePorts: opts.NoLocalhostNodePorts},
 			Runner: run,
 			Logger: log,
 			Flows:  flows,
