@@ -34,6 +34,12 @@ deps:
 vet:
 	$(GO) vet ./...
 
+# Static checks (hack/lint.sh): gofmt, go vet (also with the benchmark's build tags), staticcheck
+# and deadcode at the versions hack/tools/go.mod pins, built into $(BIN)/tools.
+.PHONY: lint
+lint:
+	GO="$(GO)" BIN="$(BIN)" ./hack/lint.sh
+
 fmt-check:
 	@out=$$(gofmt -l $$(git ls-files '*.go')); if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
 
@@ -42,7 +48,7 @@ fmt-check:
 # tier runs: KUP_TEST_ALL=1 turns what would skip a test (no root, a missing tool or binary) into
 # a failure, and hack/testcheck fails the run on any skipped test (plain `go test ./...` runs
 # the unit tier alone; see internal/testenv).
-test: deps test-bins fmt-check vet
+test: deps test-bins lint
 	KUP_TEST_ALL=1 $(GO) test -json -race -count=1 -timeout $(TEST_TIMEOUT) ./... 2>&1 | $(GO) run ./hack/testcheck
 	$(MAKE) fuzz
 

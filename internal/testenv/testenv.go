@@ -2,7 +2,7 @@
 // tools beyond Go, any OS. The privileged tiers need root (network namespaces, iptables, raw
 // sockets), programs installed by `make deps`, or the Kubernetes binaries of `make test-bins`.
 //
-// A test of a privileged tier states what it needs (Privileged, Tool, Linux, or Main for a
+// A test of a privileged tier states what it needs (Privileged, Tool, Need, or Main for a
 // package whose every test needs it). When that is missing, the test is skipped with a message
 // naming what is missing: `go test ./...` as an ordinary user runs the unit tier and passes.
 // With KUP_TEST_ALL=1 (set by `make test`, and so in CI) nothing is skipped: what is missing
@@ -39,12 +39,6 @@ func Tool(t testing.TB, hint string, names ...string) {
 	need(t, missingTools(hint, names))
 }
 
-// Linux skips t unless it runs on Linux.
-func Linux(t testing.TB) {
-	t.Helper()
-	need(t, missingLinux())
-}
-
 // Need skips t with reason (or fails it under KUP_TEST_ALL=1) unless reason is "". It is for
 // what the other helpers do not cover, such as a cached binary.
 func Need(t testing.TB, reason string) {
@@ -63,15 +57,12 @@ func Tools(hint string, names ...string) Requirement {
 	return func() string { return missingTools(hint, names) }
 }
 
-// Main is TestMain for a package whose every test needs reqs: it runs the tests when all are
-// met, and otherwise prints why and exits 0 without running any (under KUP_TEST_ALL=1 it exits
-// 1 instead).
-func Main(m *testing.M, reqs ...Requirement) {
-	os.Exit(Run(m, reqs...))
-}
-
-// Run is Main that returns the exit code instead of exiting, for a TestMain with more to do.
-func Run(m *testing.M, reqs ...Requirement) int {
+// Main is TestMain for a package whose every test needs reqs: it returns m.Run's exit code when
+// all are met, and otherwise prints why and returns 0 without running any test (under
+// KUP_TEST_ALL=1 it returns 1 instead):
+//
+//	func TestMain(m *testing.M) { os.Exit(testenv.Main(m, testenv.Root())) }
+func Main(m *testing.M, reqs ...Requirement) int {
 	var missing []string
 	for _, r := range reqs {
 		if why := r(); why != "" {

@@ -336,12 +336,7 @@ func newInformer(client Client, example runtime.Object, w *watchState, resync ti
 	}
 	lw := &cache.ListWatch{
 		ListWithContextFunc:  listCtx,
-		WatchFuncWithContext: watchCtx,
-		// The context-free variants are kept for callers that still use them.
-		ListFunc: func(o metav1.ListOptions) (runtime.Object, error) { return listCtx(context.Background(), o) },
-		WatchFunc: func(o metav1.ListOptions) (watch.Interface, error) {
-			return watchCtx(context.Background(), o)
-		},
+		WatchFuncWithContext: watchCtx, // the context-free List and Watch fall back to these
 	}
 	return cache.NewSharedIndexInformerWithOptions(cache.ToListWatcherWithWatchListSemantics(lw, client), example,
 		cache.SharedIndexInformerOptions{ResyncPeriod: resync, Indexers: cache.Indexers{}})

@@ -56,7 +56,7 @@ var builder struct {
 // It returns m.Run's exit code. Without root, iproute2 and iptables it runs no test and
 // returns 0, saying why (under KUP_TEST_ALL=1 it returns 1: see package internal/testenv).
 func Main(m *testing.M) int {
-	code := testenv.Run(m, testenv.Root(),
+	code := testenv.Main(m, testenv.Root(),
 		testenv.Tools("Debian packages iproute2 and iptables (make deps)", "ip", "iptables", "ip6tables"))
 	if builder.dir != "" {
 		_ = os.RemoveAll(builder.dir)
