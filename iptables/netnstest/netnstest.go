@@ -1,3 +1,5 @@
+//go:build linux
+
 // Package netnstest gives tests throw-away network namespaces: create one per test with New, wire
 // namespaces together with Connect, and run code inside one with Do. Everything it creates is
 // removed in t.Cleanup, also when the test fails.

@@ -1,3 +1,5 @@
+//go:build linux
+
 // Package netns creates Linux network namespaces, and small topologies of them, for tests.
 //
 // Every namespace is named kup-<name>-<random> (so a leftover is easy to spot with

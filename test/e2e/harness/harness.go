@@ -1,3 +1,5 @@
+//go:build linux
+
 // Package harness is what the end-to-end tests of kube-userspace-proxy share: it builds the
 // proxy and the kup-echo backend once per test binary, runs them inside network namespaces (see
 // package test/netns), creates Services and EndpointSlices on a real API server (see package
