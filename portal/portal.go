@@ -231,6 +231,23 @@ func NodePortIPs(family iptables.Family, prefixes []netip.Prefix, addrs []netip.
 	return slices.Compact(ips), false
 }
 
+// LoopbackNodePortWarnings says which loopback addresses --nodeport-addresses (prefixes) selects
+// that serve no NodePorts all the same (see Config.NoLocalhostNodePorts), as kube-proxy logs them.
+// A /0 prefix means every address, loopback's as far as it serves: nothing to warn about.
+func LoopbackNodePortWarnings(prefixes []netip.Prefix, noLocalhost bool) []string {
+	var out []string
+	for _, p := range prefixes {
+		switch p = p.Masked(); {
+		case p.Bits() == 0:
+		case noLocalhost && p.Contains(netip.AddrFrom4([4]byte{127, 0, 0, 1})):
+			out = append(out, fmt.Sprintf("--nodeport-addresses %s holds localhost, but --iptables-localhost-nodeports=false: no NodePort on 127.0.0.0/8", p))
+		case p.Contains(netip.IPv6Loopback()):
+			out = append(out, fmt.Sprintf("--nodeport-addresses %s holds ::1, which never serves NodePorts (as in kube-proxy)", p))
+		}
+	}
+	return out
+}
+
 // NodePortListenAddrs returns where a server for NodePort traffic listens (healthCheckNodePort
 // servers): nil (every address) when prefixes is empty; otherwise, per family that has a prefix,
 // the unspecified address when the family's prefix is /0, else the addresses of node inside the

@@ -662,6 +662,20 @@ func diff(t *testing.T, what, got, want string) {
 	}
 }
 
+func TestLoopbackNodePortWarnings(t *testing.T) {
+	ps := []netip.Prefix{pfx("10.0.0.0/8"), pfx("127.0.0.0/8"), pfx("::1/128")}
+	if got := LoopbackNodePortWarnings(ps, false); len(got) != 1 || !strings.Contains(got[0], "::1") {
+		t.Errorf("localhost NodePorts on: %q, want one warning, about ::1", got)
+	}
+	if got := LoopbackNodePortWarnings(ps, true); len(got) != 2 || !strings.Contains(got[0], "127.0.0.0/8") {
+		t.Errorf("localhost NodePorts off: %q, want warnings about 127.0.0.0/8 and ::1", got)
+	}
+	all := []netip.Prefix{pfx("10.0.0.0/8"), pfx("0.0.0.0/0"), pfx("::/0")}
+	if got := LoopbackNodePortWarnings(all, true); len(got) != 0 {
+		t.Errorf("no loopback selected but by /0: %q, want none", got)
+	}
+}
+
 func TestNodePortIPs(t *testing.T) {
 	addrs := []netip.Addr{a("10.0.0.5"), a("10.0.0.5"), a("127.0.0.1"), a("192.168.1.1"), a("fd00::5"), a("::ffff:10.0.0.9")}
 	tests := []struct {

@@ -85,6 +85,9 @@ func NewSet(ctx context.Context, opts SetOptions) (*Set, error) {
 		return nil, fmt.Errorf("detect iptables backend: %w", err)
 	}
 	set := &Set{log: log, prepared: opts.Successor}
+	for _, w := range LoopbackNodePortWarnings(opts.NodePortAddresses, opts.NoLocalhostNodePorts) {
+		log.Warn().Msg(w)
+	}
 	// Stale UDP flows (a changed portal, a restart) are deleted with the conntrack tool.
 	var flows FlowDeleter
 	if path, err := exec.LookPath("conntrack"); err == nil {
