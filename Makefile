@@ -1,7 +1,7 @@
 # kube-userspace-proxy — see README.md.
 #   make example   run the bundled example (no cluster, no root)
 #   make test      install what the tests need, then run every test (root; network namespaces)
-#   go test ./...  the unit tier only, as any user on any OS (the other tiers skip, saying why)
+#   go test ./...  the unit tier only, as any user (the other tiers skip, saying why)
 
 GO        ?= go
 BIN       ?= bin
