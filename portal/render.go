@@ -132,10 +132,11 @@ type renderer struct {
 	cfg         Config
 	host        Host
 	v6          bool
-	bindAll     bool       // listeners on all addresses: REDIRECT from containers
-	hostDst     netip.Addr // DNAT destination in HOST chains
-	nodeIPs     []netip.Addr
+	bindAll     bool         // listeners on all addresses: REDIRECT from containers
+	hostDst     netip.Addr   // DNAT destination in HOST chains
+	nodeIPs     []netip.Addr // the node addresses that serve NodePorts, unless allNodeIPs
 	allNodeIPs  bool
+	notLoopback []byte         // " ! -d LOOPBACK" when loopback addresses serve no NodePorts
 	podCIDRs    []netip.Prefix // Config.ClusterCIDRs of this family
 	reject      []byte         // the REJECT target for UDP in this family
 	rejectTCP   []byte         // the REJECT target for TCP: a reset, not subject to ICMP rate limits
@@ -171,19 +172,58 @@ func newRenderer(cfg Config, host Host) *renderer {
 	}
 	r.drop = []byte("-j DROP")
 	r.accept = []byte("-j ACCEPT")
+	// Loopback addresses serve NodePorts as in kube-proxy's iptables mode: IPv4's unless
+	// Config.NoLocalhostNodePorts, IPv6's never.
+	switch {
+	case r.v6:
+		r.notLoopback = []byte(" ! -d ::1/128")
+	case cfg.NoLocalhostNodePorts:
+		r.notLoopback = []byte(" ! -d 127.0.0.0/8")
+	}
+	if r.notLoopback != nil {
+		r.nodeIPs = slices.DeleteFunc(r.nodeIPs, netip.Addr.IsLoopback)
+	}
 	return r
+}
+
+// nodePortRule appends the rule of a NodePort on node address ip: on every local address when
+// ip is the zero Addr, but for the loopback addresses that serve no NodePorts (notLoopback).
+func (r *renderer) nodePortRule(b []byte, chain string, src netip.Prefix, ip netip.Addr, p *Portal, target []byte) []byte {
+	if ip.IsValid() || r.notLoopback == nil {
+		return r.ruleFrom(b, chain, src, ip, p, p.NodePort, "", target)
+	}
+	b = r.matchTail(append(r.matchHead(b, chain, src), r.notLoopback...), p, p.NodePort)
+	b = append(append(b, ' '), target...)
+	return append(b, '\n')
+}
+
+// nodePortPodRules is nodePortRule per cluster CIDR, for traffic from pods (see podRules).
+func (r *renderer) nodePortPodRules(b []byte, chain string, ip netip.Addr, p *Portal, target []byte) []byte {
+	for _, src := range r.podCIDRs {
+		b = r.nodePortRule(b, chain, src, ip, p, target)
+	}
+	return b
 }
 
 // match appends "-A chain [-s src] [-d addr/len] -p P -m comment --comment "C" -m P --dport port",
 // the order iptables-save prints these matches in.
 func (r *renderer) match(b []byte, chain string, src netip.Prefix, dst netip.Addr, p *Portal, port int) []byte {
+	return r.matchTail(r.appendDst(r.matchHead(b, chain, src), dst), p, port)
+}
+
+// matchHead appends "-A chain [-s src]", the start of match.
+func (r *renderer) matchHead(b []byte, chain string, src netip.Prefix) []byte {
 	b = append(b, "-A "...)
 	b = append(b, chain...)
 	if src.IsValid() {
 		b = append(b, " -s "...)
 		b = src.AppendTo(b)
 	}
-	b = r.appendDst(b, dst)
+	return b
+}
+
+// matchTail appends "-p P -m comment --comment "C" -m P --dport port", the end of match.
+func (r *renderer) matchTail(b []byte, p *Portal, port int) []byte {
 	b = append(b, " -p "...)
 	b = append(b, p.Protocol...)
 	b = append(b, " -m comment --comment "...)
@@ -424,26 +464,26 @@ func (r *renderer) portal(p *Portal) {
 		}
 		if hostShortCircuit {
 			if r.allNodeIPs {
-				r.nh = r.rule(r.nh, ChainNodePortHost, netip.Addr{}, p, p.NodePort, "", r.hostTg)
-				r.nc = r.podRules(r.nc, ChainNodePortContainer, netip.Addr{}, p, p.NodePort, r.containerTg)
+				r.nh = r.nodePortRule(r.nh, ChainNodePortHost, netip.Prefix{}, netip.Addr{}, p, r.hostTg)
+				r.nc = r.nodePortPodRules(r.nc, ChainNodePortContainer, netip.Addr{}, p, r.containerTg)
 				r.nl = r.podAccepts(r.nl, netip.Addr{}, p)
 			}
 			for _, ip := range r.nodeIPs {
-				r.nh = r.rule(r.nh, ChainNodePortHost, ip, p, p.NodePort, "", r.hostTg)
-				r.nc = r.podRules(r.nc, ChainNodePortContainer, ip, p, p.NodePort, r.containerTg)
+				r.nh = r.nodePortRule(r.nh, ChainNodePortHost, netip.Prefix{}, ip, p, r.hostTg)
+				r.nc = r.nodePortPodRules(r.nc, ChainNodePortContainer, ip, p, r.containerTg)
 				r.nl = r.podAccepts(r.nl, ip, p)
 			}
 		}
 		return
 	}
 	if r.allNodeIPs {
-		r.nc = r.rule(r.nc, ChainNodePortContainer, netip.Addr{}, p, p.NodePort, "", r.containerTg)
-		r.nh = r.rule(r.nh, ChainNodePortHost, netip.Addr{}, p, p.NodePort, "", r.hostTg)
+		r.nc = r.nodePortRule(r.nc, ChainNodePortContainer, netip.Prefix{}, netip.Addr{}, p, r.containerTg)
+		r.nh = r.nodePortRule(r.nh, ChainNodePortHost, netip.Prefix{}, netip.Addr{}, p, r.hostTg)
 		r.nl = r.rule(r.nl, ChainNodePortNonLocal, netip.Addr{}, p, p.ProxyPort, r.fromNodePort(netip.Addr{}, p.NodePort), r.accept)
 	}
 	for _, ip := range r.nodeIPs {
-		r.nc = r.rule(r.nc, ChainNodePortContainer, ip, p, p.NodePort, "", r.containerTg)
-		r.nh = r.rule(r.nh, ChainNodePortHost, ip, p, p.NodePort, "", r.hostTg)
+		r.nc = r.nodePortRule(r.nc, ChainNodePortContainer, netip.Prefix{}, ip, p, r.containerTg)
+		r.nh = r.nodePortRule(r.nh, ChainNodePortHost, netip.Prefix{}, ip, p, r.hostTg)
 		r.nl = r.rule(r.nl, ChainNodePortNonLocal, netip.Addr{}, p, p.ProxyPort, r.fromNodePort(ip, p.NodePort), r.accept)
 	}
 }

@@ -57,6 +57,9 @@ type SetOptions struct {
 	// NodePortAddresses and ClusterCIDRs are Config's.
 	NodePortAddresses []netip.Prefix
 	ClusterCIDRs      []netip.Prefix
+	// NoLocalhostNodePorts is Config's: false serves NodePorts on 127.0.0.1, as kube-proxy's
+	// default does.
+	NoLocalhostNodePorts bool
 	// Log receives the portals' logs; the zero value logs nothing.
 	Log zerolog.Logger
 	// Successor: this proxy is about to take over from one that runs (package handover).
@@ -82,6 +85,9 @@ func NewSet(ctx context.Context, opts SetOptions) (*Set, error) {
 		return nil, fmt.Errorf("detect iptables backend: %w", err)
 	}
 	set := &Set{log: log, prepared: opts.Successor}
+	for _, w := range LoopbackNodePortWarnings(opts.NodePortAddresses, opts.NoLocalhostNodePorts) {
+		log.Warn().Msg(w)
+	}
 	// Stale UDP flows (a changed portal, a restart) are deleted with the conntrack tool.
 	var flows FlowDeleter
 	if path, err := exec.LookPath("conntrack"); err == nil {
@@ -113,7 +119,8 @@ func NewSet(ctx context.Context, opts SetOptions) (*Set, error) {
 			return nil, fmt.Errorf("portals: %w", err)
 		}
 		m, err := NewManager(Options{
-			Config: Config{Family: fam, BindIP: bind, HostIP: host, NodePortAddresses: opts.NodePortAddresses, ClusterCIDRs: opts.ClusterCIDRs},
+			Config: Config{Family: fam, BindIP: bind, HostIP: host, NodePortAddresses: opts.NodePortAddresses, ClusterCIDRs: opts.ClusterCIDRs,
+				NoLocalhostNodePorts: opts.NoLocalhostNodePorts},
 			Runner: run,
 			Logger: log,
 			Flows:  flows,

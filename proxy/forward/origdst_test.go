@@ -12,6 +12,8 @@ import (
 	"testing"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/internal/testenv"
 )
 
 // sockaddrBytes encodes ap as the kernel does in a struct sockaddr_in / sockaddr_in6.
@@ -105,6 +107,7 @@ func TestOriginalDestination(t *testing.T) {
 		originalDestinationInNetns(t, ns)
 		return
 	}
+	testenv.Privileged(t)
 	ns := fmt.Sprintf("kup-fwd-%d", os.Getpid())
 	run(t, "ip", "netns", "add", ns)
 	t.Cleanup(func() { run(t, "ip", "netns", "del", ns) })

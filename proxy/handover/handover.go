@@ -34,7 +34,6 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
-	"syscall"
 	"time"
 
 	"github.com/rs/zerolog"
@@ -178,6 +177,9 @@ type Listener struct {
 // Listen opens the hand-over socket at path, replacing a stale one: call it only while holding
 // the instance lock, so that no live predecessor's socket is removed.
 func Listen(path string, log zerolog.Logger) (*Listener, error) {
+	if err := supported(); err != nil {
+		return nil, err
+	}
 	if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
 		return nil, fmt.Errorf("hand-over socket: %w", err)
 	}
@@ -214,13 +216,6 @@ func (l *Listener) Close() error {
 		_ = os.Remove(l.path)
 	}
 	return err
-}
-
-func inode(st os.FileInfo) uint64 {
-	if sys, ok := st.Sys().(*syscall.Stat_t); ok {
-		return sys.Ino
-	}
-	return 0
 }
 
 // Serve answers successors one at a time until ctx is done or one takes everything over; it
@@ -355,6 +350,9 @@ func sendPackage(c *conn, pkg *Package) error {
 // process serves. build names this one in the predecessor's log. A nil package and an error
 // wrapping ErrRefused, or another error, mean nothing was taken over: the predecessor serves.
 func Take(ctx context.Context, path, build string, claim Claim, log zerolog.Logger) (*Package, error) {
+	if err := supported(); err != nil {
+		return nil, err
+	}
 	var d net.Dialer
 	nc, err := d.DialContext(ctx, "unix", path)
 	if err != nil {

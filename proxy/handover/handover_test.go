@@ -23,12 +23,11 @@ type giver struct {
 	n       int
 	readers []*os.File // the read ends, kept by the test
 
-	mu                 sync.Mutex
-	froze, released    int
-	resumed            *Package
-	freezeErr          error
-	writers            []*os.File // the giver's own write ends
-	releaseBeforeClaim chan struct{}
+	mu              sync.Mutex
+	froze, released int
+	resumed         *Package
+	freezeErr       error
+	writers         []*os.File // the giver's own write ends
 }
 
 func (g *giver) Freeze(context.Context) (*Package, error) {

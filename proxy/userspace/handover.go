@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"io"
 	"os"
-	"syscall"
 
 	v1 "k8s.io/api/core/v1"
 
@@ -45,19 +44,6 @@ func (in *inherited) close() {
 	for _, s := range in.sessions {
 		_ = s.Backend.Close()
 	}
-}
-
-// resetFile closes a TCP socket with a reset (SO_LINGER 0), so that its peer learns at once.
-func resetFile(f *os.File) {
-	if f == nil {
-		return
-	}
-	if rc, err := f.SyscallConn(); err == nil { // not f.Fd(), which makes the socket blocking
-		_ = rc.Control(func(fd uintptr) {
-			_ = syscall.SetsockoptLinger(int(fd), syscall.SOL_SOCKET, syscall.SO_LINGER, &syscall.Linger{Onoff: 1, Linger: 0})
-		})
-	}
-	_ = f.Close()
 }
 
 // Freeze stops the proxier for a hand-over: no more syncs, no more accepting, every connection

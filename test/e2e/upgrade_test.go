@@ -76,14 +76,12 @@ func TestUpgrade(t *testing.T) {
 	if _, err := c.CreateNode(ctx, nodeName, node.IP); err != nil {
 		t.Fatal(err)
 	}
-	var backends []*netns.Pod
 	var eps []harness.Endpoint
 	podByName := map[string]*netns.Pod{}
 	for i := 1; i <= 3; i++ {
 		name := fmt.Sprintf("u%d", i)
 		p := n.AddPod(t, node, name)
 		harness.StartEcho(t, p.NS, name, echoPort)
-		backends = append(backends, p)
 		podByName[name] = p
 		eps = append(eps, harness.Endpoint{IP: p.IP, Node: nodeName, Name: name})
 	}

@@ -157,11 +157,12 @@ func Run(ctx context.Context, opts *Options, v *Validated, log zerolog.Logger) e
 		}
 		defer func() { lock.release() }()
 		portals, err = portal.NewSet(ctx, portal.SetOptions{
-			BindAddress:       v.BindAddress,
-			NodePortAddresses: v.NodePortAddresses,
-			ClusterCIDRs:      v.ClusterCIDRs,
-			Log:               log.With().Str("component", "portal").Logger(),
-			Successor:         successor,
+			BindAddress:          v.BindAddress,
+			NodePortAddresses:    v.NodePortAddresses,
+			ClusterCIDRs:         v.ClusterCIDRs,
+			NoLocalhostNodePorts: !opts.LocalhostNodePorts,
+			Log:                  log.With().Str("component", "portal").Logger(),
+			Successor:            successor,
 		})
 		if err != nil {
 			return err

@@ -71,6 +71,9 @@ var configFields = []configField{
 	valueField("iptables-sync-period", "iptables.syncPeriod",
 		func(c *kpconfig.KubeProxyConfiguration) *metav1.Duration { return &c.IPTables.SyncPeriod },
 		func(o *Options) *time.Duration { return &o.SyncPeriod }, fromDuration, toDuration),
+	pointerField("iptables-localhost-nodeports", "iptables.localhostNodePorts",
+		func(c *kpconfig.KubeProxyConfiguration) **bool { return &c.IPTables.LocalhostNodePorts },
+		func(o *Options) *bool { return &o.LocalhostNodePorts }, same[bool], same[bool]),
 	valueField("iptables-min-sync-period", "iptables.minSyncPeriod",
 		func(c *kpconfig.KubeProxyConfiguration) *metav1.Duration { return &c.IPTables.MinSyncPeriod },
 		func(o *Options) *time.Duration { return &o.MinSyncPeriod }, fromDuration, toDuration),
@@ -284,8 +287,8 @@ func ignoredFields(cfg *kpconfig.KubeProxyConfiguration) []string {
 	note(!notSet(cfg.IPVS), "ipvs", "only the userspace mode is implemented")
 	note(!notSet(cfg.NFTables), "nftables", "only the userspace mode is implemented")
 	note(!notSet(cfg.Winkernel), "winkernel", "only the userspace mode is implemented")
-	note(cfg.IPTables.MasqueradeAll || cfg.IPTables.MasqueradeBit != nil || cfg.IPTables.LocalhostNodePorts != nil,
-		"iptables.masqueradeAll/masqueradeBit/localhostNodePorts", "the userspace proxy needs no masquerading (it originates every connection)")
+	note(cfg.IPTables.MasqueradeAll || cfg.IPTables.MasqueradeBit != nil,
+		"iptables.masqueradeAll/masqueradeBit", "the userspace proxy needs no masquerading (it originates every connection)")
 	note(cfg.DetectLocalMode != "" && cfg.DetectLocalMode != "ClusterCIDR" || !notSet(cfg.DetectLocal),
 		"detectLocalMode/detectLocal", "pods are told apart by clusterCIDR only")
 	note(cfg.ConfigSyncPeriod.Duration != 0, "configSyncPeriod", "informers do not resync")

@@ -116,6 +116,31 @@ mode: userspace
 			},
 		},
 		{
+			name: "iptables.localhostNodePorts false is used, not warned about", content: header + "iptables:\n  localhostNodePorts: false\n",
+			check: func(t *testing.T, o *Options) {
+				if o.LocalhostNodePorts || len(o.ConfigWarnings) != 0 {
+					t.Errorf("LocalhostNodePorts = %v, warnings %q; want false, none", o.LocalhostNodePorts, o.ConfigWarnings)
+				}
+			},
+		},
+		{
+			name: "iptables.localhostNodePorts unset: true, as kube-proxy's default", content: header + "iptables:\n  syncPeriod: 1m\n",
+			check: func(t *testing.T, o *Options) {
+				if !o.LocalhostNodePorts {
+					t.Error("LocalhostNodePorts = false, want the default true")
+				}
+			},
+		},
+		{
+			name: "--iptables-localhost-nodeports overrides the file", content: header + "iptables:\n  localhostNodePorts: false\n",
+			args: []string{"--iptables-localhost-nodeports=true"},
+			check: func(t *testing.T, o *Options) {
+				if !o.LocalhostNodePorts {
+					t.Error("LocalhostNodePorts = false, want the flag's true")
+				}
+			},
+		},
+		{
 			name: "ignored fields are warned about", content: header + "ipvs:\n  scheduler: rr\ndetectLocalMode: InterfaceNamePrefix\n",
 			check: func(t *testing.T, o *Options) {
 				w := strings.Join(o.ConfigWarnings, "\n")
@@ -252,7 +277,7 @@ func TestWriteConfigRoundTrip(t *testing.T) {
 		"kubeconfig": "/k", "master": "https://10.0.0.1:6443", "manifests": t.TempDir(), "service-cluster-ip-range": "10.100.0.0/16",
 		"hostname-override": "node-x", "bind-address": "10.1.2.3", "nodeport-addresses": "10.0.0.0/8,192.168.0.0/16",
 		"cluster-cidr": "10.244.0.0/16,fd00:244::/48", "portal-mode": "none", "proxy-port-range": "40000+100", "udp-timeout": "5s",
-		"iptables-sync-period": "42s", "iptables-min-sync-period": "3s", "transparent-local": "false",
+		"iptables-sync-period": "42s", "iptables-min-sync-period": "3s", "transparent-local": "false", "iptables-localhost-nodeports": "false",
 		"conntrack-max-per-core": "1000", "conntrack-min": "5000", "conntrack-tcp-timeout-established": "2h0m0s",
 		"conntrack-tcp-timeout-close-wait": "30m0s", "conntrack-tcp-be-liberal": "true", "conntrack-udp-timeout": "45s",
 		"conntrack-udp-timeout-stream": "3m0s", "healthz-bind-address": "127.0.0.1:20256", "metrics-bind-address": "0.0.0.0:20249",

@@ -83,7 +83,6 @@ import (
 	"sort"
 	"strings"
 	"sync/atomic"
-	"syscall"
 	"time"
 
 	"github.com/rs/zerolog"
@@ -277,9 +276,7 @@ type statKey struct {
 
 func statKeyOf(fi os.FileInfo) statKey {
 	k := statKey{size: fi.Size(), mtime: fi.ModTime()}
-	if st, ok := fi.Sys().(*syscall.Stat_t); ok {
-		k.ino, k.dev = uint64(st.Ino), uint64(st.Dev)
-	}
+	k.ino, k.dev = fileID(fi)
 	return k
 }
 
