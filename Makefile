@@ -95,7 +95,7 @@ demo: test-bins
 bench: deps test-bins
 	cd bench && $(GO) test -tags bench -run '^TestBench$$' -count=1 -v -timeout 60m .
 
-# Issue 16's scale figures from a manifests directory (test/e2e/scale_measure_test.go):
+# The scale figures from a manifests directory (test/e2e/scale_measure_test.go):
 # KUP_SCALE_MEASURE=5000,10000,20000 (the default) service counts, one MEASURE line each, each
 # measured KUP_SCALE_REPS=3 times; the medians go to bench/results/scale.{md,svg} (about 18 minutes).
 .PHONY: scale-measure

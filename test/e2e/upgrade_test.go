@@ -40,7 +40,7 @@ const newConnsPerUpgrade = 50
 // currentUpgrade is the upgrade under way (or last done), for messages.
 var currentUpgrade atomic.Int64
 
-// TestUpgrade upgrades a node's proxy (issue 14): an old binary hands everything over to a new
+// TestUpgrade upgrades a node's proxy: an old binary hands everything over to a new
 // binary, then the new one to itself started with other flags, and so on, ten times in a row,
 // alternating the two binaries (both built from the tree, stamped with different versions),
 // while the node carries: 20 TCP streams sending numbered, hashed data both ways without pause,

@@ -416,7 +416,7 @@ func isTerminal(w io.Writer) bool {
 // (listeners, rules, the sources' objects: ~48 MiB live at 10,000 service ports from the API
 // server) and a sync's garbage is small, but Go's default of 100 lets that garbage pile up to
 // the size of the live heap before a collection, and RSS follows it there over time (an idle
-// proxy at 10,000 reached that goal in ~20 minutes in a measurement of session 18). At 50 the
+// proxy at 10,000 reached that goal in ~20 minutes in a scale measurement). At 50 the
 // heap stays within 1.5 times the live one; the cost is a collection per ~24 MiB allocated
 // instead of ~48: a few a minute while services churn, about none when idle (the runtime
 // collects every two minutes anyway).
