@@ -95,8 +95,15 @@ func TestHandoverSIGTERMDuringExchange(t *testing.T) {
 		t.Fatalf("the second proxy exited (%v):\n%s", second.Err(), second.Tail(30))
 	default:
 	}
-	if !strings.Contains(second.Log(), "adopted what the predecessor handed over") {
-		t.Errorf("the second proxy did not adopt anything:\n%s", second.Tail(30))
+	// The first proxy exits once the second said ready; the second logs its adoption after.
+	for !strings.Contains(second.Log(), "adopted what the predecessor handed over") {
+		select {
+		case <-ctx.Done():
+			t.Fatalf("the second proxy did not adopt anything:\n%s", second.Tail(30))
+		case <-second.Done():
+			t.Fatalf("the second proxy exited (%v):\n%s", second.Err(), second.Tail(30))
+		case <-time.After(5 * time.Millisecond):
+		}
 	}
 	if got := udp.ask(t, "after"); got != udpBackend {
 		t.Errorf("UDP answered by %s after the hand-over, %s before", got, udpBackend)
