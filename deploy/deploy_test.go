@@ -1,8 +1,10 @@
 package deploy
 
 import (
+	"slices"
 	"strings"
 	"testing"
+	"time"
 
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/client-go/tools/clientcmd"
@@ -53,8 +55,6 @@ func TestManifests(t *testing.T) {
 		{"not privileged", []string{"securityContext", "privileged"}, false},
 		{"liveness path", []string{"livenessProbe", "httpGet", "path"}, "/livez"},
 		{"liveness port", []string{"livenessProbe", "httpGet", "port"}, float64(10256)},
-		{"readiness path", []string{"readinessProbe", "httpGet", "path"}, "/healthz"},
-		{"readiness port", []string{"readinessProbe", "httpGet", "port"}, float64(10256)},
 	}
 	for _, ck := range checks {
 		got, _, _ := unstructured.NestedFieldNoCopy(c, ck.path...)
@@ -83,13 +83,35 @@ func TestManifests(t *testing.T) {
 		t.Errorf("DaemonSet: hostNetwork container has ports %v (each a hostPort: the rolling update's surge pod cannot be scheduled)", ports)
 	}
 
-	// The old pod of a rolling update serves on until the new one has taken over (its readiness
-	// probe is answered by the old process: same port, same network namespace).
-	if cmd, _, _ := unstructured.NestedStringSlice(c, "lifecycle", "preStop", "exec", "command"); len(cmd) != 2 || cmd[0] != "sleep" {
-		t.Errorf("DaemonSet: preStop = %v, want a sleep before SIGTERM", cmd)
+	// Ready only when the container's own proxy serves the node: an httpGet probe of the
+	// node's port is answered by the old proxy during a rolling update. The exec probe reads
+	// the ready file the proxy's command names, with the proxy's configuration.
+	args, _, _ := unstructured.NestedStringSlice(c, "command")
+	flag := func(cmd []string, name string) string {
+		for _, a := range cmd {
+			if v, ok := strings.CutPrefix(a, "--"+name+"="); ok {
+				return v
+			}
+		}
+		return ""
 	}
-	if grace, _ := spec("terminationGracePeriodSeconds").(float64); grace < 5+30 {
-		t.Errorf("DaemonSet: terminationGracePeriodSeconds %v, want at least the preStop sleep plus --shutdown-grace-period", grace)
+	probe, _, _ := unstructured.NestedStringSlice(c, "readinessProbe", "exec", "command")
+	switch {
+	case len(probe) == 0 || probe[0] != args[0] || !slices.Contains(probe, "--probe-ready"):
+		t.Errorf("DaemonSet readinessProbe: exec %v, want %s --probe-ready", probe, args[0])
+	case flag(args, "ready-file") == "" || flag(probe, "ready-file") != flag(args, "ready-file"):
+		t.Errorf("DaemonSet: --ready-file %q in the readiness probe, %q in the proxy's command: want one path", flag(probe, "ready-file"), flag(args, "ready-file"))
+	case !strings.HasPrefix(flag(args, "ready-file"), "/tmp/"):
+		t.Errorf("DaemonSet: --ready-file %q: want a path of the container's own (/tmp), not one the old pod shares", flag(args, "ready-file"))
+	case flag(probe, "config") != flag(args, "config"):
+		t.Errorf("DaemonSet readinessProbe: --config %q, the proxy's %q (the probe finds /healthz there)", flag(probe, "config"), flag(args, "config"))
+	}
+	if pre, ok, _ := unstructured.NestedFieldNoCopy(c, "lifecycle", "preStop"); ok {
+		t.Errorf("DaemonSet: preStop %v: the readiness probe makes a rolling update wait for the hand-over; a sleep would only delay the old pod's deletion", pre)
+	}
+	grace, _ := spec("terminationGracePeriodSeconds").(float64)
+	if sgp, err := time.ParseDuration(flag(args, "shutdown-grace-period")); err != nil || time.Duration(grace)*time.Second <= sgp {
+		t.Errorf("DaemonSet: terminationGracePeriodSeconds %v, --shutdown-grace-period %q: want the pod's longer", grace, flag(args, "shutdown-grace-period"))
 	}
 
 	// The kubeconfig that names the API server: the configuration's clientConnection.kubeconfig

@@ -499,10 +499,10 @@ func count(m map[string][]string) int {
 	return n
 }
 
-// TestProxyRollout: `kubectl rollout restart` of the DaemonSet, then a change of its image, each
-// under traffic with one long TCP stream open: the stream survives (checksummed both ways), no
-// new connection fails, the rollout completes on every node within rolloutLimit and no old pod
-// is left.
+// TestProxyRollout: `kubectl rollout restart` of the DaemonSet, then a change of its image, then
+// new proxies that start seconds late, each under traffic with one long TCP stream open: the
+// stream survives (checksummed both ways), no new connection fails, the rollout completes on
+// every node within rolloutLimit and no old pod is left.
 func TestProxyRollout(t *testing.T) {
 	workload(t)
 	t.Run("restart", func(t *testing.T) {
@@ -528,6 +528,30 @@ func TestProxyRollout(t *testing.T) {
 		underTraffic(t, func() {
 			kubectl(t, 30*time.Second, "-n", proxyNS, "set", "image", "daemonset/"+proxyName, proxyName+"="+image)
 		})
+	})
+	t.Run("slow start", func(t *testing.T) {
+		// New proxies that need seconds before they can take over (informers of a large
+		// cluster, a slow API server): here a shell sleeps before the same command. The new pod
+		// must not turn Ready, and the old one must not be stopped, before the hand-over; a
+		// readiness probe that the old process answers, or a fixed delay before its SIGTERM
+		// shorter than the sleep, refuses connections here.
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		defer cancel()
+		ds, err := env.client.AppsV1().DaemonSets(proxyNS).Get(ctx, proxyName, metav1.GetOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		orig := ds.Spec.Template.Spec.Containers[0].Command
+		slow := append([]string{"/bin/sh", "-c", `sleep 6; exec "$0" "$@"`}, orig...)
+		setCommand := func(cmd []string) {
+			patch, err := json.Marshal([]map[string]any{{"op": "replace", "path": "/spec/template/spec/containers/0/command", "value": cmd}})
+			if err != nil {
+				t.Fatal(err)
+			}
+			kubectl(t, 30*time.Second, "-n", proxyNS, "patch", "daemonset/"+proxyName, "--type=json", "-p", string(patch))
+		}
+		underTraffic(t, func() { setCommand(slow) })
+		underTraffic(t, func() { setCommand(orig) })
 	})
 }
 

@@ -47,6 +47,9 @@ func Main(args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintf(stderr, "invalid configuration: %v\n", err)
 		return 2
 	}
+	if opts.ProbeReady {
+		return probeMain(opts, stdout)
+	}
 	v, err := opts.Validate()
 	if err != nil {
 		fmt.Fprintf(stderr, "invalid options:\n%v\n", err)
@@ -171,6 +174,9 @@ func Run(ctx context.Context, opts *Options, v *Validated, log zerolog.Logger) e
 		pOpts.PreferredPorts = survivingPorts(ctx, portals, log)
 		pOpts.HoldPorts = true
 	}
+	// Names this process while it serves the node, for --probe-ready.
+	ready := newReadyFile(opts.ReadyFile, "/proc", log.With().Str("component", "ready").Logger())
+	defer ready.stop()
 	health := healthcheck.ProxyHealthOptions{Timeout: 2 * opts.SyncPeriod, Source: status}
 	srv, err := newServers(opts, v, health, log.With().Str("component", "servers").Logger())
 	if err != nil {
@@ -181,7 +187,7 @@ func Run(ctx context.Context, opts *Options, v *Validated, log zerolog.Logger) e
 	pOpts.OnQueued, pOpts.Metrics = srv.queued, srv.metrics
 	pOpts.OnSynced = func(r proxy.SyncResult) {
 		srv.synced(r)
-		firstSyncOnce.Do(func() { close(firstSync) })
+		firstSyncOnce.Do(func() { close(firstSync); ready.markSynced() })
 	}
 	px := userspace.New(pOpts)
 	if b := px.Budget(); b != nil {
@@ -263,7 +269,7 @@ func Run(ctx context.Context, opts *Options, v *Validated, log zerolog.Logger) e
 	handedOver := make(chan struct{})
 	var stopHandovers func() bool
 	if hoPath != "" {
-		g := &giver{px: px, srv: srv, portals: portals, lock: lock}
+		g := &giver{px: px, srv: srv, portals: portals, lock: lock, ready: ready}
 		stop, err := serveHandovers(ctx, hoPath, g, handedOver, log.With().Str("component", "handover").Logger())
 		if err != nil {
 			log.Warn().Err(err).Msg("no hand-over socket: a successor will restart instead of taking over")
@@ -285,6 +291,9 @@ func Run(ctx context.Context, opts *Options, v *Validated, log zerolog.Logger) e
 	case <-handedOver:
 		handed = true
 	}
+	// Handed over or shutting down, this process serves the node no more: its pod turns not
+	// ready, whatever an exchange still under way decides.
+	ready.stop()
 	// An exchange under way when the signal (or the source's end) came is finished first
 	// (within handoverTimeout; its freeze gives up dials still in progress), and it decides:
 	// handed over, everything is the successor's and no portal may be removed; failed, the

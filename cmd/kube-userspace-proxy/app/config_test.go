@@ -266,7 +266,7 @@ func TestValidateNamesConfigField(t *testing.T) {
 }
 
 // operationalFlags are the flags that are not settings, which --write-config-to leaves out.
-var operationalFlags = map[string]bool{"config": true, "write-config-to": true, "cleanup": true, "version": true}
+var operationalFlags = map[string]bool{"config": true, "write-config-to": true, "cleanup": true, "version": true, "probe-ready": true}
 
 // TestWriteConfigRoundTrip: what --write-config-to writes decodes strictly and, read back with
 // --config plus the flags it lists in its comment, gives the same value of every setting, with
@@ -284,6 +284,7 @@ func TestWriteConfigRoundTrip(t *testing.T) {
 		"shutdown-grace-period": "7s", "oom-score-adj": "-10", "log-level": "debug",
 		"fd-reserve": "100", "max-connections-per-port": "-1", "max-udp-sessions-per-port": "50", "tcp-idle-timeout": "1h0m0s", "max-affinity-entries-per-port": "500",
 		"handover-socket": "/tmp/kup-test-handover.sock", "handover-exit": "false", "profiling": "true",
+		"ready-file": "/tmp/kup-test.ready",
 	}
 	tests := []struct {
 		name string

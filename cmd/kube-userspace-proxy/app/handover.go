@@ -152,6 +152,7 @@ type giver struct {
 	srv     *servers
 	portals *portal.Set // nil without portals
 	lock    *instanceLock
+	ready   *readyFile // removed while frozen: the successor is about to serve
 
 	frozenAt time.Time      // the current exchange's Freeze
 	kinds    map[string]int // what it froze
@@ -159,8 +160,10 @@ type giver struct {
 
 func (g *giver) Freeze(ctx context.Context) (*handover.Package, error) {
 	g.frozenAt = time.Now()
+	g.ready.freeze()
 	recs, err := g.px.Freeze(ctx)
 	if err != nil {
+		g.ready.thaw()
 		g.srv.metrics.Handover(metrics.HandoverPredecessor, metrics.HandoverFailed, 0, nil)
 		return nil, err
 	}
@@ -170,6 +173,7 @@ func (g *giver) Freeze(ctx context.Context) (*handover.Package, error) {
 	}
 	if err != nil {
 		g.px.Resume(recs)
+		g.ready.thaw()
 		g.srv.metrics.Handover(metrics.HandoverPredecessor, metrics.HandoverFailed, 0, nil)
 		return nil, err
 	}
@@ -192,6 +196,7 @@ var _ handover.LockGiver = (*giver)(nil)
 
 func (g *giver) Resume(pkg *handover.Package) {
 	g.px.Resume(pkg.Records)
+	g.ready.thaw()
 	pkg.Close() // the servers' duplicates: they still serve on their own sockets
 	g.srv.metrics.Handover(metrics.HandoverPredecessor, metrics.HandoverFailed, time.Since(g.frozenAt), nil)
 }

@@ -134,7 +134,9 @@ func (s *servers) listenOn(key, network, address string) (net.Listener, error) {
 	return net.Listen(network, address)
 }
 
-// sameAddr reports whether a listener's address is what address (host:port) asks for.
+// sameAddr reports whether a listener's address is what address (host:port) asks for. For
+// 0.0.0.0 Go listens on [::] (both families) where the machine has IPv6, so a socket of either
+// unspecified address is what 0.0.0.0 asks for.
 func sameAddr(a net.Addr, address string) bool {
 	host, port, err := net.SplitHostPort(address)
 	ta, ok := a.(*net.TCPAddr)
@@ -145,6 +147,9 @@ func sameAddr(a net.Addr, address string) bool {
 		return ta.IP.IsUnspecified()
 	}
 	ip := net.ParseIP(host)
+	if ip.Equal(net.IPv4zero) {
+		return ta.IP.IsUnspecified()
+	}
 	return ip != nil && ip.Equal(ta.IP)
 }
 
