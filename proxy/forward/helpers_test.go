@@ -81,7 +81,7 @@ func proxyGoroutines() string {
 	buf := allStacks()
 	var out []string
 	for _, g := range strings.Split(string(buf), "\n\n") {
-		for _, marker := range []string{"forward.(*Poller)", "forward.(*TCPProxy)", "forward.(*loop)", "forward.(*UDPProxy)", "forward.(*udpSession)"} {
+		for _, marker := range []string{"forward.(*Poller)", "forward.(*TCPProxy)", "forward.(*loop)", "forward.(*UDPProxy)", "forward.(*udpSession)", "forward.(*tcpRelay)", "forward.(*udpRelay)"} {
 			if strings.Contains(g, marker) {
 				out = append(out, g)
 				break

@@ -1315,17 +1315,7 @@ func (l *loop) finish(c *lconn, reset bool, err error) {
 	}
 	l.uncountTimed(c)
 	l.dropPipes(c)
-	if c.connected {
-		p.sink().BytesCopied(c.n[0], c.n[1])
-		p.sink().ConnClosed()
-		if e := p.logDebug(); e.Enabled() {
-			e.Stringer("client", c.clientAddr).Stringer("endpoint", c.endpoint).
-				Int64("toEndpoint", c.n[0]).Int64("fromEndpoint", c.n[1]).AnErr("err", err).
-				Msg("connection closed")
-		}
-	} else {
-		p.sink().ConnFailed()
-	}
+	p.connEnded(c.connected, c.clientAddr, c.endpoint, c.n[0], c.n[1], err)
 	p.loopConnEnded()
 }
 

@@ -101,3 +101,19 @@ func (p *TCPProxy) proxyHeader(v ProxyProtocol, client, endpoint, dst, local net
 	}
 	return hdr, err
 }
+
+// connEnded records the end of an admitted connection: for one that reached endpoint, its bytes
+// each way and a debug line; for one that never did, ConnFailed.
+func (p *TCPProxy) connEnded(connected bool, client, endpoint netip.AddrPort, toEndpoint, fromEndpoint int64, err error) {
+	if !connected {
+		p.sink().ConnFailed()
+		return
+	}
+	p.sink().BytesCopied(toEndpoint, fromEndpoint)
+	p.sink().ConnClosed()
+	if e := p.logDebug(); e.Enabled() {
+		e.Stringer("client", client).Stringer("endpoint", endpoint).
+			Int64("toEndpoint", toEndpoint).Int64("fromEndpoint", fromEndpoint).AnErr("err", err).
+			Msg("connection closed")
+	}
+}
