@@ -27,7 +27,6 @@ type tcpRelay struct {
 	ctx    context.Context // ended by cut: dials in progress stop
 	cancel context.CancelFunc
 	stop   chan struct{} // closed by close: a paused accept loop stops waiting
-	wg     sync.WaitGroup
 
 	mu      sync.Mutex // guards the following fields
 	closed  bool
@@ -35,6 +34,8 @@ type tcpRelay struct {
 	done    chan struct{} // closed when serve returns
 	live    map[*relayConn]struct{}
 }
+
+// The relay's connections are counted in p.connWG, which Shutdown waits for.
 
 // relayConn is one connection of a tcpRelay; its goroutine (handle) owns it, cut may reset it.
 type relayConn struct {
@@ -45,10 +46,12 @@ type relayConn struct {
 	lastRead atomic.Int64 // time.Now().UnixNano() of the last byte read either way
 }
 
+// newTCPRelay returns the relay of p and sets p.relay.
 func newTCPRelay(p *TCPProxy) *tcpRelay {
 	ctx, cancel := context.WithCancel(context.Background())
-	return &tcpRelay{p: p, ctx: ctx, cancel: cancel, stop: make(chan struct{}), done: make(chan struct{}),
+	p.relay = &tcpRelay{p: p, ctx: ctx, cancel: cancel, stop: make(chan struct{}), done: make(chan struct{}),
 		live: map[*relayConn]struct{}{}}
+	return p.relay
 }
 
 // serve accepts connections until close; nil after close, else the accept error that stopped it.
@@ -115,7 +118,7 @@ func (r *tcpRelay) admit(rc *relayConn) bool {
 		return false
 	}
 	r.live[rc] = struct{}{}
-	r.wg.Add(1)
+	r.p.connWG.Add(1)
 	return true
 }
 
@@ -149,7 +152,7 @@ func (r *tcpRelay) close() error {
 func (r *tcpRelay) shutdown(ctx context.Context) error {
 	err := r.close()
 	drained := make(chan struct{})
-	go func() { r.wg.Wait(); close(drained) }() // ends with the connections, which cut ends
+	go func() { r.p.connWG.Wait(); close(drained) }() // ends with the connections, which cut ends
 	select {
 	case <-drained:
 		return err
@@ -192,7 +195,7 @@ func (r *tcpRelay) handle(rc *relayConn) {
 		r.mu.Unlock()
 		p.Budget.give(tcpConnFDs)
 		p.connEnded(connected, client, endpoint, n[0], n[1], err)
-		r.wg.Done()
+		r.p.connWG.Done()
 	}()
 	var backend net.Conn
 	var target Target

@@ -47,13 +47,15 @@ type relaySession struct {
 	fromEndpoint     atomic.Int64
 }
 
+// newUDPRelay returns the relay of p and sets p.relay.
 func newUDPRelay(p *UDPProxy) *udpRelay {
 	timeout := p.Timeout
 	if timeout <= 0 {
 		timeout = DefaultUDPTimeout
 	}
-	return &udpRelay{p: p, timeout: timeout, metrics: metricsOrNone(p.Metrics), stop: make(chan struct{}),
+	p.relay = &udpRelay{p: p, timeout: timeout, metrics: metricsOrNone(p.Metrics), stop: make(chan struct{}),
 		done: make(chan struct{}), sessions: map[netip.AddrPort]*relaySession{}}
+	return p.relay
 }
 
 // serve reads datagrams from Conn and forwards them until close; nil after close, else the read

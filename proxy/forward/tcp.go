@@ -86,6 +86,8 @@ type TCPProxy struct {
 
 	run runState
 
+	relay *tcpRelay // the portable engine's state, where it serves (relay_other.go; tests)
+
 	mu       sync.Mutex // guards the following fields
 	freezing bool       // Freeze has marked every connection: Adopt admits no more
 	onLoop   *loopProxy // the proxy's state on its loops, from its first use
@@ -207,8 +209,13 @@ func (p *TCPProxy) awaitConns(drained chan<- struct{}) {
 // an error code"; EPERM: a firewall rule refused it), so the loop should simply accept again.
 func isPendingConnError(err error) bool {
 	for _, e := range []syscall.Errno{syscall.ECONNABORTED, syscall.EPROTO, syscall.ENETDOWN,
-		syscall.ENOPROTOOPT, syscall.EHOSTDOWN, syscall.ENONET, syscall.EHOSTUNREACH,
+		syscall.ENOPROTOOPT, syscall.EHOSTDOWN, syscall.EHOSTUNREACH,
 		syscall.EOPNOTSUPP, syscall.ENETUNREACH, syscall.EPERM} {
+		if errors.Is(err, e) {
+			return true
+		}
+	}
+	for _, e := range osPendingConnErrnos {
 		if errors.Is(err, e) {
 			return true
 		}
