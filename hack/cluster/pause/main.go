@@ -1,3 +1,5 @@
+//go:build unix
+
 // Command pause is the local cluster's pod sandbox image (hack/cluster.sh): the first process of
 // every pod, holding its namespaces. It waits for SIGTERM or SIGINT and exits 0; as PID 1 of the
 // pod it also reaps children that reparent to it.
