@@ -1,4 +1,4 @@
-//go:build scalemeasure
+//go:build linux && scalemeasure
 
 // The measurements of issue 16, outside `make test` (they take minutes and assert no timing):
 // `make scale-measure`, or go test -tags scalemeasure -run TestScaleMeasure -v ./test/e2e/.
