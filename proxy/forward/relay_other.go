@@ -156,7 +156,11 @@ func (p *UDPProxy) Start(*Poller) error {
 		return errors.New("start UDP proxy: Conn and Chooser are required")
 	}
 	r := p.udpRelayOf()
-	go func() { _ = r.serve() }() // a read error is logged by serve
+	ok, err := r.start()
+	if !ok {
+		return err
+	}
+	go func() { _ = r.run() }() // a read error is logged by run; close waits for it
 	return nil
 }
 

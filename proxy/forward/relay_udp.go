@@ -61,18 +61,31 @@ func newUDPRelay(p *UDPProxy) *udpRelay {
 // serve reads datagrams from Conn and forwards them until close; nil after close, else the read
 // error that stopped it.
 func (r *udpRelay) serve() error {
+	ok, err := r.start()
+	if !ok {
+		return err
+	}
+	return r.run()
+}
+
+// start is serve's admission: an error when it was called before, false (and no error) when
+// close came first. When ok, the caller calls run, which close then waits for.
+func (r *udpRelay) start() (bool, error) {
 	r.mu.Lock()
+	defer r.mu.Unlock()
 	if r.serving {
-		r.mu.Unlock()
-		return errors.New("serve UDP proxy: Serve called twice")
+		return false, errors.New("serve UDP proxy: Serve called twice")
+	}
+	if r.closed {
+		return false, nil
 	}
 	r.serving = true
-	closed := r.closed
-	r.mu.Unlock()
+	return true, nil
+}
+
+// run is serve's loop, after start.
+func (r *udpRelay) run() error {
 	defer close(r.done)
-	if closed {
-		return nil
-	}
 	p := r.p
 	buf := make([]byte, udpBufSize)
 	var pause resourcePause
