@@ -9,9 +9,9 @@ GO=${GO:-go}
 BIN=${BIN:-bin}
 # Build tags whose files must pass too (a tag no file uses costs nothing).
 TAGS=bench,scalemeasure,sockmapmeasure,udpmeasure,cluster
-# Findings under these paths are reported but do not fail: proxy/forward is being split into a
-# Linux-only engine, whose owner takes its findings. Empty this once they are fixed.
-PENDING='^proxy/forward/'
+# Findings under paths matching PENDING are reported but do not fail (for a package being
+# reworked, whose owner takes its findings). None now: '^$' matches no finding.
+PENDING='^$'
 
 fail=0
 step() { printf '== %s\n' "$*"; }

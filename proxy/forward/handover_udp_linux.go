@@ -149,7 +149,7 @@ func (p *UDPProxy) Adopt(sessions []UDPSessionState) error {
 	case closed || frozen:
 		err = stateErr(closed, frozen)
 	case p.Conn == nil:
-		err = errors.New("Conn is required")
+		err = errors.New("the Conn field is required")
 	}
 	if err != nil {
 		for _, ss := range sessions {

@@ -313,3 +313,27 @@ func TestRelayUDPMaxSessionsEvicts(t *testing.T) {
 		t.Errorf("%d sessions, want MaxSessions (1)", n)
 	}
 }
+
+func TestRelayUDPDropSessions(t *testing.T) {
+	checkNoLeaks(t)
+	a := startUDPEcho(t, loopback("4"), "a:")
+	b := startUDPEcho(t, loopback("4"), "b:")
+	ch := &fakeChooser{}
+	ch.set(a, b)
+	addr, r, m := startRelayUDP(t, ch, nil)
+	c1, c2 := dialUDPTest(t, addr), dialUDPTest(t, addr)
+	for _, c := range []*net.UDPConn{c1, c2} {
+		if _, err := udpExchange(c, []byte("x"), 3, time.Second); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if n := r.dropSessions(func(ep netip.AddrPort) bool { return ep != a }); n != 1 {
+		t.Errorf("dropSessions ended %d sessions, want 1 (the one on %v)", n, a)
+	}
+	eventually(t, "the dropped session closed", func() bool { return m.snapshot().sessionsClosed == 1 })
+	// c1's next datagram opens a new session, chosen again.
+	ch.set(b)
+	if reply, err := udpExchange(c1, []byte("y"), 3, time.Second); err != nil || string(reply) != "b:y" {
+		t.Errorf("after the drop: %q, %v; want a new session on b", reply, err)
+	}
+}

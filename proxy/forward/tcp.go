@@ -94,7 +94,7 @@ type TCPProxy struct {
 }
 
 // errNoLoops: a TCPProxy was started without Loops.
-var errNoLoops = errors.New("Listener, Chooser and Loops are required")
+var errNoLoops = errors.New("the fields Listener, Chooser and Loops are required")
 
 // Serve has the Loops accept and relay connections until Close, Shutdown or Freeze. It
 // returns nil after Close, or an error if accept fails for a reason other than running out of

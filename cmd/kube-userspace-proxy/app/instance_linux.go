@@ -53,7 +53,7 @@ func adoptInstanceLock(f *os.File) (*instanceLock, error) {
 		return nil, fmt.Errorf("instance lock from the predecessor: %w", err)
 	}
 	var ferr error
-	if err := rc.Control(func(fd uintptr) { ferr = syscall.Flock(int(fd), syscall.LOCK_EX|syscall.LOCK_NB) }); err == nil {
+	if err = rc.Control(func(fd uintptr) { ferr = syscall.Flock(int(fd), syscall.LOCK_EX|syscall.LOCK_NB) }); err == nil {
 		err = ferr
 	}
 	if err != nil {
