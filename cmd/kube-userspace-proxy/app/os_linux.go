@@ -6,5 +6,8 @@ import "github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/handover"
 // namespace's, in InstanceLockDir.
 func defaultHandoverSocket() (string, error) { return handover.Path(InstanceLockDir) }
 
+// oomScoreAdjPath is where the process's oom_score_adj is set.
+const oomScoreAdjPath = "/proc/self/oom_score_adj"
+
 // validateOS checks the options only some systems refuse: Linux has everything.
 func validateOS(*Options, func(flag, format string, args ...any)) {}

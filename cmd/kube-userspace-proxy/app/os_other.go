@@ -7,6 +7,9 @@ import "time"
 // notOnThisOS ends the message of an option that needs Linux.
 const notOnThisOS = "not supported on this OS (Linux only)"
 
+// oomScoreAdjPath is empty: there is no OOM score to set here, and --oom-score-adj is ignored.
+const oomScoreAdjPath = ""
+
 // defaultHandoverSocket is "": an empty --handover-socket means no hand-over here.
 func defaultHandoverSocket() (string, error) { return "", nil }
 
