@@ -27,8 +27,6 @@ type udpRelay struct {
 	stop    chan struct{} // closed by close: a paused read loop stops waiting
 	wg      sync.WaitGroup
 
-	refusedWarned atomic.Bool // a datagram dropped for want of room was logged at warning level
-
 	mu       sync.Mutex // guards the following fields
 	closed   bool
 	serving  bool
@@ -158,25 +156,14 @@ func (r *udpRelay) session(client netip.AddrPort) *relaySession {
 
 	clientAddr := unmapAddrPort(client)
 	dst := netip.AddrPort{} // unknown: no conntrack here
-	target, err := p.Chooser.Choose(clientAddr, dst, reset)
-	if err != nil {
-		p.logDebug().Err(err).Stringer("client", clientAddr).Stringer("dst", dst).
-			Msg("no endpoint; datagram dropped")
+	target, backend, ok := p.dialSession(clientAddr, dst, reset, r.admit, func(t Target) (*net.UDPConn, error) {
+		ep := t.Endpoint
+		return net.DialUDP("udp", nil, net.UDPAddrFromAddrPort(netip.AddrPortFrom(ep.Addr().Unmap(), ep.Port())))
+	})
+	if !ok {
 		return nil
 	}
 	ep := target.Endpoint
-	if !r.admit() {
-		p.logDebug().Stringer("client", clientAddr).Msg("no room for a new UDP session; datagram dropped")
-		return nil
-	}
-	backend, err := net.DialUDP("udp", nil, net.UDPAddrFromAddrPort(netip.AddrPortFrom(ep.Addr().Unmap(), ep.Port())))
-	if err != nil {
-		p.Budget.give(udpSessionFDs)
-		r.metrics.DialFailed(ep)
-		p.logDebug().Err(err).Stringer("client", clientAddr).Stringer("endpoint", ep).
-			Msg("cannot open a socket to the endpoint; datagram dropped")
-		return nil
-	}
 	s = &relaySession{client: client, endpoint: ep, backend: backend}
 	s.last.Store(time.Now().UnixNano())
 	r.mu.Lock()
@@ -188,33 +175,18 @@ func (r *udpRelay) session(client netip.AddrPort) *relaySession {
 	r.sessions[client] = s
 	r.wg.Add(1)
 	r.mu.Unlock()
-	r.metrics.UDPSessionOpened()
-	p.logDebug().Stringer("client", clientAddr).Stringer("dst", dst).Stringer("endpoint", ep).
-		Bool("reset", reset).Msg("UDP session opened")
+	p.sessionOpened(clientAddr, dst, ep, reset)
 	go r.relayReplies(s)
 	return s
 }
 
-// admit takes a session's descriptor within MaxSessions and the Budget, evicting the longest-idle
-// session to make room; false when there is none to evict.
+// admit takes a session's descriptor within the policy's limits, evicting to make room.
 func (r *udpRelay) admit() bool {
-	p := r.p
-	for range 2 {
+	return r.p.admitSessionWithin(func() int {
 		r.mu.Lock()
-		full := p.MaxSessions > 0 && len(r.sessions) >= p.MaxSessions
-		r.mu.Unlock()
-		if !full && p.Budget.take(udpSessionFDs) {
-			return true
-		}
-		if !r.evictIdlest() {
-			break
-		}
-	}
-	if r.refusedWarned.CompareAndSwap(false, true) {
-		p.logWarn().Int("maxSessions", p.MaxSessions).Int("budget", p.Budget.Limit()).Int("budgetInUse", p.Budget.InUse()).
-			Msg("UDP datagram dropped: no room for a new session (logged once)")
-	}
-	return false
+		defer r.mu.Unlock()
+		return len(r.sessions)
+	}, r.evictIdlest)
 }
 
 // evictIdlest ends the longest-idle session; false when there is none.
@@ -249,9 +221,7 @@ func (r *udpRelay) release(s *relaySession) {
 // markRefused notes that s's endpoint answered with an ICMP error: the next datagram chooses again.
 func (r *udpRelay) markRefused(s *relaySession, err error) {
 	if s.refused.CompareAndSwap(false, true) {
-		r.metrics.DialFailed(s.endpoint)
-		r.p.logDebug().Err(err).Stringer("client", s.client).Stringer("endpoint", s.endpoint).
-			Msg("endpoint refused the flow")
+		r.p.flowRefused(s.client, s.endpoint, err)
 	}
 }
 
@@ -306,11 +276,7 @@ func (r *udpRelay) finish(s *relaySession) {
 	}
 	r.mu.Unlock()
 	r.release(s)
-	r.metrics.BytesCopied(s.toEndpoint.Load(), s.fromEndpoint.Load())
-	r.metrics.UDPSessionClosed()
-	r.p.logDebug().Stringer("client", s.client).Stringer("endpoint", s.endpoint).
-		Int64("toEndpoint", s.toEndpoint.Load()).Int64("fromEndpoint", s.fromEndpoint.Load()).
-		Msg("UDP session closed")
+	r.p.sessionEnded(s.client, s.endpoint, s.toEndpoint.Load(), s.fromEndpoint.Load())
 }
 
 func (r *udpRelay) isClosed() bool {

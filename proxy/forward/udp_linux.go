@@ -348,25 +348,12 @@ func (p *UDPProxy) session(ct *conntrackConn, client, to netip.AddrPort) *udpSes
 
 	clientAddr := unmapAddrPort(client)
 	dst := p.originalDst(ct, client, to)
-	target, err := p.Chooser.Choose(clientAddr, dst, reset)
-	if err != nil {
-		p.logDebug().Err(err).Stringer("client", clientAddr).Stringer("dst", dst).
-			Msg("no endpoint; datagram dropped")
+	target, backend, ok := p.dialSession(clientAddr, dst, reset, p.admitSession,
+		func(t Target) (*net.UDPConn, error) { return p.dialEndpoint(t, clientAddr) })
+	if !ok {
 		return nil
 	}
 	ep := target.Endpoint
-	if !p.admitSession() {
-		p.logDebug().Stringer("client", clientAddr).Msg("no room for a new UDP session; datagram dropped")
-		return nil
-	}
-	backend, err := p.dialEndpoint(target, clientAddr)
-	if err != nil {
-		p.Budget.give(udpSessionFDs)
-		p.metrics.DialFailed(ep)
-		p.logDebug().Err(err).Stringer("client", clientAddr).Stringer("endpoint", ep).
-			Msg("cannot open a socket to the endpoint; datagram dropped")
-		return nil
-	}
 	s = p.newSession(client, ep, backend, to.Addr())
 	s.lastActive.Store(p.now())
 	if p.run.stopping() { // sessions are opened by the read loop only, which Close waits for
@@ -377,9 +364,7 @@ func (p *UDPProxy) session(ct *conntrackConn, client, to netip.AddrPort) *udpSes
 	p.sessions[client] = s
 	p.sessionWG.Add(1)
 	p.mu.Unlock()
-	p.metrics.UDPSessionOpened()
-	p.logDebug().Stringer("client", clientAddr).Stringer("dst", dst).Stringer("endpoint", ep).
-		Bool("reset", reset).Msg("UDP session opened")
+	p.sessionOpened(clientAddr, dst, ep, reset)
 	go s.relayReplies()
 	return s
 }
@@ -399,22 +384,11 @@ func (p *UDPProxy) newSession(client, ep netip.AddrPort, backend *net.UDPConn, r
 // MaxSessions or the Budget is spent: it ends the port's longest-idle session. It reports false
 // (and takes nothing) when there is no room to be made.
 func (p *UDPProxy) admitSession() bool {
-	for range 2 {
+	return p.admitSessionWithin(func() int {
 		p.mu.Lock()
-		full := p.MaxSessions > 0 && len(p.sessions) >= p.MaxSessions
-		p.mu.Unlock()
-		if !full && p.Budget.take(udpSessionFDs) {
-			return true
-		}
-		if !p.evictIdlest() {
-			break
-		}
-	}
-	if p.refusedWarned.CompareAndSwap(false, true) {
-		p.logWarn().Int("maxSessions", p.MaxSessions).Int("budget", p.Budget.Limit()).Int("budgetInUse", p.Budget.InUse()).
-			Msg("UDP datagram dropped: no room for a new session (logged once)")
-	}
-	return false
+		defer p.mu.Unlock()
+		return len(p.sessions)
+	}, p.evictIdlest)
 }
 
 // evictIdlest ends the session that has been idle longest and reports whether there was one.
@@ -466,9 +440,7 @@ func (p *UDPProxy) dialEndpoint(target Target, client netip.AddrPort) (*net.UDPC
 // reports it on the next read or write), so that the next datagram chooses again.
 func (s *udpSession) markRefused(err error) {
 	if s.refused.CompareAndSwap(false, true) {
-		s.p.metrics.DialFailed(s.endpoint)
-		s.p.logDebug().Err(err).Stringer("client", s.client).Stringer("endpoint", s.endpoint).
-			Msg("endpoint refused the flow")
+		s.p.flowRefused(s.client, s.endpoint, err)
 	}
 }
 
@@ -631,9 +603,5 @@ func (s *udpSession) finish() {
 	}
 	p.mu.Unlock()
 	s.release()
-	p.metrics.BytesCopied(s.toEndpoint.Load(), s.fromEndpoint.Load())
-	p.metrics.UDPSessionClosed()
-	p.logDebug().Stringer("client", s.client).Stringer("endpoint", s.endpoint).
-		Int64("toEndpoint", s.toEndpoint.Load()).Int64("fromEndpoint", s.fromEndpoint.Load()).
-		Msg("UDP session closed")
+	p.sessionEnded(s.client, s.endpoint, s.toEndpoint.Load(), s.fromEndpoint.Load())
 }
