@@ -30,12 +30,20 @@
 // lookup once per new UDP session (UDP has no SO_ORIGINAL_DST, and IP_RECVORIGDSTADDR reports
 // the NATed destination, not the original one, except under TPROXY).
 //
-// Hand-over (handover.go, handover_udp.go): Freeze stops a proxy at a safe point and exports
+// Both engines follow one connection policy (policy.go): admission within MaxConns and the
+// Budget, Choose, failover from one dial attempt to the next with DialTimeouts and the same log
+// lines, the PROXY protocol header, the end's metrics.
+//
+// Hand-over (handover_linux.go, handover_udp_linux.go): Freeze stops a proxy at a safe point and exports
 // its listening socket and every connection or session as plain data plus duplicated
 // descriptors, including the bytes a connection had read but not yet written (its pending
 // buffer's, or drained from its splice pipe); Adopt, on a fresh proxy of this process or another, carries on
 // from there, and Release lets the frozen proxy close its own descriptors without touching the
 // sockets.
 //
-// The package is Linux-only (splice, SO_ORIGINAL_DST, IP_ORIGDSTADDR).
+// The engines above are Linux's (_linux files: epoll, splice, recvmmsg, SO_ORIGINAL_DST,
+// ctnetlink). On other systems (relay_other.go) TCPProxy and UDPProxy serve with the portable
+// relay (relay_tcp.go, relay_udp.go; its tests run on Linux too): goroutines with net.Conn,
+// io.Copy each way with half-close, one datagram per call, no original destination, no
+// transparent dialing, and Freeze and Adopt fail with ErrNotSupported.
 package forward

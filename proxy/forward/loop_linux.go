@@ -1,7 +1,6 @@
 package forward
 
 import (
-	"errors"
 	"fmt"
 	"net/netip"
 	"os"
@@ -215,9 +214,8 @@ type ldial struct {
 	dst        netip.AddrPort // the original destination, once asked
 	deadline   time.Duration  // of the attempt in progress
 	proxyProto ProxyProtocol  // the target's, sent once connected
-	attempt    uint8
+	plan       dialPlan
 	dstAsked   bool
-	reset      bool // the next Choose is a retry
 }
 
 // ldir is one direction of a connection.
@@ -722,9 +720,8 @@ func (l *loop) accept(ln *loopListener) {
 		ln.pause = resourcePause{}
 	}
 	if !p.admitLoopConn() {
-		p.sink().ConnRefused() // counted before the client can see the reset
+		p.refused()
 		resetFD(cfd)
-		p.warnRefused()
 		return
 	}
 	p.sink().ConnAccepted()
@@ -816,16 +813,17 @@ func (l *loop) dial(c *lconn) {
 		c.dl = &ldial{}
 	}
 	dl := c.dl
-	timeouts := p.dialTimeouts()
 	dst := netip.AddrPort{}
-	if oc, ok := p.Chooser.(OriginalDstChooser); !ok || oc.NeedsOriginalDst() {
+	if p.wantsOriginalDst() {
 		dst = c.originalDst()
 	}
-	for int(dl.attempt) < len(timeouts) {
-		target, err := p.Chooser.Choose(c.clientAddr, dst, dl.reset)
+	for {
+		timeout, ok := dl.plan.next(p)
+		if !ok {
+			break
+		}
+		target, err := p.choose(&dl.plan, c.clientAddr, dst)
 		if err != nil {
-			p.logDebug().Err(err).Stringer("client", c.clientAddr).Stringer("dst", dst).
-				Msg("no endpoint; resetting the client")
 			l.finish(c, true, err)
 			return
 		}
@@ -839,25 +837,18 @@ func (l *loop) dial(c *lconn) {
 			}
 		}
 		if err == nil {
-			c.connecting, dl.deadline = true, l.now+timeouts[dl.attempt]
+			c.connecting, dl.deadline = true, l.now+timeout
 			l.dialStarted(c)
 			return
 		}
-		p.sink().DialFailed(target.Endpoint)
 		if isResourceExhausted(err) {
-			p.logWarn().Err(err).Stringer("client", c.clientAddr).Stringer("endpoint", target.Endpoint).
-				Msg("cannot create a socket to the endpoint; closing the client")
+			p.socketFailed(c.clientAddr, target.Endpoint, err)
 			l.finish(c, true, err)
 			return
 		}
-		p.logDebug().Err(err).Stringer("client", c.clientAddr).Stringer("endpoint", target.Endpoint).
-			Int("attempt", int(dl.attempt)+1).Dur("timeout", timeouts[dl.attempt]).Msg("dial endpoint failed")
-		dl.reset = true
-		dl.attempt++
+		p.attemptFailed(&dl.plan, c.clientAddr, target.Endpoint, err)
 	}
-	p.logWarn().Stringer("client", c.clientAddr).Stringer("dst", dst).Int("attempts", len(timeouts)).
-		Msg("no endpoint could be reached; resetting the client")
-	l.finish(c, true, errors.New("no endpoint could be reached"))
+	l.finish(c, true, p.unreachable(c.clientAddr, dst))
 }
 
 // connect opens a non-blocking socket to target's endpoint, with the endpoint options of
@@ -946,11 +937,7 @@ func (l *loop) dialFailed(c *lconn, err error) {
 	_ = rawClose(int(c.fd[1]))
 	c.fd[1], c.connecting = -1, false
 	l.dialEnded()
-	p.sink().DialFailed(c.endpoint)
-	p.logDebug().Err(err).Stringer("client", c.clientAddr).Stringer("endpoint", c.endpoint).
-		Int("attempt", int(c.dl.attempt)+1).Msg("dial endpoint failed")
-	c.dl.reset = true
-	c.dl.attempt++
+	p.attemptFailed(&c.dl.plan, c.clientAddr, c.endpoint, err)
 	l.dial(c)
 }
 
@@ -958,13 +945,12 @@ func (l *loop) dialFailed(c *lconn, err error) {
 // it could not be made (the connection is reset).
 func (l *loop) queueProxyHeader(c *lconn) bool {
 	dst := c.originalDst()
+	local := netip.AddrPort{}
 	if !dst.IsValid() {
-		dst = fdLocalAddr(int(c.fd[0]))
+		local = fdLocalAddr(int(c.fd[0]))
 	}
-	hdr, err := appendProxyHeader(make([]byte, 0, 64), c.dl.proxyProto, true, c.clientAddr, dst)
+	hdr, err := c.p.proxyHeader(c.dl.proxyProto, c.clientAddr, c.endpoint, dst, local)
 	if err != nil {
-		c.p.logDebug().Err(err).Stringer("client", c.clientAddr).Stringer("endpoint", c.endpoint).
-			Msg("sending the PROXY protocol header failed; resetting the client")
 		l.finish(c, true, err)
 		return false
 	}
@@ -1329,17 +1315,7 @@ func (l *loop) finish(c *lconn, reset bool, err error) {
 	}
 	l.uncountTimed(c)
 	l.dropPipes(c)
-	if c.connected {
-		p.sink().BytesCopied(c.n[0], c.n[1])
-		p.sink().ConnClosed()
-		if e := p.logDebug(); e.Enabled() {
-			e.Stringer("client", c.clientAddr).Stringer("endpoint", c.endpoint).
-				Int64("toEndpoint", c.n[0]).Int64("fromEndpoint", c.n[1]).AnErr("err", err).
-				Msg("connection closed")
-		}
-	} else {
-		p.sink().ConnFailed()
-	}
+	p.connEnded(c.connected, c.clientAddr, c.endpoint, c.n[0], c.n[1], err)
 	p.loopConnEnded()
 }
 

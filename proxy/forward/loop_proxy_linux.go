@@ -57,7 +57,7 @@ func (p *TCPProxy) connCountLocked() int {
 func (p *TCPProxy) admitLoopConn() bool {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	if (p.MaxConns > 0 && p.connCountLocked() >= p.MaxConns) || !p.Budget.take(tcpConnFDs) {
+	if !p.admitLocked(p.connCountLocked()) {
 		return false
 	}
 	p.onLoop.live++

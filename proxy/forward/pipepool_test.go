@@ -1,3 +1,5 @@
+//go:build linux
+
 package forward
 
 import (
@@ -157,22 +159,4 @@ func TestTCPCopyThenSplice(t *testing.T) {
 			s, len(bulk), pipes.Load(), copied.Load()-int64(2*rounds*len(msg)))
 	}
 	t.Logf("bulk: %d bytes spliced, %d copied, %d pipes made", spliced.Load(), copied.Load()-int64(2*rounds*len(msg)), pipes.Load())
-}
-
-// tcpPair returns the two ends of a loopback TCP connection; configure, if set, runs on the
-// listening socket first (options the accepted end inherits).
-func tcpPair(t *testing.T, configure func(*net.TCPListener)) (dialled, accepted *net.TCPConn) {
-	t.Helper()
-	ln := listenTCP(t, loopback("4"))
-	if configure != nil {
-		configure(ln)
-	}
-	dialled = dialTCPTest(t, listenerAddr(ln))
-	accepted, err := ln.AcceptTCP()
-	if err != nil {
-		t.Fatalf("accept: %v", err)
-	}
-	t.Cleanup(func() { accepted.Close() })
-	ln.Close()
-	return dialled, accepted
 }

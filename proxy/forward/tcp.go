@@ -86,13 +86,15 @@ type TCPProxy struct {
 
 	run runState
 
+	relay *tcpRelay // the portable engine's state, where it serves (relay_other.go; tests)
+
 	mu       sync.Mutex // guards the following fields
 	freezing bool       // Freeze has marked every connection: Adopt admits no more
 	onLoop   *loopProxy // the proxy's state on its loops, from its first use
 }
 
 // errNoLoops: a TCPProxy was started without Loops.
-var errNoLoops = errors.New("Listener, Chooser and Loops are required")
+var errNoLoops = errors.New("the fields Listener, Chooser and Loops are required")
 
 // Serve has the Loops accept and relay connections until Close, Shutdown or Freeze. It
 // returns nil after Close, or an error if accept fails for a reason other than running out of
@@ -207,8 +209,13 @@ func (p *TCPProxy) awaitConns(drained chan<- struct{}) {
 // an error code"; EPERM: a firewall rule refused it), so the loop should simply accept again.
 func isPendingConnError(err error) bool {
 	for _, e := range []syscall.Errno{syscall.ECONNABORTED, syscall.EPROTO, syscall.ENETDOWN,
-		syscall.ENOPROTOOPT, syscall.EHOSTDOWN, syscall.ENONET, syscall.EHOSTUNREACH,
+		syscall.ENOPROTOOPT, syscall.EHOSTDOWN, syscall.EHOSTUNREACH,
 		syscall.EOPNOTSUPP, syscall.ENETUNREACH, syscall.EPERM} {
+		if errors.Is(err, e) {
+			return true
+		}
+	}
+	for _, e := range osPendingConnErrnos {
 		if errors.Is(err, e) {
 			return true
 		}

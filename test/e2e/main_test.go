@@ -1,3 +1,5 @@
+//go:build linux
+
 // Package e2e holds the end-to-end tests of kube-userspace-proxy: the real binary, a real
 // kube-apiserver and etcd (package test/cluster), real iptables in network namespaces (package
 // test/netns), and kup-echo backends in pod namespaces. They need root, iproute2, iptables and

@@ -1,4 +1,4 @@
-//go:build scalemeasure
+//go:build linux && scalemeasure
 
 // The scale measurements, outside `make test` (they take minutes and assert no timing):
 // `make scale-measure`, or go test -tags scalemeasure -run TestScaleMeasure -v ./test/e2e/.

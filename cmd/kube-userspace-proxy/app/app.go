@@ -115,7 +115,9 @@ func Run(ctx context.Context, opts *Options, v *Validated, log zerolog.Logger) e
 	log.Info().Uint64("openFilesLimit", fileLimit).Int("reserve", limits.ReserveFDs()).
 		Int("maxConnectionsPerPort", limits.ConnsPerPort()).Int("maxUDPSessionsPerPort", limits.SessionsPerPort()).
 		Msg("descriptor budget of the data path")
-	if err := setOOMScoreAdj(oomScoreAdjPath, opts.OOMScoreAdj); err != nil {
+	if oomScoreAdjPath == "" {
+		log.Debug().Msg("--oom-score-adj ignored: not supported on this OS")
+	} else if err := setOOMScoreAdj(oomScoreAdjPath, opts.OOMScoreAdj); err != nil {
 		log.Warn().Err(err).Msg("cannot set the OOM score adjustment")
 	}
 	ct := conntrackSysctls{procRoot: "/proc", sysRoot: "/sys", log: log.With().Str("component", "conntrack").Logger()}

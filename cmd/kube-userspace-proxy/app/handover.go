@@ -24,14 +24,15 @@ const HandoverNone = "none"
 // handoverTimeout bounds one hand-over exchange, from hello to released.
 const handoverTimeout = 30 * time.Second
 
-// handoverSocket returns the hand-over socket's path: --handover-socket, or this network
-// namespace's socket in InstanceLockDir; "" when hand-overs are off.
+// handoverSocket returns the hand-over socket's path: --handover-socket, or the default
+// (defaultHandoverSocket: on Linux this network namespace's socket in InstanceLockDir, elsewhere
+// none); "" when hand-overs are off.
 func handoverSocket(opts *Options) (string, error) {
 	switch opts.HandoverSocket {
 	case HandoverNone:
 		return "", nil
 	case "":
-		return handover.Path(InstanceLockDir)
+		return defaultHandoverSocket()
 	}
 	return opts.HandoverSocket, nil
 }

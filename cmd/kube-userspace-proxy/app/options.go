@@ -205,7 +205,7 @@ func (o *Options) FlagGroups() []FlagGroup {
 		group("Process", func(fs *pflag.FlagSet) {
 			fs.DurationVar(&o.ShutdownGracePeriod, "shutdown-grace-period", o.ShutdownGracePeriod, "On SIGTERM/SIGINT, how long established connections may continue before they are cut (a second signal exits at once).")
 			fs.BoolVar(&o.HandoverExit, "handover-exit", o.HandoverExit, "Exit once everything is handed over to a successor. false: wait for SIGTERM, holding and serving nothing (for pods: an exit would make the kubelet restart the container, which would take everything back).")
-			fs.StringVar(&o.HandoverSocket, "handover-socket", o.HandoverSocket, "Unix socket through which a proxy started while another runs on the node takes over its listeners, connections, UDP sessions and affinity (nothing is dropped; the old one exits). Empty: /run/kube-userspace-proxy/handover-netns-<inode>.sock; 'none': no hand-over (a second proxy exits).")
+			fs.StringVar(&o.HandoverSocket, "handover-socket", o.HandoverSocket, "Unix socket through which a proxy started while another runs on the node takes over its listeners, connections, UDP sessions and affinity (nothing is dropped; the old one exits). Empty: /run/kube-userspace-proxy/handover-netns-<inode>.sock (Linux; elsewhere no hand-over); 'none': no hand-over (a second proxy exits).")
 			fs.Int32Var(&o.OOMScoreAdj, "oom-score-adj", o.OOMScoreAdj, "The oom_score_adj of the process, in [-1000, 1000]; failing to set it is only a warning. [config: oomScoreAdj]")
 			fs.StringVar(&o.LogLevel, "log-level", o.LogLevel, "Log level: debug, info, warn or error.")
 			fs.BoolVar(&o.Cleanup, "cleanup", o.Cleanup, "Remove every rule and chain this proxy owns, then exit.")
@@ -352,6 +352,7 @@ func (o *Options) Validate() (*Validated, error) {
 			bad(flag, "%v: must be 0 (leave the sysctl alone) or at least 1s", d)
 		}
 	}
+	validateOS(o, bad)
 	if _, err := parseLevel(o.LogLevel); err != nil {
 		bad("log-level", "%v", err)
 	}

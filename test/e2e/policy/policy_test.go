@@ -1,3 +1,5 @@
+//go:build linux
+
 // Package policy is the end-to-end proof of traffic policies, health checks and metrics on the
 // three-node cluster of seed 000: three node namespaces on one bridge, a client outside them, a
 // real kube-apiserver, one kube-userspace-proxy per node (--hostname-override node1..3), pod1 on
