@@ -2,6 +2,7 @@
 # conntrack (to delete stale UDP flows; optional) and the binaries (kube-userspace-proxy, kup-echo; the "demo" stage adds kup-demo).
 #
 #   docker build -t kube-userspace-proxy .
+#   docker build --target kup-echo -t kup-echo .     (kup-echo alone, static)
 #
 # Build arguments:
 #   GO_IMAGE    the builder's base (default golang:1.26-bookworm)
@@ -32,6 +33,12 @@ RUN set -e; mkdir -p /out; \
       go build -trimpath -ldflags "-s -w" -o /out/kup-echo ./cmd/kup-echo; \
       go build -trimpath -ldflags "-s -w" -o /out/kup-demo ./demo/kup-demo; \
     fi
+
+# kup-echo alone, static, as its entrypoint: the local cluster's workload image
+# (docker build --target kup-echo -t kup-echo:dev .; pods run it with args [serve, ...]).
+FROM scratch AS kup-echo
+COPY --from=build /out/kup-echo /kup-echo
+ENTRYPOINT ["/kup-echo"]
 
 FROM ${BASE_IMAGE} AS runtime
 RUN if ! command -v iptables >/dev/null || ! command -v ip >/dev/null; then \

@@ -1,6 +1,7 @@
 # kube-userspace-proxy — see README.md.
 #   make example   run the bundled example (no cluster, no root)
 #   make test      install what the tests need, then run every test (root; network namespaces)
+#   go test ./...  the unit tier only, as any user (the other tiers skip, saying why)
 
 GO        ?= go
 BIN       ?= bin
@@ -33,13 +34,23 @@ deps:
 vet:
 	$(GO) vet ./...
 
+# Static checks (hack/lint.sh): gofmt, go vet (also with the benchmark's build tags), staticcheck
+# and deadcode at the versions hack/tools/go.mod pins, built into $(BIN)/tools.
+.PHONY: lint
+lint:
+	GO="$(GO)" BIN="$(BIN)" ./hack/lint.sh
+
 fmt-check:
 	@out=$$(gofmt -l $$(git ls-files '*.go')); if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
 
 # The whole suite: unit tests, loopback integration tests, and the end-to-end tests in network
-# namespaces against a real kube-apiserver + etcd (built once by test-bins, then cached).
-test: deps test-bins fmt-check vet
-	$(GO) test -race -count=1 -timeout $(TEST_TIMEOUT) ./...
+# namespaces against a real kube-apiserver + etcd (built once by test-bins, then cached). Every
+# tier runs: KUP_TEST_ALL=1 turns what would skip a test (no root, a missing tool or binary) into
+# a failure, and hack/testcheck fails the run on any skipped test (plain `go test ./...` runs
+# the unit tier alone; see internal/testenv).
+test: deps test-bins lint
+	KUP_TEST_ALL=1 $(GO) test -json -race -count=1 -timeout $(TEST_TIMEOUT) ./... 2>&1 | $(GO) run ./hack/testcheck
+	$(MAKE) test-cluster
 	$(MAKE) fuzz
 
 # Every fuzz target for a bounded number of inputs (their seed corpora also run in every `go test`),
@@ -84,7 +95,7 @@ demo: test-bins
 bench: deps test-bins
 	cd bench && $(GO) test -tags bench -run '^TestBench$$' -count=1 -v -timeout 60m .
 
-# Issue 16's scale figures from a manifests directory (test/e2e/scale_measure_test.go):
+# The scale figures from a manifests directory (test/e2e/scale_measure_test.go):
 # KUP_SCALE_MEASURE=5000,10000,20000 (the default) service counts, one MEASURE line each, each
 # measured KUP_SCALE_REPS=3 times; the medians go to bench/results/scale.{md,svg} (about 18 minutes).
 .PHONY: scale-measure

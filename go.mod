@@ -3,7 +3,6 @@ module github.com/kube-userspace-proxy/kube-userspace-proxy
 go 1.26.8
 
 require (
-	github.com/cilium/ebpf v0.22.0
 	github.com/coreos/go-iptables v0.8.0
 	github.com/go-logr/logr v1.4.3
 	github.com/prometheus/client_golang v1.25.0
@@ -52,7 +51,6 @@ require (
 	go.yaml.in/yaml/v3 v3.0.5 // indirect
 	golang.org/x/net v0.59.0 // indirect
 	golang.org/x/oauth2 v0.37.0 // indirect
-	golang.org/x/sync v0.24.0 // indirect
 	golang.org/x/term v0.46.0 // indirect
 	golang.org/x/text v0.42.0 // indirect
 	golang.org/x/time v0.14.0 // indirect

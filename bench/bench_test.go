@@ -1,4 +1,4 @@
-//go:build bench
+//go:build linux && bench
 
 package bench
 
@@ -236,7 +236,7 @@ func TestBench(t *testing.T) {
 	srv.NS.Start(t, "iperf3", "-s", "-p", strconv.Itoa(iperfPort))
 	nodes := map[string]*netns.Node{}
 	pods := map[string]*netns.Pod{}
-	nodeNames := map[string]string{PathDirect: "direct", PathIPTables: "ipt", PathKUP: "kup", PathKUPGoroutine: "kupg", PathHAProxy: "hap", PathHAProxyRedirect: "hapr"}
+	nodeNames := map[string]string{PathDirect: "direct", PathIPTables: "ipt", PathKUP: "kup", PathHAProxy: "hap", PathHAProxyRedirect: "hapr"}
 	for _, p := range Paths {
 		nodes[p] = n.AddNode(t, nodeNames[p])
 		pods[p] = n.AddPod(t, nodes[p], "client")
@@ -273,16 +273,6 @@ func TestBench(t *testing.T) {
 			return err
 		}}
 	kup := harness.StartProxy(t, nodes[PathKUP].NS, kupCfg)
-	// The same proxy with the goroutine TCP data path, on a node of its own; it stops before
-	// the control-plane workload, which it would otherwise load with every service created there.
-	goCfg := kupCfg
-	goCfg.NodeName = nodeNames[PathKUPGoroutine]
-	goCfg.Args = slices.Concat(kupCfg.Args, []string{"--tcp-data-path=goroutine"})
-	goCfg.Ready = func(ctx context.Context) error {
-		_, err := harness.Ask(ctx, nodes[PathKUPGoroutine].NS, "tcp", harness.Addr(svc, 0))
-		return err
-	}
-	kupGo := harness.StartProxy(t, nodes[PathKUPGoroutine].NS, goCfg)
 	hap := startHAProxy(t, nodes[PathHAProxy], srv.IP.String())
 	hapr := startHAProxy(t, nodes[PathHAProxyRedirect], srv.IP.String())
 	copyPortalRules(ctx, t, nodes[PathKUP], nodes[PathHAProxyRedirect])
@@ -293,15 +283,14 @@ func TestBench(t *testing.T) {
 
 	hapIP := nodes[PathHAProxy].IP.String()
 	targets := map[string]target{
-		PathDirect:       {echo: fmt.Sprintf("%s:%d", srv.IP, echoPort), iperf: fmt.Sprintf("%s:%d", srv.IP, iperfPort), udp: true},
-		PathIPTables:     {echo: harness.Addr(svc, 0), iperf: harness.Addr(svc, 2), udp: true},
-		PathKUP:          {echo: harness.Addr(svc, 0), iperf: harness.Addr(svc, 2), udp: true},
-		PathKUPGoroutine: {echo: harness.Addr(svc, 0), iperf: harness.Addr(svc, 2), udp: true},
-		PathHAProxy:      {echo: fmt.Sprintf("%s:%d", hapIP, hapEchoPort), iperf: fmt.Sprintf("%s:%d", hapIP, hapIperfPort)},
+		PathDirect:   {echo: fmt.Sprintf("%s:%d", srv.IP, echoPort), iperf: fmt.Sprintf("%s:%d", srv.IP, iperfPort), udp: true},
+		PathIPTables: {echo: harness.Addr(svc, 0), iperf: harness.Addr(svc, 2), udp: true},
+		PathKUP:      {echo: harness.Addr(svc, 0), iperf: harness.Addr(svc, 2), udp: true},
+		PathHAProxy:  {echo: fmt.Sprintf("%s:%d", hapIP, hapEchoPort), iperf: fmt.Sprintf("%s:%d", hapIP, hapIperfPort)},
 		// The ClusterIP, redirected to HAProxy by the copy of kube-userspace-proxy's rules.
 		PathHAProxyRedirect: {echo: harness.Addr(svc, 0), iperf: harness.Addr(svc, 2)},
 	}
-	pids := map[string]int{PathKUP: kup.Pid(), PathKUPGoroutine: kupGo.Pid(), PathHAProxy: hap.Pid(), PathHAProxyRedirect: hapr.Pid()}
+	pids := map[string]int{PathKUP: kup.Pid(), PathHAProxy: hap.Pid(), PathHAProxyRedirect: hapr.Pid()}
 	for p, tg := range targets {
 		tg.path, tg.node, tg.pod, tg.pid = p, nodes[p], pods[p], pids[p]
 		targets[p] = tg
@@ -339,9 +328,6 @@ func TestBench(t *testing.T) {
 	if only == "" || only == "idle" {
 		runIdle(t, rep, cfg, targets, loadBin, pids)
 	}
-	if err := kupGo.Terminate(30 * time.Second); err != nil {
-		t.Errorf("stop the goroutine path's proxy: %v", err)
-	}
 	if only == "" || only == "controlplane" {
 		runControlPlane(t, rep, cfg, c, nodes, srvEP, kp, kup, kupCfg, func(kup *harness.Proxy, scale int) *harness.Proxy {
 			if only != "" {
@@ -360,7 +346,7 @@ func TestBench(t *testing.T) {
 			"server pod (kup-echo on 8080 TCP+UDP, iperf3 -s on 5201) on its own node; each path has its own node namespace with a client pod. "+
 			"`from pod` = client in that node's pod; `from node` = client in the node namespace itself.",
 		"Paths: direct = the server pod's IP; iptables = upstream kube-proxy v1.36.3 --proxy-mode=iptables on a ClusterIP; "+
-			"kube-userspace-proxy on the same ClusterIP (its own node; the default event-loop TCP data path); userspace goroutine = the same with --tcp-data-path=goroutine (its own node; UDP as the default path); haproxy = Debian HAProxy, mode tcp, option splice-auto, on its node's IP, pointing at the pod; its node namespace has no netfilter rules, so no conntrack. "+
+			"kube-userspace-proxy on the same ClusterIP (its own node); haproxy = Debian HAProxy, mode tcp, option splice-auto, on its node's IP, pointing at the pod; its node namespace has no netfilter rules, so no conntrack. "+
 			"haproxy redirect = the same HAProxy on a node of its own that holds a copy of kube-userspace-proxy's node rules (iptables-save from its node once it has synced, restored there) with the bench service's TCP portal rules pointed at HAProxy's ports, reached through the ClusterIP as kube-userspace-proxy is: a proxy in userspace mode's place, paying its netfilter work (REDIRECT and conntrack, the filter rules on new flows, the mangle rule of transparent sockets); not in the idle-connection rows.",
 		"Client pods run with net.ipv4.tcp_tw_reuse=1, so that the load generator's connects do not search past its own TIME_WAIT sockets (with the default, iptables mode and direct reached about half the short-connection rate); node namespaces, where the proxies connect to the endpoint and the `from node` client runs, keep the default (2).",
 		"HAProxy has no UDP proxying: its UDP cells are n/a. HAProxy runs with maxconn 9900 and maxpipes 40 so that its descriptors fit the 20000 limit.",
@@ -687,7 +673,7 @@ func runIdle(t *testing.T, rep *Report, cfg settings, targets map[string]target,
 	// RSS before the first test: memory a proxy took for the first count is not returned to the
 	// system, so later counts are measured against the same starting point.
 	base := map[string]int64{}
-	for _, p := range []string{PathKUP, PathKUPGoroutine, PathHAProxy} {
+	for _, p := range []string{PathKUP, PathHAProxy} {
 		v, err := rssKiB(pids[p])
 		if err != nil {
 			t.Errorf("RSS of %s: %v", p, err)
@@ -709,7 +695,7 @@ func runIdle(t *testing.T, rep *Report, cfg settings, targets map[string]target,
 			m.Note(PathIPTables, "n/a (kernel conntrack)")
 		}
 		reached.Note(PathIPTables, "n/a (kernel)")
-		for _, p := range []string{PathKUP, PathKUPGoroutine, PathHAProxy} {
+		for _, p := range []string{PathKUP, PathHAProxy} {
 			before := base[p]
 			tg := targets[p]
 			if p == PathKUP && cfg.proxyLog != "" {
@@ -727,9 +713,8 @@ func runIdle(t *testing.T, rep *Report, cfg settings, targets map[string]target,
 			}
 			time.Sleep(time.Second)
 			after, err := rssKiB(pids[p])
-			// Again once the connections have been idle for a while: on the goroutine path,
-			// idle connections give up their goroutines after one to two --tcp-park-idle-after
-			// (200 ms), and their stacks are returned to the system after the burst settles.
+			// Again once the connections have been idle for a while: memory the burst of
+			// connecting took may be returned to the system by then.
 			time.Sleep(5 * time.Second)
 			afterIdle, errIdle := rssKiB(pids[p])
 			if p == PathKUP && cfg.proxyLog != "" {

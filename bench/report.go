@@ -18,11 +18,10 @@ import (
 
 // Path names, in the order of the table's columns. Baseline is the path ratios are taken to.
 const (
-	PathDirect       = "direct"
-	PathIPTables     = "iptables"
-	PathKUP          = "kube-userspace-proxy"
-	PathKUPGoroutine = "userspace goroutine"
-	PathHAProxy      = "haproxy"
+	PathDirect   = "direct"
+	PathIPTables = "iptables"
+	PathKUP      = "kube-userspace-proxy"
+	PathHAProxy  = "haproxy"
 	// PathHAProxyRedirect is the same HAProxy reached through the ClusterIP, behind a copy of
 	// kube-userspace-proxy's node rules: what userspace mode's netfilter work costs any proxy.
 	PathHAProxyRedirect = "haproxy redirect"
@@ -30,10 +29,8 @@ const (
 )
 
 // Paths are the measured paths in table order. PathKUP is kube-userspace-proxy as it starts by
-// default (the event-loop TCP data path since session 27); PathKUPGoroutine is the same with
-// --tcp-data-path=goroutine (UDP is the same as PathKUP's), measured in the data-path and idle
-// workloads only; the targets are checked against PathKUP.
-var Paths = []string{PathDirect, PathIPTables, PathKUP, PathKUPGoroutine, PathHAProxy, PathHAProxyRedirect}
+// default; the targets are checked against it.
+var Paths = []string{PathDirect, PathIPTables, PathKUP, PathHAProxy, PathHAProxyRedirect}
 
 // Paths of the outside-client table (issue 6): an outside client to the NodePort of an
 // externalTrafficPolicy: Local service whose endpoint is on the receiving node, through
@@ -330,7 +327,7 @@ func num(v float64) string {
 }
 
 // pathColors are the bar colours of the plot, per path.
-var pathColors = map[string]string{PathDirect: "#7f7f7f", PathIPTables: "#1f77b4", PathKUP: "#2ca02c", PathKUPGoroutine: "#98df8a", PathHAProxy: "#d62728", PathHAProxyRedirect: "#ff9896"}
+var pathColors = map[string]string{PathDirect: "#7f7f7f", PathIPTables: "#1f77b4", PathKUP: "#2ca02c", PathHAProxy: "#d62728", PathHAProxyRedirect: "#ff9896"}
 
 // WriteSVG writes a plot of every metric as ratios to iptables mode: one group of horizontal
 // bars per metric (one bar per path, the median; a whisker from min to max), with a line at 1.

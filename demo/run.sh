@@ -35,15 +35,7 @@ prepare() {
   fi
   if [ -n "${KUP_PREBUILT:-}" ]; then
     step "Go binaries on the host (CGO_ENABLED=0)"
-    mkdir -p "$root/$KUP_PREBUILT"
-    local pkg=github.com/kube-userspace-proxy/kube-userspace-proxy/cmd/kube-userspace-proxy/app
-    local version commit
-    version=$(git -C "$root" describe --tags --always --dirty 2>/dev/null || echo dev)
-    commit=$(git -C "$root" rev-parse --short HEAD 2>/dev/null || echo unknown)
-    (cd "$root" && CGO_ENABLED=0 "$GO" build -trimpath -ldflags "-X $pkg.Version=$version -X $pkg.Commit=$commit -X runtime.godebugDefault=memprofilerate=0" \
-        -o "$KUP_PREBUILT/kube-userspace-proxy" ./cmd/kube-userspace-proxy &&
-      CGO_ENABLED=0 "$GO" build -trimpath -o "$KUP_PREBUILT/kup-echo" ./cmd/kup-echo &&
-      CGO_ENABLED=0 "$GO" build -trimpath -o "$KUP_PREBUILT/kup-demo" ./demo/kup-demo)
+    GO="$GO" "$root/hack/prebuilt.sh" "$KUP_PREBUILT"
   fi
   if [ -z "${KUP_ETCD_IMAGE:-}" ] || [ -z "${KUP_APISERVER_IMAGE:-}" ]; then
     step "control plane image $controlplane: etcd and kube-apiserver from $KUP_K8S_BIN"

@@ -2,7 +2,9 @@
 // (ServiceAccount, ClusterRole, ClusterRoleBinding, ConfigMap, DaemonSet) and decodes them, for
 // the end-to-end test that applies them and for the demo.
 //
-// Apply them with kubectl apply -f deploy/ after setting the DaemonSet's image.
+// Apply them with kubectl apply -k (kustomization.yaml) or kubectl apply -f after setting the
+// DaemonSet's image and the API server's address in the ConfigMap's kubeconfig.conf
+// (docs/cluster.md).
 package deploy
 
 import (
@@ -28,9 +30,18 @@ import (
 //go:embed *.yaml
 var manifests embed.FS
 
-// Files returns the manifest files' names, sorted.
+// kustomization is kustomize's file, not an object of the API.
+const kustomization = "kustomization.yaml"
+
+// Files returns the manifest files' names, sorted (not kustomization.yaml).
 func Files() []string {
-	names, _ := fs.Glob(manifests, "*.yaml") // the pattern is valid: no error
+	all, _ := fs.Glob(manifests, "*.yaml") // the pattern is valid: no error
+	names := all[:0]
+	for _, n := range all {
+		if n != kustomization {
+			names = append(names, n)
+		}
+	}
 	sort.Strings(names)
 	return names
 }

@@ -1,9 +1,13 @@
 package deploy
 
 import (
+	"slices"
+	"strings"
 	"testing"
+	"time"
 
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/client-go/tools/clientcmd"
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/cmd/kube-userspace-proxy/app"
 )
@@ -51,8 +55,6 @@ func TestManifests(t *testing.T) {
 		{"not privileged", []string{"securityContext", "privileged"}, false},
 		{"liveness path", []string{"livenessProbe", "httpGet", "path"}, "/livez"},
 		{"liveness port", []string{"livenessProbe", "httpGet", "port"}, float64(10256)},
-		{"readiness path", []string{"readinessProbe", "httpGet", "path"}, "/healthz"},
-		{"readiness port", []string{"readinessProbe", "httpGet", "port"}, float64(10256)},
 	}
 	for _, ck := range checks {
 		got, _, _ := unstructured.NestedFieldNoCopy(c, ck.path...)
@@ -74,5 +76,90 @@ func TestManifests(t *testing.T) {
 	}
 	if _, ok := mounts["/run/xtables.lock"]; !ok {
 		t.Error("DaemonSet: /run/xtables.lock not mounted")
+	}
+	// hostNetwork turns every containerPort into a hostPort: the surge pod of a rolling update
+	// would never fit beside the old one.
+	if ports, ok := c["ports"]; ok {
+		t.Errorf("DaemonSet: hostNetwork container has ports %v (each a hostPort: the rolling update's surge pod cannot be scheduled)", ports)
+	}
+
+	// Ready only when the container's own proxy serves the node: an httpGet probe of the
+	// node's port is answered by the old proxy during a rolling update. The exec probe reads
+	// the ready file the proxy's command names, with the proxy's configuration.
+	args, _, _ := unstructured.NestedStringSlice(c, "command")
+	flag := func(cmd []string, name string) string {
+		for _, a := range cmd {
+			if v, ok := strings.CutPrefix(a, "--"+name+"="); ok {
+				return v
+			}
+		}
+		return ""
+	}
+	probe, _, _ := unstructured.NestedStringSlice(c, "readinessProbe", "exec", "command")
+	switch {
+	case len(probe) == 0 || probe[0] != args[0] || !slices.Contains(probe, "--probe-ready"):
+		t.Errorf("DaemonSet readinessProbe: exec %v, want %s --probe-ready", probe, args[0])
+	case flag(args, "ready-file") == "" || flag(probe, "ready-file") != flag(args, "ready-file"):
+		t.Errorf("DaemonSet: --ready-file %q in the readiness probe, %q in the proxy's command: want one path", flag(probe, "ready-file"), flag(args, "ready-file"))
+	case !strings.HasPrefix(flag(args, "ready-file"), "/tmp/"):
+		t.Errorf("DaemonSet: --ready-file %q: want a path of the container's own (/tmp), not one the old pod shares", flag(args, "ready-file"))
+	case flag(probe, "config") != flag(args, "config"):
+		t.Errorf("DaemonSet readinessProbe: --config %q, the proxy's %q (the probe finds /healthz there)", flag(probe, "config"), flag(args, "config"))
+	}
+	if pre, ok, _ := unstructured.NestedFieldNoCopy(c, "lifecycle", "preStop"); ok {
+		t.Errorf("DaemonSet: preStop %v: the readiness probe makes a rolling update wait for the hand-over; a sleep would only delay the old pod's deletion", pre)
+	}
+	grace, _ := spec("terminationGracePeriodSeconds").(float64)
+	if sgp, err := time.ParseDuration(flag(args, "shutdown-grace-period")); err != nil || time.Duration(grace)*time.Second <= sgp {
+		t.Errorf("DaemonSet: terminationGracePeriodSeconds %v, --shutdown-grace-period %q: want the pod's longer", grace, flag(args, "shutdown-grace-period"))
+	}
+
+	// The kubeconfig that names the API server: the configuration's clientConnection.kubeconfig
+	// is the ConfigMap's kubeconfig.conf as mounted, and it parses.
+	var cmMount string
+	for _, m := range c["volumeMounts"].([]any) {
+		mm := m.(map[string]any)
+		if mm["name"] == "config" {
+			cmMount = mm["mountPath"].(string)
+		}
+	}
+	if want := cmMount + "/kubeconfig.conf"; o.Kubeconfig != want {
+		t.Errorf("ConfigMap config.yaml: clientConnection.kubeconfig = %q, want %q (the ConfigMap's kubeconfig.conf as mounted)", o.Kubeconfig, want)
+	}
+	kc, _, _ := unstructured.NestedString(byKind["ConfigMap"].Object, "data", "kubeconfig.conf")
+	kcfg, err := clientcmd.Load([]byte(kc))
+	if err != nil {
+		t.Fatalf("ConfigMap kubeconfig.conf: %v", err)
+	}
+	ctx := kcfg.Contexts[kcfg.CurrentContext]
+	if ctx == nil || kcfg.Clusters[ctx.Cluster] == nil || kcfg.AuthInfos[ctx.AuthInfo] == nil {
+		t.Fatalf("ConfigMap kubeconfig.conf: current context %q does not name a cluster and a user", kcfg.CurrentContext)
+	}
+	if cl := kcfg.Clusters[ctx.Cluster]; cl.Server == "" || cl.CertificateAuthority != "/var/run/secrets/kubernetes.io/serviceaccount/ca.crt" {
+		t.Errorf("ConfigMap kubeconfig.conf: cluster %+v: want a server and the ServiceAccount's CA", cl)
+	}
+	if u := kcfg.AuthInfos[ctx.AuthInfo]; u.TokenFile != "/var/run/secrets/kubernetes.io/serviceaccount/token" {
+		t.Errorf("ConfigMap kubeconfig.conf: user's tokenFile = %q, want the ServiceAccount's token", u.TokenFile)
+	}
+}
+
+// TestFilesAreObjects checks that kustomization.yaml, which is no API object, is not among the
+// files applied one by one, and that it lists every one of them.
+func TestFilesAreObjects(t *testing.T) {
+	files := Files()
+	data, err := manifests.ReadFile(kustomization)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, f := range files {
+		if f == kustomization {
+			t.Errorf("Files() includes %s", kustomization)
+		}
+		if !strings.Contains(string(data), "- "+f+"\n") {
+			t.Errorf("%s does not list %s", kustomization, f)
+		}
+	}
+	if _, err := Objects(); err != nil {
+		t.Error(err)
 	}
 }

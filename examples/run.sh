@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs the bundled example: two echo backends on loopback, kube-userspace-proxy serving
 # examples/manifests with --portal-mode none (no root, no cluster), and a client that sends
-# requests through the proxy port and shows which backend answered each.
+# requests through the proxy port and shows which backend answered each. Only 127.0.0.1 is used
+# (macOS has no other loopback address by default), and nothing here is Linux-only.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN=${BIN:-bin}
@@ -11,7 +12,7 @@ cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait 
 trap cleanup EXIT
 
 "$BIN/kup-echo" serve --name backend-a --listen 127.0.0.1:18080 & pids+=($!)
-"$BIN/kup-echo" serve --name backend-b --listen 127.0.0.2:18080 & pids+=($!)
+"$BIN/kup-echo" serve --name backend-b --listen 127.0.0.1:18081 & pids+=($!)
 "$BIN/kube-userspace-proxy" --manifests examples/manifests --portal-mode none \
   --proxy-port-range "$PORT-$PORT" --hostname-override laptop \
   --healthz-bind-address 127.0.0.1:10256 --metrics-bind-address 127.0.0.1:10249 & pids+=($!)

@@ -25,7 +25,6 @@ package iptables
 import (
 	"bufio"
 	"bytes"
-	"errors"
 	"fmt"
 	"io"
 	"os/exec"
@@ -33,8 +32,6 @@ import (
 	"strconv"
 	"strings"
 	"time"
-
-	goipt "github.com/coreos/go-iptables/iptables"
 )
 
 // Family is the IP family a Runner serves.
@@ -85,11 +82,23 @@ type Options struct {
 	LockWait time.Duration
 }
 
+// ruleTool runs the iptables command for single rules and chains.
+type ruleTool interface {
+	ChainExists(table, chain string) (bool, error)
+	NewChain(table, chain string) error
+	List(table, chain string) ([]string, error)
+	Exists(table, chain string, rulespec ...string) (bool, error)
+	Insert(table, chain string, pos int, rulespec ...string) error
+	Append(table, chain string, rulespec ...string) error
+	Delete(table, chain string, rulespec ...string) error
+	ClearAndDeleteChain(table, chain string) error
+}
+
 // Runner runs the iptables tools of one IP family and one backend.
 type Runner struct {
 	family      Family
 	mode        Mode
-	ipt         *goipt.IPTables
+	ipt         ruleTool // single rules and chains: tool_unix.go, tool_windows.go
 	path        string
 	restorePath string
 	savePath    string
@@ -120,11 +129,7 @@ func New(opts Options) (*Runner, error) {
 	if err != nil {
 		return nil, fmt.Errorf("find %s: %w", base, err)
 	}
-	proto := goipt.ProtocolIPv4
-	if opts.Family == IPv6 {
-		proto = goipt.ProtocolIPv6
-	}
-	ipt, err := goipt.New(goipt.IPFamily(proto), goipt.Path(path), goipt.Timeout(secs))
+	ipt, err := newRuleTool(opts.Family, path, secs)
 	if err != nil {
 		return nil, fmt.Errorf("set up %s: %w", base, err)
 	}
@@ -228,8 +233,7 @@ func (r *Runner) DeleteRule(table, chain string, rulespec ...string) error {
 		if err == nil {
 			continue
 		}
-		var ierr *goipt.Error
-		if errors.As(err, &ierr) && (ierr.IsNotExist() || ierr.ExitStatus() == 1) {
+		if isNotExist(err) || exitStatus(err) == 1 {
 			return nil
 		}
 		return fmt.Errorf("%s: delete rule from %s/%s %q: %w", r, table, chain, rulespec, err)
@@ -254,8 +258,7 @@ func (r *Runner) DeleteJumps(table, chain string, targets ...string) (int, error
 			continue
 		}
 		if err := r.ipt.Delete(table, chain, args[2:]...); err != nil {
-			var ierr *goipt.Error
-			if errors.As(err, &ierr) && ierr.IsNotExist() {
+			if isNotExist(err) {
 				continue // deleted by someone else in between
 			}
 			return n, fmt.Errorf("%s: delete rule %q: %w", r, line, err)

@@ -9,9 +9,9 @@
 //
 // # Selection rule
 //
-// Usable is the one place the rule is written down; the balancer's per-port lists follow it, and
-// Availability tells the proxier, per port, which traffic classes have a usable endpoint (so the
-// portals redirect, drop or reject them):
+// filter (usable.go) is the one place the rule is written down; the balancer's per-port lists are
+// made with it, and Availability tells the proxier, per port, which traffic classes have a
+// usable endpoint (so the portals redirect, drop or reject them):
 //
 //   - Usable endpoints are the ready ones. When none is ready, the endpoints that are serving and
 //     terminating are used instead, so a service whose pods are all shutting down keeps working

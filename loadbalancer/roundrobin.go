@@ -411,7 +411,7 @@ func (lb *RoundRobin) noteTopologyLocked(p *port, s *snapshot, c topologyChoice)
 		Str("topologyRequest", string(s.sp.Topology)).Msg("topology: " + note)
 }
 
-// Availability says which traffic of one service port has a usable endpoint (see Usable), as of
+// Availability says which traffic of one service port has a usable endpoint (see filter), as of
 // the port's last SetServicePort or SetZone. The zero value (an unknown port) has none.
 type Availability struct {
 	// Any is true when some endpoint is usable by traffic not subject to a Local policy.

@@ -87,7 +87,7 @@ func (m *Manager) adoptLocked(found map[string][]byte, portals []Portal, order [
 	if err == nil {
 		// Writing the difference cleared m.rewritten (updateByPortalLocked), as a partial
 		// update does so that the next full Sync puts the rules it appended to the recent
-		// chains back in Render's order: ~0.45 s of rewriting at 10,000 service ports, right
+		// chains back in render's order: ~0.45 s of rewriting at 10,000 service ports, right
 		// after a restart. This was a full Sync: it checked every jump and chain and compared
 		// every rule of ours with the render, and the few rules it appended are no different
 		// from those found in the recent chains, which the branch above keeps until the

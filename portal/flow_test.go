@@ -1,8 +1,11 @@
+//go:build linux
+
 package portal
 
 import (
 	"bufio"
 	"errors"
+	"fmt"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy"
 	"io"
 	"net"
@@ -314,4 +317,52 @@ func dropCount(t *testing.T, b backend, n *flowNet) int {
 	}
 	t.Fatalf("no DROP rule for NodePort %d in:\n%s", n.dropNP, out)
 	return 0
+}
+
+// TestLocalhostNodePorts: the node's own connections to a NodePort on the loopback address are
+// redirected to the proxy only while localhost NodePorts are on (IPv4; IPv6's ::1 never, as in
+// kube-proxy's iptables mode); the node's address serves the NodePort either way. The rules
+// written are also those iptables-save lists back.
+func TestLocalhostNodePorts(t *testing.T) {
+	requireBackends(t)
+	for _, b := range allBackends {
+		for _, off := range []bool{false, true} {
+			t.Run(fmt.Sprintf("%v/localhostNodePorts=%v", b, !off), func(t *testing.T) {
+				n := newFlowNet(t, b.family)
+				var m *Manager
+				n.node.Do(t, func() {
+					m, _ = newTestManager(t, b, Config{Family: b.family, HostIP: n.nodeIP, NoLocalhostNodePorts: off})
+					if err := m.Sync(n.portals(), localIPs(t)); err != nil {
+						t.Fatalf("Sync: %v", err)
+					}
+					m.mu.Lock()
+					ok, why := m.intactBySaveLocked()
+					m.mu.Unlock()
+					if !ok {
+						t.Errorf("rules listed differ from those written: %s", why)
+					}
+				})
+				t.Cleanup(func() { n.node.Do(t, func() { _ = m.Cleanup() }) })
+
+				want := "proxy " + strconv.Itoa(n.tcpPort)
+				for _, from := range []*netnstest.NS{n.node, n.client} {
+					if got, err := dialTCP(t, from, n.nodeIP, n.nodePort, 5*time.Second); err != nil || got != want {
+						t.Errorf("connect %v:%d = %q, %v; want %q", n.nodeIP, n.nodePort, got, err, want)
+					}
+				}
+				loopback := netip.MustParseAddr("127.0.0.1")
+				served := !off
+				if b.family == iptables.IPv6 {
+					loopback, served = netip.IPv6Loopback(), false
+				}
+				got, err := dialTCP(t, n.node, loopback, n.nodePort, 5*time.Second)
+				switch {
+				case served && (err != nil || got != want):
+					t.Errorf("connect %v:%d from the node = %q, %v; want %q", loopback, n.nodePort, got, err, want)
+				case !served && !errors.Is(err, syscall.ECONNREFUSED):
+					t.Errorf("connect %v:%d from the node = %q, %v; want ECONNREFUSED (nothing listens there)", loopback, n.nodePort, got, err)
+				}
+			})
+		}
+	}
 }

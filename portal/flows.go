@@ -7,6 +7,7 @@ import (
 	"strconv"
 	"time"
 
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/iptables"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy"
 )
 
@@ -65,20 +66,23 @@ func udpTargets(cfg Config, portals []Portal, nodeIPs []netip.Addr) map[netip.Ad
 }
 
 // nodePortTargetIPs returns the node addresses of the family whose NodePorts the rules capture:
-// those --nodeport-addresses selects, or with none, every address of the family (loopback
-// included: the node's own traffic to 127.0.0.1:NodePort is captured too).
+// those --nodeport-addresses selects, or with none, every address of the family; loopback
+// addresses as far as they serve NodePorts (see Config.NoLocalhostNodePorts).
 func nodePortTargetIPs(cfg Config, nodeIPs []netip.Addr) []netip.Addr {
 	ips, all := NodePortIPs(cfg.Family, cfg.NodePortAddresses, nodeIPs)
-	if !all {
-		return ips
-	}
-	for _, a := range nodeIPs {
-		if a = a.Unmap(); inFamily(cfg.Family, a) && !a.IsUnspecified() {
-			ips = append(ips, a.WithZone(""))
+	if all {
+		for _, a := range nodeIPs {
+			if a = a.Unmap(); inFamily(cfg.Family, a) && !a.IsUnspecified() {
+				ips = append(ips, a.WithZone(""))
+			}
 		}
+		slices.SortFunc(ips, netip.Addr.Compare)
+		ips = slices.Compact(ips)
 	}
-	slices.SortFunc(ips, netip.Addr.Compare)
-	return slices.Compact(ips)
+	if cfg.Family == iptables.IPv6 || cfg.NoLocalhostNodePorts {
+		ips = slices.DeleteFunc(ips, netip.Addr.IsLoopback)
+	}
+	return ips
 }
 
 // deleteStaleFlowsLocked deletes the tracked UDP flows of every target whose handling changed

@@ -1,3 +1,5 @@
+//go:build linux
+
 package portal
 
 import (
@@ -52,6 +54,8 @@ func TestStaleUDPFlows(t *testing.T) {
 		nodePorts []string
 	}{
 		{name: "NodePorts on every address", cfg: v4Config(), nodePorts: []string{"10.0.0.5:30053", "127.0.0.1:30053", "192.168.1.5:30053"}},
+		{name: "localhost NodePorts off", cfg: with(v4Config(), func(c *Config) { c.NoLocalhostNodePorts = true }),
+			nodePorts: []string{"10.0.0.5:30053", "192.168.1.5:30053"}},
 		{name: "nodePortAddresses", cfg: with(v4Config(), func(c *Config) { c.NodePortAddresses = []netip.Prefix{pfx("10.0.0.0/8")} }),
 			nodePorts: []string{"10.0.0.5:30053"}},
 	} {

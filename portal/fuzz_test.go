@@ -1,3 +1,5 @@
+//go:build linux
+
 package portal
 
 import (
@@ -11,6 +13,7 @@ import (
 	"syscall"
 	"testing"
 
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/internal/testenv"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/iptables"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/iptables/netnstest"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy"
@@ -31,6 +34,7 @@ func FuzzRender(f *testing.F) {
 		tools = append(tools, b.cmd("-restore"), b.cmd("-save"))
 	}
 	netnstest.RequireTools(f, "Debian package iptables ships both the -nft and the -legacy tools", tools...)
+	testenv.Privileged(f) // each input loads in a network namespace of its own
 	f.Add([]byte{})
 	f.Add([]byte("\x00\x01\x02\x03\x04\x05\x06\x07\x08\x09\x0a\x0b\x0c\x0d\x0e\x0f\x10\x11\x12\x13\x14\x15\x16\x17\x18\x19\x1a\x1b\x1c\x1d\x1e\x1f"))
 	f.Add(bytes.Repeat([]byte{0xff}, 256))

@@ -12,14 +12,14 @@ import (
 //
 // Deleting a rule is what costs in a partial update: iptables-nft reads every rule of the
 // chain to find it (at 10,000 service ports, ~0.3 s for the nat chains, and tens of ms for
-// KUBE-PORTALS-PROXY-PORTS), while appending one costs the kernel's commit only. Render lists the
+// KUBE-PORTALS-PROXY-PORTS), while appending one costs the kernel's commit only. render lists the
 // proxy ports of a block of port numbers in one rule, so one more service port would replace its
 // block's rule (a deletion) when a rule of its own does the same. guardedDiff therefore changes
 // the guards by the ports they list: a new proxy port is guarded by a rule appended for it (the
 // new ports of one protocol and destination share rules, up to multiport's 15); a rule is
 // deleted only when a port it lists is no longer a proxy port, and its other ports are listed
-// anew. Until the next full Sync rewrites them in Render's form, the guards then differ from
-// Render's in how they group the ports, not in which ports they guard.
+// anew. Until the next full Sync rewrites them in render's form, the guards then differ from
+// render's in how they group the ports, not in which ports they guard.
 
 // guardedDiff is diffRules for the filter table, with the rules of KUBE-PORTALS-PROXY-PORTS
 // changed by their ports (see above). It returns the iptables-restore input and the rules as they

@@ -14,13 +14,13 @@ import (
 // Update used to render every portal and compare every rule of both tables with what was
 // written: at 10,000 service ports ~23 ms of CPU per partial sync, for a change of one portal.
 // The Manager now also remembers what each portal of the last write contributed (layout: a
-// digest of the portal and its number of rules in each of our chains, in Render's order, ~20
+// digest of the portal and its number of rules in each of our chains, in render's order, ~20
 // bytes a portal); a partial update digests the portals it is given, renders only those whose
 // digest it has not written, and deletes the rules of the written portals whose digest is gone.
 // Two portals with the same digest render the same rules (appendPortal encodes every field, and
 // the layout is only used with the host it was made with), so the rules it writes are those a
-// full Render would. It appends them to the recent chains, not to the long chains Render
-// writes (see recentChain): the rules it remembers as written are in Render's order, but a
+// full render would. It appends them to the recent chains, not to the long chains render
+// writes (see recentChain): the rules it remembers as written are in render's order, but a
 // portal added since the last full write has its rules in the recent chains.
 
 // numSections is how many per-portal outputs a render has: KUBE-PORTALS-CONTAINER,
@@ -38,10 +38,10 @@ var newline = []byte{'\n'}
 // portalSeed keys the portal digests of this process (they are never stored elsewhere).
 var portalSeed = maphash.MakeSeed()
 
-// layout is what each portal contributed to the rules last written, in Render's order.
+// layout is what each portal contributed to the rules last written, in render's order.
 type layout struct {
 	host   uint64   // digest of the Host rendered for
-	guards uint64   // digest of the guards Render makes for the portals' proxy ports
+	guards uint64   // digest of the guards render makes for the portals' proxy ports
 	sums   []uint64 // per portal, its digest (portalSum)
 	counts []uint16 // per portal, its number of rules in each section; nil when one did not fit
 }
@@ -74,7 +74,7 @@ func (m *Manager) renderLocked(host Host, order []*Portal) (tables []table, lay 
 
 // portalUpdate is a partial update worked out by portal.
 type portalUpdate struct {
-	written map[string][]string // the rules once applied, per table, in Render's order (guards aside)
+	written map[string][]string // the rules once applied, per table, in render's order (guards aside)
 	delta   map[string][]byte   // iptables-restore --noflush input per table; absent when nothing changes
 	lay     *layout
 	fresh   int // portals rendered
@@ -248,7 +248,7 @@ func (m *Manager) updateByPortalLocked(portals []Portal, order []*Portal, host H
 		}
 	}
 	if len(writes) > 0 {
-		m.rewritten = time.Time{} // the next Sync rewrites, in Render's order
+		m.rewritten = time.Time{} // the next Sync rewrites, in render's order
 		restoreStart := time.Now()
 		err := m.restoreTablesLocked(writes)
 		m.log.Debug().Int("tables", len(writes)).Int("deltaBytes", deltaBytes).Dur("took", time.Since(restoreStart)).Msg("wrote changed portal rules")

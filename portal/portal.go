@@ -24,6 +24,10 @@
 //	                                                         the rules Update added since the last full write
 //	both   KUBE-PORTALS-CANARY     from each chain above, last   nothing (see below)
 //
+// NodePorts on loopback addresses follow kube-proxy's iptables mode: 127.0.0.0/8 serves them
+// unless Config.NoLocalhostNodePorts (`! -d 127.0.0.0/8` in the NodePort rules), ::1 never
+// (`! -d ::1/128`). No route_localnet is needed: the rules DNAT to a local address.
+//
 // Update appends a changed portal's rules to its chain's recent chain (KUBE-PORTALS-CONTAINER-NEW,
 // …), not to the chain: iptables-nft-restore reads every rule of the chain it appends to (at
 // 10,000 service ports ~17 ms for the long chains, ~1.5 ms for a short one); the next full write
@@ -175,6 +179,11 @@ type Config struct {
 	// as kube-proxy does for pod traffic it detects as local. Prefixes of the other family are
 	// ignored.
 	ClusterCIDRs []netip.Prefix
+	// NoLocalhostNodePorts (kube-proxy's iptables.localhostNodePorts: false) keeps NodePorts off
+	// the IPv4 loopback addresses: the node's own traffic to 127.0.0.1:NodePort is not redirected.
+	// False serves it, as kube-proxy's default does. IPv6's loopback address never serves
+	// NodePorts, as in kube-proxy's iptables mode.
+	NoLocalhostNodePorts bool
 }
 
 // Host is what a Manager finds out about the node when it syncs. Render takes it as an argument so
@@ -220,6 +229,23 @@ func NodePortIPs(family iptables.Family, prefixes []netip.Prefix, addrs []netip.
 	}
 	slices.SortFunc(ips, netip.Addr.Compare)
 	return slices.Compact(ips), false
+}
+
+// LoopbackNodePortWarnings says which loopback addresses --nodeport-addresses (prefixes) selects
+// that serve no NodePorts all the same (see Config.NoLocalhostNodePorts), as kube-proxy logs them.
+// A /0 prefix means every address, loopback's as far as it serves: nothing to warn about.
+func LoopbackNodePortWarnings(prefixes []netip.Prefix, noLocalhost bool) []string {
+	var out []string
+	for _, p := range prefixes {
+		switch p = p.Masked(); {
+		case p.Bits() == 0:
+		case noLocalhost && p.Contains(netip.AddrFrom4([4]byte{127, 0, 0, 1})):
+			out = append(out, fmt.Sprintf("--nodeport-addresses %s holds localhost, but --iptables-localhost-nodeports=false: no NodePort on 127.0.0.0/8", p))
+		case p.Contains(netip.IPv6Loopback()):
+			out = append(out, fmt.Sprintf("--nodeport-addresses %s holds ::1, which never serves NodePorts (as in kube-proxy)", p))
+		}
+	}
+	return out
 }
 
 // NodePortListenAddrs returns where a server for NodePort traffic listens (healthCheckNodePort

@@ -46,15 +46,7 @@ func recentJumps(b []byte, from, to int) []byte {
 	return b
 }
 
-// Render returns the iptables-restore input (the lines between "*table" and "COMMIT") that sets
-// our nat and filter chains to exactly what portals need. Output is deterministic: portals are
-// ordered by Comment, Protocol and ports, and each portal's addresses by value. Portals that fail
-// Validate, and addresses not in cfg.Family, are left out. Render does no I/O.
-func Render(cfg Config, host Host, portals []Portal) (nat, filter []byte) {
-	return render(cfg, host, renderOrder(portals), nil)
-}
-
-// renderOrder returns the valid portals in Render's order.
+// renderOrder returns the valid portals in render's order.
 func renderOrder(portals []Portal) []*Portal {
 	order := make([]*Portal, 0, len(portals))
 	for i := range portals {
@@ -68,8 +60,11 @@ func renderOrder(portals []Portal) []*Portal {
 	return order
 }
 
-// render is Render of the portals in order (see renderOrder). With lay, it also records what
-// each portal contributed (see layout); lay.counts is left nil when a count does not fit.
+// render returns the iptables-restore input (the lines between "*table" and "COMMIT") that sets
+// our nat and filter chains to exactly what the portals, in order (see renderOrder), need, with
+// each portal's addresses by value and those not in cfg.Family left out; it does no I/O. With
+// lay, it also records what each portal contributed (see layout); lay.counts is left nil when a
+// count does not fit.
 func render(cfg Config, host Host, order []*Portal, lay *layout) (nat, filter []byte) {
 	r := newRenderer(cfg, host)
 	// Sizes from a count keep appends from copying (~170 bytes a rule).
@@ -137,10 +132,11 @@ type renderer struct {
 	cfg         Config
 	host        Host
 	v6          bool
-	bindAll     bool       // listeners on all addresses: REDIRECT from containers
-	hostDst     netip.Addr // DNAT destination in HOST chains
-	nodeIPs     []netip.Addr
+	bindAll     bool         // listeners on all addresses: REDIRECT from containers
+	hostDst     netip.Addr   // DNAT destination in HOST chains
+	nodeIPs     []netip.Addr // the node addresses that serve NodePorts, unless allNodeIPs
 	allNodeIPs  bool
+	notLoopback []byte         // " ! -d LOOPBACK" when loopback addresses serve no NodePorts
 	podCIDRs    []netip.Prefix // Config.ClusterCIDRs of this family
 	reject      []byte         // the REJECT target for UDP in this family
 	rejectTCP   []byte         // the REJECT target for TCP: a reset, not subject to ICMP rate limits
@@ -176,19 +172,58 @@ func newRenderer(cfg Config, host Host) *renderer {
 	}
 	r.drop = []byte("-j DROP")
 	r.accept = []byte("-j ACCEPT")
+	// Loopback addresses serve NodePorts as in kube-proxy's iptables mode: IPv4's unless
+	// Config.NoLocalhostNodePorts, IPv6's never.
+	switch {
+	case r.v6:
+		r.notLoopback = []byte(" ! -d ::1/128")
+	case cfg.NoLocalhostNodePorts:
+		r.notLoopback = []byte(" ! -d 127.0.0.0/8")
+	}
+	if r.notLoopback != nil {
+		r.nodeIPs = slices.DeleteFunc(r.nodeIPs, netip.Addr.IsLoopback)
+	}
 	return r
+}
+
+// nodePortRule appends the rule of a NodePort on node address ip: on every local address when
+// ip is the zero Addr, but for the loopback addresses that serve no NodePorts (notLoopback).
+func (r *renderer) nodePortRule(b []byte, chain string, src netip.Prefix, ip netip.Addr, p *Portal, target []byte) []byte {
+	if ip.IsValid() || r.notLoopback == nil {
+		return r.ruleFrom(b, chain, src, ip, p, p.NodePort, "", target)
+	}
+	b = r.matchTail(append(r.matchHead(b, chain, src), r.notLoopback...), p, p.NodePort)
+	b = append(append(b, ' '), target...)
+	return append(b, '\n')
+}
+
+// nodePortPodRules is nodePortRule per cluster CIDR, for traffic from pods (see podRules).
+func (r *renderer) nodePortPodRules(b []byte, chain string, ip netip.Addr, p *Portal, target []byte) []byte {
+	for _, src := range r.podCIDRs {
+		b = r.nodePortRule(b, chain, src, ip, p, target)
+	}
+	return b
 }
 
 // match appends "-A chain [-s src] [-d addr/len] -p P -m comment --comment "C" -m P --dport port",
 // the order iptables-save prints these matches in.
 func (r *renderer) match(b []byte, chain string, src netip.Prefix, dst netip.Addr, p *Portal, port int) []byte {
+	return r.matchTail(r.appendDst(r.matchHead(b, chain, src), dst), p, port)
+}
+
+// matchHead appends "-A chain [-s src]", the start of match.
+func (r *renderer) matchHead(b []byte, chain string, src netip.Prefix) []byte {
 	b = append(b, "-A "...)
 	b = append(b, chain...)
 	if src.IsValid() {
 		b = append(b, " -s "...)
 		b = src.AppendTo(b)
 	}
-	b = r.appendDst(b, dst)
+	return b
+}
+
+// matchTail appends "-p P -m comment --comment "C" -m P --dport port", the end of match.
+func (r *renderer) matchTail(b []byte, p *Portal, port int) []byte {
 	b = append(b, " -p "...)
 	b = append(b, p.Protocol...)
 	b = append(b, " -m comment --comment "...)
@@ -429,26 +464,26 @@ func (r *renderer) portal(p *Portal) {
 		}
 		if hostShortCircuit {
 			if r.allNodeIPs {
-				r.nh = r.rule(r.nh, ChainNodePortHost, netip.Addr{}, p, p.NodePort, "", r.hostTg)
-				r.nc = r.podRules(r.nc, ChainNodePortContainer, netip.Addr{}, p, p.NodePort, r.containerTg)
+				r.nh = r.nodePortRule(r.nh, ChainNodePortHost, netip.Prefix{}, netip.Addr{}, p, r.hostTg)
+				r.nc = r.nodePortPodRules(r.nc, ChainNodePortContainer, netip.Addr{}, p, r.containerTg)
 				r.nl = r.podAccepts(r.nl, netip.Addr{}, p)
 			}
 			for _, ip := range r.nodeIPs {
-				r.nh = r.rule(r.nh, ChainNodePortHost, ip, p, p.NodePort, "", r.hostTg)
-				r.nc = r.podRules(r.nc, ChainNodePortContainer, ip, p, p.NodePort, r.containerTg)
+				r.nh = r.nodePortRule(r.nh, ChainNodePortHost, netip.Prefix{}, ip, p, r.hostTg)
+				r.nc = r.nodePortPodRules(r.nc, ChainNodePortContainer, ip, p, r.containerTg)
 				r.nl = r.podAccepts(r.nl, ip, p)
 			}
 		}
 		return
 	}
 	if r.allNodeIPs {
-		r.nc = r.rule(r.nc, ChainNodePortContainer, netip.Addr{}, p, p.NodePort, "", r.containerTg)
-		r.nh = r.rule(r.nh, ChainNodePortHost, netip.Addr{}, p, p.NodePort, "", r.hostTg)
+		r.nc = r.nodePortRule(r.nc, ChainNodePortContainer, netip.Prefix{}, netip.Addr{}, p, r.containerTg)
+		r.nh = r.nodePortRule(r.nh, ChainNodePortHost, netip.Prefix{}, netip.Addr{}, p, r.hostTg)
 		r.nl = r.rule(r.nl, ChainNodePortNonLocal, netip.Addr{}, p, p.ProxyPort, r.fromNodePort(netip.Addr{}, p.NodePort), r.accept)
 	}
 	for _, ip := range r.nodeIPs {
-		r.nc = r.rule(r.nc, ChainNodePortContainer, ip, p, p.NodePort, "", r.containerTg)
-		r.nh = r.rule(r.nh, ChainNodePortHost, ip, p, p.NodePort, "", r.hostTg)
+		r.nc = r.nodePortRule(r.nc, ChainNodePortContainer, netip.Prefix{}, ip, p, r.containerTg)
+		r.nh = r.nodePortRule(r.nh, ChainNodePortHost, netip.Prefix{}, ip, p, r.hostTg)
 		r.nl = r.rule(r.nl, ChainNodePortNonLocal, netip.Addr{}, p, p.ProxyPort, r.fromNodePort(ip, p.NodePort), r.accept)
 	}
 }

@@ -310,6 +310,69 @@ func TestRender(t *testing.T) {
 			},
 		},
 		{
+			name:    "NodePort with localhost NodePorts off: every address but 127.0.0.0/8",
+			cfg:     with(v4Config(), func(c *Config) { c.NoLocalhostNodePorts = true }),
+			portals: []Portal{with(web, func(p *Portal) { p.ClusterIP = netip.Addr{}; p.NodePort = 30080 })},
+			nat: []string{
+				`-A KUBE-NODEPORT-CONTAINER ! -d 127.0.0.0/8 -p tcp -m comment --comment "default/web:http" -m tcp --dport 30080 -j REDIRECT --to-ports 38023`,
+				`-A KUBE-NODEPORT-HOST ! -d 127.0.0.0/8 -p tcp -m comment --comment "default/web:http" -m tcp --dport 30080 -j DNAT --to-destination 10.0.0.5:38023`,
+			},
+			filter: []string{
+				`-A KUBE-NODEPORT-NON-LOCAL -p tcp -m comment --comment "default/web:http" -m tcp --dport 38023 -m conntrack --ctstate DNAT --ctorigdstport 30080 -j ACCEPT`,
+				webGuard,
+			},
+		},
+		{
+			name: "NodePort with nodePortAddresses holding loopback: served there unless localhost NodePorts are off",
+			cfg: with(v4Config(), func(c *Config) {
+				c.NodePortAddresses = []netip.Prefix{pfx("127.0.0.0/8"), pfx("10.0.0.0/24"), pfx("::1/128")}
+			}),
+			host:    Host{NodeIPs: []netip.Addr{a("127.0.0.1"), a("10.0.0.5"), a("::1")}},
+			portals: []Portal{with(web, func(p *Portal) { p.ClusterIP = netip.Addr{}; p.NodePort = 30080 })},
+			nat: []string{
+				`-A KUBE-NODEPORT-CONTAINER -d 10.0.0.5/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 30080 -j REDIRECT --to-ports 38023`,
+				`-A KUBE-NODEPORT-CONTAINER -d 127.0.0.1/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 30080 -j REDIRECT --to-ports 38023`,
+				`-A KUBE-NODEPORT-HOST -d 10.0.0.5/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 30080 -j DNAT --to-destination 10.0.0.5:38023`,
+				`-A KUBE-NODEPORT-HOST -d 127.0.0.1/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 30080 -j DNAT --to-destination 10.0.0.5:38023`,
+			},
+			filter: []string{
+				`-A KUBE-NODEPORT-NON-LOCAL -p tcp -m comment --comment "default/web:http" -m tcp --dport 38023 -m conntrack --ctstate DNAT --ctorigdst 10.0.0.5 --ctorigdstport 30080 -j ACCEPT`,
+				`-A KUBE-NODEPORT-NON-LOCAL -p tcp -m comment --comment "default/web:http" -m tcp --dport 38023 -m conntrack --ctstate DNAT --ctorigdst 127.0.0.1 --ctorigdstport 30080 -j ACCEPT`,
+				webGuard,
+			},
+		},
+		{
+			name: "NodePort with nodePortAddresses holding loopback, localhost NodePorts off",
+			cfg: with(v4Config(), func(c *Config) {
+				c.NodePortAddresses = []netip.Prefix{pfx("127.0.0.0/8"), pfx("10.0.0.0/24")}
+				c.NoLocalhostNodePorts = true
+			}),
+			host:    Host{NodeIPs: []netip.Addr{a("127.0.0.1"), a("10.0.0.5")}},
+			portals: []Portal{with(web, func(p *Portal) { p.ClusterIP = netip.Addr{}; p.NodePort = 30080 })},
+			nat: []string{
+				`-A KUBE-NODEPORT-CONTAINER -d 10.0.0.5/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 30080 -j REDIRECT --to-ports 38023`,
+				`-A KUBE-NODEPORT-HOST -d 10.0.0.5/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 30080 -j DNAT --to-destination 10.0.0.5:38023`,
+			},
+			filter: []string{
+				`-A KUBE-NODEPORT-NON-LOCAL -p tcp -m comment --comment "default/web:http" -m tcp --dport 38023 -m conntrack --ctstate DNAT --ctorigdst 10.0.0.5 --ctorigdstport 30080 -j ACCEPT`,
+				webGuard,
+			},
+		},
+		{
+			name:    "IPv6 NodePort with nodePortAddresses holding ::1: never served there",
+			cfg:     with(v6Config(), func(c *Config) { c.NodePortAddresses = []netip.Prefix{pfx("::1/128"), pfx("fd00::/64")} }),
+			host:    Host{NodeIPs: []netip.Addr{a("::1"), a("fd00::5")}},
+			portals: []Portal{{Comment: "default/web:http", Protocol: "tcp", Port: 80, NodePort: 30080, ProxyPort: 38023}},
+			nat: []string{
+				`-A KUBE-NODEPORT-CONTAINER -d fd00::5/128 -p tcp -m comment --comment "default/web:http" -m tcp --dport 30080 -j REDIRECT --to-ports 38023`,
+				`-A KUBE-NODEPORT-HOST -d fd00::5/128 -p tcp -m comment --comment "default/web:http" -m tcp --dport 30080 -j DNAT --to-destination [fd00::5]:38023`,
+			},
+			filter: []string{
+				`-A KUBE-NODEPORT-NON-LOCAL -p tcp -m comment --comment "default/web:http" -m tcp --dport 38023 -m conntrack --ctstate DNAT --ctorigdst fd00::5 --ctorigdstport 30080 -j ACCEPT`,
+				webGuard,
+			},
+		},
+		{
 			name:    "NodePort with nodePortAddresses matching no node IP: no NodePort rules",
 			cfg:     with(v4Config(), func(c *Config) { c.NodePortAddresses = []netip.Prefix{pfx("10.9.0.0/16")} }),
 			host:    Host{NodeIPs: []netip.Addr{a("10.0.0.5")}},
@@ -399,6 +462,23 @@ func TestRender(t *testing.T) {
 			},
 		},
 		{
+			name: "drop with cluster CIDRs and localhost NodePorts off: the node's and pods' redirects spare 127.0.0.0/8",
+			cfg: with(v4Config(), func(c *Config) {
+				c.ClusterCIDRs = []netip.Prefix{pfx("10.244.0.0/16")}
+				c.NoLocalhostNodePorts = true
+			}),
+			portals: []Portal{with(web, func(p *Portal) { p.ClusterIP = netip.Addr{}; p.NodePort = 30080; p.External = proxy.Drop })},
+			nat: []string{
+				`-A KUBE-NODEPORT-CONTAINER -s 10.244.0.0/16 ! -d 127.0.0.0/8 -p tcp -m comment --comment "default/web:http" -m tcp --dport 30080 -j REDIRECT --to-ports 38023`,
+				`-A KUBE-NODEPORT-HOST ! -d 127.0.0.0/8 -p tcp -m comment --comment "default/web:http" -m tcp --dport 30080 -j DNAT --to-destination 10.0.0.5:38023`,
+			},
+			filter: []string{
+				`-A KUBE-NODEPORT-NON-LOCAL -s 10.244.0.0/16 -p tcp -m comment --comment "default/web:http" -m tcp --dport 38023 -m conntrack --ctstate DNAT --ctorigdstport 30080 -j ACCEPT`,
+				`-A KUBE-PORTALS-FILTER -p tcp -m comment --comment "default/web:http" -m tcp --dport 30080 -m addrtype --dst-type LOCAL -j DROP`,
+				webGuard,
+			},
+		},
+		{
 			name: "drop with cluster CIDRs: pods are redirected like the node itself (other family's CIDR ignored)",
 			cfg: with(v4Config(), func(c *Config) {
 				c.ClusterCIDRs = []netip.Prefix{pfx("10.244.0.0/16"), pfx("fd00:244::/48")}
@@ -478,8 +558,9 @@ func TestRender(t *testing.T) {
 				`-A KUBE-PORTALS-CONTAINER -d 2001:db8::7/128 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -m addrtype --dst-type LOCAL -j REDIRECT --to-ports 38023`,
 				`-A KUBE-PORTALS-HOST -d fd00:96::10/128 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -j DNAT --to-destination [fd00::5]:38023`,
 				`-A KUBE-PORTALS-HOST -d 2001:db8::7/128 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -m addrtype --dst-type LOCAL -j DNAT --to-destination [fd00::5]:38023`,
-				`-A KUBE-NODEPORT-CONTAINER -p tcp -m comment --comment "default/web:http" -m tcp --dport 30080 -j REDIRECT --to-ports 38023`,
-				`-A KUBE-NODEPORT-HOST -p tcp -m comment --comment "default/web:http" -m tcp --dport 30080 -j DNAT --to-destination [fd00::5]:38023`,
+				// IPv6's loopback address serves no NodePorts, as in kube-proxy's iptables mode.
+				`-A KUBE-NODEPORT-CONTAINER ! -d ::1/128 -p tcp -m comment --comment "default/web:http" -m tcp --dport 30080 -j REDIRECT --to-ports 38023`,
+				`-A KUBE-NODEPORT-HOST ! -d ::1/128 -p tcp -m comment --comment "default/web:http" -m tcp --dport 30080 -j DNAT --to-destination [fd00::5]:38023`,
 			},
 			filter: []string{
 				`-A KUBE-NODEPORT-NON-LOCAL -p tcp -m comment --comment "default/web:http" -m tcp --dport 38023 -m conntrack --ctstate DNAT --ctorigdstport 30080 -j ACCEPT`,
@@ -578,6 +659,20 @@ func diff(t *testing.T, what, got, want string) {
 			t.Errorf("%s differs at line %d:\n got: %s\nwant: %s\nfull output:\n%s", what, i+1, gl, wl, got)
 			return
 		}
+	}
+}
+
+func TestLoopbackNodePortWarnings(t *testing.T) {
+	ps := []netip.Prefix{pfx("10.0.0.0/8"), pfx("127.0.0.0/8"), pfx("::1/128")}
+	if got := LoopbackNodePortWarnings(ps, false); len(got) != 1 || !strings.Contains(got[0], "::1") {
+		t.Errorf("localhost NodePorts on: %q, want one warning, about ::1", got)
+	}
+	if got := LoopbackNodePortWarnings(ps, true); len(got) != 2 || !strings.Contains(got[0], "127.0.0.0/8") {
+		t.Errorf("localhost NodePorts off: %q, want warnings about 127.0.0.0/8 and ::1", got)
+	}
+	all := []netip.Prefix{pfx("10.0.0.0/8"), pfx("0.0.0.0/0"), pfx("::/0")}
+	if got := LoopbackNodePortWarnings(all, true); len(got) != 0 {
+		t.Errorf("no loopback selected but by /0: %q, want none", got)
 	}
 }
 

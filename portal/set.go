@@ -57,6 +57,9 @@ type SetOptions struct {
 	// NodePortAddresses and ClusterCIDRs are Config's.
 	NodePortAddresses []netip.Prefix
 	ClusterCIDRs      []netip.Prefix
+	// NoLocalhostNodePorts is Config's: false serves NodePorts on 127.0.0.1, as kube-proxy's
+	// default does.
+	NoLocalhostNodePorts bool
 	// Log receives the portals' logs; the zero value logs nothing.
 	Log zerolog.Logger
 	// Successor: this proxy is about to take over from one that runs (package handover).
@@ -82,6 +85,9 @@ func NewSet(ctx context.Context, opts SetOptions) (*Set, error) {
 		return nil, fmt.Errorf("detect iptables backend: %w", err)
 	}
 	set := &Set{log: log, prepared: opts.Successor}
+	for _, w := range LoopbackNodePortWarnings(opts.NodePortAddresses, opts.NoLocalhostNodePorts) {
+		log.Warn().Msg(w)
+	}
 	// Stale UDP flows (a changed portal, a restart) are deleted with the conntrack tool.
 	var flows FlowDeleter
 	if path, err := exec.LookPath("conntrack"); err == nil {
@@ -113,7 +119,8 @@ func NewSet(ctx context.Context, opts SetOptions) (*Set, error) {
 			return nil, fmt.Errorf("portals: %w", err)
 		}
 		m, err := NewManager(Options{
-			Config: Config{Family: fam, BindIP: bind, HostIP: host, NodePortAddresses: opts.NodePortAddresses, ClusterCIDRs: opts.ClusterCIDRs},
+			Config: Config{Family: fam, BindIP: bind, HostIP: host, NodePortAddresses: opts.NodePortAddresses, ClusterCIDRs: opts.ClusterCIDRs,
+				NoLocalhostNodePorts: opts.NoLocalhostNodePorts},
 			Runner: run,
 			Logger: log,
 			Flows:  flows,
@@ -237,16 +244,6 @@ func (s *Set) Cleanup(context.Context) error {
 		}
 	}
 	return errors.Join(errs...)
-}
-
-// toPortals converts the proxier's port states into one family's portals: a service port has
-// portals in a family when it has a ClusterIP of that family. In a family it has no ClusterIP
-// of, a port whose listener is open still gets a portal with no address and no NodePort: it
-// captures nothing but guards the proxy port (KUBE-PORTALS-PROXY-PORTS), because a listener on
-// the unspecified address accepts both families.
-func toPortals(fam iptables.Family, ports []proxy.PortState) []Portal {
-	var c portalCache
-	return c.toPortals(fam, ports)
 }
 
 // portalCache is what toPortals made of one sync's ports in one family, for the next sync: a

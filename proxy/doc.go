@@ -8,7 +8,7 @@
 // EndpointSlices of that service become, per port name, a list of Endpoints. Everything below
 // the sources (the load balancer, the listeners and the portal rules) works on these values
 // only, never on API objects, so the conversion and its validation live here once (FromService,
-// EndpointsFromSlices). Conversion never fails as a whole: an invalid field is reported in the
+// FromSlice and MergeSlices). Conversion never fails as a whole: an invalid field is reported in the
 // returned error (a FieldError naming the object and the field) and left out, and everything
 // valid in the same object is still returned.
 //

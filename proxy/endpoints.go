@@ -21,29 +21,6 @@ func SliceServiceName(s *discovery.EndpointSlice) (types.NamespacedName, bool) {
 	return types.NamespacedName{Namespace: s.Namespace, Name: name}, true
 }
 
-// EndpointsFromSlices merges the EndpointSlices of one service into Endpoints per port name.
-// Slices of address type FQDN are ignored. An endpoint listed in several slices appears once
-// (the first ready copy wins). Invalid fields are left out and reported together in the error.
-// Each port's list is sorted by address so equal inputs give equal outputs.
-//
-// An endpoint's hints.forZones and hints.forNodes become its ZoneHints and NodeHints; a hint whose
-// name is not a valid zone (label value) or node name is reported and left out.
-func EndpointsFromSlices(svc types.NamespacedName, slices []*discovery.EndpointSlice) (map[string][]Endpoint, error) {
-	each := make([]SliceEndpoints, 0, len(slices))
-	for _, s := range slices {
-		if s != nil {
-			each = append(each, FromSlice(s))
-		}
-	}
-	eps, err := MergeSlices(each)
-	out := make(map[string][]Endpoint, len(eps))
-	for _, pe := range eps {
-		out[pe.Port] = pe.Endpoints
-	}
-	_ = svc
-	return out, err
-}
-
 // SliceEndpoints is what one EndpointSlice contributes to its service: the endpoints of each of
 // its ports (each list sorted by address, an address once: its first ready copy, else its first)
 // and the problems of its fields. The Tracker keeps this instead of the slice, so a source may

@@ -83,7 +83,7 @@ func TestMergeSlicesMatchesReference(t *testing.T) {
 			}
 			list = append(list, s)
 		}
-		got, err := EndpointsFromSlices(types.NamespacedName{Namespace: "ns", Name: "web"}, list)
+		got, err := endpointsFromSlices(types.NamespacedName{Namespace: "ns", Name: "web"}, list)
 		if err != nil {
 			t.Fatalf("round %d: %v", round, err)
 		}
@@ -139,4 +139,23 @@ func TestTrackerKeepsNoSlice(t *testing.T) {
 	if eps := c.Endpoints[nsName("s")].Current.Get("a"); len(eps) != 2 {
 		t.Fatalf("endpoints of two slices: %+v", eps)
 	}
+}
+
+// endpointsFromSlices merges the EndpointSlices of one service into Endpoints per port name, as
+// the Tracker does (FromSlice per slice, then MergeSlices): what the tests check of the
+// conversion. svc names the service (unused by the conversion).
+func endpointsFromSlices(svc types.NamespacedName, slices []*discovery.EndpointSlice) (map[string][]Endpoint, error) {
+	each := make([]SliceEndpoints, 0, len(slices))
+	for _, s := range slices {
+		if s != nil {
+			each = append(each, FromSlice(s))
+		}
+	}
+	eps, err := MergeSlices(each)
+	out := make(map[string][]Endpoint, len(eps))
+	for _, pe := range eps {
+		out[pe.Port] = pe.Endpoints
+	}
+	_ = svc
+	return out, err
 }

@@ -212,11 +212,11 @@ func FuzzEndpointsFromSlices(f *testing.F) {
 		for i, s := range list {
 			in[i] = s.DeepCopy()
 		}
-		eps, err := EndpointsFromSlices(types.NamespacedName{Namespace: "ns", Name: "web"}, list)
+		eps, err := endpointsFromSlices(types.NamespacedName{Namespace: "ns", Name: "web"}, list)
 		fieldErrorsOf(t, err, objects...)
 		for i := range list {
 			if !equalJSON(t, in[i], list[i]) {
-				t.Fatal("EndpointsFromSlices modified a slice")
+				t.Fatal("endpointsFromSlices modified a slice")
 			}
 		}
 		portNames := map[string]bool{}
@@ -257,7 +257,7 @@ func FuzzEndpointsFromSlices(f *testing.F) {
 			}
 		}
 		// The same input gives the same output.
-		again, err2 := EndpointsFromSlices(types.NamespacedName{Namespace: "ns", Name: "web"}, in)
+		again, err2 := endpointsFromSlices(types.NamespacedName{Namespace: "ns", Name: "web"}, in)
 		if fmt.Sprint(again) != fmt.Sprint(eps) || fmt.Sprint(err) != fmt.Sprint(err2) {
 			t.Fatalf("second conversion differs: %v, %v; first %v, %v", again, err2, eps, err)
 		}
@@ -310,7 +310,7 @@ func TestFuzzFindings(t *testing.T) {
 		Ports:       []discovery.EndpointPort{{Port: ptr.To[int32](80)}},
 		Endpoints:   []discovery.Endpoint{{Addresses: []string{"fe80::1%eth0", "fd00::1"}}},
 	}
-	eps, err := EndpointsFromSlices(types.NamespacedName{Namespace: "ns", Name: "web"}, []*discovery.EndpointSlice{slice})
+	eps, err := endpointsFromSlices(types.NamespacedName{Namespace: "ns", Name: "web"}, []*discovery.EndpointSlice{slice})
 	fes := fieldErrorsOf(t, err, "EndpointSlice ns/web-1")
 	if len(eps[""]) != 1 || eps[""][0].Addr != netip.MustParseAddrPort("[fd00::1]:80") || len(fes) != 1 || fes[0].Field != "endpoints[0].addresses[0]" {
 		t.Errorf("endpoints %v, errors %v; want fd00::1 only and the zone reported", eps, err)

@@ -469,7 +469,7 @@ func TestEndpointsFromSlices(t *testing.T) {
 	}
 	t1, f := ptr.To(true), ptr.To(false)
 
-	got, err := EndpointsFromSlices(name, []*discovery.EndpointSlice{
+	got, err := endpointsFromSlices(name, []*discovery.EndpointSlice{
 		slice("web-b", discovery.AddressTypeIPv4, http,
 			ep("10.0.0.2", f, t1, t1, "node2"),     // terminating but serving
 			ep("10.0.0.1", nil, nil, nil, "node1"), // unset conditions: ready, serving, not terminating
@@ -512,7 +512,7 @@ func TestEndpointsFromSlices(t *testing.T) {
 	}
 
 	// Without the ready copy, the terminating one stays, with its conditions.
-	got, err = EndpointsFromSlices(name, []*discovery.EndpointSlice{
+	got, err = endpointsFromSlices(name, []*discovery.EndpointSlice{
 		slice("web-b", discovery.AddressTypeIPv4, http, ep("10.0.0.2", f, t1, t1, "node2")),
 	})
 	if err != nil {
@@ -582,7 +582,7 @@ func TestEndpointHints(t *testing.T) {
 				Ports:       http,
 				Endpoints:   []discovery.Endpoint{{Addresses: []string{"10.0.0.1"}, Hints: tc.hints}},
 			}
-			got, err := EndpointsFromSlices(name, []*discovery.EndpointSlice{s})
+			got, err := endpointsFromSlices(name, []*discovery.EndpointSlice{s})
 			var fields []string
 			if err != nil {
 				for _, e := range err.(interface{ Unwrap() []error }).Unwrap() {
@@ -620,7 +620,7 @@ func TestEndpointHints(t *testing.T) {
 			}
 			// Endpoints stay comparable: the same slice converted twice gives equal endpoints,
 			// and a change of hints alone makes them differ.
-			again, _ := EndpointsFromSlices(name, []*discovery.EndpointSlice{s})
+			again, _ := endpointsFromSlices(name, []*discovery.EndpointSlice{s})
 			if again["http"][0] != e {
 				t.Errorf("two conversions differ: %+v and %+v", again["http"][0], e)
 			}

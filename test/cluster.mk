@@ -1,8 +1,15 @@
 # Real Kubernetes components for the end-to-end tests (included by the top-level Makefile).
 #
-#   make test-bins          build kube-apiserver, kube-proxy and etcd of the pinned versions into
-#                           $(KUP_K8S_BIN); skips those already built (minutes cold, ~1 s cached)
-#   make test-cluster       run the harness's own tests (test/...), which need test-bins
+#   make test-bins          build kube-apiserver, kube-proxy, kubelet, kube-controller-manager,
+#                           kube-scheduler and etcd of the pinned versions into $(KUP_K8S_BIN);
+#                           skips those already built (minutes cold, ~1 s cached)
+#   make test-harness       run the harness's own tests (test/...), which need test-bins
+#   make cluster            a real three-node cluster on this machine (hack/cluster.sh up,
+#                           docs/cluster.md); prints how to use it
+#   make cluster-down       remove it (every process, mount, namespace and file)
+#   make test-cluster       the end-to-end tests on that cluster (test/kcluster, build tag
+#                           cluster): brings it up if it is not, and down again if it brought it
+#                           up (KUP_CLUSTER_KEEP=1 keeps it)
 #   make test-bins-clean    delete $(KUP_K8S_BIN)
 #   make test-netns-list    list leftover kup-* network namespaces (deletes nothing: other
 #                           engineers' tests may be running)
@@ -20,13 +27,32 @@ export KUP_K8S_BIN
 
 KUP_TEST_MK_DIR := $(patsubst %/,%,$(dir $(lastword $(MAKEFILE_LIST))))
 
-.PHONY: test-bins test-cluster test-bins-clean test-netns-list
+.PHONY: test-bins test-harness test-bins-clean test-netns-list cluster cluster-down test-cluster
 
 test-bins:
 	GO="$(GO)" $(KUP_TEST_MK_DIR)/k8sbin/build.sh "$(KUP_K8S_BIN)" $(KUP_K8S_VERSION) $(KUP_ETCD_VERSION)
 
-test-cluster: test-bins
+test-harness: test-bins
 	$(GO) test -race -count=1 -timeout 10m ./$(KUP_TEST_MK_DIR)/...
+
+KUP_CLUSTER_SH := $(KUP_TEST_MK_DIR)/../hack/cluster.sh
+KUP_CLUSTER_TEST_TIMEOUT ?= 14m
+
+cluster: test-bins
+	GO="$(GO)" $(KUP_CLUSTER_SH) up
+
+cluster-down:
+	$(KUP_CLUSTER_SH) down
+
+# One test-cluster at a time on a machine (a second waits): they share the cluster's names.
+KUP_CLUSTER_LOCK ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/kube-userspace-proxy/cluster.lock
+
+test-cluster: test-bins
+	@set -e; mkdir -p "$$(dirname "$(KUP_CLUSTER_LOCK)")"; exec 9>"$(KUP_CLUSTER_LOCK)"; flock 9; was_up=; $(KUP_CLUSTER_SH) kubeconfig >/dev/null 2>&1 && was_up=1; \
+	GO="$(GO)" $(KUP_CLUSTER_SH) up; rc=0; \
+	$(GO) test -race -count=1 -v -tags cluster -timeout $(KUP_CLUSTER_TEST_TIMEOUT) ./$(KUP_TEST_MK_DIR)/kcluster/ || rc=$$?; \
+	if [ -z "$$was_up" ] && [ -z "$(KUP_CLUSTER_KEEP)" ]; then $(KUP_CLUSTER_SH) down || rc=1; fi; \
+	exit $$rc
 
 test-bins-clean:
 	rm -rf "$(KUP_K8S_BIN)"

@@ -1,3 +1,5 @@
+//go:build linux
+
 // Package netnstest gives tests throw-away network namespaces: create one per test with New, wire
 // namespaces together with Connect, and run code inside one with Do. Everything it creates is
 // removed in t.Cleanup, also when the test fails.
@@ -7,7 +9,8 @@
 // thread's namespace) live in the namespace. Goroutines the function starts run on other threads
 // and are NOT in the namespace; they may use sockets created inside it.
 //
-// It needs root and the `ip` tool (iproute2).
+// It needs root and the `ip` tool (iproute2); without them the tests that use it are skipped
+// (see package internal/testenv).
 package netnstest
 
 import (
@@ -22,6 +25,8 @@ import (
 	"testing"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/internal/testenv"
 )
 
 // NS is a network namespace made for a test.
@@ -30,24 +35,18 @@ type NS struct {
 	Name string
 }
 
-// RequireTools fails the test at once, naming the tools and hint, when any of names is not on
-// PATH. Tests that need a tool fail rather than skip: CI has everything installed.
+// RequireTools skips the test, naming the tools and hint, when any of names is not on PATH;
+// under KUP_TEST_ALL=1 (make test, CI) it fails it instead (see package internal/testenv).
 func RequireTools(t testing.TB, hint string, names ...string) {
 	t.Helper()
-	var missing []string
-	for _, n := range names {
-		if _, err := exec.LookPath(n); err != nil {
-			missing = append(missing, n)
-		}
-	}
-	if len(missing) > 0 {
-		t.Fatalf("required tools not installed: %s (%s)", strings.Join(missing, ", "), hint)
-	}
+	testenv.Tool(t, hint, names...)
 }
 
-// New creates a network namespace with loopback up and deletes it when the test ends.
+// New creates a network namespace with loopback up and deletes it when the test ends. Without
+// root or iproute2 it skips the test (fails it under KUP_TEST_ALL=1).
 func New(t testing.TB) *NS {
 	t.Helper()
+	testenv.Privileged(t)
 	RequireTools(t, "Debian package iproute2", "ip")
 	var b [4]byte
 	if _, err := rand.Read(b[:]); err != nil {

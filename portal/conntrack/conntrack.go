@@ -144,8 +144,10 @@ func (t *Tool) run(stdin *bytes.Buffer, args ...string) (string, error) {
 	}
 	var out bytes.Buffer
 	cmd.Stdout, cmd.Stderr = &out, &out
-	// A killed run's children may hold its output open: stop waiting for them soon after.
+	// A killed run's children may hold its output open: stop waiting for them soon after, and
+	// kill them with it where processes have groups.
 	cmd.WaitDelay = time.Second
+	killGroup(cmd)
 	err := cmd.Run()
 	if ctx.Err() != nil {
 		err = fmt.Errorf("timed out after %v: %w", timeout, errors.Join(ctx.Err(), err))

@@ -1,3 +1,5 @@
+//go:build linux
+
 package conntrack
 
 import (
@@ -8,6 +10,7 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -212,17 +215,35 @@ func TestDeleteUDPErrors(t *testing.T) {
 }
 
 // A conntrack run that hangs is killed after Timeout, also when a child of it keeps its output
-// open, and the call reports it.
+// open, and the call reports it; the child is killed too.
 func TestDeleteUDPTimeout(t *testing.T) {
 	dir := t.TempDir()
 	script := filepath.Join(dir, "conntrack")
-	if err := os.WriteFile(script, []byte("#!/bin/sh\nsleep 3600\n"), 0o755); err != nil {
+	pidFile := filepath.Join(dir, "child.pid")
+	if err := os.WriteFile(script, []byte("#!/bin/sh\nsleep 3600 &\necho $! > "+pidFile+"\nwait\n"), 0o755); err != nil {
 		t.Fatal(err)
 	}
 	for _, tool := range []*Tool{{Path: script, Timeout: 100 * time.Millisecond}, {Path: script, Timeout: 100 * time.Millisecond, noBatch: true}} {
 		err := tool.DeleteUDP([]netip.AddrPort{ap("10.96.0.10:53"), ap("10.96.0.11:53")})
 		if err == nil || !strings.Contains(err.Error(), "timed out") {
 			t.Errorf("DeleteUDP with a hung conntrack (batch %v) = %v, want a timeout", !tool.noBatch, err)
+		}
+		b, err := os.ReadFile(pidFile)
+		if err != nil {
+			t.Fatal(err)
+		}
+		pid, err := strconv.Atoi(strings.TrimSpace(string(b)))
+		if err != nil {
+			t.Fatal(err)
+		}
+		// Killed at once with its group; reaped by init soon after.
+		deadline := time.Now().Add(10 * time.Second)
+		for syscall.Kill(pid, 0) == nil {
+			if time.Now().After(deadline) {
+				_ = syscall.Kill(pid, syscall.SIGKILL)
+				t.Fatalf("the hung tool's child %d outlived the timed-out run", pid)
+			}
+			time.Sleep(10 * time.Millisecond)
 		}
 	}
 }

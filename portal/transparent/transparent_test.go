@@ -1,3 +1,5 @@
+//go:build linux
+
 package transparent
 
 import (
@@ -225,11 +227,22 @@ func proxyChild() int {
 		return 2
 	}
 	log := zerolog.New(os.Stderr).Level(zerolog.DebugLevel)
-	tp := &forward.TCPProxy{Listener: ln, Chooser: chooser{ep}, Log: &log, DialTimeouts: []time.Duration{time.Second}}
+	loops, err := forward.NewLoops(1)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 2
+	}
+	defer loops.Close()
+	tp := &forward.TCPProxy{Listener: ln, Loops: loops, Chooser: chooser{ep}, Log: &log, DialTimeouts: []time.Duration{time.Second}}
 	up := &forward.UDPProxy{Conn: uc, Chooser: chooser{ep}, Log: &log}
 	var wg sync.WaitGroup
 	wg.Add(2)
-	go func() { defer wg.Done(); tp.Serve() }()
+	go func() {
+		defer wg.Done()
+		if err := tp.Serve(); err != nil {
+			fmt.Fprintln(os.Stderr, "TCP proxy:", err)
+		}
+	}()
 	go func() { defer wg.Done(); up.Serve() }()
 	fmt.Println("READY")
 	io.Copy(io.Discard, os.Stdin)

@@ -1,7 +1,8 @@
+//go:build linux
+
 package forward
 
 import (
-	"context"
 	"errors"
 	"io"
 	"net"
@@ -17,7 +18,8 @@ import (
 
 // The benchmarks run each workload against a loopback backend twice in the same run: Direct
 // (client to backend) and Proxy (client to a TCPProxy or UDPProxy in front of the same backend),
-// so the ratio of the two is the proxy's cost on this machine.
+// so the ratio of the two is the proxy's cost on this machine. The TCPProxy runs on two event
+// loops of its own, as the proxier places a service port on two of its loops.
 
 // tcpTarget returns the address a benchmark's clients dial: the backend, or a proxy in front
 // of it.
@@ -30,7 +32,7 @@ func tcpTarget(b *testing.B, proxied bool, backend netip.AddrPort) netip.AddrPor
 	}).addr
 }
 
-// startedModes is benchModes and ProxyStarted: the proxy started on a Poller (Start).
+// startedModes is benchModes and ProxyStarted: the UDPProxy started on a Poller (Start).
 func startedModes() []struct {
 	name    string
 	proxied bool
@@ -39,34 +41,6 @@ func startedModes() []struct {
 		name    string
 		proxied bool
 	}{"ProxyStarted", true})
-}
-
-// tcpModes is startedModes, Loop (the TCPProxy on the event-loop data path, TCPProxy.Loops)
-// and the two reference event loops of evloop_bench_test.go (not a data path; what a relay on
-// raw descriptors would cost): EventLoop blocks in epoll_wait, as HAProxy does;
-// EventLoopNetpoll waits in the runtime's poller, as the Poller does.
-func tcpModes() []struct {
-	name    string
-	proxied bool
-} {
-	return append(startedModes(), []struct {
-		name    string
-		proxied bool
-	}{{"Loop", true}, {"EventLoop", true}, {"EventLoopNetpoll", true}}...)
-}
-
-// eventLoopTarget returns the address of the reference event loop of mode in front of backend,
-// and false for the other modes.
-func eventLoopTarget(b *testing.B, mode string, backend netip.AddrPort) (netip.AddrPort, bool) {
-	switch mode {
-	case "Loop":
-		return loopTCPProxy(b, backend), true
-	case "EventLoop":
-		return startEvLoop(b, backend, true).addr, true
-	case "EventLoopNetpoll":
-		return startEvLoop(b, backend, false).addr, true
-	}
-	return netip.AddrPort{}, false
 }
 
 // startedUDPProxy returns the address of a UDPProxy in front of backend started on a Poller.
@@ -90,40 +64,6 @@ func startedUDPProxy(b *testing.B, backend netip.AddrPort) netip.AddrPort {
 	return conn.LocalAddr().(*net.UDPAddr).AddrPort()
 }
 
-// startedTCPProxy returns the address of a TCPProxy in front of backend started on a Poller;
-// configure, if not nil, sets more fields.
-func startedTCPProxy(b *testing.B, backend netip.AddrPort, configure ...func(*TCPProxy)) netip.AddrPort {
-	poller, err := NewPoller()
-	if err != nil {
-		b.Fatal(err)
-	}
-	p := &TCPProxy{Listener: listenTCP(b, loopback("4")), Chooser: &fakeChooser{endpoints: []netip.AddrPort{backend}}, Log: new(zerolog.Nop())}
-	for _, f := range configure {
-		f(p)
-	}
-	if err := p.Start(poller); err != nil {
-		b.Fatal(err)
-	}
-	b.Cleanup(func() {
-		ctx, cancel := context.WithCancel(context.Background())
-		cancel()
-		p.Shutdown(ctx)
-		poller.Close()
-	})
-	return listenerAddr(p.Listener)
-}
-
-// loopTCPProxy returns the address of a TCPProxy in front of backend on event loops of its own
-// (one per processor, as the proxier makes them; a proxy uses one).
-func loopTCPProxy(b *testing.B, backend netip.AddrPort) netip.AddrPort {
-	loops, err := NewLoops(runtime.GOMAXPROCS(0))
-	if err != nil {
-		b.Fatal(err)
-	}
-	b.Cleanup(func() { loops.Close() }) // after the proxy's shutdown, registered below
-	return startedTCPProxy(b, backend, func(p *TCPProxy) { p.Loops = loops })
-}
-
 func udpTarget(b *testing.B, proxied bool, backend netip.AddrPort) netip.AddrPort {
 	if !proxied {
 		return backend
@@ -142,17 +82,10 @@ var benchModes = []struct {
 // one direction.
 func BenchmarkTCPBulk(b *testing.B) {
 	const chunk = 128 << 10
-	modes := append(benchModes[:len(benchModes):len(benchModes)], struct {
-		name    string
-		proxied bool
-	}{"Loop", true})
-	for _, mode := range modes {
+	for _, mode := range benchModes {
 		b.Run(mode.name, func(b *testing.B) {
 			backend := startTCPEcho(b, loopback("4"))
-			target, ok := eventLoopTarget(b, mode.name, backend)
-			if !ok {
-				target = tcpTarget(b, mode.proxied, backend)
-			}
+			target := tcpTarget(b, mode.proxied, backend)
 			c := dialTCPTest(b, target)
 			c.SetDeadline(time.Time{})
 			buf := make([]byte, chunk)
@@ -190,20 +123,12 @@ func requestServer(c *net.TCPConn) {
 }
 
 // BenchmarkTCPShortConnections: connect, send one 64-byte request, read the answer to EOF,
-// close. ProxyStarted is Proxy with the TCPProxy started on a Poller (Start), as the proxier
-// starts its listeners: the accept loop sets an idle deadline per accept.
+// close.
 func BenchmarkTCPShortConnections(b *testing.B) {
-	for _, mode := range tcpModes() {
+	for _, mode := range benchModes {
 		b.Run(mode.name, func(b *testing.B) {
 			backend := startTCPServer(b, loopback("4"), requestServer)
-			var target *net.TCPAddr
-			if ev, ok := eventLoopTarget(b, mode.name, backend); ok {
-				target = net.TCPAddrFromAddrPort(ev)
-			} else if mode.name == "ProxyStarted" {
-				target = net.TCPAddrFromAddrPort(startedTCPProxy(b, backend))
-			} else {
-				target = net.TCPAddrFromAddrPort(tcpTarget(b, mode.proxied, backend))
-			}
+			target := net.TCPAddrFromAddrPort(tcpTarget(b, mode.proxied, backend))
 			req := make([]byte, 64)
 			reply := make([]byte, 128)
 			b.ResetTimer()
@@ -230,28 +155,11 @@ func BenchmarkTCPShortConnections(b *testing.B) {
 // BenchmarkTCPRequestResponse: one keep-alive connection to an echo backend; each op writes a
 // 64-byte request and reads the 64-byte answer, so ns/op is one round trip (the keep-alive
 // latency of the full bench, without its network namespaces).
-//
-// ProxyStarted is Proxy started on a Poller, as the proxier starts it; ProxyParkAtOnce is
-// ProxyStarted parking every wait of a direction (ParkIdleAfter of 1ns): what each message costs
-// a connection that has parked.
 func BenchmarkTCPRequestResponse(b *testing.B) {
-	modes := append(tcpModes(), struct {
-		name    string
-		proxied bool
-	}{"ProxyParkAtOnce", true})
-	for _, mode := range modes {
+	for _, mode := range benchModes {
 		b.Run(mode.name, func(b *testing.B) {
 			backend := startTCPEcho(b, loopback("4"))
-			target, ok := eventLoopTarget(b, mode.name, backend)
-			switch {
-			case ok:
-			case mode.name == "ProxyStarted":
-				target = startedTCPProxy(b, backend)
-			case mode.name == "ProxyParkAtOnce":
-				target = startedTCPProxy(b, backend, func(p *TCPProxy) { p.ParkIdleAfter = time.Nanosecond })
-			default:
-				target = tcpTarget(b, mode.proxied, backend)
-			}
+			target := tcpTarget(b, mode.proxied, backend)
 			c := dialTCPTest(b, target)
 			c.SetDeadline(time.Time{})
 			req := make([]byte, 64)
@@ -400,21 +308,13 @@ func BenchmarkConntrackLookup(b *testing.B) {
 // reports the Go memory (heap in use plus goroutine stacks, after a GC) per connection. Client
 // and backend (startIdleBackend) live in this process too, so the proxy's own cost per idle
 // connection is Proxy's figure minus Direct's. b.N is ignored beyond running the measurement once per round.
-// ProxyStarted is Proxy started on a Poller, as the proxier starts it. Connections are
-// measured after idleSettle, by when ProxyStarted's have parked.
+// Connections are measured after idleSettle.
 func BenchmarkTCPIdleConnections(b *testing.B) {
 	const idleConns = 2000
-	for _, mode := range tcpModes() {
+	for _, mode := range benchModes {
 		b.Run(mode.name, func(b *testing.B) {
 			backend := startIdleBackend(b)
-			target, ok := eventLoopTarget(b, mode.name, backend)
-			switch {
-			case ok:
-			case mode.name == "ProxyStarted":
-				target = startedTCPProxy(b, backend)
-			default:
-				target = tcpTarget(b, mode.proxied, backend)
-			}
+			target := tcpTarget(b, mode.proxied, backend)
 			var perConn, stackPer, otherPer float64
 			for range b.N {
 				before := goMemory()
@@ -482,7 +382,8 @@ func startIdleBackend(b *testing.B) netip.AddrPort {
 
 // idleSettle is how long BenchmarkTCPIdleConnections lets its connections idle before it
 // measures them.
-const idleSettle = 2*DefaultParkIdleAfter + 500*time.Millisecond
+// connections are idle by then, and the garbage the burst of connecting left is collectable.
+const idleSettle = 500 * time.Millisecond
 
 // goMemory returns the heap in use plus the goroutine stacks, after a collection.
 func goMemory() int64 {
@@ -498,7 +399,7 @@ func goMemory() int64 {
 // (MemStats.OtherSys), which holds the pollDesc of every socket in the runtime's poller (~558
 // bytes each, reused but never freed): it grows only past the most sockets the process had
 // open at once, so its figure per idle connection holds for the first measurement of a process
-// (run a mode alone: -bench 'TCPIdleConnections/^ProxyStarted$' -count 1).
+// (run a mode alone: -bench 'TCPIdleConnections/^Proxy$' -count 1).
 func otherMemory() int64 {
 	var ms runtime.MemStats
 	runtime.ReadMemStats(&ms)

@@ -2,9 +2,7 @@ package forward
 
 import (
 	"errors"
-	"net"
 	"sync/atomic"
-	"time"
 )
 
 // Budget is the file-descriptor budget that the data path of every service port shares: the
@@ -94,53 +92,6 @@ const (
 
 // errBudgetSpent: the data path's descriptor budget is spent.
 var errBudgetSpent = errors.New("descriptor budget of the data path spent")
-
-// idleClock ends a TCP connection that has moved no byte either way for timeout
-// (TCPProxy.IdleTimeout). Both directions share it: each direction's wait for its source has a
-// read deadline at the last activity plus timeout, moved on only when the deadline fires, so
-// data costs one atomic store and no timer reset. A nil *idleClock never expires.
-type idleClock struct {
-	timeout time.Duration
-	last    atomic.Int64 // time.Now().UnixNano() of the last byte moved either way
-}
-
-func newIdleClock(timeout time.Duration) *idleClock {
-	if timeout <= 0 {
-		return nil
-	}
-	c := &idleClock{timeout: timeout}
-	c.touch()
-	return c
-}
-
-// touch records activity.
-func (c *idleClock) touch() {
-	if c != nil {
-		c.last.Store(time.Now().UnixNano())
-	}
-}
-
-// arm sets src's read deadline to the current expiry.
-func (c *idleClock) arm(src *net.TCPConn) error {
-	if c == nil {
-		return nil
-	}
-	return src.SetReadDeadline(c.expiry())
-}
-
-// expiry returns when the connection will have been idle for the timeout, if no byte moves
-// before (zero for a nil clock).
-func (c *idleClock) expiry() time.Time {
-	if c == nil {
-		return time.Time{}
-	}
-	return time.Unix(0, c.last.Load()).Add(c.timeout)
-}
-
-// isExpired reports whether the connection has been idle for the timeout.
-func (c *idleClock) isExpired() bool {
-	return c != nil && time.Since(time.Unix(0, c.last.Load())) >= c.timeout
-}
 
 // errIdle: the connection moved no byte for the idle timeout.
 var errIdle = errors.New("idle timeout: no data either way")

@@ -1,3 +1,5 @@
+//go:build linux
+
 package forward
 
 import (
@@ -13,7 +15,7 @@ import (
 // TestSecondEOFLeftToClose checks the short connection's saving of a system call: the direction
 // whose EOF comes second passes it on with the close of both sockets rather than a CloseWrite
 // first, once per connection, whichever side closes first, and each peer still gets its bytes
-// and a clean EOF (a FIN, no reset). It fails if the copier falls back to CloseWrite.
+// and a clean EOF (a FIN, no reset). It fails if the connection falls back to CloseWrite.
 func TestSecondEOFLeftToClose(t *testing.T) {
 	cases := []struct {
 		name         string

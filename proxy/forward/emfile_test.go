@@ -1,3 +1,5 @@
+//go:build linux
+
 package forward
 
 import (
@@ -65,15 +67,13 @@ func emfileChild() int {
 			say("PAUSE %d", attempt)
 		},
 	}
-	if os.Getenv("FORWARD_TEST_DATA_PATH") == "loop" { // see loopForTest
-		loops, err := NewLoops(1)
-		if err != nil {
-			fmt.Fprintln(os.Stderr, "event loops:", err)
-			return 2
-		}
-		defer loops.Close()
-		p.Loops = loops
+	loops, err := NewLoops(1)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "event loops:", err)
+		return 2
 	}
+	defer loops.Close()
+	p.Loops = loops
 	served := make(chan error, 1)
 	go func() { served <- p.Serve() }()
 	say("ADDR %s", ln.Addr())

@@ -2,7 +2,6 @@ package forward
 
 import (
 	"errors"
-	"net"
 	"net/netip"
 	"syscall"
 	"time"
@@ -138,14 +137,6 @@ func isResourceExhausted(err error) bool {
 // unmapAddrPort returns ap with an IPv4-mapped IPv6 address turned into IPv4.
 func unmapAddrPort(ap netip.AddrPort) netip.AddrPort {
 	return netip.AddrPortFrom(ap.Addr().Unmap(), ap.Port())
-}
-
-// tcpAddrPort returns the address of a TCP socket end, or the zero AddrPort.
-func tcpAddrPort(a net.Addr) netip.AddrPort {
-	if ta, ok := a.(*net.TCPAddr); ok {
-		return unmapAddrPort(ta.AddrPort())
-	}
-	return netip.AddrPort{}
 }
 
 // Back-pressure on resource exhaustion (EMFILE on accept, ENOBUFS on receive): the loop sleeps

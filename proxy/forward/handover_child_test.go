@@ -1,3 +1,5 @@
+//go:build linux
+
 package forward
 
 import (
@@ -45,9 +47,14 @@ func adoptChild() int {
 	if err != nil {
 		return fail("listener", err)
 	}
+	loops, err := NewLoops(2)
+	if err != nil {
+		return fail("event loops", err)
+	}
+	defer loops.Close()
 	m := &fakeMetrics{}
 	p := &TCPProxy{Listener: ln, Chooser: &fakeChooser{endpoints: []netip.AddrPort{backend}}, Metrics: m,
-		Log: new(zerolog.New(os.Stderr).Level(zerolog.DebugLevel))}
+		Log: new(zerolog.New(os.Stderr).Level(zerolog.DebugLevel)), Loops: loops}
 	if err := p.Adopt(st.Conns); err != nil {
 		return fail("adopt", err)
 	}

@@ -1,3 +1,5 @@
+//go:build linux
+
 package forward
 
 import (
@@ -112,7 +114,6 @@ func streamSize(t *testing.T) int64 {
 	return wmemMax + 4*pipeSize
 }
 
-// pipesHolding returns how many pipes of this process that are not in before hold data.
 // fixSendBuffer sets SO_SNDBUF on a listening socket, which turns the send buffer's autotuning
 // off for the connections it accepts.
 func fixSendBuffer(t testing.TB, ln *net.TCPListener, size int) {
@@ -129,20 +130,6 @@ func fixSendBuffer(t testing.TB, ln *net.TCPListener, size int) {
 	}
 }
 
-func pipesHolding(t testing.TB, before map[string]string) int {
-	holding := map[string]bool{}
-	for fd, target := range openFDs(t) {
-		if !strings.HasPrefix(target, "pipe:") || before[fd] == target {
-			continue
-		}
-		num, _ := strconv.Atoi(fd)
-		if n, err := unix.IoctlGetInt(num, unix.TIOCINQ); err == nil && n > 0 { // TIOCINQ is FIONREAD
-			holding[target] = true
-		}
-	}
-	return len(holding)
-}
-
 // serveAdopted serves a new TCPProxy on ln after adopting conns; the test's cleanup shuts it
 // down.
 func serveAdopted(t *testing.T, ln *net.TCPListener, chooser Chooser, configure func(*TCPProxy), conns []TCPConnState) *proxyRun {
@@ -151,7 +138,6 @@ func serveAdopted(t *testing.T, ln *net.TCPListener, chooser Chooser, configure 
 	if configure != nil {
 		configure(p)
 	}
-	parkForTest(t, p)
 	loopForTest(t, p)
 	if err := p.Adopt(conns); err != nil {
 		t.Errorf("Adopt: %v", err)
@@ -229,7 +215,6 @@ func startMidStream(t *testing.T) *midStream {
 		c.SetReadBuffer(64 << 10)
 		ms.endpointErr <- streamPeer(c, 2, 1, ms.n, ms.gate)
 	})
-	before := openFDs(t)
 	ms.chooser = &fakeChooser{endpoints: []netip.AddrPort{ms.backend}}
 	// The proxy's sockets to the client (inherited from the listener) and to the endpoint get
 	// fixed send buffers: one that grows (the kernel's autotuning) could drain the pipe toward
@@ -237,29 +222,12 @@ func startMidStream(t *testing.T) *midStream {
 	ms.a = startTCPProxy(t, "4", ms.chooser, func(p *TCPProxy) {
 		p.Metrics = ms.metrics
 		fixSendBuffer(t, p.Listener, 64<<10)
-		p.testHookDialed = func(c *net.TCPConn) { c.SetWriteBuffer(64 << 10) }
 	})
 	c := dialTCPTest(t, ms.a.addr)
 	c.SetReadBuffer(64 << 10)
 	go func() { ms.clientErr <- streamPeer(c, 1, 2, ms.n, ms.gate) }()
-	// Both pipes must hold data for a while, not at one instant: a pipe also holds data for a
-	// moment while a direction still flows (between its splice in and its splice out), and a
-	// direction that still flows may be waiting to read when the freeze comes, with nothing
-	// pending.
-	stable := 0
-	if ms.a.Loops != nil { // no pipes: the loop's pending bytes, which stay until the peers read
-		eventually(t, "bytes pending both ways on the event loop", func() bool { return loopPendingBoth(ms.a.TCPProxy) })
-		return ms
-	}
-	eventually(t, "data in the splice pipes of both directions", func() bool {
-		if pipesHolding(t, before) >= 2 {
-			stable++
-		} else {
-			stable = 0
-		}
-		time.Sleep(10 * time.Millisecond)
-		return stable >= 5
-	})
+	// The loop's pending bytes, which stay until the peers read.
+	eventually(t, "bytes pending both ways on the event loop", func() bool { return loopPendingBoth(ms.a.TCPProxy) })
 	return ms
 }
 
@@ -549,7 +517,7 @@ func TestTCPFreezeMisuse(t *testing.T) {
 	ctx := context.Background()
 	chooser := &fakeChooser{endpoints: []netip.AddrPort{startTCPEcho(t, loopback("4"))}}
 
-	closed := &TCPProxy{Listener: listenTCP(t, loopback("4")), Chooser: chooser}
+	closed := &TCPProxy{Listener: listenTCP(t, loopback("4")), Chooser: chooser, Loops: newTestLoops(t, 1)}
 	closed.Close()
 	if _, err := closed.Freeze(ctx); !errors.Is(err, ErrClosed) {
 		t.Errorf("Freeze after Close: %v, want ErrClosed", err)
@@ -588,7 +556,7 @@ func TestTCPFreezeMisuse(t *testing.T) {
 		t.Errorf("Freeze after Release: %v, want ErrClosed", err)
 	}
 
-	idle := &TCPProxy{Listener: listenTCP(t, loopback("4")), Chooser: chooser}
+	idle := &TCPProxy{Listener: listenTCP(t, loopback("4")), Chooser: chooser, Loops: newTestLoops(t, 1)}
 	st2, err := idle.Freeze(ctx)
 	if err != nil {
 		t.Fatalf("Freeze before Serve: %v", err)
@@ -605,7 +573,7 @@ func TestTCPFreezeMisuse(t *testing.T) {
 	if _, err := TCPListenerFromFile(socketFile(t)); err == nil {
 		t.Error("TCPListenerFromFile of a socket that does not listen succeeded")
 	}
-	p := &TCPProxy{Chooser: chooser}
+	p := &TCPProxy{Chooser: chooser, Loops: newTestLoops(t, 1)}
 	if err := p.Adopt([]TCPConnState{{}, {Client: socketFile(t)}}); err == nil {
 		t.Error("Adopt of a state without a client socket, and of one that is not connected, succeeded")
 	}

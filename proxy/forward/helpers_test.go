@@ -4,8 +4,6 @@ import (
 	"bytes"
 	"context"
 	"errors"
-	"fmt"
-	"golang.org/x/sys/unix"
 	"io"
 	"net"
 	"net/netip"
@@ -19,26 +17,6 @@ import (
 
 	"github.com/rs/zerolog"
 )
-
-// childEnv names the environment variable that turns the test binary into a helper process
-// (see TestMain); its value picks the helper.
-const childEnv = "KUP_FORWARD_CHILD"
-
-func TestMain(m *testing.M) {
-	switch helper := os.Getenv(childEnv); helper {
-	case "":
-		os.Exit(m.Run())
-	case "splice":
-		os.Exit(spliceChild())
-	case "emfile":
-		os.Exit(emfileChild())
-	case "adopt":
-		os.Exit(adoptChild())
-	default:
-		fmt.Fprintf(os.Stderr, "unknown %s=%q\n", childEnv, helper)
-		os.Exit(2)
-	}
-}
 
 // waitTimeout bounds every wait of the tests for something that must happen. It is a guard
 // against hangs, not a measurement: reaching it fails the test.
@@ -81,7 +59,7 @@ func proxyGoroutines() string {
 	buf := allStacks()
 	var out []string
 	for _, g := range strings.Split(string(buf), "\n\n") {
-		for _, marker := range []string{"forward.(*Poller)", "forward.(*TCPProxy)", "forward.(*tcpConn)", "forward.(*relayRun)", "forward.(*direction)", "forward.(*UDPProxy)", "forward.(*udpSession)"} {
+		for _, marker := range []string{"forward.(*Poller)", "forward.(*TCPProxy)", "forward.(*loop)", "forward.(*UDPProxy)", "forward.(*udpSession)", "forward.(*tcpRelay)", "forward.(*udpRelay)"} {
 			if strings.Contains(g, marker) {
 				out = append(out, g)
 				break
@@ -288,49 +266,15 @@ func startTCPEcho(t testing.TB, addr netip.Addr) netip.AddrPort {
 	return startTCPServer(t, addr, echoTCP)
 }
 
-// closedTCPPort returns a loopback address where nothing listens.
-//
-// The port stays bound (not listening, without SO_REUSEADDR) until the test ends: connections
-// to it are refused, nobody else can take it, and the kernel cannot pick it as the source port
-// of a dial to it, which would connect a socket to itself on loopback.
-func closedTCPPort(t testing.TB, addr netip.Addr) netip.AddrPort {
-	t.Helper()
-	family, sa := unix.AF_INET, unix.Sockaddr(&unix.SockaddrInet4{Addr: addr.As4()})
-	if addr.Is6() && !addr.Is4In6() {
-		family, sa = unix.AF_INET6, &unix.SockaddrInet6{Addr: addr.As16()}
-	}
-	fd, err := unix.Socket(family, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { unix.Close(fd) })
-	if err := unix.Bind(fd, sa); err != nil {
-		t.Fatal(err)
-	}
-	bound, err := unix.Getsockname(fd)
-	if err != nil {
-		t.Fatal(err)
-	}
-	switch b := bound.(type) {
-	case *unix.SockaddrInet4:
-		return netip.AddrPortFrom(addr, uint16(b.Port))
-	case *unix.SockaddrInet6:
-		return netip.AddrPortFrom(addr, uint16(b.Port))
-	}
-	t.Fatalf("unexpected socket address %T", bound)
-	return netip.AddrPort{}
-}
-
-// loopForTest puts p on event loops of its own (TCPProxy.Loops) when the environment has
-// FORWARD_TEST_DATA_PATH=loop: the tests of proxies that Serve then run on the event-loop data
-// path (see TestTCPTestsOnLoops, which runs them so). Call it before the proxy serves, and
-// before registering the cleanup that shuts it down (the loops are closed after).
+// loopForTest puts p on two event loops of its own (TCPProxy.Loops) unless the test gave it
+// some: a listener is on two loops, each accepting for itself, as the proxier places it. Call
+// it before the proxy serves, and before registering the cleanup that shuts it down (the loops
+// are closed after).
 func loopForTest(t testing.TB, p *TCPProxy) {
 	t.Helper()
-	if os.Getenv("FORWARD_TEST_DATA_PATH") != "loop" || p.Loops != nil {
-		return
+	if p.Loops == nil {
+		p.Loops = newTestLoops(t, 2)
 	}
-	p.Loops = newTestLoops(t, 2) // two: a listener is on every loop, each accepting for itself
 }
 
 // newTestLoops starts n event loops, closed when the test ends (after the cleanups registered
@@ -343,27 +287,6 @@ func newTestLoops(t testing.TB, n int) *Loops {
 	}
 	t.Cleanup(func() { ls.Close() })
 	return ls
-}
-
-// parkForTest gives p a Poller, as Start would, when the environment has FORWARD_TEST_PARK set,
-// and then, unless the test configured ParkIdleAfter, has its connections park every idle
-// direction at once: the tests of proxies that Serve then run every wait of their connections
-// through parking (FORWARD_TEST_PARK=1 go test). Call it before the proxy serves, and before
-// registering the cleanup that shuts it down (the Poller is closed after).
-func parkForTest(t testing.TB, p *TCPProxy) {
-	t.Helper()
-	if os.Getenv("FORWARD_TEST_PARK") == "" || p.poller != nil {
-		return
-	}
-	poller, err := NewPoller()
-	if err != nil {
-		t.Fatalf("poller: %v", err)
-	}
-	t.Cleanup(func() { poller.Close() })
-	p.poller = poller
-	if p.ParkIdleAfter == 0 {
-		p.ParkIdleAfter = time.Nanosecond
-	}
 }
 
 // proxyRun is a TCPProxy serving in the background of a test.
@@ -385,7 +308,6 @@ func startTCPProxy(t testing.TB, family string, chooser Chooser, configure func(
 	if configure != nil {
 		configure(p)
 	}
-	parkForTest(t, p)
 	loopForTest(t, p)
 	r := &proxyRun{TCPProxy: p, addr: listenerAddr(p.Listener), served: make(chan error, 1)}
 	go func() { r.served <- p.Serve() }()
@@ -517,12 +439,20 @@ func udpExchange(c *net.UDPConn, msg []byte, tries int, perTry time.Duration) ([
 // TestLeakCheckSeesProxies makes sure checkNoLeaks can fail: a serving proxy's goroutines are
 // found, and none once it is closed.
 func TestLeakCheckSeesProxies(t *testing.T) {
-	p := &TCPProxy{Listener: listenTCP(t, loopback("4")), Chooser: &fakeChooser{}}
+	loops, err := NewLoops(1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := &TCPProxy{Listener: listenTCP(t, loopback("4")), Chooser: &fakeChooser{}, Loops: loops}
 	served := make(chan error, 1)
 	go func() { served <- p.Serve() }()
-	eventually(t, "the accept loop to show in goroutine stacks", func() bool { return proxyGoroutines() != "" })
+	eventually(t, "Serve and the loop to show in goroutine stacks", func() bool {
+		g := proxyGoroutines()
+		return strings.Contains(g, "forward.(*TCPProxy)") && strings.Contains(g, "forward.(*loop)")
+	})
 	p.Close()
 	<-served
+	loops.Close()
 	if g := proxyGoroutines(); g != "" {
 		t.Errorf("goroutines after Close:\n%s", g)
 	}
@@ -579,4 +509,19 @@ func allStacks() []byte {
 		}
 		buf = make([]byte, 2*len(buf))
 	}
+}
+
+// resetConn closes conn with an RST instead of a FIN (SO_LINGER with a zero timeout), dropping
+// unsent data.
+func resetConn(conn *net.TCPConn) {
+	_ = conn.SetLinger(0)
+	_ = conn.Close()
+}
+
+// tcpAddrPort returns the address of a TCP socket end, or the zero AddrPort.
+func tcpAddrPort(a net.Addr) netip.AddrPort {
+	if ta, ok := a.(*net.TCPAddr); ok {
+		return unmapAddrPort(ta.AddrPort())
+	}
+	return netip.AddrPort{}
 }

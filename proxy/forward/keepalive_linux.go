@@ -24,8 +24,7 @@ const (
 
 // ListenTCP opens a TCP listener for a TCPProxy at laddr ("tcp4" or "tcp6" network): the
 // sockets it accepts inherit the proxy's keepalive settings and TCP_NODELAY from it, so that
-// accepting costs no socket-option calls for them (on the event loops; Go's accept sets
-// TCP_NODELAY again on the goroutine path).
+// accepting costs no socket-option calls for them.
 func ListenTCP(network string, laddr *net.TCPAddr) (*net.TCPListener, error) {
 	lc := net.ListenConfig{KeepAlive: -1, Control: listenerKeepAlive}
 	ln, err := lc.Listen(context.Background(), network, laddr.String())
@@ -60,12 +59,4 @@ func listenerKeepAlive(_, _ string, rc syscall.RawConn) error {
 		return err
 	}
 	return serr
-}
-
-// endpointKeepAlive is the keepalive of a dialled endpoint socket: two socket-option calls.
-var endpointKeepAlive = net.KeepAliveConfig{Enable: true, Idle: keepAliveIdle, Interval: -1, Count: -1}
-
-// newDialer returns the dialer of endpoint connections with the given timeout.
-func newDialer(timeout time.Duration) net.Dialer {
-	return net.Dialer{Timeout: timeout, KeepAliveConfig: endpointKeepAlive}
 }

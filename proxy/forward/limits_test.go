@@ -1,3 +1,5 @@
+//go:build linux
+
 package forward
 
 import (
@@ -115,7 +117,7 @@ func TestTCPBudgetSpentRefuses(t *testing.T) {
 		if got, err := roundTrip(c, []byte("copied without a pipe")); err != nil || string(got) != "copied without a pipe" {
 			t.Fatalf("connection %d within the budget: %q, %v", i, got, err)
 		}
-		// The first connection alone leaves room for a pipe, which its copier may still hold
+		// The first connection alone leaves room for a pipe, which its direction may still hold
 		// for a moment after the echo came back; a pipe back in the pool is dropped when a
 		// connection needs the room.
 		eventually(t, "every pipe back in the pool", func() bool {

@@ -1,10 +1,10 @@
 package forward
 
 import (
-	"errors"
 	"fmt"
 	"net/netip"
 	"os"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -14,19 +14,18 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// The event-loop TCP data path (TCPProxy.Loops; --tcp-data-path=loop).
+// The TCP data path: event loops (TCPProxy.Loops).
 //
-// Why: under the goroutine path every short connection costs a goroutine for its dial, two for
-// its copiers, two net.TCPConns with their runtime pollDescs, and the scheduler's wake-ups in
-// between; measured with the reference in evloop_bench_test.go, that is ~40 % of the proxy's
-// own cost per short connection and nearly all of an idle connection's memory. Here a
-// connection is a small lconn in a slice indexed by descriptor, moved on by the one goroutine of
-// its loop.
+// Why: with goroutines per connection every short connection costs a goroutine for its dial,
+// two for its copiers, two net.TCPConns with their runtime pollDescs, and the scheduler's
+// wake-ups in between: ~40 % of the proxy's own cost per short connection and nearly all of an
+// idle connection's memory. Here a connection is a small lconn in a slice indexed by
+// descriptor, moved on by the one goroutine of its loop.
 //
 // Shape: Loops holds one loop per processor. A proxy is placed at its first use on
 // loopsPerPort loops (round robin; the first is its home loop): its listener is on each of them,
-// each accepts for itself, and a connection stays on the loop that accepted it (adopted and
-// thawed ones go on the home loop). A loop
+// each accepts for itself, and a connection stays on the loop that accepted it, thawed too
+// (adopted ones go on the home loop). A loop
 // waits for its epoll descriptor in Go's poller (one RawConn.Read for its whole life, polling
 // with a zero timeout: see run): blocking in epoll_wait would hold a thread and double the cost
 // of each message.
@@ -46,7 +45,7 @@ import (
 // second by closing both sockets; a read or write error resets both (SO_LINGER 0), so a reset
 // is passed on as a reset. A direction whose read fills the buffer is bulk traffic: from then
 // on it moves socket → pipe → socket with splice(2), through a pipe from the proxy's pool held
-// only while data flows (splice-auto, as the goroutine path does; see splice_linux.go).
+// only while data flows (splice-auto; see pipe_linux.go).
 //
 // Epoll events carry a generation besides the descriptor, so an event of a socket closed
 // earlier in the same batch is never delivered to a new socket that reused its number.
@@ -101,8 +100,7 @@ func (ls *Loops) Close() error {
 	return nil
 }
 
-// Served returns how many connections the loops have taken (accepted and admitted, or adopted):
-// a connection on the goroutine path is not counted.
+// Served returns how many connections the loops have taken (accepted and admitted, or adopted).
 func (ls *Loops) Served() uint64 {
 	var n uint64
 	for _, l := range ls.loops {
@@ -188,8 +186,12 @@ type loopListener struct {
 
 // lconn is one connection on a loop: sockets 0 (client) and 1 (endpoint), and the directions
 // dir[i], from fd[i] to fd[1-i].
+//
+// A connection belongs to one loop, l, for its whole life (thawed, it goes back there): only
+// that loop's goroutine, or a holder of its turn, touches it.
 type lconn struct {
 	p          *TCPProxy
+	l          *loop    // the loop that owns it
 	fd         [2]int32 // -1: none
 	gen        [2]uint32
 	clientAddr netip.AddrPort
@@ -212,9 +214,8 @@ type ldial struct {
 	dst        netip.AddrPort // the original destination, once asked
 	deadline   time.Duration  // of the attempt in progress
 	proxyProto ProxyProtocol  // the target's, sent once connected
-	attempt    uint8
+	plan       dialPlan
 	dstAsked   bool
-	reset      bool // the next Choose is a retry
 }
 
 // ldir is one direction of a connection.
@@ -288,17 +289,6 @@ func (l *loop) post(fn func()) bool {
 		one := [8]byte{1}
 		_, _ = unix.Write(l.evfd, one[:])
 	}
-	return true
-}
-
-// call runs fn on the loop's goroutine and waits for it; false means the loop has stopped and
-// fn did not run. It must not be called from the loop's goroutine.
-func (l *loop) call(fn func()) bool {
-	done := make(chan struct{})
-	if !l.post(func() { fn(); close(done) }) {
-		return false
-	}
-	<-done
 	return true
 }
 
@@ -597,6 +587,17 @@ func (l *loop) dialStarted(c *lconn) {
 	l.armTimer(loopTickBusy)
 }
 
+// dropDial takes c, whose dial ended off the loop's books (frozen), out of loop.dials.
+func (l *loop) dropDial(c *lconn) {
+	if !c.inDials {
+		return
+	}
+	c.inDials = false
+	if i := slices.Index(l.dials, c); i >= 0 {
+		l.dials = slices.Delete(l.dials, i, i+1)
+	}
+}
+
 // dialEnded uncounts c's dial attempt (c.connecting is cleared). With no dial left, loop.dials
 // is emptied rather than left to the next sweep: the timer may be disarmed by then.
 func (l *loop) dialEnded() {
@@ -719,14 +720,13 @@ func (l *loop) accept(ln *loopListener) {
 		ln.pause = resourcePause{}
 	}
 	if !p.admitLoopConn() {
-		p.sink().ConnRefused() // counted before the client can see the reset
+		p.refused()
 		resetFD(cfd)
-		p.warnRefused()
 		return
 	}
 	p.sink().ConnAccepted()
 	l.served.Add(1)
-	c := &lconn{p: p, fd: [2]int32{int32(cfd), -1}, clientAddr: rawAddrPort(&sa), last: l.now}
+	c := &lconn{p: p, l: l, fd: [2]int32{int32(cfd), -1}, clientAddr: rawAddrPort(&sa), last: l.now}
 	if err := l.register(c, 0); err != nil {
 		l.finish(c, true, err)
 		return
@@ -813,16 +813,17 @@ func (l *loop) dial(c *lconn) {
 		c.dl = &ldial{}
 	}
 	dl := c.dl
-	timeouts := p.dialTimeouts()
 	dst := netip.AddrPort{}
-	if oc, ok := p.Chooser.(OriginalDstChooser); !ok || oc.NeedsOriginalDst() {
+	if p.wantsOriginalDst() {
 		dst = c.originalDst()
 	}
-	for int(dl.attempt) < len(timeouts) {
-		target, err := p.Chooser.Choose(c.clientAddr, dst, dl.reset)
+	for {
+		timeout, ok := dl.plan.next(p)
+		if !ok {
+			break
+		}
+		target, err := p.choose(&dl.plan, c.clientAddr, dst)
 		if err != nil {
-			p.logDebug().Err(err).Stringer("client", c.clientAddr).Stringer("dst", dst).
-				Msg("no endpoint; resetting the client")
 			l.finish(c, true, err)
 			return
 		}
@@ -836,25 +837,18 @@ func (l *loop) dial(c *lconn) {
 			}
 		}
 		if err == nil {
-			c.connecting, dl.deadline = true, l.now+timeouts[dl.attempt]
+			c.connecting, dl.deadline = true, l.now+timeout
 			l.dialStarted(c)
 			return
 		}
-		p.sink().DialFailed(target.Endpoint)
 		if isResourceExhausted(err) {
-			p.logWarn().Err(err).Stringer("client", c.clientAddr).Stringer("endpoint", target.Endpoint).
-				Msg("cannot create a socket to the endpoint; closing the client")
+			p.socketFailed(c.clientAddr, target.Endpoint, err)
 			l.finish(c, true, err)
 			return
 		}
-		p.logDebug().Err(err).Stringer("client", c.clientAddr).Stringer("endpoint", target.Endpoint).
-			Int("attempt", int(dl.attempt)+1).Dur("timeout", timeouts[dl.attempt]).Msg("dial endpoint failed")
-		dl.reset = true
-		dl.attempt++
+		p.attemptFailed(&dl.plan, c.clientAddr, target.Endpoint, err)
 	}
-	p.logWarn().Stringer("client", c.clientAddr).Stringer("dst", dst).Int("attempts", len(timeouts)).
-		Msg("no endpoint could be reached; resetting the client")
-	l.finish(c, true, errors.New("no endpoint could be reached"))
+	l.finish(c, true, p.unreachable(c.clientAddr, dst))
 }
 
 // connect opens a non-blocking socket to target's endpoint, with the endpoint options of
@@ -943,11 +937,7 @@ func (l *loop) dialFailed(c *lconn, err error) {
 	_ = rawClose(int(c.fd[1]))
 	c.fd[1], c.connecting = -1, false
 	l.dialEnded()
-	p.sink().DialFailed(c.endpoint)
-	p.logDebug().Err(err).Stringer("client", c.clientAddr).Stringer("endpoint", c.endpoint).
-		Int("attempt", int(c.dl.attempt)+1).Msg("dial endpoint failed")
-	c.dl.reset = true
-	c.dl.attempt++
+	p.attemptFailed(&c.dl.plan, c.clientAddr, c.endpoint, err)
 	l.dial(c)
 }
 
@@ -955,13 +945,12 @@ func (l *loop) dialFailed(c *lconn, err error) {
 // it could not be made (the connection is reset).
 func (l *loop) queueProxyHeader(c *lconn) bool {
 	dst := c.originalDst()
+	local := netip.AddrPort{}
 	if !dst.IsValid() {
-		dst = fdLocalAddr(int(c.fd[0]))
+		local = fdLocalAddr(int(c.fd[0]))
 	}
-	hdr, err := appendProxyHeader(make([]byte, 0, 64), c.dl.proxyProto, true, c.clientAddr, dst)
+	hdr, err := c.p.proxyHeader(c.dl.proxyProto, c.clientAddr, c.endpoint, dst, local)
 	if err != nil {
-		c.p.logDebug().Err(err).Stringer("client", c.clientAddr).Stringer("endpoint", c.endpoint).
-			Msg("sending the PROXY protocol header failed; resetting the client")
 		l.finish(c, true, err)
 		return false
 	}
@@ -1295,8 +1284,8 @@ func (l *loop) fail(c *lconn, d int, err error) {
 	l.finish(c, true, err)
 }
 
-// finish ends c: closes its sockets (with an RST when reset), reports it as the goroutine path
-// does (closed with its bytes once connected, failed before), and lets the proxy know.
+// finish ends c: closes its sockets (with an RST when reset), reports it (closed with its bytes
+// once connected, failed before), and lets the proxy know.
 func (l *loop) finish(c *lconn, reset bool, err error) {
 	if c.closed {
 		return
@@ -1326,17 +1315,7 @@ func (l *loop) finish(c *lconn, reset bool, err error) {
 	}
 	l.uncountTimed(c)
 	l.dropPipes(c)
-	if c.connected {
-		p.sink().BytesCopied(c.n[0], c.n[1])
-		p.sink().ConnClosed()
-		if e := p.logDebug(); e.Enabled() {
-			e.Stringer("client", c.clientAddr).Stringer("endpoint", c.endpoint).
-				Int64("toEndpoint", c.n[0]).Int64("fromEndpoint", c.n[1]).AnErr("err", err).
-				Msg("connection closed")
-		}
-	} else {
-		p.sink().ConnFailed()
-	}
+	p.connEnded(c.connected, c.clientAddr, c.endpoint, c.n[0], c.n[1], err)
 	p.loopConnEnded()
 }
 

@@ -17,8 +17,8 @@ import (
 //
 // The listener is attached to each of the proxy's loops (loopsPerPort of them), and each
 // accepts for itself: a busy port's connections spread over them (and over processors) with no
-// hand-off between loops. A connection stays on the loop that accepted it; adopted and thawed
-// ones go on the proxy's home loop, l.
+// hand-off between loops. A connection stays on the loop that accepted it, also across a freeze
+// and thaw; adopted ones go on the proxy's home loop, l.
 type loopProxy struct {
 	l      *loop
 	set    []*loop         // the proxy's loops, l first
@@ -46,11 +46,10 @@ func (p *TCPProxy) loopState() *loopProxy {
 
 // connCountLocked is how many connections count toward MaxConns; p.mu must be held.
 func (p *TCPProxy) connCountLocked() int {
-	n := len(p.conns)
-	if p.onLoop != nil {
-		n += p.onLoop.live
+	if p.onLoop == nil {
+		return 0
 	}
-	return n
+	return p.onLoop.live
 }
 
 // admitLoopConn admits a connection accepted on the loop as startConn admits one: within
@@ -58,7 +57,7 @@ func (p *TCPProxy) connCountLocked() int {
 func (p *TCPProxy) admitLoopConn() bool {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	if (p.MaxConns > 0 && p.connCountLocked() >= p.MaxConns) || !p.Budget.take(tcpConnFDs) {
+	if !p.admitLocked(p.connCountLocked()) {
 		return false
 	}
 	p.onLoop.live++
@@ -240,10 +239,10 @@ func (p *TCPProxy) eachLoopConn(fn func(l *loop, c *lconn)) {
 }
 
 // freezeLoopConns stops every connection of the proxy on its loop where it stands (the loop
-// is one goroutine: nothing is half done) and keeps them for export, Release or Thaw. As
-// Freeze does on the goroutine path, connections still dialling finish their dial first
-// (successful or not) unless ctx ends, which abandons the dials: those are exported undialled
-// and their adopter dials. As park does, the bytes moved so far are reported now.
+// is one goroutine: nothing is half done) and keeps them for export, Release or Thaw.
+// Connections still dialling finish their dial first (successful or not) unless ctx ends, which
+// abandons the dials: those are exported undialled and their adopter dials. The bytes moved so
+// far are reported now.
 func (p *TCPProxy) freezeLoopConns(ctx context.Context) {
 	if p.loopIdle() {
 		return
@@ -314,6 +313,7 @@ func (l *loop) freeze(c *lconn) {
 		c.fd[1], c.connecting = -1, false
 		l.dialEnded()
 	}
+	l.dropDial(c) // its sweep must not time out a dial it no longer has
 	if !c.connected {
 		c.endpoint, c.dl = netip.AddrPort{}, nil
 		c.dir[0].pending = nil // a PROXY header not sent: the adopter sends its own
@@ -343,7 +343,7 @@ func (l *loop) freeze(c *lconn) {
 			p.dialFrozen(w)
 		}
 	}
-	p.connWG.Done() // as park: Thaw counts it again
+	p.connWG.Done() // Thaw counts it again
 }
 
 // exportLoopConns appends duplicates of the frozen loop connections to st.
@@ -414,7 +414,7 @@ func (p *TCPProxy) releaseLoopConns() {
 	}
 }
 
-// thawLoopConns puts the frozen loop connections back on the proxy's home loop.
+// thawLoopConns puts the frozen loop connections back on their loops.
 func (p *TCPProxy) thawLoopConns() {
 	p.mu.Lock()
 	var frozen []*lconn
@@ -427,16 +427,24 @@ func (p *TCPProxy) thawLoopConns() {
 		return
 	}
 	p.connWG.Add(len(frozen))
-	if !lp.l.post(func() {
-		for _, c := range frozen {
-			c.closed = false
-			lp.l.resume(c)
+	// Each goes back to the loop that owns it (see lconn).
+	byLoop := map[*loop][]*lconn{}
+	for _, c := range frozen {
+		byLoop[c.l] = append(byLoop[c.l], c)
+	}
+	for l, cs := range byLoop {
+		if l.post(func() {
+			for _, c := range cs {
+				c.closed = false
+				l.resume(c)
+			}
+		}) {
+			continue
 		}
-	}) {
-		for _, c := range frozen {
+		for _, c := range cs {
 			c.closed = false
 			c.connected = false
-			lp.l.finish(c, true, errors.New("the event loops are closed"))
+			l.finish(c, true, errors.New("the event loops are closed"))
 		}
 	}
 }
@@ -481,7 +489,8 @@ func (p *TCPProxy) adoptOnLoop(cs TCPConnState) error {
 		_ = unix.Close(cfd)
 		return errors.New("an undialled connection needs the Chooser")
 	}
-	c := &lconn{p: p, fd: [2]int32{int32(cfd), int32(bfd)}, clientAddr: cs.ClientAddr}
+	lp := p.loopState()
+	c := &lconn{p: p, l: lp.l, fd: [2]int32{int32(cfd), int32(bfd)}, clientAddr: cs.ClientAddr}
 	if !c.clientAddr.IsValid() {
 		c.clientAddr = fdPeerAddr(cfd)
 	}
@@ -490,7 +499,6 @@ func (p *TCPProxy) adoptOnLoop(cs TCPConnState) error {
 		c.dir[0] = ldir{pending: cs.ToEndpoint, eof: cs.ToEndpointDone, shut: cs.ToEndpointDone}
 		c.dir[1] = ldir{pending: cs.ToClient, eof: cs.ToClientDone, shut: cs.ToClientDone}
 	}
-	lp := p.loopState()
 	if err := p.admitAdoptedOnLoop(lp); err != nil {
 		closeFDs(cfd, bfd)
 		return err
@@ -534,7 +542,7 @@ func fdPeerAddr(fd int) netip.AddrPort {
 }
 
 // connFDFromFile is fdFromFile for a connected TCP socket, or one whose connection has ended
-// since it was frozen (see tcpConnFromFile).
+// since it was frozen (see endedSocket).
 func connFDFromFile(f *os.File, what string) (int, error) {
 	fd, err := fdFromFile(f, what)
 	if err != nil {

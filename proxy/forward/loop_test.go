@@ -1,3 +1,5 @@
+//go:build linux
+
 package forward
 
 import (
@@ -9,7 +11,6 @@ import (
 	"net"
 	"net/netip"
 	"os"
-	"os/exec"
 	"runtime"
 	"strings"
 	"sync"
@@ -19,56 +20,9 @@ import (
 	"time"
 )
 
-// loopDataPathTests are the TCP tests that hold for both data paths: TestTCPTestsOnLoops runs
-// them again with every proxy on event loops.
-var loopDataPathTests = []string{
-	"TestTCPEcho", "TestTCPManyConcurrentConnections", "TestTCPDialFailures",
-	"TestTCPSlowDialDoesNotBlockAccept", "TestTCPHalfClose", "TestTCPEndpointResetReachesClient",
-	"TestTCPLargeTransferIntegrity", "TestTCPCloseStopsAcceptingButKeepsConnections",
-	"TestTCPShutdown", "TestTCPSocketOptions", "TestTCPServeValidation", "TestTCPCloseBeforeServe",
-	"TestSecondEOFLeftToClose",
-	"TestTCPMaxConns", "TestTCPFloodOnOnePortSparesAnother", "TestTCPBudgetSpentRefuses", "TestTCPIdleTimeout",
-	"TestTCPOutOfFileDescriptors",
-	"TestTCPHandOverMidStream", "TestTCPHandOverHalfClosed", "TestTCPHandOverWhileDialling",
-	"TestTCPHandOverBacklog", "TestTCPFreezeMisuse", "TestTCPHandOverEndpointGone",
-	"TestTCPKeepAlive", "TestTCPProxyProtocolHeader", "TestOriginalDestination",
-	"TestTCPCopyThenSplice", "TestIdleConnectionsHoldNoPipe", "TestCopyWithoutPipes", "TestTCPSplice",
-	"TestTCPThawMidStream",
-	// park_test.go's, but for the two about the Poller itself (TestParkingReturnsMemory,
-	// TestTCPPollerClosedUnderParked): the loop path must pass what parked connections must.
-	"TestTCPIdleConnectionsHoldNoGoroutine", "TestTCPParkedIdleTimeout", "TestTCPShutdownCutsParked",
-	"TestTCPParkedPeerReset", "TestTCPHandOverParked", "TestTCPAdoptBeforeStartParks", "TestTCPParkedChurn",
-	"TestLoopServesWithoutGoroutines", "TestTCPTransparentDial",
-}
-
-// TestTCPTestsOnLoops runs the TCP tests again in a child process with
-// FORWARD_TEST_DATA_PATH=loop, where every proxy they start serves on event loops
-// (loopForTest): the event-loop data path must pass the goroutine path's tests.
-func TestTCPTestsOnLoops(t *testing.T) {
-	if os.Getenv("FORWARD_TEST_DATA_PATH") == "loop" {
-		t.Skip("already on the event loops")
-	}
-	if testing.Short() {
-		t.Skip("runs a child test process")
-	}
-	args := []string{"-test.run", "^(" + strings.Join(loopDataPathTests, "|") + ")$", "-test.count", "1"}
-	if testing.Verbose() {
-		args = append(args, "-test.v")
-	}
-	cmd := exec.Command(os.Args[0], args...)
-	cmd.Env = append(os.Environ(), "FORWARD_TEST_DATA_PATH=loop")
-	out, err := cmd.CombinedOutput()
-	if err != nil || testing.Verbose() {
-		t.Logf("child output:\n%s", out)
-	}
-	if err != nil {
-		t.Fatalf("TCP tests on event loops: %v", err)
-	}
-}
-
-// TestLoopServesWithoutGoroutines fails when a proxy with Loops falls back to goroutines: every
+// TestLoopServesWithoutGoroutines fails when a proxy's connections cost goroutines: every
 // connection must be counted by the loops, and fifty open connections must not add a goroutine
-// each (the goroutine path has two or three per connection).
+// each.
 func TestLoopServesWithoutGoroutines(t *testing.T) {
 	echo := startTCPEcho(t, loopback("4"))
 	loops := newTestLoops(t, 2)
@@ -134,27 +88,16 @@ func TestLoopPendingAndBackPressure(t *testing.T) {
 	wg.Wait()
 }
 
-// liveConns returns how many connections p holds (either data path).
+// liveConns returns how many connections p holds.
 func liveConns(p *TCPProxy) int {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	return p.connCountLocked()
 }
 
-// connSockets returns the two sockets of one of p's connected connections (either data path),
-// nil when it has none. A loop connection's are its descriptors, valid while it lives.
+// connSockets returns the two sockets of one of p's connected connections, nil when it has
+// none: its descriptors, valid while it lives.
 func connSockets(p *TCPProxy) (client, endpoint syscall.Conn) {
-	p.mu.Lock()
-	for conn := range p.conns {
-		if conn.backend != nil {
-			client, endpoint = conn.client, conn.backend
-		}
-	}
-	lp := p.onLoop
-	p.mu.Unlock()
-	if client != nil || lp == nil {
-		return client, endpoint
-	}
 	forEachLoopConn(p, func(c *lconn) {
 		if c.connected {
 			client, endpoint = rawFD(c.fd[0]), rawFD(c.fd[1])
@@ -215,7 +158,7 @@ func TestLoopShutdownCutsAndLeaksNothing(t *testing.T) {
 	metrics := &fakeMetrics{}
 	p := &TCPProxy{Listener: listenTCP(t, loopback("4")), Chooser: &fakeChooser{endpoints: []netip.AddrPort{echo}},
 		Log: new(testLogger(t)), Metrics: metrics, Loops: loops}
-	if err := p.Start(nil); err != nil {
+	if err := p.Start(); err != nil {
 		t.Fatal(err)
 	}
 	c := dialTCPTest(t, listenerAddr(p.Listener))
@@ -445,4 +388,15 @@ func TestLoopsPick(t *testing.T) {
 	if set := one.pick(); len(set) != 1 || set[0] != one.loops[0] {
 		t.Errorf("one loop: a set of %d", len(set))
 	}
+}
+
+// call runs fn on the loop's goroutine and waits for it; false means the loop has stopped and
+// fn did not run. It must not be called from the loop's goroutine.
+func (l *loop) call(fn func()) bool {
+	done := make(chan struct{})
+	if !l.post(func() { fn(); close(done) }) {
+		return false
+	}
+	<-done
+	return true
 }

@@ -18,44 +18,14 @@ const (
 	ip6tSoOriginalDst = 80
 )
 
-// testHookOriginalDst, if set, is called each time tcpOriginalDst asks the kernel. Tests that
+// testHookOriginalDst, if set, is called each time fdOriginalDst asks the kernel. Tests that
 // set it do so before their proxy starts and clear it after it ends.
 var testHookOriginalDst func()
 
-// tcpOriginalDst returns the destination conn had before the portal's REDIRECT/DNAT, or the
-// zero AddrPort when it is unknown: conntrack is not loaded (ENOPROTOOPT), the connection has no
-// conntrack entry (ENOENT), or it was not NATed (conntrack then returns the local address).
-func tcpOriginalDst(conn *net.TCPConn) netip.AddrPort {
-	if h := testHookOriginalDst; h != nil {
-		h()
-	}
-	local := tcpAddrPort(conn.LocalAddr())
-	if !local.IsValid() {
-		return netip.AddrPort{}
-	}
-	rc, err := conn.SyscallConn()
-	if err != nil {
-		return netip.AddrPort{}
-	}
-	// An IPv4 client of a dual-stack ([::]) listener has an IPv4 conntrack entry: ask the IPv4
-	// table, which the kernel allows on an AF_INET6 socket (ipv6_getsockopt passes SOL_IP on).
-	level, opt := unix.SOL_IP, soOriginalDst
-	if local.Addr().Is6() {
-		level, opt = unix.SOL_IPV6, ip6tSoOriginalDst
-	}
-	var dst netip.AddrPort
-	var gerr error
-	if err := rc.Control(func(fd uintptr) { dst, gerr = getsockoptSockaddr(int(fd), level, opt) }); err != nil || gerr != nil {
-		return netip.AddrPort{}
-	}
-	dst = unmapAddrPort(dst)
-	if dst == local {
-		return netip.AddrPort{}
-	}
-	return dst
-}
-
-// fdOriginalDst is tcpOriginalDst for a raw socket descriptor (the event-loop path's).
+// fdOriginalDst returns the destination of the connection of socket fd before the portal's
+// REDIRECT/DNAT, or the zero AddrPort when it is unknown: conntrack is not loaded
+// (ENOPROTOOPT), the connection has no conntrack entry (ENOENT), or it was not NATed (conntrack
+// then returns the local address).
 func fdOriginalDst(fd int) netip.AddrPort {
 	if h := testHookOriginalDst; h != nil {
 		h()

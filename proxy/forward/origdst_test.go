@@ -1,3 +1,5 @@
+//go:build linux
+
 package forward
 
 import (
@@ -12,6 +14,8 @@ import (
 	"testing"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/internal/testenv"
 )
 
 // sockaddrBytes encodes ap as the kernel does in a struct sockaddr_in / sockaddr_in6.
@@ -105,6 +109,7 @@ func TestOriginalDestination(t *testing.T) {
 		originalDestinationInNetns(t, ns)
 		return
 	}
+	testenv.Privileged(t)
 	ns := fmt.Sprintf("kup-fwd-%d", os.Getpid())
 	run(t, "ip", "netns", "add", ns)
 	t.Cleanup(func() { run(t, "ip", "netns", "del", ns) })
@@ -181,7 +186,7 @@ func originalDestinationInNetns(t *testing.T, ns string) {
 				if err != nil {
 					t.Fatal(err)
 				}
-				p := &TCPProxy{Listener: ln, Chooser: chooser, Log: new(testLogger(t))}
+				p := &TCPProxy{Listener: ln, Chooser: chooser, Log: new(testLogger(t)), Loops: newTestLoops(t, 2)}
 				done := make(chan error, 1)
 				go func() { done <- p.Serve() }()
 				t.Cleanup(func() {

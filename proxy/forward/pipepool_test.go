@@ -1,8 +1,9 @@
+//go:build linux
+
 package forward
 
 import (
 	"bytes"
-	"errors"
 	"io"
 	"math/rand/v2"
 	"net"
@@ -12,7 +13,6 @@ import (
 	"sync/atomic"
 	"syscall"
 	"testing"
-	"time"
 )
 
 // openPipeFDs counts this process's descriptors that are pipes.
@@ -89,7 +89,7 @@ func TestCopyWithoutPipes(t *testing.T) {
 		msg  []byte
 	}{
 		{name: "small", msg: []byte("hello\n")},
-		{name: "larger than a chunk", msg: bytes.Repeat([]byte("y"), 5*copyBufSize+7)},
+		{name: "larger than a chunk", msg: bytes.Repeat([]byte("y"), 5*loopBufSize+7)},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
@@ -113,7 +113,7 @@ func TestCopyWithoutPipes(t *testing.T) {
 	}
 }
 
-// TestTCPCopyThenSplice checks splice-auto (see splice_linux.go): request/response traffic moves
+// TestTCPCopyThenSplice checks splice-auto (see loop_linux.go): request/response traffic moves
 // through the user-space buffer and takes no pipe, and a direction switches to splice once a
 // read fills the buffer. It fails if either path silently falls back to the other.
 func TestTCPCopyThenSplice(t *testing.T) {
@@ -159,84 +159,4 @@ func TestTCPCopyThenSplice(t *testing.T) {
 			s, len(bulk), pipes.Load(), copied.Load()-int64(2*rounds*len(msg)))
 	}
 	t.Logf("bulk: %d bytes spliced, %d copied, %d pipes made", spliced.Load(), copied.Load()-int64(2*rounds*len(msg)), pipes.Load())
-}
-
-// tcpPair returns the two ends of a loopback TCP connection; configure, if set, runs on the
-// listening socket first (options the accepted end inherits).
-func tcpPair(t *testing.T, configure func(*net.TCPListener)) (dialled, accepted *net.TCPConn) {
-	t.Helper()
-	ln := listenTCP(t, loopback("4"))
-	if configure != nil {
-		configure(ln)
-	}
-	dialled = dialTCPTest(t, listenerAddr(ln))
-	accepted, err := ln.AcceptTCP()
-	if err != nil {
-		t.Fatalf("accept: %v", err)
-	}
-	t.Cleanup(func() { accepted.Close() })
-	ln.Close()
-	return dialled, accepted
-}
-
-// TestSpliceCopyFreezeKeepsBufferedBytes: a copier frozen while the bytes it read sit in its
-// user-space buffer (the destination does not read) returns them as pending, and the bytes
-// written before plus the pending ones are exactly what it read, in order.
-func TestSpliceCopyFreezeKeepsBufferedBytes(t *testing.T) {
-	var spliced atomic.Int64
-	testHookSpliced = func(n int64) { spliced.Add(n) }
-	t.Cleanup(func() { testHookSpliced = nil })
-	small := func(ln *net.TCPListener) {
-		rc, _ := ln.SyscallConn()
-		rc.Control(func(fd uintptr) { syscall.SetsockoptInt(int(fd), syscall.SOL_SOCKET, syscall.SO_RCVBUF, 2048) })
-	}
-	client, src := tcpPair(t, small) // src reads at most a few KiB at a time: never a full buffer
-	endpoint, dst := tcpPair(t, small)
-	dst.SetWriteBuffer(2048)
-	msg := make([]byte, 16<<20) // more than every buffer on the way holds
-	rand.NewChaCha8([32]byte{7}).Read(msg)
-	sent := make(chan int, 1)
-	go func() {
-		client.SetWriteDeadline(time.Now().Add(time.Second))
-		n := 0
-		for n < len(msg) {
-			w, err := client.Write(msg[n:min(n+1000, len(msg))])
-			n += w
-			if err != nil {
-				break
-			}
-		}
-		sent <- n
-	}()
-	var frozen atomic.Bool
-	type result struct {
-		n       int64
-		pending []byte
-		err     error
-	}
-	done := make(chan result, 1)
-	var pool pipePool
-	defer pool.closeAll()
-	go func() {
-		n, pending, err := spliceCopy(&pool, endpoint, src, nil, &frozen)
-		done <- result{n, pending, err}
-	}()
-	<-sent // the writer is blocked: every buffer on the way is full
-	frozen.Store(true)
-	src.SetDeadline(freezeDeadline)
-	endpoint.SetDeadline(freezeDeadline)
-	res := <-done
-	if !errors.Is(res.err, errFrozen) || len(res.pending) == 0 || spliced.Load() != 0 {
-		t.Fatalf("frozen copy: %d bytes written, %d pending, %d spliced, err %v; want errFrozen, pending bytes, none spliced",
-			res.n, len(res.pending), spliced.Load(), res.err)
-	}
-	dst.SetReadDeadline(time.Now().Add(waitTimeout))
-	got := make([]byte, res.n)
-	if _, err := io.ReadFull(dst, got); err != nil {
-		t.Fatalf("read what was written: %v", err)
-	}
-	if !bytes.Equal(got, msg[:res.n]) || !bytes.Equal(res.pending, msg[res.n:res.n+int64(len(res.pending))]) {
-		t.Fatalf("written and pending bytes are not the stream in order")
-	}
-	t.Logf("%d bytes written, %d pending in the buffer", res.n, len(res.pending))
 }

@@ -14,9 +14,8 @@ import (
 )
 
 // Poller calls a function when a socket becomes readable, from one goroutine for every socket it
-// watches: an idle listener needs no goroutine of its own parked in accept (at 10,000 service
-// ports those goroutines' stacks were 40 MB), nor an idle direction of a TCP connection one
-// parked in read (see park.go). Each Arm is one-shot: the function runs once, on the
+// watches: an idle UDP service port needs no goroutine of its own parked in read (at 10,000
+// service ports those goroutines' stacks were 40 MB). Each Arm is one-shot: the function runs once, on the
 // Poller's goroutine, and must not block; to be called again, Arm again.
 //
 // It is its own epoll instance, beside the Go runtime's: a socket can be in both, and the runtime
@@ -24,9 +23,6 @@ import (
 // descriptor to be readable in the runtime's poller (an epoll descriptor is pollable), not in a
 // blocking epoll_wait: a blocked system call would hold its thread and processor, and each
 // goroutine its functions start would then need another thread woken to run.
-//
-// The goroutines of idle connections that park on it end, and after a burst of them it has their
-// stacks returned to the system (memreturn.go).
 //
 // Create it with NewPoller and Close it when no socket needs it any more.
 type Poller struct {
@@ -39,7 +35,6 @@ type Poller struct {
 	closed bool
 
 	done chan struct{} // closed when the goroutine has returned
-	mem  *memReturner  // returns the stacks of the goroutines that parked (memreturn.go)
 }
 
 // watch is a descriptor's entry in a Poller: in the epoll set, with the function to call, or
@@ -67,9 +62,8 @@ func NewPoller() (*Poller, error) {
 		ep.Close()
 		return nil, fmt.Errorf("poller: %w", err)
 	}
-	p := &Poller{epfd: epfd, ep: ep, rc: rc, done: make(chan struct{}), mem: newMemReturner()}
+	p := &Poller{epfd: epfd, ep: ep, rc: rc, done: make(chan struct{})}
 	go p.run()
-	go p.mem.run()
 	return p, nil
 }
 
@@ -107,12 +101,6 @@ func (p *Poller) Arm(fd int, fn func()) error {
 	return nil
 }
 
-// parked tells the Poller that a goroutine gave its stack up to wait on it (an idle direction
-// of a TCP connection: see park.go), for the return of freed memory (memreturn.go). The loops
-// of listeners are not counted: they park in a burst once, as the ports open, while the proxy
-// allocates and collects anyway, and then one by one.
-func (p *Poller) parked() { p.mem.parked() }
-
 // Disarm stops watching fd: its function will not be called, unless the Poller's goroutine took
 // it already (readiness came first), so a function checks that it is still wanted. Call it
 // before closing fd (a later descriptor with the same number is another socket).
@@ -144,7 +132,6 @@ func (p *Poller) Close() error {
 	p.mu.Unlock()
 	err := p.ep.Close() // wakes run's wait; the descriptor is closed once run has left it
 	<-p.done
-	p.mem.close()
 	for _, w := range armed {
 		if w.fn != nil { // nil: called already, or not watched
 			w.fn()

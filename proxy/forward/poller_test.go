@@ -1,3 +1,5 @@
+//go:build linux
+
 package forward
 
 import (
@@ -88,9 +90,6 @@ func newTestPoller(t *testing.T) *Poller {
 	return p
 }
 
-// acceptLoops counts the goroutines in a TCP proxy's accept loop.
-func acceptLoops() int { return goroutinesIn("forward.(*TCPProxy).acceptLoop") }
-
 // readLoops counts the goroutines in a UDP proxy's read loop.
 func readLoops() int { return goroutinesIn("forward.(*UDPProxy).readLoop") }
 
@@ -113,91 +112,6 @@ func goroutinesIn(frame string) int {
 		receivers[recv] = true
 	}
 	return len(receivers)
-}
-
-// Listeners started with a Poller hold no goroutine while idle: the accept loop starts when a
-// connection is pending and parks again after loopIdle without one. Parked listeners close,
-// freeze and thaw like serving ones. A test of the fast path: it fails if Start falls back to a
-// goroutine per listener.
-func TestTCPStartParksIdleListeners(t *testing.T) {
-	checkNoLeaks(t)
-	checkNoFDLeaks(t)
-	poller := newTestPoller(t)
-	backend := startTCPEcho(t, loopback("4"))
-	const n = 20
-	proxies := make([]*TCPProxy, n)
-	for i := range proxies {
-		ln := listenTCP(t, loopback("4"))
-		p := &TCPProxy{Listener: ln, Chooser: &fakeChooser{endpoints: []netip.AddrPort{backend}}, Log: new(testLogger(t))}
-		if err := p.Start(poller); err != nil {
-			t.Fatalf("Start: %v", err)
-		}
-		proxies[i] = p
-		t.Cleanup(func() {
-			ctx, cancel := context.WithCancel(context.Background())
-			cancel()
-			p.Shutdown(ctx)
-		})
-	}
-	if got := acceptLoops(); got != 0 {
-		t.Fatalf("%d accept loops running for %d idle listeners, want none", got, n)
-	}
-
-	// A connection to each of the first three starts their loops; each is served.
-	for _, p := range proxies[:3] {
-		c := dialTCPTest(t, listenerAddr(p.Listener))
-		if got, err := roundTrip(c, []byte("ping")); err != nil || string(got) != "ping" {
-			t.Fatalf("round trip through a parked listener: %q, %v", got, err)
-		}
-		c.Close()
-	}
-	if got := acceptLoops(); got != 3 {
-		t.Errorf("%d accept loops after connections to 3 listeners, want 3", got)
-	}
-	// Idle again: parked again.
-	eventually(t, "the accept loops to park after loopIdle", func() bool { return acceptLoops() == 0 })
-	c := dialTCPTest(t, listenerAddr(proxies[0].Listener))
-	if got, err := roundTrip(c, []byte("again")); err != nil || string(got) != "again" {
-		t.Fatalf("round trip after parking again: %q, %v", got, err)
-	}
-	c.Close()
-
-	// Close of a parked listener: the port is closed.
-	addr := listenerAddr(proxies[5].Listener)
-	if err := proxies[5].Close(); err != nil {
-		t.Fatalf("Close of a parked listener: %v", err)
-	}
-	if c, err := net.DialTimeout("tcp", addr.String(), time.Second); err == nil {
-		c.Close()
-		t.Errorf("a closed listener still accepts")
-	}
-
-	// Freeze of a parked listener: its socket is handed over with the connection pending in the
-	// backlog, and nothing of the frozen proxy accepts it; thawed, it serves it.
-	p := proxies[6]
-	st, err := p.Freeze(context.Background())
-	if err != nil {
-		t.Fatalf("Freeze of a parked listener: %v", err)
-	}
-	if st.Listener == nil {
-		t.Fatal("Freeze returned no listener")
-	}
-	st.Listener.Close()
-	eventually(t, "the other accept loops to park", func() bool { return acceptLoops() == 0 })
-	pending := dialTCPTest(t, listenerAddr(p.Listener))
-	time.Sleep(loopIdle / 5)
-	if got := acceptLoops(); got != 0 {
-		t.Errorf("%d accept loops with a frozen listener and a pending connection, want none", got)
-	}
-	if err := p.Thaw(); err != nil {
-		t.Fatalf("Thaw: %v", err)
-	}
-	if err := p.Start(poller); err != nil {
-		t.Fatalf("Start after Thaw: %v", err)
-	}
-	if got, err := roundTrip(pending, []byte("pending")); err != nil || string(got) != "pending" {
-		t.Fatalf("round trip of the connection pending across freeze and thaw: %q, %v", got, err)
-	}
 }
 
 // UDP ports started with a Poller hold no goroutine while no datagram arrives; sessions work as

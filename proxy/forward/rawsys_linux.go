@@ -133,3 +133,7 @@ func rawConnect(fd int, sa []byte) error {
 	_, _, e := unix.RawSyscall(unix.SYS_CONNECT, uintptr(fd), uintptr(unsafe.Pointer(&sa[0])), uintptr(len(sa)))
 	return errnoErr(e)
 }
+
+// osPendingConnErrnos are the accept errors of a failed pending connection that only Linux has
+// (see isPendingConnError).
+var osPendingConnErrnos = []syscall.Errno{syscall.ENONET}

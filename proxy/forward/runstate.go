@@ -57,13 +57,6 @@ func (s *runState) start(what string) (ok bool, err error) {
 	return true, nil
 }
 
-// isStarted reports whether Serve (or Start) was called, since the last thaw.
-func (s *runState) isStarted() bool {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.started
-}
-
 // ended is the loop's last act when it returns for good: close and freeze stop waiting.
 func (s *runState) ended() {
 	s.mu.Lock()

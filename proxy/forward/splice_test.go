@@ -1,3 +1,5 @@
+//go:build linux
+
 package forward
 
 import (
@@ -44,7 +46,13 @@ func spliceChild() int {
 	if os.Getenv(spliceModeEnv) == "transparent-v2" {
 		chooser.transparent, chooser.proxyProtocol = true, ProxyProtocolV2
 	}
-	p := &TCPProxy{Listener: ln, Chooser: chooser}
+	loops, err := NewLoops(2)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "event loops:", err)
+		return 2
+	}
+	defer loops.Close()
+	p := &TCPProxy{Listener: ln, Chooser: chooser, Loops: loops}
 	served := make(chan error, 1)
 	go func() { served <- p.Serve() }()
 	fmt.Printf("ADDR %s\n", ln.Addr())
@@ -180,9 +188,9 @@ func testTCPSplice(t *testing.T, mode string) {
 			other += n
 		}
 	}
-	// Each direction copies through its user-space buffer until a read fills it (splice-auto),
+	// Each direction copies through the loop's buffer until a read fills it (splice-auto),
 	// then splices: all but the first few buffers of the payload go through splice.
-	const copiedMax = 16 * copyBufSize
+	const copiedMax = 16 * loopBufSize
 	if want := int64(4 * payload); moved["splice"] < want-copiedMax || moved["splice"] > want {
 		t.Errorf("splice moved %d bytes, want %d (4 × payload) less at most %d: payload bypassed splice", moved["splice"], want, copiedMax)
 	}

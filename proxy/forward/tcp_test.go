@@ -1,3 +1,5 @@
+//go:build linux
+
 package forward
 
 import (
@@ -530,8 +532,9 @@ func TestTCPServeValidation(t *testing.T) {
 		name string
 		p    *TCPProxy
 	}{
-		{"no listener", &TCPProxy{Chooser: &fakeChooser{}}},
-		{"no chooser", &TCPProxy{Listener: listenTCP(t, loopback("4"))}},
+		{"no listener", &TCPProxy{Chooser: &fakeChooser{}, Loops: newTestLoops(t, 1)}},
+		{"no chooser", &TCPProxy{Listener: listenTCP(t, loopback("4")), Loops: newTestLoops(t, 1)}},
+		{"no loops", &TCPProxy{Listener: listenTCP(t, loopback("4")), Chooser: &fakeChooser{}}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			if err := tc.p.Serve(); err == nil {
@@ -544,7 +547,7 @@ func TestTCPServeValidation(t *testing.T) {
 
 func TestTCPCloseBeforeServe(t *testing.T) {
 	checkNoLeaks(t)
-	p := &TCPProxy{Listener: listenTCP(t, loopback("4")), Chooser: &fakeChooser{}}
+	p := &TCPProxy{Listener: listenTCP(t, loopback("4")), Chooser: &fakeChooser{}, Loops: newTestLoops(t, 1)}
 	if err := p.Close(); err != nil {
 		t.Fatalf("Close: %v", err)
 	}

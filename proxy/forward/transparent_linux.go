@@ -44,12 +44,6 @@ func canDialFrom(client netip.Addr, ep netip.AddrPort) bool {
 	return client.IsValid() && client.Unmap().Is4() == ep.Addr().Unmap().Is4()
 }
 
-// transparentDialer returns a dialer whose sockets may be bound to client's IP, which is not
-// the node's (IP_TRANSPARENT); the caller passes that address to DialTCP.
-func transparentDialer(client netip.Addr) net.Dialer {
-	return net.Dialer{Control: transparentControl(!client.Unmap().Is4())}
-}
-
 // isTransparentSetupError reports whether a transparent dial failed before reaching the
 // endpoint: the socket option was refused (no CAP_NET_ADMIN) or the bind to the client's address
 // failed.

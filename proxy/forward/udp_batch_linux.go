@@ -83,11 +83,6 @@ func (b *udpBatch) prepareRecv(withAddr bool) {
 	}
 }
 
-// datagram returns received datagram i.
-func (b *udpBatch) datagram(i int) []byte {
-	return b.arena[i*udpBufSize : i*udpBufSize+int(b.in[i].len)]
-}
-
 // source returns the source address of received datagram i, as ReadMsgUDPAddrPort would (an
 // IPv4 client of an AF_INET6 socket is mapped; an IPv6 scope is the zone, as its index).
 func (b *udpBatch) source(i int) netip.AddrPort {

@@ -1,3 +1,5 @@
+//go:build linux
+
 package forward
 
 import (
@@ -264,4 +266,11 @@ func TestUDPConnReceiveBuffer(t *testing.T) {
 	if err != nil || size < udpConnRcvBuf {
 		t.Fatalf("SO_RCVBUF of the proxy's socket: %d (%v), want at least %d", size, err, udpConnRcvBuf)
 	}
+}
+
+// sessionCount returns the number of live sessions (for tests).
+func (p *UDPProxy) sessionCount() int {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return len(p.sessions)
 }

@@ -8,7 +8,6 @@ import (
 	"io"
 	"net"
 	"os"
-	"syscall"
 )
 
 // maxFilesPerMessage is how many descriptors one message carries at most: the kernel refuses
@@ -54,7 +53,7 @@ func (c *conn) send(msg any, files []*os.File) error {
 			}
 			fds[i] = fd
 		}
-		oob = syscall.UnixRights(fds...)
+		oob = unixRights(fds)
 	}
 	n, oobn, err := c.uc.WriteMsgUnix(frame, oob, nil)
 	if err != nil {
@@ -75,7 +74,7 @@ func (c *conn) send(msg any, files []*os.File) error {
 // them. On error no file is left open.
 func (c *conn) recv(msg any) ([]*os.File, error) {
 	var hdr [4]byte
-	oob := make([]byte, syscall.CmsgSpace(4*maxFilesPerMessage))
+	oob := make([]byte, rightsSpace(maxFilesPerMessage))
 	n, oobn, flags, _, err := c.uc.ReadMsgUnix(hdr[:], oob)
 	files, perr := parseRights(oob[:oobn])
 	if err == nil && n == 0 {
@@ -84,7 +83,7 @@ func (c *conn) recv(msg any) ([]*os.File, error) {
 	if err == nil && perr != nil {
 		err = perr
 	}
-	if err == nil && flags&syscall.MSG_CTRUNC != 0 {
+	if err == nil && truncated(flags) {
 		err = errors.New("hand-over: descriptors truncated (more than the message may carry)")
 	}
 	if err == nil && n < len(hdr) {
@@ -115,33 +114,13 @@ func (c *conn) recv(msg any) ([]*os.File, error) {
 	return files, nil
 }
 
-// parseRights turns the SCM_RIGHTS messages of oob into files.
-func parseRights(oob []byte) ([]*os.File, error) {
-	if len(oob) == 0 {
-		return nil, nil
-	}
-	msgs, err := syscall.ParseSocketControlMessage(oob)
-	if err != nil {
-		return nil, fmt.Errorf("hand-over: control message: %w", err)
-	}
-	var files []*os.File
-	for i := range msgs {
-		fds, err := syscall.ParseUnixRights(&msgs[i])
-		if err != nil {
-			continue // not SCM_RIGHTS (credentials): nothing to own
-		}
-		for _, fd := range fds {
-			syscall.CloseOnExec(fd)
-			files = append(files, os.NewFile(uintptr(fd), "handed over"))
-		}
-	}
-	return files, nil
-}
-
 // rawFD returns f's descriptor without File.Fd's side effect: Fd puts the descriptor in
 // blocking mode, and O_NONBLOCK belongs to the open socket, shared with every process that holds
 // it, so a successor's socket would block the predecessor's network poller.
 func rawFD(f *os.File) (int, error) {
+	if f == nil {
+		return -1, errors.New("a record's descriptor is missing")
+	}
 	rc, err := f.SyscallConn()
 	if err != nil {
 		return -1, fmt.Errorf("descriptor of %s: %w", f.Name(), err)

@@ -11,14 +11,18 @@
 //	                                  Freeze: stop serving, duplicate every descriptor
 //	                            ←     records … (≤ 250 descriptors each), end {total}
 //	ready                       →
-//	                                  Release: close its own copies, free the instance lock
-//	                            ←     released
+//	                                  Release: close its own copies
+//	                            ←     released {the instance lock's descriptor, version 2}
 //
 // Until it has sent ready, a failure on either side leaves the predecessor serving: it
 // resumes with what it froze. After ready, the instance lock decides: the successor goes on
-// with the records only once it holds the lock, which the predecessor frees only when it has
-// let go (or has died, its descriptors safe in the successor's hands); otherwise the
-// predecessor has resumed, and the successor drops the records and falls back to a restart.
+// with the records only once it holds the lock; otherwise the predecessor has resumed, and the
+// successor drops the records and falls back to a restart. In version 2 the lock itself
+// travels with released (a flock belongs to the open file, which the descriptor carries), so
+// it is never free between the two: a third proxy started meanwhile cannot take it and start
+// afresh beside them. In version 1 the predecessor frees the lock and the successor takes it
+// (and a third one could take it in between). When the predecessor dies after ready, before
+// released, its lock is free and the successor takes it: the descriptors are safe in its hands.
 package handover
 
 import (
@@ -30,18 +34,18 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
-	"syscall"
 	"time"
 
 	"github.com/rs/zerolog"
 )
 
-// Version is the protocol version this build speaks. A change to the records a kind carries,
-// or to the exchange, is a new version; a build may speak several.
-const Version = 1
+// Version is the newest protocol version this build speaks. A change to the records a kind
+// carries, or to the exchange, is a new version; a build may speak several. Version 2: the
+// instance lock travels with released (LockGiver).
+const Version = 2
 
 // versions are the versions this build accepts, preferred first.
-var versions = []int{Version}
+var versions = []int{Version, 1}
 
 // Record is one thing handed over: its kind ("tcp-listener", "udp-session", …), what the
 // receiver needs to know of it, and its descriptors.
@@ -53,8 +57,14 @@ type Record struct {
 	Files  []*os.File `json:"-"`
 }
 
-// NewRecord returns a record of kind whose Meta is meta encoded as JSON.
+// NewRecord returns a record of kind whose Meta is meta encoded as JSON. Every file must be
+// open: a record carries no placeholder for a socket it lacks (say so in meta instead).
 func NewRecord(kind string, meta any, files ...*os.File) (Record, error) {
+	for i, f := range files {
+		if f == nil {
+			return Record{}, fmt.Errorf("hand-over record %s: descriptor %d of %d is missing", kind, i+1, len(files))
+		}
+	}
 	b, err := json.Marshal(meta)
 	if err != nil {
 		return Record{}, fmt.Errorf("hand-over record %s: %w", kind, err)
@@ -128,6 +138,23 @@ type Giver interface {
 	Resume(pkg *Package)
 }
 
+// LockGiver is a Giver whose instance lock travels to the successor (version 2): its
+// Release then keeps the lock held until the released message, which carries LockFile's
+// duplicate, has gone.
+type LockGiver interface {
+	Giver
+	// LockFile returns a duplicate of the instance lock's descriptor: it holds the lock as the
+	// original does (one open file), and the successor's copy goes on holding it. Release
+	// closes the giver's own descriptor, not this one.
+	LockFile() (*os.File, error)
+}
+
+// Claim takes the instance lock for a successor; an error while the predecessor still holds
+// it. lock is the predecessor's lock descriptor when it handed the lock over (version 2):
+// Claim keeps it (the lock is then the successor's, never free in between) or closes it. With
+// nil, Claim takes the lock itself.
+type Claim func(lock *os.File) error
+
 // Path returns the hand-over socket of this network namespace in dir: one per namespace, as
 // the instance lock is, so that proxies of other namespaces (tests, several nodes on one
 // machine) never meet.
@@ -150,6 +177,9 @@ type Listener struct {
 // Listen opens the hand-over socket at path, replacing a stale one: call it only while holding
 // the instance lock, so that no live predecessor's socket is removed.
 func Listen(path string, log zerolog.Logger) (*Listener, error) {
+	if err := supported(); err != nil {
+		return nil, err
+	}
 	if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
 		return nil, fmt.Errorf("hand-over socket: %w", err)
 	}
@@ -186,13 +216,6 @@ func (l *Listener) Close() error {
 		_ = os.Remove(l.path)
 	}
 	return err
-}
-
-func inode(st os.FileInfo) uint64 {
-	if sys, ok := st.Sys().(*syscall.Stat_t); ok {
-		return sys.Ino
-	}
-	return 0
 }
 
 // Serve answers successors one at a time until ctx is done or one takes everything over; it
@@ -259,11 +282,20 @@ func (l *Listener) give(ctx context.Context, c *conn, g Giver, timeout time.Dura
 		g.Resume(pkg)
 		return false
 	}
+	var lock []*os.File
+	if lg, ok := g.(LockGiver); ok && v >= 2 {
+		if f, err := lg.LockFile(); err != nil {
+			log.Warn().Err(err).Msg("hand-over: cannot pass the instance lock on; the successor takes it once freed")
+		} else {
+			lock = []*os.File{f}
+		}
+	}
 	g.Release()
 	pkg.Close() // the successor has its own copies
-	if err := c.send(message{Type: msgReleased}, nil); err != nil {
+	if err := c.send(message{Type: msgReleased}, lock); err != nil {
 		log.Warn().Err(err).Msg("hand-over: telling the successor it may go on failed; it finds the instance lock free")
 	}
+	closeFiles(lock) // the successor's copy holds the lock now (or, gone, nobody's does)
 	log.Info().Int("records", len(pkg.Records)).Dur("took", time.Since(start)).Msg("handed everything over to the successor")
 	return true
 }
@@ -317,7 +349,10 @@ func sendPackage(c *conn, pkg *Package) error {
 // calls it after ready, and returns the package only once it succeeds, so that exactly one
 // process serves. build names this one in the predecessor's log. A nil package and an error
 // wrapping ErrRefused, or another error, mean nothing was taken over: the predecessor serves.
-func Take(ctx context.Context, path, build string, claim func() error, log zerolog.Logger) (*Package, error) {
+func Take(ctx context.Context, path, build string, claim Claim, log zerolog.Logger) (*Package, error) {
+	if err := supported(); err != nil {
+		return nil, err
+	}
 	var d net.Dialer
 	nc, err := d.DialContext(ctx, "unix", path)
 	if err != nil {
@@ -355,8 +390,17 @@ func Take(ctx context.Context, path, build string, claim func() error, log zerol
 		return nil, err
 	}
 	var released message
-	_, rerr := c.recv(&released)
-	if err := claimWithin(ctx, claim, rerr == nil && released.Type == msgReleased); err != nil {
+	files, rerr := c.recv(&released)
+	ok := rerr == nil && released.Type == msgReleased
+	if ok && welcome.Version >= 2 && len(files) == 1 {
+		if err := claim(files[0]); err != nil {
+			pkg.Close()
+			return nil, fmt.Errorf("hand-over: the running proxy's instance lock: %w", err)
+		}
+		return pkg, nil
+	}
+	closeFiles(files)
+	if err := claimWithin(ctx, func() error { return claim(nil) }, ok); err != nil {
 		pkg.Close()
 		return nil, fmt.Errorf("hand-over: the running proxy did not let go (%v): %w", rerr, err)
 	}

@@ -23,12 +23,11 @@ type giver struct {
 	n       int
 	readers []*os.File // the read ends, kept by the test
 
-	mu                 sync.Mutex
-	froze, released    int
-	resumed            *Package
-	freezeErr          error
-	writers            []*os.File // the giver's own write ends
-	releaseBeforeClaim chan struct{}
+	mu              sync.Mutex
+	froze, released int
+	resumed         *Package
+	freezeErr       error
+	writers         []*os.File // the giver's own write ends
 }
 
 func (g *giver) Freeze(context.Context) (*Package, error) {
@@ -119,7 +118,12 @@ func take(t *testing.T, path string, claim func() error) (*Package, error) {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	return Take(ctx, path, "test", claim, zerolog.Nop())
+	return Take(ctx, path, "test", func(lock *os.File) error {
+		if lock != nil {
+			lock.Close()
+		}
+		return claim()
+	}, zerolog.Nop())
 }
 
 func claimOK() error { return nil }
@@ -319,4 +323,20 @@ func TestCloseHandedOverKeepsSuccessorSocket(t *testing.T) {
 		t.Fatalf("the successor's socket after the predecessor closed: %v", err)
 	}
 	c.Close()
+}
+
+// A record cannot carry a missing descriptor: NewRecord says so, and a send of one fails
+// instead of falling over it.
+func TestRecordWithMissingDescriptor(t *testing.T) {
+	f, err := os.Open(os.DevNull)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	if _, err := NewRecord("tcp-conn", struct{}{}, f, nil); err == nil {
+		t.Error("NewRecord took a nil file")
+	}
+	if _, err := rawFD(nil); err == nil {
+		t.Error("rawFD of a nil file: no error")
+	}
 }

@@ -159,7 +159,8 @@ func TestReserve(t *testing.T) {
 		t.Error("Reserve(101) after Release = false")
 	}
 	z := NewAllocator(Range{}, nil)
-	if !z.Reserve(40000) || !z.Reserve(40000) || z.Reserve(0) || z.Reserve(65536) {
+	first, again := z.Reserve(40000), z.Reserve(40000)
+	if !first || !again || z.Reserve(0) || z.Reserve(65536) {
 		t.Error("the zero Range: Reserve should say yes to every port 1..65535 (the bind decides)")
 	}
 }

@@ -2,14 +2,10 @@ package userspace
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
-	"net/netip"
 	"os"
-	"syscall"
-	"time"
 
 	v1 "k8s.io/api/core/v1"
 
@@ -19,46 +15,9 @@ import (
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/handover"
 )
 
-// The kinds of the records a Proxier hands over (package handover). Listener records come
-// before the connections and sessions of their listener.
-const (
-	KindListener   = "listener"    // a proxy port's listening socket
-	KindTCPConn    = "tcp-conn"    // an established connection: client and endpoint sockets
-	KindUDPSession = "udp-session" // a UDP session: its socket connected to the endpoint
-	KindHeld       = "held-port"   // a held NodePort or local portal IP:port
-	KindAffinity   = "affinity"    // one service port's ClientIP affinity entries
-)
-
-type listenerMeta struct {
-	Name      proxy.Name  `json:"name"`
-	Protocol  v1.Protocol `json:"protocol"`
-	ProxyPort int         `json:"proxyPort"`
-}
-
-type tcpConnMeta struct {
-	Name           proxy.Name     `json:"name"`
-	Client         netip.AddrPort `json:"client"`
-	Endpoint       netip.AddrPort `json:"endpoint"`
-	ToEndpoint     []byte         `json:"toEndpoint,omitempty"`
-	ToClient       []byte         `json:"toClient,omitempty"`
-	ToEndpointDone bool           `json:"toEndpointDone,omitempty"`
-	ToClientDone   bool           `json:"toClientDone,omitempty"`
-}
-
-type udpSessionMeta struct {
-	Name      proxy.Name     `json:"name"`
-	Client    netip.AddrPort `json:"client"`
-	Endpoint  netip.AddrPort `json:"endpoint"`
-	ReplyFrom netip.Addr     `json:"replyFrom,omitzero"`
-	Idle      time.Duration  `json:"idle"`
-	Refused   bool           `json:"refused,omitempty"`
-}
-
-type heldMeta struct {
-	Protocol v1.Protocol `json:"protocol"`
-	Addr     netip.Addr  `json:"addr"`
-	Port     int         `json:"port"`
-}
+// The records a Proxier hands over are package handover's: KindListener, KindTCPConn,
+// KindUDPSession, KindHeld and KindAffinity. Listener records come before the connections and
+// sessions of their listener.
 
 // listenerKey names a listener across processes.
 type listenerKey struct {
@@ -85,19 +44,6 @@ func (in *inherited) close() {
 	for _, s := range in.sessions {
 		_ = s.Backend.Close()
 	}
-}
-
-// resetFile closes a TCP socket with a reset (SO_LINGER 0), so that its peer learns at once.
-func resetFile(f *os.File) {
-	if f == nil {
-		return
-	}
-	if rc, err := f.SyscallConn(); err == nil { // not f.Fd(), which makes the socket blocking
-		_ = rc.Control(func(fd uintptr) {
-			_ = syscall.SetsockoptLinger(int(fd), syscall.SOL_SOCKET, syscall.SO_LINGER, &syscall.Linger{Onoff: 1, Linger: 0})
-		})
-	}
-	_ = f.Close()
 }
 
 // Freeze stops the proxier for a hand-over: no more syncs, no more accepting, every connection
@@ -202,33 +148,19 @@ func openFDCount() (int, error) {
 // freezeLocked freezes every open listener, the held ports and the affinity table. On error it
 // returns what it froze so far, for Resume.
 func (p *Proxier) freezeLocked(ctx context.Context) ([]handover.Record, error) {
-	var recs []handover.Record
-	add := func(kind string, meta any, files ...*os.File) error {
-		r, err := handover.NewRecord(kind, meta, files...)
-		if err == nil && p.testHookRecord != nil {
-			err = p.testHookRecord(kind)
-		}
-		if err != nil {
-			for _, f := range files {
-				_ = f.Close()
-			}
-			return err
-		}
-		recs = append(recs, r)
-		return nil
-	}
+	rs := &records{hook: p.testHookRecord}
 	for name, l := range p.ports {
-		if err := l.freeze(ctx, name, add); err != nil {
-			return recs, fmt.Errorf("freeze %s: %w", l.choose.sp.Load(), err)
+		if err := l.freeze(ctx, name, rs); err != nil {
+			return rs.recs, fmt.Errorf("freeze %s: %w", l.choose.sp.Load(), err)
 		}
 	}
 	for k, c := range p.holder.held {
 		f, err := dupCloser(c)
 		if err != nil {
-			return recs, fmt.Errorf("freeze held port %s: %w", k, err)
+			return rs.recs, fmt.Errorf("freeze held port %s: %w", k, err)
 		}
-		if err := add(KindHeld, heldMeta{Protocol: k.proto, Addr: k.addr, Port: k.port}, f); err != nil {
-			return recs, err
+		if err := rs.add(handover.KindHeld, handover.HeldMeta{Protocol: k.proto, Addr: k.addr, Port: k.port}, f); err != nil {
+			return rs.recs, err
 		}
 	}
 	byPort := map[proxy.Name][]loadbalancer.AffinityEntry{}
@@ -236,17 +168,54 @@ func (p *Proxier) freezeLocked(ctx context.Context) ([]handover.Record, error) {
 		byPort[e.Port] = append(byPort[e.Port], e)
 	}
 	for _, entries := range byPort {
-		if err := add(KindAffinity, entries); err != nil {
-			return recs, err
+		if err := rs.add(handover.KindAffinity, entries); err != nil {
+			return rs.recs, err
 		}
 	}
-	return recs, nil
+	return rs.recs, nil
+}
+
+// records collects the records of a freeze.
+type records struct {
+	recs []handover.Record
+	hook func(kind string) error // Proxier.testHookRecord
+}
+
+// add adds a record of kind; on error its files are closed.
+func (rs *records) add(kind string, meta any, files ...*os.File) error {
+	r, err := handover.NewRecord(kind, meta, files...)
+	if err != nil {
+		for _, f := range files {
+			if f != nil {
+				_ = f.Close()
+			}
+		}
+		return err
+	}
+	return rs.keep(r, nil)
+}
+
+// keep adds r, made by one of package handover's record constructors (which closed its files
+// on error); on error its files are closed.
+func (rs *records) keep(r handover.Record, err error) error {
+	if err == nil && rs.hook != nil {
+		if err = rs.hook(r.Kind); err != nil {
+			for _, f := range r.Files {
+				_ = f.Close()
+			}
+		}
+	}
+	if err != nil {
+		return err
+	}
+	rs.recs = append(rs.recs, r)
+	return nil
 }
 
 // freeze freezes the listener (if open) and adds its records: the listener first, then its
 // connections or sessions.
-func (l *listener) freeze(ctx context.Context, name proxy.Name, add func(string, any, ...*os.File) error) error {
-	lm := listenerMeta{Name: name, Protocol: l.protocol(), ProxyPort: l.proxyPort}
+func (l *listener) freeze(ctx context.Context, name proxy.Name, rs *records) error {
+	lm := handover.ListenerMeta{Name: name, Protocol: l.protocol(), ProxyPort: l.proxyPort}
 	switch {
 	case l.tcp != nil:
 		l.frozen = true // even when Freeze fails: it leaves the proxy frozen
@@ -254,14 +223,12 @@ func (l *listener) freeze(ctx context.Context, name proxy.Name, add func(string,
 		if err != nil {
 			return err
 		}
-		if err := add(KindListener, lm, st.Listener); err != nil {
+		if err := rs.add(handover.KindListener, lm, st.Listener); err != nil {
 			_ = forward.TCPState{Conns: st.Conns}.Close() // the duplicates no record took
 			return err
 		}
 		for i, c := range st.Conns {
-			m := tcpConnMeta{Name: name, Client: c.ClientAddr, Endpoint: c.Endpoint, ToEndpoint: c.ToEndpoint, ToClient: c.ToClient,
-				ToEndpointDone: c.ToEndpointDone, ToClientDone: c.ToClientDone}
-			if err := add(KindTCPConn, m, c.Client, c.Backend); err != nil {
+			if err := rs.keep(handover.TCPConnRecord(name, c)); err != nil {
 				_ = forward.TCPState{Conns: st.Conns[i+1:]}.Close()
 				return err
 			}
@@ -272,13 +239,12 @@ func (l *listener) freeze(ctx context.Context, name proxy.Name, add func(string,
 		if err != nil {
 			return err
 		}
-		if err := add(KindListener, lm, st.Conn); err != nil {
+		if err := rs.add(handover.KindListener, lm, st.Conn); err != nil {
 			_ = forward.UDPState{Sessions: st.Sessions}.Close()
 			return err
 		}
 		for i, s := range st.Sessions {
-			m := udpSessionMeta{Name: name, Client: s.Client, Endpoint: s.Endpoint, ReplyFrom: s.ReplyFrom, Idle: s.Idle, Refused: s.Refused}
-			if err := add(KindUDPSession, m, s.Backend); err != nil {
+			if err := rs.keep(handover.UDPSessionRecord(name, s)); err != nil {
 				_ = forward.UDPState{Sessions: st.Sessions[i+1:]}.Close()
 				return err
 			}
@@ -304,9 +270,14 @@ func dupCloser(c io.Closer) (*os.File, error) {
 // Shutdown then return at once.
 func (p *Proxier) Release() {
 	p.mu.Lock()
-	defer p.mu.Unlock()
 	p.releaseFrozenLocked()
 	p.closed = true
+	poller := p.listen.poller // no listener is watched any more (closeListeners does nothing now)
+	p.listen.poller = nil
+	p.mu.Unlock()
+	if poller != nil {
+		_ = poller.Close()
+	}
 }
 
 // releaseFrozenLocked closes the frozen listeners' and held ports' own descriptors.
@@ -371,23 +342,17 @@ func (p *Proxier) Adopt(recs []handover.Record) {
 		}
 		r.Files = nil
 	}
-	p.log.Info().Int("listeners", counts[KindListener]).Int("tcpConnections", counts[KindTCPConn]).
-		Int("udpSessions", counts[KindUDPSession]).Int("heldPorts", counts[KindHeld]).
-		Int("affinityPorts", counts[KindAffinity]).Msg("adopted what the predecessor handed over")
+	p.log.Info().Int("listeners", counts[handover.KindListener]).Int("tcpConnections", counts[handover.KindTCPConn]).
+		Int("udpSessions", counts[handover.KindUDPSession]).Int("heldPorts", counts[handover.KindHeld]).
+		Int("affinityPorts", counts[handover.KindAffinity]).Msg("adopted what the predecessor handed over")
 }
 
 // adoptLocked takes one record; ok is false for kinds that are not the proxier's.
 func (p *Proxier) adoptLocked(r *handover.Record) (ok bool, err error) {
-	files := func(n int) error {
-		if len(r.Files) != n {
-			return fmt.Errorf("%d descriptors, want %d", len(r.Files), n)
-		}
-		return nil
-	}
 	switch r.Kind {
-	case KindListener:
-		var m listenerMeta
-		if err := decode(r, &m, files(1)); err != nil {
+	case handover.KindListener:
+		var m handover.ListenerMeta
+		if err := r.Decode(&m, 1, 1); err != nil {
 			return true, err
 		}
 		k := listenerKey{m.Name, m.Protocol}
@@ -396,37 +361,35 @@ func (p *Proxier) adoptLocked(r *handover.Record) (ok bool, err error) {
 		}
 		p.alloc.Reserve(m.ProxyPort)
 		p.stash[k] = &inherited{proxyPort: m.ProxyPort, sock: r.Files[0]}
-	case KindTCPConn:
-		var m tcpConnMeta
-		if err := decode(r, &m, files(2)); err != nil {
+	case handover.KindTCPConn:
+		name, cs, err := r.TCPConn()
+		if err != nil {
 			return true, err
 		}
-		in := p.stash[listenerKey{m.Name, v1.ProtocolTCP}]
+		in := p.stash[listenerKey{name, v1.ProtocolTCP}]
 		if in == nil {
-			return true, fmt.Errorf("connection of %s: its listener was not handed over", m.Name)
+			return true, fmt.Errorf("connection of %s: its listener was not handed over", name)
 		}
-		in.conns = append(in.conns, forward.TCPConnState{Client: r.Files[0], Backend: r.Files[1], ClientAddr: m.Client,
-			Endpoint: m.Endpoint, ToEndpoint: m.ToEndpoint, ToClient: m.ToClient, ToEndpointDone: m.ToEndpointDone, ToClientDone: m.ToClientDone})
-	case KindUDPSession:
-		var m udpSessionMeta
-		if err := decode(r, &m, files(1)); err != nil {
+		in.conns = append(in.conns, cs)
+	case handover.KindUDPSession:
+		name, s, err := r.UDPSession()
+		if err != nil {
 			return true, err
 		}
-		in := p.stash[listenerKey{m.Name, v1.ProtocolUDP}]
+		in := p.stash[listenerKey{name, v1.ProtocolUDP}]
 		if in == nil {
-			return true, fmt.Errorf("UDP session of %s: its listener was not handed over", m.Name)
+			return true, fmt.Errorf("UDP session of %s: its listener was not handed over", name)
 		}
-		in.sessions = append(in.sessions, forward.UDPSessionState{Backend: r.Files[0], Client: m.Client, Endpoint: m.Endpoint,
-			ReplyFrom: m.ReplyFrom, Idle: m.Idle, Refused: m.Refused})
-	case KindHeld:
-		var m heldMeta
-		if err := decode(r, &m, files(1)); err != nil {
+		in.sessions = append(in.sessions, s)
+	case handover.KindHeld:
+		var m handover.HeldMeta
+		if err := r.Decode(&m, 1, 1); err != nil {
 			return true, err
 		}
 		p.holder.inherit(holdKey{proto: m.Protocol, addr: m.Addr, port: m.Port}, r.Files[0])
-	case KindAffinity:
+	case handover.KindAffinity:
 		var entries []loadbalancer.AffinityEntry
-		if err := decode(r, &entries, files(0)); err != nil {
+		if err := r.Decode(&entries, 0, 0); err != nil {
 			return true, err
 		}
 		p.lb.RestoreAffinity(entries)
@@ -434,16 +397,6 @@ func (p *Proxier) adoptLocked(r *handover.Record) (ok bool, err error) {
 		return false, nil
 	}
 	return true, nil
-}
-
-func decode(r *handover.Record, v any, filesErr error) error {
-	if filesErr != nil {
-		return filesErr
-	}
-	if err := json.Unmarshal(r.Meta, v); err != nil {
-		return fmt.Errorf("decode %s record: %w", r.Kind, err)
-	}
-	return nil
 }
 
 // takeInheritedLocked hands the listeners about to open what was handed over for them.

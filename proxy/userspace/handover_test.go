@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"net"
 	"net/netip"
+	"os"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -50,18 +51,8 @@ func feed(p *Proxier, a, b *backend) {
 // table to another, through the hand-over socket: the successor serves on the same proxy
 // ports, the connection goes on, the UDP client keeps its endpoint.
 func TestHandOverBetweenProxiers(t *testing.T) {
-	for _, paths := range [][2]string{
-		{TCPDataPathGoroutine, TCPDataPathGoroutine}, {TCPDataPathGoroutine, TCPDataPathLoop},
-		{TCPDataPathLoop, TCPDataPathGoroutine}, {TCPDataPathLoop, TCPDataPathLoop},
-	} {
-		t.Run(paths[0]+"-to-"+paths[1], func(t *testing.T) { testHandOverBetweenProxiers(t, paths[0], paths[1]) })
-	}
-}
-
-// testHandOverBetweenProxiers hands over from a proxier on TCP data path from to one on to.
-func testHandOverBetweenProxiers(t *testing.T, from, to string) {
 	a, b := startBackend(t, "a"), startBackend(t, "b")
-	old := newTestProxier(t, Options{TCPDataPath: from})
+	old := newTestProxier(t, Options{})
 	feed(old, a, b)
 	old.Sync()
 	tcpPortNo, udpPortNo := proxyPort(t, old, echoTCP), proxyPort(t, old, echoUDP)
@@ -119,11 +110,11 @@ func testHandOverBetweenProxiers(t *testing.T, from, to string) {
 	served := make(chan bool, 1)
 	go func() { served <- ln.Serve(context.Background(), g, 10*time.Second) }()
 
-	successor := newTestProxier(t, Options{TCPDataPath: to})
+	successor := newTestProxier(t, Options{})
 	feed(successor, a, b)
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	pkg, err := handover.Take(ctx, path, "test", func() error { return nil }, zerolog.Nop())
+	pkg, err := handover.Take(ctx, path, "test", func(*os.File) error { return nil }, zerolog.Nop())
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -156,14 +147,8 @@ func testHandOverBetweenProxiers(t *testing.T, from, to string) {
 // A hand-over that fails after Freeze (the successor goes away) leaves the old proxier serving
 // everything: the same proxy ports, the established connection.
 func TestResumeAfterFailedHandOver(t *testing.T) {
-	for _, path := range []string{TCPDataPathGoroutine, TCPDataPathLoop} {
-		t.Run(path, func(t *testing.T) { testResumeAfterFailedHandOver(t, path) })
-	}
-}
-
-func testResumeAfterFailedHandOver(t *testing.T, path string) {
 	a, b := startBackend(t, "a"), startBackend(t, "b")
-	p := newTestProxier(t, Options{TCPDataPath: path})
+	p := newTestProxier(t, Options{})
 	feed(p, a, b)
 	p.Sync()
 	port := proxyPort(t, p, echoTCP)
@@ -328,7 +313,7 @@ func TestFreezeFailingHalfwayThaws(t *testing.T) {
 	// a freeze that ran out of descriptors.
 	listeners := 0
 	p.testHookRecord = func(kind string) error {
-		if kind == KindListener {
+		if kind == handover.KindListener {
 			if listeners++; listeners == 2 {
 				return errors.New("injected failure")
 			}

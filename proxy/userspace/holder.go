@@ -1,13 +1,11 @@
 package userspace
 
 import (
-	"fmt"
 	"io"
 	"net"
 	"net/netip"
 	"os"
 	"sort"
-	"syscall"
 
 	"github.com/rs/zerolog"
 	v1 "k8s.io/api/core/v1"
@@ -102,16 +100,6 @@ func (h *holder) reconcile(ports []proxy.PortState, node proxy.NodeAddrs) {
 	}
 }
 
-// heldKeys returns the held ports (for tests).
-func (h *holder) heldKeys() []string {
-	out := make([]string, 0, len(h.held))
-	for k := range h.held {
-		out = append(out, k.String())
-	}
-	sort.Strings(out)
-	return out
-}
-
 func (h *holder) closeAll() {
 	for k, c := range h.held {
 		_ = c.Close()
@@ -137,27 +125,4 @@ func hold(k holdKey) (io.Closer, error) {
 		}
 	}
 	return net.ListenUDP(network, net.UDPAddrFromAddrPort(ap))
-}
-
-// bindTCP holds a TCP port with a socket that is bound but never listens: no other process can
-// bind the port, and a connection that reaches it (one the portal rules did not redirect, say to
-// an address --nodeport-addresses leaves out) is refused with a reset instead of completing a
-// handshake nobody will serve. An unspecified address binds both families.
-func bindTCP(ap netip.AddrPort) (io.Closer, error) {
-	family, sa := syscall.AF_INET6, syscall.Sockaddr(&syscall.SockaddrInet6{Port: int(ap.Port()), Addr: ap.Addr().As16()})
-	if ap.Addr().Is4() {
-		family, sa = syscall.AF_INET, &syscall.SockaddrInet4{Port: int(ap.Port()), Addr: ap.Addr().As4()}
-	}
-	fd, err := syscall.Socket(family, syscall.SOCK_STREAM|syscall.SOCK_CLOEXEC, 0)
-	if err != nil {
-		return nil, os.NewSyscallError("socket", err)
-	}
-	if family == syscall.AF_INET6 && ap.Addr().IsUnspecified() {
-		_ = syscall.SetsockoptInt(fd, syscall.IPPROTO_IPV6, syscall.IPV6_V6ONLY, 0)
-	}
-	if err := syscall.Bind(fd, sa); err != nil {
-		_ = syscall.Close(fd)
-		return nil, fmt.Errorf("hold tcp %s: %w", ap, os.NewSyscallError("bind", err))
-	}
-	return os.NewFile(uintptr(fd), "held tcp "+ap.String()), nil
 }

@@ -31,11 +31,6 @@ type Limits struct {
 	// never (kube-proxy's iptables mode lets conntrack's established timeout, 24 h by default,
 	// do the same).
 	TCPIdleTimeout time.Duration
-	// TCPParkIdleAfter is how long a direction of a TCP connection waits for data on a
-	// goroutine of its own before it gives the goroutine up and waits on the proxier's Poller
-	// (forward.TCPProxy.ParkIdleAfter): zero means forward.DefaultParkIdleAfter, negative
-	// never.
-	TCPParkIdleAfter time.Duration
 }
 
 // DefaultReserve is the reserve for a file limit: a quarter of it, at most 256.
@@ -87,14 +82,13 @@ type listenConfig struct {
 	maxConns    int
 	maxSessions int
 	idleTimeout time.Duration
-	parkAfter   time.Duration  // Limits.TCPParkIdleAfter
 	preferred   PreferredPorts // nil: none
-	// poller resumes the accept loops of idle TCP listeners (forward.TCPProxy.Start); nil: each
+	// poller resumes the read loops of idle UDP listeners (forward.UDPProxy.Start); nil: each
 	// keeps a goroutine. The proxier creates it with its first listener and closes it with the
 	// last (closeListeners).
 	poller *forward.Poller
-	// loops, when set, relay TCP on event loops (Options.TCPDataPath); the proxier closes them
-	// at the end of Shutdown.
+	// loops relay TCP (forward.TCPProxy.Loops); the proxier closes them at the end of Shutdown.
+	// Nil if they could not be created.
 	loops *forward.Loops
 	// testHookServe, when set, is called as a listener starts serving (tests).
 	testHookServe func(*listener)

@@ -272,13 +272,12 @@ func (l *listener) newUDP(cfg *listenConfig, conn *net.UDPConn, metrics forward.
 
 func (l *listener) newTCP(cfg *listenConfig, ln *net.TCPListener, metrics forward.Metrics) *forward.TCPProxy {
 	return &forward.TCPProxy{Listener: ln, Chooser: &l.choose, Log: l.log, LogScope: l, Metrics: metrics,
-		Budget: cfg.budget, MaxConns: cfg.maxConns, IdleTimeout: cfg.idleTimeout, ParkIdleAfter: cfg.parkAfter,
-		Loops: cfg.loops}
+		Budget: cfg.budget, MaxConns: cfg.maxConns, IdleTimeout: cfg.idleTimeout, Loops: cfg.loops}
 }
 
-// serveTCP starts the TCP proxy; with cfg's poller, an idle listener holds no goroutine.
-func (l *listener) serveTCP(cfg *listenConfig) {
-	if err := l.tcp.Start(cfg.poller); err != nil {
+// serveTCP starts the TCP proxy, on the event loops it was made with (listenConfig.loops).
+func (l *listener) serveTCP(_ *listenConfig) {
+	if err := l.tcp.Start(); err != nil {
 		l.logError().Err(err).Str("protocol", string(v1.ProtocolTCP)).Msg("proxy listener not serving")
 	}
 }

@@ -82,11 +82,6 @@ type Options struct {
 	TransparentLocal bool
 	// Limits bounds the data path; the zero value bounds nothing.
 	Limits Limits
-	// TCPDataPath is how TCP connections are relayed: TCPDataPathGoroutine (or empty), with
-	// goroutines per connection, or TCPDataPathLoop, on one event loop per processor
-	// (forward.Loops). If the loops cannot be created, the goroutine path is used, with a
-	// warning.
-	TCPDataPath string
 	// ClusterCIDRs are the pods' addresses (kube-proxy's --cluster-cidr). Pods reaching a
 	// NodePort, externalIP or load-balancer IP of an externalTrafficPolicy: Local service are
 	// served by any endpoint, as the node itself is: their traffic is in-cluster, and kube-proxy
@@ -98,21 +93,13 @@ type Options struct {
 	PreferredPorts PreferredPorts
 }
 
-// The values of Options.TCPDataPath.
-const (
-	TCPDataPathGoroutine = "goroutine"
-	TCPDataPathLoop      = "loop"
-)
-
-// newLoops returns the event loops of the TCP data path when opts ask for them: one per
-// processor the runtime uses. Nil means the goroutine path.
+// newLoops returns the event loops that relay TCP: one per processor the runtime uses. Nil
+// when they cannot be created (no descriptor left): TCP service ports are then not served,
+// each saying so in the log.
 func newLoops(opts Options) *forward.Loops {
-	if opts.TCPDataPath != TCPDataPathLoop {
-		return nil
-	}
 	loops, err := forward.NewLoops(runtime.GOMAXPROCS(0))
 	if err != nil {
-		opts.Log.Warn().Err(err).Msg("TCP event loops not available; relaying TCP on goroutines")
+		opts.Log.Error().Err(err).Msg("TCP event loops not available; TCP service ports will not be served")
 		return nil
 	}
 	opts.Log.Info().Int("loops", runtime.GOMAXPROCS(0)).Msg("TCP data path: event loops")
@@ -264,7 +251,6 @@ func New(opts Options) *Proxier {
 		maxConns:    opts.Limits.ConnsPerPort(),
 		maxSessions: opts.Limits.SessionsPerPort(),
 		idleTimeout: opts.Limits.TCPIdleTimeout,
-		parkAfter:   opts.Limits.TCPParkIdleAfter,
 		preferred:   opts.PreferredPorts,
 		loops:       newLoops(opts),
 	}
@@ -1037,8 +1023,8 @@ func (p *Proxier) closeListeners() {
 	}
 }
 
-// ensurePollerLocked creates the Poller of idle TCP listeners (listenConfig.poller) unless there
-// is one; without it (epoll unavailable, no descriptor left) every accept loop keeps a goroutine.
+// ensurePollerLocked creates the Poller of idle UDP listeners (listenConfig.poller) unless there
+// is one; without it (epoll unavailable, no descriptor left) every read loop keeps a goroutine.
 func (p *Proxier) ensurePollerLocked() {
 	if p.listen.poller != nil || p.closed {
 		return

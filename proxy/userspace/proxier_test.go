@@ -253,14 +253,8 @@ var (
 )
 
 func TestTCPAndUDPThroughProxy(t *testing.T) {
-	for _, path := range []string{TCPDataPathGoroutine, TCPDataPathLoop} {
-		t.Run(path, func(t *testing.T) { testTCPAndUDPThroughProxy(t, path) })
-	}
-}
-
-func testTCPAndUDPThroughProxy(t *testing.T, path string) {
 	a, b := startBackend(t, "a"), startBackend(t, "b")
-	p := newTestProxier(t, Options{TCPDataPath: path})
+	p := newTestProxier(t, Options{})
 	tr := p.Tracker()
 	tr.OnServiceUpdate(nil, service("echo", []v1.ServicePort{tcpPort("tcp", 80), udpPort("udp", 53)}))
 	tr.OnEndpointSliceUpdate(nil, slice("echo", "echo-a-tcp", "tcp", v1.ProtocolTCP, a))
@@ -280,11 +274,8 @@ func testTCPAndUDPThroughProxy(t *testing.T, path string) {
 	if got := mustAsk(t, "udp", udp); got != "a" {
 		t.Errorf("UDP answered by %q, want a", got)
 	}
-	switch loops := p.listen.loops; {
-	case path == TCPDataPathLoop && (loops == nil || loops.Served() != 10):
+	if loops := p.listen.loops; loops == nil || loops.Served() != 10 {
 		t.Errorf("event loops %v served %d TCP connections, want all 10", loops, servedBy(loops))
-	case path == TCPDataPathGoroutine && loops != nil:
-		t.Error("the goroutine data path has event loops")
 	}
 }
 
@@ -840,4 +831,14 @@ func TestPortalsRetryDue(t *testing.T) {
 	if len(portals.syncs) != 2 {
 		t.Errorf("%d syncs, want 2: the first and the one retry", len(portals.syncs))
 	}
+}
+
+// heldKeys returns the held ports (for tests).
+func (h *holder) heldKeys() []string {
+	out := make([]string, 0, len(h.held))
+	for k := range h.held {
+		out = append(out, k.String())
+	}
+	slices.Sort(out)
+	return out
 }

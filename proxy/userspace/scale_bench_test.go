@@ -51,12 +51,6 @@ func scaleProxierM(b testing.TB, n int, m TrafficMetrics) *Proxier {
 	return p
 }
 
-// liveHeap returns the live heap after a collection.
-func liveHeap() uint64 {
-	live, _ := heapAfterGC()
-	return live
-}
-
 // heapAfterGC returns, after a collection, the bytes of live objects and of the heap's spans in
 // use (live objects plus the free slots of partly used spans).
 func heapAfterGC() (live, inuse uint64) {

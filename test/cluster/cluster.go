@@ -1,3 +1,5 @@
+//go:build linux
+
 // Package cluster runs a real Kubernetes control plane (etcd and kube-apiserver) and real
 // upstream kube-proxy processes inside network namespaces, for end-to-end tests and benchmarks.
 //

@@ -1,3 +1,5 @@
+//go:build linux
+
 package cluster_test
 
 import (
@@ -18,6 +20,7 @@ import (
 	"k8s.io/apimachinery/pkg/util/intstr"
 	"k8s.io/client-go/kubernetes"
 
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/internal/testenv"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/test/cluster"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/test/echo"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/test/netns"
@@ -61,21 +64,36 @@ type fatalRecorder struct {
 func (r *fatalRecorder) Helper() {}
 
 func (r *fatalRecorder) Fatalf(format string, args ...any) {
-	r.msg = fmt.Sprintf(format, args...)
+	r.msg = "fail: " + fmt.Sprintf(format, args...)
 	runtime.Goexit()
 }
 
+func (r *fatalRecorder) Skipf(format string, args ...any) {
+	r.msg = "skip: " + fmt.Sprintf(format, args...)
+	runtime.Goexit()
+}
+
+// TestMissingBinariesFailNamingTheTarget: without the binaries, Start ends the test naming
+// kube-apiserver and make test-bins: a skip for a contributor's `go test ./...`, a failure under
+// KUP_TEST_ALL=1 (make test).
 func TestMissingBinariesFailNamingTheTarget(t *testing.T) {
-	rec := &fatalRecorder{TB: t}
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
-		cluster.Start(rec, cluster.Options{BinDir: t.TempDir()})
-		rec.msg = "Start returned"
-	}()
-	<-done
-	if !strings.Contains(rec.msg, "make test-bins") || !strings.Contains(rec.msg, "kube-apiserver") {
-		t.Errorf("Start with no binaries: %q, want a failure naming kube-apiserver and make test-bins", rec.msg)
+	for _, all := range []string{"", "1"} {
+		t.Setenv(testenv.AllVar, all)
+		rec := &fatalRecorder{TB: t}
+		done := make(chan struct{})
+		go func() {
+			defer close(done)
+			cluster.Start(rec, cluster.Options{BinDir: t.TempDir()})
+			rec.msg = "Start returned"
+		}()
+		<-done
+		want := "skip: "
+		if all == "1" {
+			want = "fail: "
+		}
+		if !strings.HasPrefix(rec.msg, want) || !strings.Contains(rec.msg, "make test-bins") || !strings.Contains(rec.msg, "kube-apiserver") {
+			t.Errorf("%s=%s: Start with no binaries: %q, want %q naming kube-apiserver and make test-bins", testenv.AllVar, all, rec.msg, want)
+		}
 	}
 }
 

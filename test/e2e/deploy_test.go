@@ -1,3 +1,5 @@
+//go:build linux
+
 package e2e
 
 import (
@@ -93,12 +95,10 @@ func TestDeploy(t *testing.T) {
 		t.Fatal(err)
 	}
 
-	var backends []*netns.Pod
 	var eps []harness.Endpoint
 	for _, name := range []string{"d1", "d2"} {
 		p := n.AddPod(t, node, name)
 		harness.StartEcho(t, p.NS, name, echoPort)
-		backends = append(backends, p)
 		eps = append(eps, harness.Endpoint{IP: p.IP, Node: depNode, Name: name})
 	}
 	clientPod := n.AddPod(t, node, "dcli")

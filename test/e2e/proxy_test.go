@@ -1,3 +1,5 @@
+//go:build linux
+
 package e2e
 
 import (
@@ -103,7 +105,7 @@ func newFixture(t *testing.T) *fixture {
 	// The outside client routes service addresses through the node, whose own route for them
 	// leads back out of the same interface: the kernel would answer with ICMP redirects, which
 	// share the per-destination ICMP rate limit with the port-unreachable a REJECT sends, and
-	// swallow the refusal of a service without endpoints (see the report of issue 3).
+	// swallow the refusal of a service without endpoints.
 	for _, key := range []string{"net.ipv4.conf.all.send_redirects", "net.ipv4.conf.eth0.send_redirects"} {
 		if err := f.node.SetSysctl(key, "0"); err != nil {
 			t.Fatal(err)

@@ -1,3 +1,5 @@
+//go:build linux
+
 package e2e
 
 import (
@@ -16,7 +18,7 @@ import (
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/test/netns"
 )
 
-// Issue 14: after a SIGKILL, the restarted proxy reopens its listeners on the proxy ports the
+// After a SIGKILL, the restarted proxy reopens its listeners on the proxy ports the
 // surviving rules name, so traffic resumes as soon as they are open.
 
 // proxyPortRule matches a rule of ours that sends a service port's traffic to its proxy port.

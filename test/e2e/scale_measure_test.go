@@ -1,6 +1,6 @@
-//go:build scalemeasure
+//go:build linux && scalemeasure
 
-// The measurements of issue 16, outside `make test` (they take minutes and assert no timing):
+// The scale measurements, outside `make test` (they take minutes and assert no timing):
 // `make scale-measure`, or go test -tags scalemeasure -run TestScaleMeasure -v ./test/e2e/.
 
 package e2e
@@ -251,7 +251,7 @@ func measureScale(t *testing.T, n int, window time.Duration) scaleFigures {
 		unservable: int(m["kube_userspace_proxy_service_ports_unservable"]), line: line}
 }
 
-// writeScaleTargets appends issue 16's targets at 10,000 service ports (when measured), met or
+// writeScaleTargets appends the scale targets at 10,000 service ports (when measured), met or
 // not, and the growth per doubling of the service ports measured.
 func writeScaleTargets(md *strings.Builder, figs []scaleFigures) {
 	byN := map[int]scaleFigures{}
@@ -265,7 +265,7 @@ func writeScaleTargets(md *strings.Builder, figs []scaleFigures) {
 		return "no"
 	}
 	if f, ok := byN[10000]; ok {
-		md.WriteString("\n## Issue 16's targets at 10,000 service ports (medians above)\n\n| target | measured | met |\n|---|---|---|\n")
+		md.WriteString("\n## Targets at 10,000 service ports (medians above)\n\n| target | measured | met |\n|---|---|---|\n")
 		fmt.Fprintf(md, "| start → every service answering ≤ 3 s | %v | %s |\n", f.all.Round(10*time.Millisecond), yes(f.neverAnswered == 0 && f.all <= 3*time.Second))
 		fmt.Fprintf(md, "| first full sync ≤ 1 s | %v | %s |\n", f.firstSync.Round(10*time.Millisecond), yes(f.firstSync <= time.Second))
 		fmt.Fprintf(md, "| one more service → first answer ≤ 100 ms | %v | %s |\n", f.oneMore.Round(time.Millisecond), yes(f.oneMore > 0 && f.oneMore <= 100*time.Millisecond))

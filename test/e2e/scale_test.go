@@ -1,3 +1,5 @@
+//go:build linux
+
 package e2e
 
 import (
@@ -19,7 +21,7 @@ import (
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/test/netns"
 )
 
-// Issue 16: many services on one node, from a manifests directory, with iptables portals.
+// Many services on one node, from a manifests directory, with iptables portals.
 //
 // TestScale (in `make test`) checks correctness at 10,000 services, not timing.
 // TestScaleMeasure (scale_measure_test.go, build tag scalemeasure: `make scale-measure`)

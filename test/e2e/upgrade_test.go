@@ -1,3 +1,5 @@
+//go:build linux
+
 package e2e
 
 import (
@@ -40,7 +42,7 @@ const newConnsPerUpgrade = 50
 // currentUpgrade is the upgrade under way (or last done), for messages.
 var currentUpgrade atomic.Int64
 
-// TestUpgrade upgrades a node's proxy (issue 14): an old binary hands everything over to a new
+// TestUpgrade upgrades a node's proxy: an old binary hands everything over to a new
 // binary, then the new one to itself started with other flags, and so on, ten times in a row,
 // alternating the two binaries (both built from the tree, stamped with different versions),
 // while the node carries: 20 TCP streams sending numbered, hashed data both ways without pause,
@@ -76,14 +78,12 @@ func TestUpgrade(t *testing.T) {
 	if _, err := c.CreateNode(ctx, nodeName, node.IP); err != nil {
 		t.Fatal(err)
 	}
-	var backends []*netns.Pod
 	var eps []harness.Endpoint
 	podByName := map[string]*netns.Pod{}
 	for i := 1; i <= 3; i++ {
 		name := fmt.Sprintf("u%d", i)
 		p := n.AddPod(t, node, name)
 		harness.StartEcho(t, p.NS, name, echoPort)
-		backends = append(backends, p)
 		podByName[name] = p
 		eps = append(eps, harness.Endpoint{IP: p.IP, Node: nodeName, Name: name})
 	}

@@ -1,7 +1,8 @@
 #!/bin/sh
 # build.sh DIR KUBERNETES_VERSION ETCD_VERSION
 #
-# Builds kube-apiserver, kube-proxy and etcd from this module (see go.mod, written by pin.sh)
+# Builds kube-apiserver, kube-proxy, kubelet, kube-controller-manager, kube-scheduler and etcd
+# from this module (see go.mod, written by pin.sh)
 # into DIR, skipping every binary already there whose --version reports the pinned version.
 # Binaries are built into a temporary directory and moved into place, so an interrupted build
 # never leaves a broken binary behind. Called by `make test-bins` (test/cluster.mk).
@@ -31,14 +32,16 @@ built() {
 	"$dir/$1" --version 2>/dev/null | grep -qF "$2"
 }
 
-k8sv=$k8s            # kube-apiserver/kube-proxy print "Kubernetes v1.36.3"
+k8sv=$k8s            # the Kubernetes components print "Kubernetes v1.36.3"
 etcdv="Version: ${etcd#v}" # etcd prints "etcd Version: 3.6.8"
+k8sbins="kube-apiserver kube-proxy kubelet kube-controller-manager kube-scheduler"
 pkgs=
-built kube-apiserver "$k8sv" || pkgs="$pkgs k8s.io/kubernetes/cmd/kube-apiserver"
-built kube-proxy "$k8sv" || pkgs="$pkgs k8s.io/kubernetes/cmd/kube-proxy"
+for b in $k8sbins; do
+	built "$b" "$k8sv" || pkgs="$pkgs k8s.io/kubernetes/cmd/$b"
+done
 built etcd "$etcdv" || pkgs="$pkgs go.etcd.io/etcd/server/v3"
 if [ -z "$pkgs" ]; then
-	echo "test-bins: kube-apiserver, kube-proxy $k8s and etcd $etcd already built in $dir"
+	echo "test-bins: $k8sbins $k8s and etcd $etcd already built in $dir"
 	exit 0
 fi
 
@@ -54,17 +57,18 @@ $GO build -trimpath -buildvcs=false -ldflags="$ldflags" -o "$tmp/" $pkgs
 # The etcd server module's main package is at its root: go names the binary after the
 # module's last element without the major version ("server").
 [ ! -e "$tmp/server" ] || mv "$tmp/server" "$tmp/etcd"
-for b in kube-apiserver kube-proxy etcd; do
+for b in $k8sbins etcd; do
 	[ ! -e "$tmp/$b" ] || mv -f "$tmp/$b" "$dir/$b"
 done
 echo "test-bins: built in $(($(date +%s) - start))s"
 
-for b in kube-apiserver:"$k8sv" kube-proxy:"$k8sv" etcd:"$etcdv"; do
-	name=${b%%:*}
-	if ! built "$name" "${b#*:}"; then
-		echo "build.sh: $dir/$name does not run or does not report ${b#*:}:" >&2
+for name in $k8sbins etcd; do
+	want=$k8sv
+	[ "$name" != etcd ] || want=$etcdv
+	if ! built "$name" "$want"; then
+		echo "build.sh: $dir/$name does not run or does not report $want:" >&2
 		"$dir/$name" --version >&2 || true
 		exit 1
 	fi
-	echo "test-bins: $("$dir/$name" --version 2>&1 | head -1) ($(du -h "$dir/$name" | cut -f1))"
+	echo "test-bins: $name: $("$dir/$name" --version 2>&1 | head -1) ($(du -h "$dir/$name" | cut -f1))"
 done

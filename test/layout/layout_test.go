@@ -1,6 +1,9 @@
-// Package layout checks the shape of the module: which package may import which, so that data
-// keeps flowing one way (sources → model → proxier → balancer, portals) as the README's picture
-// says. It reads the import graph with `go list`.
+// Package layout checks the shape of the repository. The import graph (read with `go list`):
+// which package may import which, so that data keeps flowing one way (sources → model → proxier
+// → balancer, portals) as docs/architecture.md draws it. The tracked files (read with
+// `git ls-files`): no reference to development history by number, no citation of a benchmark
+// README heading that does not exist, no relative Markdown link to a file or heading that does
+// not exist.
 package layout
 
 import (

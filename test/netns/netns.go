@@ -1,3 +1,5 @@
+//go:build linux
+
 // Package netns creates Linux network namespaces, and small topologies of them, for tests.
 //
 // Every namespace is named kup-<name>-<random> (so a leftover is easy to spot with
@@ -23,8 +25,9 @@
 //	...
 //	conn, err := node.DialContext(ctx, "tcp", netip.AddrPortFrom(pod.IP, 8080).String())
 //
-// The package needs root and the ip(8) command (iproute2). Tests using it fail, never skip, when
-// either is missing.
+// The package needs root and the ip(8) command (iproute2). Without either, New skips the test,
+// saying which is missing; under KUP_TEST_ALL=1 (make test, CI) it fails it (see package
+// internal/testenv).
 package netns
 
 import (
@@ -46,6 +49,8 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/internal/testenv"
 )
 
 // runDir is where `ip netns add` bind-mounts the namespaces it names.
@@ -67,9 +72,12 @@ type NS struct {
 // New creates the network namespace kup-<name>-<random>, brings its loopback up and registers
 // its deletion in t.Cleanup: processes started with [NS.Start] are killed first, then any other
 // process still in the namespace, then the namespace is deleted. It fails the test if the
-// namespace cannot be created.
+// namespace cannot be created. Without root or iproute2 it skips the test (fails it under
+// KUP_TEST_ALL=1; see package internal/testenv).
 func New(t testing.TB, name string) *NS {
 	t.Helper()
+	testenv.Privileged(t)
+	testenv.Tool(t, "Debian package iproute2", "ip")
 	suffix := make([]byte, 3)
 	if _, err := rand.Read(suffix); err != nil {
 		t.Fatalf("netns: random name suffix: %v", err)

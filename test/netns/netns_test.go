@@ -1,3 +1,5 @@
+//go:build linux
+
 package netns_test
 
 import (
@@ -8,6 +10,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/internal/testenv"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/test/echo"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/test/netns"
 )
@@ -36,6 +39,7 @@ func selfNetns(t *testing.T) string {
 }
 
 func TestNamespaceLifecycle(t *testing.T) {
+	testenv.Privileged(t) // its checks after the subtests need the namespaces they made
 	var name, logPath string
 	var proc *netns.Process
 	t.Run("use", func(t *testing.T) {

@@ -1,3 +1,5 @@
+//go:build linux
+
 package netns_test
 
 import (
@@ -7,6 +9,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/internal/testenv"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/test/echo"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/test/netns"
 )
@@ -23,6 +26,7 @@ func serveEcho(t *testing.T, ns *netns.NS, port int, banner string) {
 }
 
 func TestTwoNodeTopology(t *testing.T) {
+	testenv.Privileged(t) // its checks after the subtests need the namespaces they made
 	var names []string
 	t.Run("traffic", func(t *testing.T) {
 		n := netns.NewNetwork(t, "topo")

@@ -21,7 +21,6 @@ import (
 	"io"
 	"net"
 	"os"
-	"os/signal"
 	"slices"
 	"sync"
 	"sync/atomic"
@@ -223,7 +222,7 @@ func udpRR(addr string, d time.Duration, conc, size int) Result {
 func idle(addr string, count int, hold time.Duration) Result {
 	start := time.Now()
 	usr1 := make(chan os.Signal, 1)
-	signal.Notify(usr1, syscall.SIGUSR1)
+	notifyCheck(usr1)
 	conns := make([]net.Conn, 0, count)
 	var mu sync.Mutex
 	var e errs

@@ -47,6 +47,9 @@ func Main(args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintf(stderr, "invalid configuration: %v\n", err)
 		return 2
 	}
+	if opts.ProbeReady {
+		return probeMain(opts, stdout)
+	}
 	v, err := opts.Validate()
 	if err != nil {
 		fmt.Fprintf(stderr, "invalid options:\n%v\n", err)
@@ -108,12 +111,13 @@ func Run(ctx context.Context, opts *Options, v *Validated, log zerolog.Logger) e
 		MaxSessionsPerPort: opts.MaxUDPSessionsPerPort,
 		MaxAffinityEntries: opts.MaxAffinityEntries,
 		TCPIdleTimeout:     opts.TCPIdleTimeout,
-		TCPParkIdleAfter:   opts.TCPParkIdleAfter,
 	}
 	log.Info().Uint64("openFilesLimit", fileLimit).Int("reserve", limits.ReserveFDs()).
 		Int("maxConnectionsPerPort", limits.ConnsPerPort()).Int("maxUDPSessionsPerPort", limits.SessionsPerPort()).
 		Msg("descriptor budget of the data path")
-	if err := setOOMScoreAdj(oomScoreAdjPath, opts.OOMScoreAdj); err != nil {
+	if oomScoreAdjPath == "" {
+		log.Debug().Msg("--oom-score-adj ignored: not supported on this OS")
+	} else if err := setOOMScoreAdj(oomScoreAdjPath, opts.OOMScoreAdj); err != nil {
 		log.Warn().Err(err).Msg("cannot set the OOM score adjustment")
 	}
 	ct := conntrackSysctls{procRoot: "/proc", sysRoot: "/sys", log: log.With().Str("component", "conntrack").Logger()}
@@ -136,10 +140,9 @@ func Run(ctx context.Context, opts *Options, v *Validated, log zerolog.Logger) e
 		SyncPeriod:    opts.SyncPeriod,
 		ClusterCIDRs:  v.ClusterCIDRs,
 		Limits:        limits,
-		TCPDataPath:   opts.TCPDataPath,
 	}
 	var portals *portal.Set
-	release := func() {}
+	var lock *instanceLock // held while this proxy programs the portals
 	hoPath, successor := "", false
 	if opts.PortalMode == PortalModeIPTables {
 		if hoPath, err = handoverSocket(opts); err != nil {
@@ -148,23 +151,23 @@ func Run(ctx context.Context, opts *Options, v *Validated, log zerolog.Logger) e
 		// Before any rule is touched: a second proxy must not remove the running one's portals.
 		// With a hand-over socket it prepares to take over instead (nothing it does before
 		// that writes a rule or binds a port the running one holds).
-		r, err := lockInstance(InstanceLockDir)
+		var err error
+		lock, err = lockInstance(InstanceLockDir)
 		switch {
 		case errors.Is(err, errInstanceRunning) && hoPath != "":
 			successor = true
 			log.Info().Err(err).Str("socket", hoPath).Msg("another proxy serves this node: preparing to take over")
 		case err != nil:
 			return err
-		default:
-			release = onceFunc(r)
 		}
-		defer func() { release() }()
+		defer func() { lock.release() }()
 		portals, err = portal.NewSet(ctx, portal.SetOptions{
-			BindAddress:       v.BindAddress,
-			NodePortAddresses: v.NodePortAddresses,
-			ClusterCIDRs:      v.ClusterCIDRs,
-			Log:               log.With().Str("component", "portal").Logger(),
-			Successor:         successor,
+			BindAddress:          v.BindAddress,
+			NodePortAddresses:    v.NodePortAddresses,
+			ClusterCIDRs:         v.ClusterCIDRs,
+			NoLocalhostNodePorts: !opts.LocalhostNodePorts,
+			Log:                  log.With().Str("component", "portal").Logger(),
+			Successor:            successor,
 		})
 		if err != nil {
 			return err
@@ -173,6 +176,9 @@ func Run(ctx context.Context, opts *Options, v *Validated, log zerolog.Logger) e
 		pOpts.PreferredPorts = survivingPorts(ctx, portals, log)
 		pOpts.HoldPorts = true
 	}
+	// Names this process while it serves the node, for --probe-ready.
+	ready := newReadyFile(opts.ReadyFile, "/proc", log.With().Str("component", "ready").Logger())
+	defer ready.stop()
 	health := healthcheck.ProxyHealthOptions{Timeout: 2 * opts.SyncPeriod, Source: status}
 	srv, err := newServers(opts, v, health, log.With().Str("component", "servers").Logger())
 	if err != nil {
@@ -183,7 +189,7 @@ func Run(ctx context.Context, opts *Options, v *Validated, log zerolog.Logger) e
 	pOpts.OnQueued, pOpts.Metrics, pOpts.OnEndpointsProgrammed = srv.queued, srv.metrics, srv.metrics.EndpointsProgrammed
 	pOpts.OnSynced = func(r proxy.SyncResult) {
 		srv.synced(r)
-		firstSyncOnce.Do(func() { close(firstSync) })
+		firstSyncOnce.Do(func() { close(firstSync); ready.markSynced() })
 	}
 	px := userspace.New(pOpts)
 	if b := px.Budget(); b != nil {
@@ -201,14 +207,14 @@ func Run(ctx context.Context, opts *Options, v *Validated, log zerolog.Logger) e
 
 	var pkg *handover.Package
 	if successor {
-		var r func()
-		pkg, r, err = takeOver(ctx, hoPath, px, portals, srv.metrics, log.With().Str("component", "handover").Logger())
+		var l *instanceLock
+		pkg, l, err = takeOver(ctx, hoPath, px, portals, srv.metrics, log.With().Str("component", "handover").Logger())
 		if err != nil {
 			stopSource()
 			_ = waitSource(srcDone, sourceStopTimeout, log)
 			return err
 		}
-		release = r
+		lock = l
 	}
 	err = srv.listen(inheritedServers(pkg))
 	pkg.Close() // what neither the proxier nor the servers took
@@ -263,13 +269,15 @@ func Run(ctx context.Context, opts *Options, v *Validated, log zerolog.Logger) e
 	defer func() { stopServers(); <-serversDone }()
 
 	handedOver := make(chan struct{})
+	var stopHandovers func() bool
 	if hoPath != "" {
-		g := &giver{px: px, srv: srv, portals: portals, release: func() { release() }}
-		stopHandovers, err := serveHandovers(ctx, hoPath, g, handedOver, log.With().Str("component", "handover").Logger())
+		g := &giver{px: px, srv: srv, portals: portals, lock: lock, ready: ready}
+		stop, err := serveHandovers(ctx, hoPath, g, handedOver, log.With().Str("component", "handover").Logger())
 		if err != nil {
 			log.Warn().Err(err).Msg("no hand-over socket: a successor will restart instead of taking over")
 		} else {
-			defer stopHandovers()
+			stopHandovers = stop
+			defer stop()
 		}
 	}
 
@@ -284,6 +292,18 @@ func Run(ctx context.Context, opts *Options, v *Validated, log zerolog.Logger) e
 		}
 	case <-handedOver:
 		handed = true
+	}
+	// Handed over or shutting down, this process serves the node no more: its pod turns not
+	// ready, whatever an exchange still under way decides.
+	ready.stop()
+	// An exchange under way when the signal (or the source's end) came is finished first
+	// (within handoverTimeout; its freeze gives up dials still in progress), and it decides:
+	// handed over, everything is the successor's and no portal may be removed; failed, the
+	// proxier serves again and shuts down as usual. No new exchange begins.
+	if !handed && stopHandovers != nil {
+		handed = stopHandovers()
+	}
+	if handed {
 		// The servers' sockets are the successor's now: stop accepting on them at once, and
 		// finish what they accepted.
 		srv.handedOver.Store(true)
@@ -407,7 +427,7 @@ func isTerminal(w io.Writer) bool {
 // (listeners, rules, the sources' objects: ~48 MiB live at 10,000 service ports from the API
 // server) and a sync's garbage is small, but Go's default of 100 lets that garbage pile up to
 // the size of the live heap before a collection, and RSS follows it there over time (an idle
-// proxy at 10,000 reached that goal in ~20 minutes in a measurement of session 18). At 50 the
+// proxy at 10,000 reached that goal in ~20 minutes in a scale measurement). At 50 the
 // heap stays within 1.5 times the live one; the cost is a collection per ~24 MiB allocated
 // instead of ~48: a few a minute while services churn, about none when idle (the runtime
 // collects every two minutes anyway).

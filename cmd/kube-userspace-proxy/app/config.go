@@ -22,8 +22,6 @@ import (
 	"k8s.io/apimachinery/pkg/runtime/serializer"
 	kpconfig "k8s.io/kube-proxy/config/v1alpha1"
 	"sigs.k8s.io/yaml"
-
-	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/userspace"
 )
 
 // ProxyModeUserspace is the only KubeProxyConfiguration mode this proxy implements; an empty
@@ -73,6 +71,9 @@ var configFields = []configField{
 	valueField("iptables-sync-period", "iptables.syncPeriod",
 		func(c *kpconfig.KubeProxyConfiguration) *metav1.Duration { return &c.IPTables.SyncPeriod },
 		func(o *Options) *time.Duration { return &o.SyncPeriod }, fromDuration, toDuration),
+	pointerField("iptables-localhost-nodeports", "iptables.localhostNodePorts",
+		func(c *kpconfig.KubeProxyConfiguration) **bool { return &c.IPTables.LocalhostNodePorts },
+		func(o *Options) *bool { return &o.LocalhostNodePorts }, same[bool], same[bool]),
 	valueField("iptables-min-sync-period", "iptables.minSyncPeriod",
 		func(c *kpconfig.KubeProxyConfiguration) *metav1.Duration { return &c.IPTables.MinSyncPeriod },
 		func(o *Options) *time.Duration { return &o.MinSyncPeriod }, fromDuration, toDuration),
@@ -286,8 +287,8 @@ func ignoredFields(cfg *kpconfig.KubeProxyConfiguration) []string {
 	note(!notSet(cfg.IPVS), "ipvs", "only the userspace mode is implemented")
 	note(!notSet(cfg.NFTables), "nftables", "only the userspace mode is implemented")
 	note(!notSet(cfg.Winkernel), "winkernel", "only the userspace mode is implemented")
-	note(cfg.IPTables.MasqueradeAll || cfg.IPTables.MasqueradeBit != nil || cfg.IPTables.LocalhostNodePorts != nil,
-		"iptables.masqueradeAll/masqueradeBit/localhostNodePorts", "the userspace proxy needs no masquerading (it originates every connection)")
+	note(cfg.IPTables.MasqueradeAll || cfg.IPTables.MasqueradeBit != nil,
+		"iptables.masqueradeAll/masqueradeBit", "the userspace proxy needs no masquerading (it originates every connection)")
 	note(cfg.DetectLocalMode != "" && cfg.DetectLocalMode != "ClusterCIDR" || !notSet(cfg.DetectLocal),
 		"detectLocalMode/detectLocal", "pods are told apart by clusterCIDR only")
 	note(cfg.ConfigSyncPeriod.Duration != 0, "configSyncPeriod", "informers do not resync")
@@ -351,17 +352,14 @@ func (o *Options) OwnFlags() []string {
 	if o.TCPIdleTimeout != 0 {
 		own["tcp-idle-timeout"] = o.TCPIdleTimeout.String()
 	}
-	if o.TCPParkIdleAfter != 0 {
-		own["tcp-park-idle-after"] = o.TCPParkIdleAfter.String()
-	}
-	if o.TCPDataPath != userspace.TCPDataPathLoop {
-		own["tcp-data-path"] = o.TCPDataPath
-	}
 	if !o.HandoverExit {
 		own["handover-exit"] = "false"
 	}
 	if o.HandoverSocket != "" {
 		own["handover-socket"] = o.HandoverSocket
+	}
+	if o.ReadyFile != "" {
+		own["ready-file"] = o.ReadyFile
 	}
 	if o.Master != "" {
 		own["master"] = o.Master

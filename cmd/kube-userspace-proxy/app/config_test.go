@@ -116,6 +116,31 @@ mode: userspace
 			},
 		},
 		{
+			name: "iptables.localhostNodePorts false is used, not warned about", content: header + "iptables:\n  localhostNodePorts: false\n",
+			check: func(t *testing.T, o *Options) {
+				if o.LocalhostNodePorts || len(o.ConfigWarnings) != 0 {
+					t.Errorf("LocalhostNodePorts = %v, warnings %q; want false, none", o.LocalhostNodePorts, o.ConfigWarnings)
+				}
+			},
+		},
+		{
+			name: "iptables.localhostNodePorts unset: true, as kube-proxy's default", content: header + "iptables:\n  syncPeriod: 1m\n",
+			check: func(t *testing.T, o *Options) {
+				if !o.LocalhostNodePorts {
+					t.Error("LocalhostNodePorts = false, want the default true")
+				}
+			},
+		},
+		{
+			name: "--iptables-localhost-nodeports overrides the file", content: header + "iptables:\n  localhostNodePorts: false\n",
+			args: []string{"--iptables-localhost-nodeports=true"},
+			check: func(t *testing.T, o *Options) {
+				if !o.LocalhostNodePorts {
+					t.Error("LocalhostNodePorts = false, want the flag's true")
+				}
+			},
+		},
+		{
 			name: "ignored fields are warned about", content: header + "ipvs:\n  scheduler: rr\ndetectLocalMode: InterfaceNamePrefix\n",
 			check: func(t *testing.T, o *Options) {
 				w := strings.Join(o.ConfigWarnings, "\n")
@@ -241,7 +266,7 @@ func TestValidateNamesConfigField(t *testing.T) {
 }
 
 // operationalFlags are the flags that are not settings, which --write-config-to leaves out.
-var operationalFlags = map[string]bool{"config": true, "write-config-to": true, "cleanup": true, "version": true}
+var operationalFlags = map[string]bool{"config": true, "write-config-to": true, "cleanup": true, "version": true, "probe-ready": true}
 
 // TestWriteConfigRoundTrip: what --write-config-to writes decodes strictly and, read back with
 // --config plus the flags it lists in its comment, gives the same value of every setting, with
@@ -252,13 +277,14 @@ func TestWriteConfigRoundTrip(t *testing.T) {
 		"kubeconfig": "/k", "master": "https://10.0.0.1:6443", "manifests": t.TempDir(), "service-cluster-ip-range": "10.100.0.0/16",
 		"hostname-override": "node-x", "bind-address": "10.1.2.3", "nodeport-addresses": "10.0.0.0/8,192.168.0.0/16",
 		"cluster-cidr": "10.244.0.0/16,fd00:244::/48", "portal-mode": "none", "proxy-port-range": "40000+100", "udp-timeout": "5s",
-		"iptables-sync-period": "42s", "iptables-min-sync-period": "3s", "transparent-local": "false",
+		"iptables-sync-period": "42s", "iptables-min-sync-period": "3s", "transparent-local": "false", "iptables-localhost-nodeports": "false",
 		"conntrack-max-per-core": "1000", "conntrack-min": "5000", "conntrack-tcp-timeout-established": "2h0m0s",
 		"conntrack-tcp-timeout-close-wait": "30m0s", "conntrack-tcp-be-liberal": "true", "conntrack-udp-timeout": "45s",
 		"conntrack-udp-timeout-stream": "3m0s", "healthz-bind-address": "127.0.0.1:20256", "metrics-bind-address": "0.0.0.0:20249",
 		"shutdown-grace-period": "7s", "oom-score-adj": "-10", "log-level": "debug",
-		"fd-reserve": "100", "max-connections-per-port": "-1", "max-udp-sessions-per-port": "50", "tcp-idle-timeout": "1h0m0s", "tcp-park-idle-after": "250ms", "tcp-data-path": "goroutine", "max-affinity-entries-per-port": "500",
+		"fd-reserve": "100", "max-connections-per-port": "-1", "max-udp-sessions-per-port": "50", "tcp-idle-timeout": "1h0m0s", "max-affinity-entries-per-port": "500",
 		"handover-socket": "/tmp/kup-test-handover.sock", "handover-exit": "false", "profiling": "true",
+		"ready-file": "/tmp/kup-test.ready",
 	}
 	tests := []struct {
 		name string
@@ -283,7 +309,7 @@ func TestWriteConfigRoundTrip(t *testing.T) {
 			}
 			if tt.complete {
 				fs.VisitAll(func(f *pflag.Flag) {
-					if operationalFlags[f.Name] {
+					if operationalFlags[f.Name] || f.Deprecated != "" { // deprecated: no setting to write
 						return
 					}
 					if _, ok := tt.set[f.Name]; !ok {
@@ -350,10 +376,14 @@ func TestHelpGroups(t *testing.T) {
 		}
 		prev = i
 	}
-	// Every registered flag is printed exactly once.
+	// Every registered flag is printed exactly once, but deprecated ones, which are not.
 	fs.VisitAll(func(f *pflag.Flag) {
-		if n := len(regexp.MustCompile(`(?m)^\s+--`+f.Name+`( \w+)?\s{2,}`).FindAllString(out, -1)); n != 1 {
-			t.Errorf("--%s printed %d times", f.Name, n)
+		want := 1
+		if f.Deprecated != "" {
+			want = 0
+		}
+		if n := len(regexp.MustCompile(`(?m)^\s+--`+f.Name+`( \w+)?\s{2,}`).FindAllString(out, -1)); n != want {
+			t.Errorf("--%s printed %d times, want %d", f.Name, n, want)
 		}
 	})
 }

@@ -1,3 +1,5 @@
+//go:build linux
+
 package app
 
 import (
@@ -239,12 +241,15 @@ func TestConntrackSysctlsInNetns(t *testing.T) {
 	}
 }
 
-// TestValidateTCPDataPath: --tcp-data-path takes loop (the default) or goroutine, nothing else.
+// TestValidateTCPDataPath: the deprecated --tcp-data-path takes loop, the only data path;
+// goroutine, the removed one, is refused with the reason; --tcp-park-idle-after, which applied
+// to goroutine only, is accepted and ignored.
 func TestValidateTCPDataPath(t *testing.T) {
 	for _, tt := range []struct{ arg, wantErr string }{
-		{"--tcp-data-path=goroutine", ""},
 		{"--tcp-data-path=loop", ""},
-		{"--tcp-data-path=epoll", `--tcp-data-path: "epoll": must be "goroutine" or "loop"`},
+		{"--tcp-park-idle-after=250ms", ""},
+		{"--tcp-data-path=goroutine", `--tcp-data-path: "goroutine": the goroutine TCP data path was removed`},
+		{"--tcp-data-path=epoll", `--tcp-data-path: "epoll": the flag is deprecated; its only value is "loop"`},
 	} {
 		t.Run(tt.arg, func(t *testing.T) {
 			o, err := parse(t, tt.arg, "--hostname-override=n")
@@ -260,7 +265,7 @@ func TestValidateTCPDataPath(t *testing.T) {
 			}
 		})
 	}
-	if o := NewOptions(); o.TCPDataPath != "loop" {
-		t.Errorf("default --tcp-data-path %q, want loop", o.TCPDataPath)
+	if o := NewOptions(); o.TCPDataPath != "" {
+		t.Errorf("default --tcp-data-path %q, want none", o.TCPDataPath)
 	}
 }

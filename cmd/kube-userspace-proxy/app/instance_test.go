@@ -12,7 +12,7 @@ import (
 // the first is released.
 func TestLockInstance(t *testing.T) {
 	dir := t.TempDir()
-	release, err := lockInstance(dir)
+	lock, err := lockInstance(dir)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -20,10 +20,11 @@ func TestLockInstance(t *testing.T) {
 	if !errors.Is(err, errInstanceRunning) || !strings.Contains(err.Error(), "pid "+strconv.Itoa(os.Getpid())) {
 		t.Fatalf("second lock: %v, want errInstanceRunning naming pid %d", err, os.Getpid())
 	}
-	release()
+	lock.release()
+	lock.release() // twice: nothing more
 	again, err := lockInstance(dir)
 	if err != nil {
 		t.Fatalf("lock after release: %v", err)
 	}
-	again()
+	again.release()
 }

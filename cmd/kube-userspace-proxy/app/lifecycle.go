@@ -51,9 +51,6 @@ func signalContext(parent context.Context, log zerolog.Logger, exit func(code in
 	}
 }
 
-// oomScoreAdjPath is where a process sets its own OOM score adjustment.
-const oomScoreAdjPath = "/proc/self/oom_score_adj"
-
 // setOOMScoreAdj writes v to path (normally oomScoreAdjPath).
 func setOOMScoreAdj(path string, v int32) error {
 	f, err := os.OpenFile(path, os.O_WRONLY, 0)

@@ -12,7 +12,6 @@ import (
 	"github.com/spf13/pflag"
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/portalloc"
-	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/userspace"
 )
 
 // Portal modes.
@@ -50,6 +49,9 @@ type Options struct {
 	// SIGTERM, serving nothing (in a pod, an exit would make the kubelet restart the container,
 	// which would take everything back).
 	HandoverExit bool
+	// LocalhostNodePorts: the node's own traffic to a NodePort on 127.0.0.1 (any 127.0.0.0/8
+	// address) is served, as kube-proxy's iptables.localhostNodePorts; IPv6's ::1 never is.
+	LocalhostNodePorts bool
 	// TransparentLocal: external traffic of externalTrafficPolicy: Local services reaches
 	// endpoints on this node from the client's own address (needs --portal-mode iptables).
 	TransparentLocal bool
@@ -70,8 +72,11 @@ type Options struct {
 	MaxUDPSessionsPerPort int
 	MaxAffinityEntries    int
 	TCPIdleTimeout        time.Duration
-	TCPParkIdleAfter      time.Duration
-	TCPDataPath           string
+	// TCPDataPath and TCPParkIdleAfter are deprecated flags' values, without effect: TCP is
+	// relayed on event loops only. TCPDataPath may be empty or "loop"; Validate rejects
+	// "goroutine", the removed data path, whose TCPParkIdleAfter is accepted and ignored.
+	TCPDataPath      string
+	TCPParkIdleAfter time.Duration
 
 	// Servers.
 	HealthzBindAddress string
@@ -86,6 +91,10 @@ type Options struct {
 	Cleanup       bool
 	LogLevel      string
 	Version       bool
+	// ReadyFile names this process while it serves the node ("": no file); ProbeReady checks
+	// it and /healthz, and exits (see probe.go).
+	ReadyFile  string
+	ProbeReady bool
 
 	// ConfigWarnings are set by Complete: fields of the configuration file that have no
 	// effect here. Run logs them.
@@ -124,8 +133,8 @@ func NewOptions() *Options {
 		LogLevel:              "info",
 		OOMScoreAdj:           DefaultOOMScoreAdj,
 		TransparentLocal:      true,
+		LocalhostNodePorts:    true,
 		ConntrackMin:          DefaultConntrackMin,
-		TCPDataPath:           userspace.TCPDataPathLoop,
 	}
 }
 
@@ -165,6 +174,7 @@ func (o *Options) FlagGroups() []FlagGroup {
 			fs.DurationVar(&o.UDPTimeout, "udp-timeout", o.UDPTimeout, "How long an idle UDP session is kept (kube-proxy's 250ms broke DNS forwarders; default: conntrack's 30s).")
 			fs.DurationVar(&o.SyncPeriod, "iptables-sync-period", o.SyncPeriod, "The longest time between two syncs (rules repaired, state re-applied). [config: iptables.syncPeriod]")
 			fs.DurationVar(&o.MinSyncPeriod, "iptables-min-sync-period", o.MinSyncPeriod, "The shortest average time between two syncs (two may run back to back, as in kube-proxy); changes within it are applied together. [config: iptables.minSyncPeriod]")
+			fs.BoolVar(&o.LocalhostNodePorts, "iptables-localhost-nodeports", o.LocalhostNodePorts, "Serve NodePorts on 127.0.0.1 (all of 127.0.0.0/8) to the node's own clients, as kube-proxy's iptables mode does; false leaves those connections to whatever listens there. IPv6's ::1 never serves NodePorts. [config: iptables.localhostNodePorts]")
 			fs.BoolVar(&o.TransparentLocal, "transparent-local", o.TransparentLocal, "Keep the client's address for externalTrafficPolicy: Local services: connect to endpoints on this node from the client's own IP (IP_TRANSPARENT, with a mangle rule, ip rule and route that deliver the replies; needs --portal-mode iptables). false: endpoints see the node's address.")
 		}),
 		group("Conntrack (sysctls left alone unless set; kube-proxy's defaults set them)", func(fs *pflag.FlagSet) {
@@ -182,8 +192,10 @@ func (o *Options) FlagGroups() []FlagGroup {
 			fs.IntVar(&o.MaxUDPSessionsPerPort, "max-udp-sessions-per-port", o.MaxUDPSessionsPerPort, "The most UDP sessions (client addresses) one service port may have; a new client beyond it ends the port's longest-idle session. 0: half of the data path's descriptor budget; -1: no bound but the budget.")
 			fs.IntVar(&o.MaxAffinityEntries, "max-affinity-entries-per-port", o.MaxAffinityEntries, "The most ClientIP session-affinity entries one service port keeps; beyond it the least recently used client is forgotten. 0: 10000.")
 			fs.DurationVar(&o.TCPIdleTimeout, "tcp-idle-timeout", o.TCPIdleTimeout, "Reset proxied TCP connections that moved no byte either way for this long. 0: never (iptables mode's conntrack established timeout is 24h).")
-			fs.StringVar(&o.TCPDataPath, "tcp-data-path", o.TCPDataPath, "How TCP connections are relayed: loop (one event loop per processor on raw non-blocking sockets: about half the CPU per connection of goroutine, a few hundred bytes per idle connection; a service port's listener is on two loops and a connection stays on the loop that accepted it, so one busy port uses at most two cores) or goroutine (goroutines per connection, the only path before the loop: a busy port spreads over every core). Both splice bulk traffic and hand connections over to either. --tcp-park-idle-after applies to goroutine only.")
-			fs.DurationVar(&o.TCPParkIdleAfter, "tcp-park-idle-after", o.TCPParkIdleAfter, "A direction of a proxied TCP connection that moved no byte for this long (to twice that) gives its goroutine up and waits on the proxy's epoll watcher, so that idle connections cost no goroutine stack. 0: 200ms; negative (e.g. -1s): never.")
+			fs.StringVar(&o.TCPDataPath, "tcp-data-path", o.TCPDataPath, "Deprecated: TCP is relayed on event loops (loop), the only data path; goroutine was removed.")
+			_ = fs.MarkDeprecated("tcp-data-path", "TCP is relayed on event loops, the only data path (loop, the former default); the flag has no effect and will be removed. --tcp-data-path=goroutine is refused: that data path was removed.")
+			fs.DurationVar(&o.TCPParkIdleAfter, "tcp-park-idle-after", o.TCPParkIdleAfter, "Deprecated: applied to the removed goroutine data path only.")
+			_ = fs.MarkDeprecated("tcp-park-idle-after", "it applied to the removed goroutine TCP data path only; it has no effect and will be removed.")
 		}),
 		group("Health and metrics", func(fs *pflag.FlagSet) {
 			fs.StringVar(&o.HealthzBindAddress, "healthz-bind-address", o.HealthzBindAddress, "IP:port of the /healthz and /livez server; empty disables it. [config: healthzBindAddress]")
@@ -193,10 +205,12 @@ func (o *Options) FlagGroups() []FlagGroup {
 		group("Process", func(fs *pflag.FlagSet) {
 			fs.DurationVar(&o.ShutdownGracePeriod, "shutdown-grace-period", o.ShutdownGracePeriod, "On SIGTERM/SIGINT, how long established connections may continue before they are cut (a second signal exits at once).")
 			fs.BoolVar(&o.HandoverExit, "handover-exit", o.HandoverExit, "Exit once everything is handed over to a successor. false: wait for SIGTERM, holding and serving nothing (for pods: an exit would make the kubelet restart the container, which would take everything back).")
-			fs.StringVar(&o.HandoverSocket, "handover-socket", o.HandoverSocket, "Unix socket through which a proxy started while another runs on the node takes over its listeners, connections, UDP sessions and affinity (nothing is dropped; the old one exits). Empty: /run/kube-userspace-proxy/handover-netns-<inode>.sock; 'none': no hand-over (a second proxy exits).")
+			fs.StringVar(&o.HandoverSocket, "handover-socket", o.HandoverSocket, "Unix socket through which a proxy started while another runs on the node takes over its listeners, connections, UDP sessions and affinity (nothing is dropped; the old one exits). Empty: /run/kube-userspace-proxy/handover-netns-<inode>.sock (Linux; elsewhere no hand-over); 'none': no hand-over (a second proxy exits).")
 			fs.Int32Var(&o.OOMScoreAdj, "oom-score-adj", o.OOMScoreAdj, "The oom_score_adj of the process, in [-1000, 1000]; failing to set it is only a warning. [config: oomScoreAdj]")
 			fs.StringVar(&o.LogLevel, "log-level", o.LogLevel, "Log level: debug, info, warn or error.")
 			fs.BoolVar(&o.Cleanup, "cleanup", o.Cleanup, "Remove every rule and chain this proxy owns, then exit.")
+			fs.StringVar(&o.ReadyFile, "ready-file", o.ReadyFile, "While this process serves the node (from its first sync, holding the instance lock when it programs portals, until it hands over or stops), a file at this path names it (pid and start time), for --probe-ready. Give each proxy a path of its own (in a container: /tmp). Empty: no file.")
+			fs.BoolVar(&o.ProbeReady, "probe-ready", o.ProbeReady, "Exit 0 if the process that --ready-file names is running and serves the node, and /healthz (at --healthz-bind-address; loopback for an unspecified address) answers 200; otherwise print why and exit 1. For an exec readinessProbe of a hostNetwork pod, whose httpGet probe the previous proxy on the node would answer during a rolling update.")
 			fs.BoolVar(&o.Version, "version", o.Version, "Print the version and commit, and exit.")
 		}),
 	}
@@ -294,9 +308,11 @@ func (o *Options) Validate() (*Validated, error) {
 		}
 	}
 	switch o.TCPDataPath {
-	case userspace.TCPDataPathGoroutine, userspace.TCPDataPathLoop:
+	case "", "loop":
+	case "goroutine":
+		bad("tcp-data-path", "%q: the goroutine TCP data path was removed; TCP is relayed on event loops (the former default, loop: the same behaviour at about two thirds of the CPU per connection, but one busy service port uses at most two cores); remove the flag", o.TCPDataPath)
 	default:
-		bad("tcp-data-path", "%q: must be %q or %q", o.TCPDataPath, userspace.TCPDataPathGoroutine, userspace.TCPDataPathLoop)
+		bad("tcp-data-path", "%q: the flag is deprecated; its only value is \"loop\"", o.TCPDataPath)
 	}
 	if o.TCPIdleTimeout < 0 {
 		bad("tcp-idle-timeout", "%v: must not be negative", o.TCPIdleTimeout)
@@ -336,6 +352,7 @@ func (o *Options) Validate() (*Validated, error) {
 			bad(flag, "%v: must be 0 (leave the sysctl alone) or at least 1s", d)
 		}
 	}
+	validateOS(o, bad)
 	if _, err := parseLevel(o.LogLevel); err != nil {
 		bad("log-level", "%v", err)
 	}

@@ -134,7 +134,9 @@ func (s *servers) listenOn(key, network, address string) (net.Listener, error) {
 	return net.Listen(network, address)
 }
 
-// sameAddr reports whether a listener's address is what address (host:port) asks for.
+// sameAddr reports whether a listener's address is what address (host:port) asks for. For
+// 0.0.0.0 Go listens on [::] (both families) where the machine has IPv6, so a socket of either
+// unspecified address is what 0.0.0.0 asks for.
 func sameAddr(a net.Addr, address string) bool {
 	host, port, err := net.SplitHostPort(address)
 	ta, ok := a.(*net.TCPAddr)
@@ -145,6 +147,9 @@ func sameAddr(a net.Addr, address string) bool {
 		return ta.IP.IsUnspecified()
 	}
 	ip := net.ParseIP(host)
+	if ip.Equal(net.IPv4zero) {
+		return ta.IP.IsUnspecified()
+	}
 	return ip != nil && ip.Equal(ta.IP)
 }
 
@@ -175,7 +180,7 @@ func (s *servers) handoverRecords() ([]handover.Record, error) {
 	}
 	var recs []handover.Record
 	for k, f := range files {
-		r, err := handover.NewRecord(kindServer, k, f)
+		r, err := handover.NewRecord(handover.KindServer, k, f)
 		if err != nil {
 			f.Close()
 			continue
@@ -184,10 +189,6 @@ func (s *servers) handoverRecords() ([]handover.Record, error) {
 	}
 	return recs, nil
 }
-
-// kindServer is the hand-over record of an HTTP server's listening socket; its meta is the
-// server's name ("healthz", "metrics", "healthcheck <network> <address>").
-const kindServer = "server"
 
 // inheritedServers takes the server sockets out of a hand-over package, by name ("healthz", "metrics", "healthcheck <network> <address>").
 func inheritedServers(pkg *handover.Package) map[string]*os.File {
@@ -198,7 +199,7 @@ func inheritedServers(pkg *handover.Package) map[string]*os.File {
 	for i := range pkg.Records {
 		r := &pkg.Records[i]
 		var key string
-		if r.Kind != kindServer || len(r.Files) != 1 || json.Unmarshal(r.Meta, &key) != nil {
+		if r.Kind != handover.KindServer || len(r.Files) != 1 || json.Unmarshal(r.Meta, &key) != nil {
 			continue
 		}
 		out[key] = r.Files[0]

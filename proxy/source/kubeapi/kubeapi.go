@@ -339,13 +339,9 @@ func newInformer(client Client, example runtime.Object, w *watchState, resync ti
 		return wi, err
 	}
 	lw := &cache.ListWatch{
+		// ListWatch's deprecated context-free List and Watch fall back to these too.
 		ListWithContextFunc:  listCtx,
 		WatchFuncWithContext: watchCtx,
-		// The context-free variants are kept for callers that still use them.
-		ListFunc: func(o metav1.ListOptions) (runtime.Object, error) { return listCtx(context.Background(), o) },
-		WatchFunc: func(o metav1.ListOptions) (watch.Interface, error) {
-			return watchCtx(context.Background(), o)
-		},
 	}
 	return cache.NewSharedIndexInformerWithOptions(cache.ToListWatcherWithWatchListSemantics(lw, client), example,
 		cache.SharedIndexInformerOptions{ResyncPeriod: resync, Indexers: cache.Indexers{}})

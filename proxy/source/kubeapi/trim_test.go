@@ -92,7 +92,7 @@ func TestTrimObjectKeepsWhatTheProxyReads(t *testing.T) {
 
 	slice := realSlice("web-abc", 5)
 	name := types.NamespacedName{Namespace: "shop", Name: "web"}
-	wantEps, err := proxy.EndpointsFromSlices(name, []*discovery.EndpointSlice{slice})
+	wantEps, err := endpointsOf([]*discovery.EndpointSlice{slice})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -110,7 +110,7 @@ func TestTrimObjectKeepsWhatTheProxyReads(t *testing.T) {
 	if got, ok := proxy.SliceServiceName(tslice); !ok || got != name {
 		t.Errorf("trimmed slice's service = %v, %v", got, ok)
 	}
-	gotEps, err := proxy.EndpointsFromSlices(name, []*discovery.EndpointSlice{tslice})
+	gotEps, err := endpointsOf([]*discovery.EndpointSlice{tslice})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -245,4 +245,21 @@ func TestPackedRoundTrip(t *testing.T) {
 		delivered[2] == nil || delivered[2].Name != "web-abc" || delivered[3] != nil {
 		t.Errorf("delivered %+v", delivered)
 	}
+}
+
+// endpointsOf merges one service's EndpointSlices into endpoints per port name, as the Tracker
+// does (proxy.FromSlice per slice, then proxy.MergeSlices).
+func endpointsOf(slices []*discovery.EndpointSlice) (map[string][]proxy.Endpoint, error) {
+	each := make([]proxy.SliceEndpoints, 0, len(slices))
+	for _, s := range slices {
+		if s != nil {
+			each = append(each, proxy.FromSlice(s))
+		}
+	}
+	eps, err := proxy.MergeSlices(each)
+	out := make(map[string][]proxy.Endpoint, len(eps))
+	for _, pe := range eps {
+		out[pe.Port] = pe.Endpoints
+	}
+	return out, err
 }

@@ -205,12 +205,6 @@ func BenchmarkSourceMemory(b *testing.B) {
 	}
 }
 
-// liveHeap returns the bytes of the heap in use after a collection.
-func liveHeap() int64 {
-	live, _ := heapAfterGC()
-	return live
-}
-
 // heapAfterGC returns, after a collection, the bytes of live objects and of the heap's spans in
 // use (live objects plus the free slots of partly used spans).
 func heapAfterGC() (live, inuse int64) {

@@ -173,7 +173,7 @@ const maxErrorsKept = 20
 type fileResult struct {
 	objects []*entry
 	// failed lists the objects whose document was identified but failed, among those the caller
-	// asked about (see decodeFile); their last good versions keep serving.
+	// asked about (see fileJob.track); their last good versions keep serving.
 	failed []objKey
 	// unidentified is true when some document failed before its object could be identified;
 	// then every object of the file's previous content that is not in objects keeps serving.
@@ -261,11 +261,6 @@ func documents(data []byte) iter.Seq[document] {
 	}
 }
 
-// splitDocuments returns all the documents of a YAML stream (see documents).
-func splitDocuments(data []byte) []document {
-	return slices.Collect(documents(data))
-}
-
 func isSeparator(line []byte) bool {
 	if !bytes.HasPrefix(line, []byte("---")) {
 		return false
@@ -325,17 +320,6 @@ func secondDocument(d []byte) int {
 		}
 	}
 	return 0
-}
-
-// decodeFile decodes the content of one manifest file, sequentially and without a cache (see
-// decodeFiles for the parallel form the source uses). JSON files (by name) hold one object or
-// List; YAML files hold any number of documents, decoded one at a time. It never panics: a panic
-// in a decoding library is turned into an error for that document. Of the objects whose document
-// fails, only those for which track returns true are listed in failed (the objects of the file's
-// previous content: only those can be kept), so that a file of many broken documents costs no
-// more memory than its content and maxErrorsKept errors.
-func (d *decoder) decodeFile(path string, isJSON bool, data []byte, track func(objKey) bool) *fileResult {
-	return d.decodeFiles([]*fileJob{{path: path, isJSON: isJSON, data: data, track: track}}, 1)[0]
 }
 
 // decodeSpan decodes the documents of one span of a file's content into a result of its own,

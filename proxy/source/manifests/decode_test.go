@@ -267,3 +267,19 @@ func TestIsManifestFile(t *testing.T) {
 		}
 	}
 }
+
+// splitDocuments returns all the documents of a YAML stream (see documents).
+func splitDocuments(data []byte) []document {
+	return slices.Collect(documents(data))
+}
+
+// decodeFile decodes the content of one manifest file, sequentially and without a cache (see
+// decodeFiles for the parallel form the source uses). JSON files (by name) hold one object or
+// List; YAML files hold any number of documents, decoded one at a time. It never panics: a panic
+// in a decoding library is turned into an error for that document. Of the objects whose document
+// fails, only those for which track returns true are listed in failed (the objects of the file's
+// previous content: only those can be kept), so that a file of many broken documents costs no
+// more memory than its content and maxErrorsKept errors.
+func (d *decoder) decodeFile(path string, isJSON bool, data []byte, track func(objKey) bool) *fileResult {
+	return d.decodeFiles([]*fileJob{{path: path, isJSON: isJSON, data: data, track: track}}, 1)[0]
+}

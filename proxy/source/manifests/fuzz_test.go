@@ -112,8 +112,8 @@ func FuzzDecode(f *testing.F) {
 			}
 		}
 		for n, list := range slicesOf {
-			if _, err := proxy.EndpointsFromSlices(n, list); err != nil {
-				t.Fatalf("the model rejects EndpointSlices the source delivers: %v", err)
+			if _, err := endpointsOf(list); err != nil {
+				t.Fatalf("the model rejects the EndpointSlices the source delivers for %s: %v", n, err)
 			}
 		}
 

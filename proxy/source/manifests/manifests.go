@@ -83,7 +83,6 @@ import (
 	"sort"
 	"strings"
 	"sync/atomic"
-	"syscall"
 	"time"
 
 	"github.com/rs/zerolog"
@@ -136,7 +135,7 @@ func unchangedSince(mtime, now time.Time) time.Time {
 type Options struct {
 	// ServiceCIDRs are the ranges cluster IPs are allocated from: at most one IPv4 and one IPv6
 	// prefix, the first being the primary family (as kube-apiserver's
-	// --service-cluster-ip-range; see ParseServiceCIDRs). Empty means DefaultServiceCIDR.
+	// --service-cluster-ip-range). Empty means DefaultServiceCIDR.
 	ServiceCIDRs []netip.Prefix
 	// Interval is how often the directory is rescanned when it cannot be watched (no inotify,
 	// the directory gone, a network file system); while it is watched, every 10×Interval. 0
@@ -149,23 +148,6 @@ type Options struct {
 	Debounce time.Duration
 	// Log receives the source's logs. The zero value discards them.
 	Log zerolog.Logger
-}
-
-// ParseServiceCIDRs parses kube-apiserver's --service-cluster-ip-range syntax: one CIDR, or an
-// IPv4 and an IPv6 CIDR separated by a comma (the first is the primary family).
-func ParseServiceCIDRs(s string) ([]netip.Prefix, error) {
-	var out []netip.Prefix
-	for _, part := range strings.Split(s, ",") {
-		p, err := netip.ParsePrefix(strings.TrimSpace(part))
-		if err != nil {
-			return nil, fmt.Errorf("parse service CIDRs %q: %w", s, err)
-		}
-		out = append(out, p)
-	}
-	if err := validateCIDRs(out); err != nil {
-		return nil, fmt.Errorf("parse service CIDRs %q: %w", s, err)
-	}
-	return out, nil
 }
 
 func validateCIDRs(cidrs []netip.Prefix) error {
@@ -294,9 +276,7 @@ type statKey struct {
 
 func statKeyOf(fi os.FileInfo) statKey {
 	k := statKey{size: fi.Size(), mtime: fi.ModTime()}
-	if st, ok := fi.Sys().(*syscall.Stat_t); ok {
-		k.ino, k.dev = uint64(st.Ino), uint64(st.Dev)
-	}
+	k.ino, k.dev = fileID(fi)
 	return k
 }
 
@@ -542,15 +522,6 @@ func (s *Source) scan(h source.Handler, first bool) (time.Time, error) {
 	}
 	releaseDecoded(loads)
 	return due, nil
-}
-
-// readFile reads and, if its content changed, decodes one file. statErr is the error of the
-// stat fi, if any. It reports whether the file's objects may have changed, and whether the file
-// was settled: a file that changes while it is read is left to settle again.
-func (s *Source) readFile(path string, st *fileState, fi os.FileInfo, statErr error) (read, settled bool) {
-	l := s.load(path, st, fi, statErr)
-	s.decodeLoads([]*load{l})
-	return s.apply(l)
 }
 
 // load is one file read by a scan: read and hashed (load), decoded if its content changed

@@ -417,7 +417,7 @@ func TestExampleManifests(t *testing.T) {
 	if !slices.Equal(ports, wantPorts) {
 		t.Errorf("service ports\n%s\nwant\n%s", strings.Join(ports, "\n"), strings.Join(wantPorts, "\n"))
 	}
-	eps, err := proxy.EndpointsFromSlices(types.NamespacedName{Namespace: "shop", Name: "web"}, slicesBySvc[types.NamespacedName{Namespace: "shop", Name: "web"}])
+	eps, err := endpointsOf(slicesBySvc[types.NamespacedName{Namespace: "shop", Name: "web"}])
 	if err != nil || len(eps["http"]) != 2 || len(eps["https"]) != 2 || !eps["http"][1].Terminating {
 		t.Errorf("web endpoints %v, %v", eps, err)
 	}
@@ -986,4 +986,38 @@ func TestSlicesKeptEncoded(t *testing.T) {
 	if n := decoded(); n != 0 {
 		t.Fatalf("%d decoded EndpointSlices held, want 0", n)
 	}
+}
+
+// ParseServiceCIDRs parses kube-apiserver's --service-cluster-ip-range syntax: one CIDR, or an
+// IPv4 and an IPv6 CIDR separated by a comma (the first is the primary family).
+func ParseServiceCIDRs(s string) ([]netip.Prefix, error) {
+	var out []netip.Prefix
+	for _, part := range strings.Split(s, ",") {
+		p, err := netip.ParsePrefix(strings.TrimSpace(part))
+		if err != nil {
+			return nil, fmt.Errorf("parse service CIDRs %q: %w", s, err)
+		}
+		out = append(out, p)
+	}
+	if err := validateCIDRs(out); err != nil {
+		return nil, fmt.Errorf("parse service CIDRs %q: %w", s, err)
+	}
+	return out, nil
+}
+
+// endpointsOf merges one service's EndpointSlices into endpoints per port name, as the Tracker
+// does (proxy.FromSlice per slice, then proxy.MergeSlices).
+func endpointsOf(slices []*discovery.EndpointSlice) (map[string][]proxy.Endpoint, error) {
+	each := make([]proxy.SliceEndpoints, 0, len(slices))
+	for _, s := range slices {
+		if s != nil {
+			each = append(each, proxy.FromSlice(s))
+		}
+	}
+	eps, err := proxy.MergeSlices(each)
+	out := make(map[string][]proxy.Endpoint, len(eps))
+	for _, pe := range eps {
+		out[pe.Port] = pe.Endpoints
+	}
+	return out, err
 }

@@ -54,7 +54,7 @@ type fileJob struct {
 	path   string
 	isJSON bool
 	data   []byte
-	// track tells which failed objects to list (see decodeFile). It is called from several
+	// track tells which failed objects to list (see fileResult.failed). It is called from several
 	// goroutines and must only read.
 	track func(objKey) bool
 	// cache holds the documents of the file's previous content (read only); nil for none.

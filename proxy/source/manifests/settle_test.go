@@ -436,3 +436,12 @@ func TestOldFilesAreReadAtOnce(t *testing.T) {
 	f.scanOnce(t)
 	expect(t, "coarse file settled", f.rec, "add Service default/coarse")
 }
+
+// readFile reads and, if its content changed, decodes one file. statErr is the error of the
+// stat fi, if any. It reports whether the file's objects may have changed, and whether the file
+// was settled: a file that changes while it is read is left to settle again.
+func (s *Source) readFile(path string, st *fileState, fi os.FileInfo, statErr error) (read, settled bool) {
+	l := s.load(path, st, fi, statErr)
+	s.decodeLoads([]*load{l})
+	return s.apply(l)
+}

@@ -1,3 +1,5 @@
+//go:build linux
+
 // Package harness is what the end-to-end tests of kube-userspace-proxy share: it builds the
 // proxy and the kup-echo backend once per test binary, runs them inside network namespaces (see
 // package test/netns), creates Services and EndpointSlices on a real API server (see package
@@ -18,8 +20,9 @@
 //	harness.ApplySlice(ctx, t, c.Client, harness.Slice(svc, harness.Endpoint{IP: pod.IP, Node: "node", Name: "pod-a"}))
 //	harness.WaitFor(t, 30*time.Second, func() error { _, err := harness.Ask(ctx, node.NS, "tcp", addr); return err })
 //
-// Everything it starts is stopped in the test's cleanup, also when the test fails; missing tools
-// or binaries fail the test, never skip it.
+// Everything it starts is stopped in the test's cleanup, also when the test fails. Without root
+// or the tools, Main runs none of the package's tests (make test, with KUP_TEST_ALL=1, fails
+// instead); missing binaries of `make test-bins` fail the test.
 package harness
 
 import (
@@ -31,6 +34,8 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/internal/testenv"
 )
 
 // Names of the binaries Build produces.
@@ -50,9 +55,11 @@ var builder struct {
 //
 //	func TestMain(m *testing.M) { os.Exit(harness.Main(m)) }
 //
-// It returns m.Run's exit code.
+// It returns m.Run's exit code. Without root, iproute2 and iptables it runs no test and
+// returns 0, saying why (under KUP_TEST_ALL=1 it returns 1: see package internal/testenv).
 func Main(m *testing.M) int {
-	code := m.Run()
+	code := testenv.Main(m, testenv.Root(),
+		testenv.Tools("Debian packages iproute2 and iptables (make deps)", "ip", "iptables", "ip6tables"))
 	if builder.dir != "" {
 		_ = os.RemoveAll(builder.dir)
 	}

@@ -1,3 +1,5 @@
+//go:build linux
+
 // Package policy is the end-to-end proof of traffic policies, health checks and metrics on the
 // three-node cluster of seed 000: three node namespaces on one bridge, a client outside them, a
 // real kube-apiserver, one kube-userspace-proxy per node (--hostname-override node1..3), pod1 on
@@ -321,8 +323,8 @@ func TestPolicies(t *testing.T) {
 	t.Run("scaling pod2 away flips node2 to 503 within one sync", func(t *testing.T) {
 		start := time.Now()
 		harness.ApplySlice(ctx, t, f.c.Client, harness.Slice(svc, f.ep(0, false)))
-		took := f.expectHealth(t, 1, netip.Addr{}, hc, 503, healthBody("local", 0))
-		took = time.Since(start)
+		f.expectHealth(t, 1, netip.Addr{}, hc, 503, healthBody("local", 0))
+		took := time.Since(start) // from before the update: the API's write counts
 		t.Logf("node2 answered 503 %v after the EndpointSlice update", took.Round(time.Millisecond))
 		if took > syncPeriod {
 			t.Errorf("node2 flipped to 503 after %v, more than one sync period (%v)", took, syncPeriod)

@@ -1,0 +1,462 @@
+#!/usr/bin/env bash
+# A real Kubernetes cluster on this one Linux machine (docs/cluster.md): etcd, kube-apiserver,
+# kube-controller-manager and kube-scheduler in a control-plane network namespace, three nodes
+# (node-1 .. node-3), each a network namespace with a mount namespace of its own running
+# containerd + runc and a kubelet, with CNI bridge + host-local and routes to the other nodes' pod
+# ranges, and a client namespace outside the cluster. All of them hang off one bridge in the
+# control-plane namespace. The machine's own network namespace and iptables are never touched;
+# the API server is reached from the machine through a loopback-only forwarder.
+#
+#   hack/cluster.sh up               build what is missing (binaries, images), start, wait Ready
+#   hack/cluster.sh down             stop and remove everything up made (also after a failed up)
+#   hack/cluster.sh status           the nodes and pods, or "down"
+#   hack/cluster.sh kubeconfig       print the kubeconfig's path
+#   hack/cluster.sh kubectl ARGS...  kubectl with that kubeconfig
+#   hack/cluster.sh exec NODE CMD... run CMD in NODE's network (and mount) namespace
+#   hack/cluster.sh client CMD...    run CMD in the client namespace (reaches the nodes' IPs)
+#   hack/cluster.sh images           rebuild the images and import them into every node
+#   hack/cluster.sh deploy           kubectl apply -k hack/cluster/deploy (deploy/ with the
+#                                    cluster's image and API server)
+#
+# Environment: KUP_CLUSTER_DIR (state, logs, kubeconfig; default
+# $XDG_CACHE_HOME/kube-userspace-proxy/cluster), KUP_CLUSTER_PORT (the API server on the
+# machine's 127.0.0.1; default 16443), KUP_K8S_BIN (the binaries, as make test-bins).
+#
+# Addresses: bridge 10.77.0.0/24 (control plane .2, node-N .1N, client .100), pods of node-N
+# 10.244.N.0/24, services 10.96.0.0/16, load-balancer IPs 10.77.1.0/24 (the client routes them
+# to node-1).
+set -euo pipefail
+exec 9>&- # make test-cluster's lock: the cluster's long-lived processes must not hold it
+root=$(cd "$(dirname "$0")/.." && pwd)
+here=$root/hack/cluster
+state=${KUP_CLUSTER_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/kube-userspace-proxy/cluster}
+port=${KUP_CLUSTER_PORT:-16443}
+# The pins: test/cluster.mk's, the one place they are set.
+k8sversion=$(sed -n 's/^KUP_K8S_VERSION *:= *//p' "$root/test/cluster.mk")
+etcdversion=$(sed -n 's/^KUP_ETCD_VERSION *:= *//p' "$root/test/cluster.mk")
+export KUP_K8S_BIN=${KUP_K8S_BIN:-${XDG_CACHE_HOME:-$HOME/.cache}/kube-userspace-proxy/bin/k8s-$k8sversion-etcd-$etcdversion}
+nodes=(node-1 node-2 node-3)
+cpns=kupc-cp
+clientns=kupc-client
+cpip=10.77.0.2
+clientip=10.77.0.100
+lbrange=10.77.1.0/24
+svcrange=10.96.0.0/16
+t0=$(date +%s)
+step() { echo "-- [$(($(date +%s) - t0))s] $*"; }
+die() { echo "cluster.sh: $*" >&2; exit 1; }
+
+nodeidx() { echo "${1#node-}"; }
+nodeip() { echo "10.77.0.1$(nodeidx "$1")"; }
+nodens() { echo "kupc-$1"; }
+nsexists() { [ -e "/run/netns/$1" ]; }
+
+usage() { sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; exit 2; }
+
+# ---- down ---------------------------------------------------------------------------------------
+
+# pids_under DIR: the PIDs whose command line or executable names a path under DIR (containerd
+# shims reparent to PID 1 and name their containerd's socket).
+pids_under() {
+	local p
+	for p in /proc/[0-9]*; do
+		{ tr "\0" " " <"$p/cmdline"; } 2>/dev/null | grep -qF -- "$1/" && echo "${p#/proc/}"
+	done
+	return 0
+}
+
+# cgroup_pids: the PIDs in every node's cgroup subtree (containers, shims, kubelet, containerd).
+cgroup_pids() {
+	local n f
+	for n in "${nodes[@]}"; do
+		for f in /sys/fs/cgroup/*/"kupc-$n"; do
+			[ -d "$f" ] && find "$f" -name cgroup.procs -exec cat {} + 2>/dev/null
+		done
+	done
+	return 0
+}
+
+# killall_ours: SIGKILL every process of the cluster, by PID, until none is left.
+killall_ours() {
+	local i pids n
+	for i in $(seq 50); do
+		pids=$( (
+			cgroup_pids
+			[ -d "$state" ] && pids_under "$state"
+			for n in "${nodes[@]}" cp client; do
+				nsexists "kupc-$n" && ip netns pids "kupc-$n" 2>/dev/null
+			done
+		) | sort -u | grep -vx "$$" || true)
+		[ -z "$pids" ] && return 0
+		# shellcheck disable=SC2086
+		kill -9 $pids 2>/dev/null || true
+		sleep 0.2
+	done
+	echo "cluster.sh: processes left after SIGKILL: $pids" >&2
+	return 1
+}
+
+down() {
+	step "down: processes"
+	# The kubelets first, so they restart nothing while the rest goes.
+	local n f rc=0
+	for n in "${nodes[@]}"; do
+		f=$state/$n/kubelet.pid
+		[ -s "$f" ] && kill -9 "$(cat "$f")" 2>/dev/null || true
+	done
+	# The control plane and the forwarder (in the machine's namespace) by their PID files.
+	for f in "$state"/cp/*.pid; do
+		[ -s "$f" ] && kill -9 "$(cat "$f")" 2>/dev/null || true
+	done
+	killall_ours || rc=1
+	step "down: mounts, cgroups, namespaces, files"
+	# Mounts made inside the nodes' mount namespaces went with their last process; anything under
+	# the state directory in the machine's view (there should be none) goes too.
+	if [ -d "$state" ]; then
+		awk -v d="$state/" 'index($2, d) == 1 {print $2}' /proc/self/mounts | sort -r | while read -r m; do
+			umount -l "$m" || rc=1
+		done
+	fi
+	for n in "${nodes[@]}"; do
+		for f in /sys/fs/cgroup/*/"kupc-$n"; do
+			[ -d "$f" ] && find "$f" -depth -type d -exec rmdir {} + 2>/dev/null
+			[ -d "$f" ] && { echo "cluster.sh: cgroup $f left" >&2; rc=1; }
+		done
+	done
+	for n in "${nodes[@]}" cp client; do
+		nsexists "kupc-$n" && { ip netns del "kupc-$n" || rc=1; }
+	done
+	rm -rf "$state" || rc=1
+	step "down: done"
+	return $rc
+}
+
+# ---- up -----------------------------------------------------------------------------------------
+
+# certs: a CA, the API server's serving certificate, the API server's client certificate for the
+# kubelets, the service-account key pair, and a token per component.
+certs() {
+	local pki=$state/pki
+	mkdir -p "$pki"
+	(
+		cd "$pki"
+		openssl req -x509 -newkey rsa:2048 -nodes -keyout ca.key -out ca.crt -days 30 -subj /CN=kupc-ca 2>/dev/null
+		openssl req -newkey rsa:2048 -nodes -keyout apiserver.key -out apiserver.csr -subj /CN=kube-apiserver 2>/dev/null
+		printf 'subjectAltName=IP:%s,IP:10.96.0.1,IP:127.0.0.1,DNS:kubernetes,DNS:kubernetes.default,DNS:kubernetes.default.svc,DNS:kubernetes.default.svc.cluster.local\n' "$cpip" >apiserver.ext
+		openssl x509 -req -in apiserver.csr -CA ca.crt -CAkey ca.key -CAcreateserial -out apiserver.crt -days 30 -extfile apiserver.ext 2>/dev/null
+		openssl req -newkey rsa:2048 -nodes -keyout kubelet-client.key -out kubelet-client.csr \
+			-subj "/O=system:masters/CN=kube-apiserver-kubelet-client" 2>/dev/null
+		openssl x509 -req -in kubelet-client.csr -CA ca.crt -CAkey ca.key -CAcreateserial -out kubelet-client.crt -days 30 2>/dev/null
+		openssl genrsa -out sa.key 2048 2>/dev/null
+		openssl rsa -in sa.key -pubout -out sa.pub 2>/dev/null
+	)
+	: >"$pki/tokens.csv"
+	# NAME USER GROUP: a token per component (GROUP - for none).
+	local name user group tok
+	while read -r name user group; do
+		tok=$(openssl rand -hex 16)
+		if [ "$group" = - ]; then
+			echo "$tok,$user,$name" >>"$pki/tokens.csv"
+		else
+			echo "$tok,$user,$name,$group" >>"$pki/tokens.csv"
+		fi
+		kubeconfig "$state/$name.kubeconfig" "https://$cpip:6443" "$tok"
+	done <<EOF
+admin admin system:masters
+controller-manager system:kube-controller-manager -
+scheduler system:kube-scheduler -
+node-1 system:node:node-1 system:nodes
+node-2 system:node:node-2 system:nodes
+node-3 system:node:node-3 system:nodes
+EOF
+	# The machine's kubeconfig: the admin through the loopback forwarder.
+	kubeconfig "$state/kubeconfig" "https://127.0.0.1:$port" "$(awk -F, '$2 == "admin" {print $1}' "$pki/tokens.csv")"
+	chmod 600 "$pki"/*.key "$pki/tokens.csv" "$state"/*.kubeconfig "$state/kubeconfig"
+}
+
+# kubeconfig FILE SERVER TOKEN
+kubeconfig() {
+	cat >"$1" <<EOF
+apiVersion: v1
+kind: Config
+clusters:
+- name: kup-local
+  cluster:
+    server: $2
+    certificate-authority: $state/pki/ca.crt
+users:
+- name: kup-local
+  user:
+    token: $3
+contexts:
+- name: kup-local
+  context: {cluster: kup-local, user: kup-local}
+current-context: kup-local
+EOF
+}
+
+network() {
+	ip netns add "$cpns"
+	ip -n "$cpns" link set lo up
+	ip -n "$cpns" link add br0 type bridge
+	ip -n "$cpns" addr add "$cpip/24" dev br0
+	ip -n "$cpns" link set br0 up
+	local n ns m
+	for n in "${nodes[@]}" client; do
+		ns=kupc-$n
+		ip netns add "$ns"
+		ip -n "$ns" link set lo up
+		# Created inside the control plane's namespace, never in the machine's.
+		ip -n "$cpns" link add "v-$n" type veth peer name eth0 netns "$ns"
+		ip -n "$cpns" link set "v-$n" master br0 up
+		ip -n "$ns" link set eth0 up
+	done
+	for n in "${nodes[@]}"; do
+		ns=kupc-$n
+		ip -n "$ns" addr add "$(nodeip "$n")/24" dev eth0
+		ip netns exec "$ns" sysctl -qw net.ipv4.ip_forward=1
+		# Locally generated packets to a ClusterIP are routed before OUTPUT's DNAT: they need a route.
+		ip -n "$ns" route add default via "$cpip"
+		for m in "${nodes[@]}"; do
+			[ "$m" = "$n" ] && continue
+			ip -n "$ns" route add "10.244.$(nodeidx "$m").0/24" via "$(nodeip "$m")"
+		done
+		nodeip "$n" >"$state/$n/ip"
+	done
+	ip -n "$clientns" addr add "$clientip/24" dev eth0
+	ip -n "$clientns" route add "$lbrange" via "$(nodeip node-1)"
+}
+
+control_plane() {
+	local cp=$state/cp pki=$state/pki
+	mkdir -p "$cp"
+	# setsid: the components outlive this script; down finds them by PID.
+	ip netns exec "$cpns" setsid "$KUP_K8S_BIN/etcd" --name default --data-dir "$cp/etcd" --unsafe-no-fsync \
+		--listen-client-urls http://127.0.0.1:2379 --advertise-client-urls http://127.0.0.1:2379 \
+		--listen-peer-urls http://127.0.0.1:2380 --initial-advertise-peer-urls http://127.0.0.1:2380 \
+		--initial-cluster default=http://127.0.0.1:2380 --log-level warn >"$cp/etcd.log" 2>&1 </dev/null &
+	echo $! >"$cp/etcd.pid"
+	ip netns exec "$cpns" setsid "$KUP_K8S_BIN/kube-apiserver" --etcd-servers=http://127.0.0.1:2379 \
+		--bind-address=0.0.0.0 --secure-port=6443 --advertise-address="$cpip" \
+		--tls-cert-file="$pki/apiserver.crt" --tls-private-key-file="$pki/apiserver.key" \
+		--client-ca-file="$pki/ca.crt" --token-auth-file="$pki/tokens.csv" \
+		--service-account-key-file="$pki/sa.pub" --service-account-signing-key-file="$pki/sa.key" \
+		--service-account-issuer=https://kubernetes.default.svc.cluster.local \
+		--authorization-mode=Node,RBAC --enable-admission-plugins=NodeRestriction \
+		--service-cluster-ip-range="$svcrange" --allow-privileged=true \
+		--kubelet-client-certificate="$pki/kubelet-client.crt" --kubelet-client-key="$pki/kubelet-client.key" \
+		--kubelet-preferred-address-types=InternalIP --profiling=false \
+		--cert-dir="$cp/apiserver-certs" >"$cp/kube-apiserver.log" 2>&1 </dev/null &
+	echo $! >"$cp/kube-apiserver.pid"
+	# The machine reaches the API server only through this: a listener on its loopback that
+	# connects from inside the control plane's namespace.
+	setsid socat "TCP-LISTEN:$port,bind=127.0.0.1,reuseaddr,fork" \
+		"EXEC:ip netns exec $cpns socat STDIO TCP\\:$cpip\\:6443" >"$cp/forward.log" 2>&1 </dev/null &
+	echo $! >"$cp/forward.pid"
+	local i
+	for i in $(seq 120); do
+		KUBECONFIG=$state/kubeconfig kubectl --request-timeout=2s get --raw /readyz >/dev/null 2>&1 && break
+		kill -0 "$(cat "$cp/kube-apiserver.pid")" 2>/dev/null || die "kube-apiserver exited; see $cp/kube-apiserver.log"
+		kill -0 "$(cat "$cp/forward.pid")" 2>/dev/null || die "the forwarder on 127.0.0.1:$port exited (port taken? set KUP_CLUSTER_PORT); see $cp/forward.log"
+		[ "$i" = 120 ] && die "kube-apiserver not ready in 60 s; see $cp/kube-apiserver.log"
+		sleep 0.5
+	done
+	step "API server ready"
+	ip netns exec "$cpns" setsid "$KUP_K8S_BIN/kube-controller-manager" --kubeconfig="$state/controller-manager.kubeconfig" \
+		--leader-elect=false --use-service-account-credentials=true \
+		--service-account-private-key-file="$pki/sa.key" --root-ca-file="$pki/ca.crt" \
+		--flex-volume-plugin-dir="$cp/flex" --bind-address=127.0.0.1 \
+		--cluster-signing-cert-file="$pki/ca.crt" --cluster-signing-key-file="$pki/ca.key" \
+		>"$cp/kube-controller-manager.log" 2>&1 </dev/null &
+	echo $! >"$cp/kube-controller-manager.pid"
+	ip netns exec "$cpns" setsid "$KUP_K8S_BIN/kube-scheduler" --kubeconfig="$state/scheduler.kubeconfig" \
+		--leader-elect=false --bind-address=127.0.0.1 >"$cp/kube-scheduler.log" 2>&1 </dev/null &
+	echo $! >"$cp/kube-scheduler.pid"
+}
+
+node_config() {
+	local n=$1 d=$state/$1 i
+	i=$(nodeidx "$n")
+	mkdir -p "$d/cni/net.d" "$d/containerd" "$d/runc" "$d/var" "$d/pki" "$d/volume-plugins"
+	cp "$state/$n.kubeconfig" "$d/kubelet.kubeconfig"
+	cat >"$d/containerd.toml" <<EOF
+version = 2
+root = "$d/containerd/root"
+state = "$d/containerd/state"
+disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapshotter.v1.zfs", "io.containerd.snapshotter.v1.aufs", "io.containerd.snapshotter.v1.devmapper", "io.containerd.tracing.processor.v1.otlp", "io.containerd.internal.v1.tracing"]
+[grpc]
+  address = "$d/containerd.sock"
+[plugins."io.containerd.internal.v1.opt"]
+  path = "$d/containerd/opt"
+[plugins."io.containerd.grpc.v1.cri"]
+  sandbox_image = "kup-pause:dev"
+  # No CAP_SYS_RESOURCE here: runc could not lower a container's OOM score below its own.
+  restrict_oom_score_adj = true
+  disable_apparmor = true
+  netns_mounts_under_state_dir = true
+  [plugins."io.containerd.grpc.v1.cri".containerd]
+    snapshotter = "overlayfs"
+    default_runtime_name = "runc"
+    [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
+      runtime_type = "io.containerd.runc.v2"
+      [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
+        Root = "$d/runc"
+        SystemdCgroup = false
+  [plugins."io.containerd.grpc.v1.cri".cni]
+    bin_dir = "/usr/lib/cni"
+    conf_dir = "$d/cni/net.d"
+EOF
+	cat >"$d/cni/net.d/10-kupc.conflist" <<EOF
+{
+  "cniVersion": "0.4.0",
+  "name": "kupc",
+  "plugins": [
+    {"type": "bridge", "bridge": "cni0", "isGateway": true, "ipMasq": false, "hairpinMode": true,
+     "ipam": {"type": "host-local", "ranges": [[{"subnet": "10.244.$i.0/24"}]], "routes": [{"dst": "0.0.0.0/0"}]}},
+    {"type": "portmap", "capabilities": {"portMappings": true}}
+  ]
+}
+EOF
+	cat >"$d/kubelet.yaml" <<EOF
+apiVersion: kubelet.config.k8s.io/v1beta1
+kind: KubeletConfiguration
+# cgroup v1 here; the node's own cgroup subtree (hack/cluster/node.sh creates it).
+failCgroupV1: false
+cgroupDriver: cgroupfs
+cgroupRoot: /kupc-$n
+containerRuntimeEndpoint: unix://$d/containerd.sock
+# No CAP_SYS_RESOURCE: the kubelet cannot give itself -999.
+oomScoreAdj: 0
+protectKernelDefaults: false
+failSwapOn: false
+resolvConf: ""
+address: $(nodeip "$n")
+readOnlyPort: 0
+healthzBindAddress: 127.0.0.1
+volumePluginDir: $d/volume-plugins
+authentication:
+  anonymous: {enabled: false}
+  webhook: {enabled: true}
+  x509: {clientCAFile: $state/pki/ca.crt}
+authorization:
+  mode: Webhook
+# The imported images are all there is: never collect them; evict on nothing but memory.
+imageGCHighThresholdPercent: 100
+imageGCLowThresholdPercent: 99
+evictionHard: {memory.available: "100Mi", nodefs.available: "1%", imagefs.available: "1%", nodefs.inodesFree: "1%"}
+serializeImagePulls: false
+nodeStatusReportFrequency: 10s
+shutdownGracePeriod: 0s
+EOF
+}
+
+start_node() {
+	local n=$1
+	rm -f "$state/$n/started"
+	ip netns exec "$(nodens "$n")" setsid "$here/node.sh" "$state" "$n" >"$state/$n/node.log" 2>&1 </dev/null &
+}
+
+up() {
+	[ "$(id -u)" = 0 ] || die "needs root (network and mount namespaces)"
+	for c in containerd runc ctr socat openssl kubectl docker; do
+		command -v "$c" >/dev/null || die "$c not found: run make deps (hack/install-deps.sh)"
+	done
+	[ -x /usr/lib/cni/bridge ] || die "/usr/lib/cni/bridge not found: run make deps (containernetworking-plugins)"
+	if nsexists "$cpns" || [ -e "$state" ]; then
+		if [ -s "$state/up" ] && KUBECONFIG=$state/kubeconfig kubectl --request-timeout=3s get --raw /readyz >/dev/null 2>&1; then
+			step "already up"
+			usage_hint
+			return 0
+		fi
+		step "a previous cluster is left (failed or stopped): removing it"
+		down
+	fi
+	if ss -Hltn "sport = :$port" 2>/dev/null | grep -q .; then
+		die "127.0.0.1:$port is taken: set KUP_CLUSTER_PORT"
+	fi
+	step "binaries (make test-bins)"
+	GO=${GO:-go} "$root/test/k8sbin/build.sh" "$KUP_K8S_BIN" "$k8sversion" "$etcdversion" | tail -n 1
+	mkdir -p "$state"
+	for n in "${nodes[@]}"; do mkdir -p "$state/$n"; done
+	step "images"
+	"$here/images.sh" "$state/images.tar"
+	step "certificates and tokens in $state/pki"
+	certs
+	step "network namespaces"
+	network
+	step "control plane"
+	control_plane
+	step "nodes"
+	for n in "${nodes[@]}"; do
+		node_config "$n"
+		start_node "$n"
+	done
+	local i
+	for i in $(seq 240); do
+		local ready
+		ready=$(KUBECONFIG=$state/kubeconfig kubectl get nodes --no-headers 2>/dev/null | awk '$2 == "Ready"' | wc -l)
+		[ "$ready" = "${#nodes[@]}" ] && break
+		for c in etcd kube-apiserver kube-controller-manager kube-scheduler; do
+			kill -0 "$(cat "$state/cp/$c.pid")" 2>/dev/null || die "$c exited; see $state/cp/$c.log"
+		done
+		for n in "${nodes[@]}"; do
+			kill -0 "$(cat "$state/$n/node.pid" 2>/dev/null || echo 0)" 2>/dev/null ||
+				[ ! -e "$state/$n/node.pid" ] || die "$n stopped; see $state/$n/node.log, kubelet.log, containerd.log"
+		done
+		[ "$i" = 240 ] && die "nodes not Ready in 120 s; see $state/node-*/kubelet.log"
+		sleep 0.5
+	done
+	date +%s >"$state/up"
+	step "3 nodes Ready"
+	usage_hint
+}
+
+usage_hint() {
+	cat <<EOF
+
+The cluster is up (state, logs: $state).
+  export KUBECONFIG=$state/kubeconfig
+  kubectl get nodes -o wide
+  hack/cluster.sh deploy                      # deploy/ with kube-userspace-proxy:dev
+  hack/cluster.sh exec node-1 ip route        # in a node's namespace
+  hack/cluster.sh client curl ...             # from outside the cluster
+  make cluster-down                           # remove everything
+EOF
+}
+
+# ---- the rest -----------------------------------------------------------------------------------
+
+need_up() { [ -s "$state/up" ] || die "the cluster is not up (hack/cluster.sh up)"; }
+
+cmd=${1:-}
+[ $# -gt 0 ] && shift
+case $cmd in
+up) up ;;
+down) down ;;
+status)
+	if [ -s "$state/up" ]; then
+		KUBECONFIG=$state/kubeconfig kubectl get nodes -o wide && KUBECONFIG=$state/kubeconfig kubectl get pods -A -o wide
+	else
+		echo down
+	fi
+	;;
+kubeconfig) need_up; echo "$state/kubeconfig" ;;
+kubectl) need_up; KUBECONFIG=$state/kubeconfig exec kubectl "$@" ;;
+exec)
+	need_up
+	n=${1:?usage: hack/cluster.sh exec NODE CMD...}
+	shift
+	[ -s "$state/$n/node.pid" ] || die "no node $n (node-1 .. node-3)"
+	exec nsenter -t "$(cat "$state/$n/node.pid")" -m -n -- "$@"
+	;;
+client) need_up; exec ip netns exec "$clientns" "$@" ;;
+images)
+	need_up
+	"$here/images.sh" "$state/images.tar"
+	for n in "${nodes[@]}"; do
+		ctr -a "$state/$n/containerd.sock" -n k8s.io images import "$state/images.tar" >/dev/null
+	done
+	;;
+deploy) need_up; KUBECONFIG=$state/kubeconfig kubectl apply -k "$here/deploy" ;;
+*) usage ;;
+esac

@@ -1,0 +1,194 @@
+package forward
+
+import (
+	"errors"
+	"net"
+	"net/netip"
+	"time"
+)
+
+// The connection policy of a TCPProxy, one for every engine (the event loops of loop_linux.go,
+// the portable relay of relay_tcp.go): admission, the choice of an endpoint, the failover from
+// one dial attempt to the next with its timeouts and log lines, and the PROXY protocol header.
+// An engine does the I/O and calls these at each step; none of these rules is written twice.
+
+// errNoEndpointReached: every dial attempt of a connection failed.
+var errNoEndpointReached = errors.New("no endpoint could be reached")
+
+// admitLocked reports whether a new connection fits within MaxConns (live connections of the
+// port are open) and the Budget, and if so takes its descriptors from the Budget. The engine's
+// lock guarding live must be held.
+func (p *TCPProxy) admitLocked(live int) bool {
+	return (p.MaxConns <= 0 || live < p.MaxConns) && p.Budget.take(tcpConnFDs)
+}
+
+// refused counts and logs a connection refused at admission; the engine resets it.
+func (p *TCPProxy) refused() {
+	p.sink().ConnRefused() // counted before the client can see the reset
+	p.warnRefused()
+}
+
+// wantsOriginalDst reports whether the Chooser looks at a connection's original destination
+// (see OriginalDstChooser).
+func (p *TCPProxy) wantsOriginalDst() bool {
+	oc, ok := p.Chooser.(OriginalDstChooser)
+	return !ok || oc.NeedsOriginalDst()
+}
+
+// dialPlan is where a connection is in its dial attempts: attempt i is dialled with
+// dialTimeouts()[i], and every attempt after a failed one asks Choose with reset=true.
+type dialPlan struct {
+	attempt uint8
+	reset   bool // the next Choose is a retry
+}
+
+// next returns the timeout of the next attempt, or false when every attempt is spent.
+func (d *dialPlan) next(p *TCPProxy) (time.Duration, bool) {
+	ts := p.dialTimeouts()
+	if int(d.attempt) >= len(ts) {
+		return 0, false
+	}
+	return ts[d.attempt], true
+}
+
+// choose asks the Chooser for the endpoint of the next attempt; on an error (logged) the engine
+// resets the client.
+func (p *TCPProxy) choose(d *dialPlan, client, dst netip.AddrPort) (Target, error) {
+	target, err := p.Chooser.Choose(client, dst, d.reset)
+	if err != nil {
+		p.logDebug().Err(err).Stringer("client", client).Stringer("dst", dst).
+			Msg("no endpoint; resetting the client")
+	}
+	return target, err
+}
+
+// attemptFailed records a failed dial attempt to endpoint (metrics, log) and moves d on to the
+// next one.
+func (p *TCPProxy) attemptFailed(d *dialPlan, client, endpoint netip.AddrPort, err error) {
+	p.sink().DialFailed(endpoint)
+	timeout, _ := d.next(p)
+	p.logDebug().Err(err).Stringer("client", client).Stringer("endpoint", endpoint).
+		Int("attempt", int(d.attempt)+1).Dur("timeout", timeout).Msg("dial endpoint failed")
+	d.reset = true
+	d.attempt++
+}
+
+// socketFailed logs a dial that could not even create its socket for want of descriptors or
+// memory: the engine closes the client rather than trying the next endpoint.
+func (p *TCPProxy) socketFailed(client, endpoint netip.AddrPort, err error) {
+	p.sink().DialFailed(endpoint)
+	p.logWarn().Err(err).Stringer("client", client).Stringer("endpoint", endpoint).
+		Msg("cannot create a socket to the endpoint; closing the client")
+}
+
+// unreachable logs that every attempt failed and returns the error the client is reset with.
+func (p *TCPProxy) unreachable(client, dst netip.AddrPort) error {
+	p.logWarn().Stringer("client", client).Stringer("dst", dst).Int("attempts", len(p.dialTimeouts())).
+		Msg("no endpoint could be reached; resetting the client")
+	return errNoEndpointReached
+}
+
+// proxyHeader returns the PROXY protocol header of version v for a connection from client whose
+// original destination is dst (local, the address it reached the proxy at, when dst is
+// unknown); on an error (logged) the engine resets the client.
+func (p *TCPProxy) proxyHeader(v ProxyProtocol, client, endpoint, dst, local netip.AddrPort) ([]byte, error) {
+	if !dst.IsValid() {
+		dst = local
+	}
+	hdr, err := appendProxyHeader(make([]byte, 0, 64), v, true, client, dst)
+	if err != nil {
+		p.logDebug().Err(err).Stringer("client", client).Stringer("endpoint", endpoint).
+			Msg("sending the PROXY protocol header failed; resetting the client")
+	}
+	return hdr, err
+}
+
+// connEnded records the end of an admitted connection: for one that reached endpoint, its bytes
+// each way and a debug line; for one that never did, ConnFailed.
+func (p *TCPProxy) connEnded(connected bool, client, endpoint netip.AddrPort, toEndpoint, fromEndpoint int64, err error) {
+	if !connected {
+		p.sink().ConnFailed()
+		return
+	}
+	p.sink().BytesCopied(toEndpoint, fromEndpoint)
+	p.sink().ConnClosed()
+	if e := p.logDebug(); e.Enabled() {
+		e.Stringer("client", client).Stringer("endpoint", endpoint).
+			Int64("toEndpoint", toEndpoint).Int64("fromEndpoint", fromEndpoint).AnErr("err", err).
+			Msg("connection closed")
+	}
+}
+
+// The policy of a UDPProxy's sessions, for both engines (udp_linux.go, relay_udp.go).
+
+// dialSession picks and opens the endpoint of a new session of client (clientAddr unmapped):
+// Choose (reset after the previous endpoint refused the flow), admission (admit: MaxSessions
+// and the Budget), the socket (dial); each failure is counted and logged, and ok=false means
+// the datagram is dropped. On success the session holds its descriptor of the Budget.
+func (p *UDPProxy) dialSession(clientAddr, dst netip.AddrPort, reset bool, admit func() bool,
+	dial func(Target) (*net.UDPConn, error)) (target Target, backend *net.UDPConn, ok bool) {
+	target, err := p.Chooser.Choose(clientAddr, dst, reset)
+	if err != nil {
+		p.logDebug().Err(err).Stringer("client", clientAddr).Stringer("dst", dst).
+			Msg("no endpoint; datagram dropped")
+		return Target{}, nil, false
+	}
+	if !admit() {
+		p.logDebug().Stringer("client", clientAddr).Msg("no room for a new UDP session; datagram dropped")
+		return Target{}, nil, false
+	}
+	backend, err = dial(target)
+	if err != nil {
+		p.Budget.give(udpSessionFDs)
+		metricsOrNone(p.Metrics).DialFailed(target.Endpoint)
+		p.logDebug().Err(err).Stringer("client", clientAddr).Stringer("endpoint", target.Endpoint).
+			Msg("cannot open a socket to the endpoint; datagram dropped")
+		return Target{}, nil, false
+	}
+	return target, backend, true
+}
+
+// admitSessionWithin takes a new session's descriptor from the Budget within MaxSessions
+// (count: the port's sessions now), ending the longest-idle session (evictIdlest) to make room;
+// false, logged once at warning level, when there is none to end.
+func (p *UDPProxy) admitSessionWithin(count func() int, evictIdlest func() bool) bool {
+	for range 2 {
+		full := p.MaxSessions > 0 && count() >= p.MaxSessions
+		if !full && p.Budget.take(udpSessionFDs) {
+			return true
+		}
+		if !evictIdlest() {
+			break
+		}
+	}
+	if p.refusedWarned.CompareAndSwap(false, true) {
+		p.logWarn().Int("maxSessions", p.MaxSessions).Int("budget", p.Budget.Limit()).Int("budgetInUse", p.Budget.InUse()).
+			Msg("UDP datagram dropped: no room for a new session (logged once)")
+	}
+	return false
+}
+
+// sessionOpened counts and logs a new session.
+func (p *UDPProxy) sessionOpened(clientAddr, dst, endpoint netip.AddrPort, reset bool) {
+	metricsOrNone(p.Metrics).UDPSessionOpened()
+	p.logDebug().Stringer("client", clientAddr).Stringer("dst", dst).Stringer("endpoint", endpoint).
+		Bool("reset", reset).Msg("UDP session opened")
+}
+
+// flowRefused counts and logs the ICMP error of a session's endpoint (once per session): the
+// client's next datagram chooses again.
+func (p *UDPProxy) flowRefused(client, endpoint netip.AddrPort, err error) {
+	metricsOrNone(p.Metrics).DialFailed(endpoint)
+	p.logDebug().Err(err).Stringer("client", client).Stringer("endpoint", endpoint).
+		Msg("endpoint refused the flow")
+}
+
+// sessionEnded counts and logs the end of a session with its bytes each way.
+func (p *UDPProxy) sessionEnded(client, endpoint netip.AddrPort, toEndpoint, fromEndpoint int64) {
+	m := metricsOrNone(p.Metrics)
+	m.BytesCopied(toEndpoint, fromEndpoint)
+	m.UDPSessionClosed()
+	p.logDebug().Stringer("client", client).Stringer("endpoint", endpoint).
+		Int64("toEndpoint", toEndpoint).Int64("fromEndpoint", fromEndpoint).
+		Msg("UDP session closed")
+}
