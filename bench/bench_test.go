@@ -243,7 +243,7 @@ func TestBench(t *testing.T) {
 		// The load generator's own connects must not be the limit: with the default
 		// tcp_tw_reuse=2 (loopback only), each connect searches past the client's earlier
 		// connections in TIME_WAIT, which held iptables mode and direct to about half of what
-		// they reach with 1 (bench/README, session 27). The node namespaces, where the proxies
+		// they reach with 1 (measured on the held topology). The node namespaces, where the proxies
 		// connect to the endpoint, keep the default.
 		if out, err := pods[p].NS.Exec(ctx, "sysctl", "-qw", "net.ipv4.tcp_tw_reuse=1"); err != nil {
 			t.Fatalf("client pod of %s: tcp_tw_reuse: %v: %s", p, err, out)
@@ -308,7 +308,7 @@ func TestBench(t *testing.T) {
 		holdTopology(t, hold, targets, loadBin, pids)
 	}
 
-	// The outside-client paths of issue 6 (their proxies stop before the idle and control-plane
+	// The outside-client paths (their proxies stop before the idle and control-plane
 	// workloads, which they would otherwise load with every service created there).
 	if only == "" {
 		out := setupOutside(ctx, t, n, c, cfg.reps)
@@ -1111,7 +1111,7 @@ func firstAnswer(ctx context.Context, ns *netns.NS, addr string, t0 time.Time) (
 	}
 }
 
-// runHandover is issue 14's row: with cfg.handoverConns idle connections held from the client
+// runHandover is the hand-over row: with cfg.handoverConns idle connections held from the client
 // pod through kube-userspace-proxy (at most what its descriptor budget leaves room for) and
 // scale services, a successor with the same configuration is started on the node. It measures
 // the successor's own hand-over duration (its metrics: hello → release), the time from its
@@ -1134,7 +1134,7 @@ func runHandover(t *testing.T, rep *Report, cfg settings, scale int, tg target, 
 		m.Note(PathIPTables, "n/a (kernel state survives a restart)")
 		m.Note(PathHAProxy, "n/a")
 	}
-	rep.Notes = append(rep.Notes, fmt.Sprintf("Hand-over (issue 14), at %d services: the client pod opens up to %d idle connections through kube-userspace-proxy (kup-load idle; "+
+	rep.Notes = append(rep.Notes, fmt.Sprintf("Hand-over, at %d services: the client pod opens up to %d idle connections through kube-userspace-proxy (kup-load idle; "+
 		"each made one request), then a second proxy with the same flags is started on the node; it takes everything over and the first exits. "+
 		"`successor's hand-over` is the successor's kube_userspace_proxy_handover_duration_seconds{role=\"successor\"} (hello → release, scraped from it); "+
 		"`start → old proxy exited` and `start → new connection answered` are wall time from starting the successor's process to the first process's exit, "+

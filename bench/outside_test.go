@@ -18,7 +18,7 @@ import (
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/test/netns"
 )
 
-// outsidePath is one path of the outside-client table (issue 6): the NodePorts of the Local
+// outsidePath is one path of the outside-client table: the NodePorts of the Local
 // service on a node whose own pod is the only local endpoint.
 type outsidePath struct {
 	path string

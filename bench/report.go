@@ -1,5 +1,5 @@
 // Package bench is the benchmark of kube-userspace-proxy against upstream kube-proxy's iptables
-// mode, HAProxy and direct pod access (see issue 5 and bench/README.md). The measurement itself is
+// mode, HAProxy and direct pod access (see bench/README.md and docs/performance.md). The measurement itself is
 // bench_test.go, behind the "bench" build tag (`make bench`); this file holds the report: the
 // samples, their medians, and the markdown, JSON and SVG outputs under bench/results/.
 package bench
@@ -32,7 +32,7 @@ const (
 // default; the targets are checked against it.
 var Paths = []string{PathDirect, PathIPTables, PathKUP, PathHAProxy, PathHAProxyRedirect}
 
-// Paths of the outside-client table (issue 6): an outside client to the NodePort of an
+// Paths of the outside-client table: an outside client to the NodePort of an
 // externalTrafficPolicy: Local service whose endpoint is on the receiving node, through
 // kube-userspace-proxy with --transparent-local=true (PathTransparent) and =false (PathPlain),
 // and through iptables mode (PathIPTables, the baseline).
@@ -260,13 +260,13 @@ func (m *Metric) direction() string {
 	return "↓ better"
 }
 
-// writeOutside writes the outside-client table (issue 6): one column per OutsidePaths entry
+// writeOutside writes the outside-client table: one column per OutsidePaths entry
 // (cells as in the main table, ratios to iptables mode) and the transparent/plain ratio.
 func (r *Report) writeOutside(b *strings.Builder) {
 	if len(r.Outside) == 0 {
 		return
 	}
-	b.WriteString("\n## From an outside client to a Local NodePort, endpoint on the receiving node (issue 6)\n\n")
+	b.WriteString("\n## From an outside client to a Local NodePort, endpoint on the receiving node\n\n")
 	b.WriteString("| workload | unit | " + strings.Join(OutsidePaths, " | ") + " | transparent / plain |\n")
 	b.WriteString("|---|---|" + strings.Repeat("---|", len(OutsidePaths)) + "---|\n")
 	for _, m := range r.Outside {
@@ -417,7 +417,7 @@ func (r *Report) AddDifference(m *Metric, name, base string) *Metric {
 	return d
 }
 
-// Target is one of issue 5's goals for kube-userspace-proxy, checked against a run.
+// Target is one of the goals for kube-userspace-proxy, checked against a run.
 type Target struct {
 	// Goal describes the target; Metric names the workload it applies to (every source).
 	Goal, Metric string
@@ -460,15 +460,15 @@ func aheadOfHAProxy(m *Metric) (bool, string) {
 	return met, fmt.Sprintf("%s vs %s %s", num(k.Median), num(h.Median), m.Unit)
 }
 
-// Targets are issue 5's targets, and issue 16's at maxScale services from the API server
-// (issue 16's figures from a manifests directory are in results/scale.md). Metric is matched as
+// Targets are the data-path goals, and the control-plane ones at maxScale services from the API
+// server (the figures from a manifests directory are in results/scale.md). Metric is matched as
 // a prefix of the workload name.
 func Targets(maxScale int) []Target {
 	return []Target{
-		{Goal: "issue 16: one more service ≤ 100 ms", Metric: fmt.Sprintf("one more service → first connection, %d services", maxScale), Check: medianAtMost(100)},
-		{Goal: "issue 16: first full sync ≤ 1 s", Metric: fmt.Sprintf("full sync after restart, %d services", maxScale), Check: medianAtMost(1000)},
-		{Goal: "issue 16: RSS ≤ 100 MB (95.4 MiB)", Metric: fmt.Sprintf("RSS after restart, %d services", maxScale), Check: medianAtMost(100e6 / (1 << 20))},
-		{Goal: "issue 16: idle CPU ≤ 0.2 % of a core", Metric: fmt.Sprintf("idle CPU, %d services", maxScale), Check: medianAtMost(0.2)},
+		{Goal: "at 10,000 services: one more service ≤ 100 ms", Metric: fmt.Sprintf("one more service → first connection, %d services", maxScale), Check: medianAtMost(100)},
+		{Goal: "at 10,000 services: first full sync ≤ 1 s", Metric: fmt.Sprintf("full sync after restart, %d services", maxScale), Check: medianAtMost(1000)},
+		{Goal: "at 10,000 services: RSS ≤ 100 MB (95.4 MiB)", Metric: fmt.Sprintf("RSS after restart, %d services", maxScale), Check: medianAtMost(100e6 / (1 << 20))},
+		{Goal: "at 10,000 services: idle CPU ≤ 0.2 % of a core", Metric: fmt.Sprintf("idle CPU, %d services", maxScale), Check: medianAtMost(0.2)},
 		{Goal: "bulk TCP ≥ 0.9× iptables", Metric: "bulk TCP", Check: ratioAtLeast(0.9)},
 		{Goal: "short connections ≥ 0.6× iptables", Metric: "short connections", Check: ratioAtLeast(0.6)},
 		{Goal: "added p99 latency ≤ 100 µs (vs direct)", Metric: "keep-alive latency p99 added", Check: medianAtMost(100)},
@@ -482,7 +482,7 @@ func Targets(maxScale int) []Target {
 // WriteTargets writes one line per target and metric it applies to: met or not, and the figure.
 func (r *Report) WriteTargets(w io.Writer, targets []Target) error {
 	var b strings.Builder
-	b.WriteString("\n## Targets of issues 5 and 16 (kube-userspace-proxy, medians of this run)\n\n| target | workload | from | measured | met |\n|---|---|---|---|---|\n")
+	b.WriteString("\n## Targets (kube-userspace-proxy, medians of this run)\n\n| target | workload | from | measured | met |\n|---|---|---|---|---|\n")
 	for _, tg := range targets {
 		for _, m := range r.Metrics {
 			if !strings.HasPrefix(m.Workload, tg.Metric) || m.Summarize(PathKUP).N == 0 {

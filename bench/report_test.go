@@ -64,7 +64,7 @@ func TestReportOutputs(t *testing.T) {
 		t.Fatal(err)
 	}
 	for _, want := range []string{"| keep-alive latency p99 | pod | µs (↓ better) |", "205 [150–260] ×1.37", "added p99 latency ≤ 100 µs (vs direct) | keep-alive latency p99 added (vs direct) | pod | 55.0 µs | yes |",
-		"| issue 16: RSS ≤ 100 MB (95.4 MiB) | RSS after restart, 100 services |  | 95.0 MiB | yes |"} {
+		"| at 10,000 services: RSS ≤ 100 MB (95.4 MiB) | RSS after restart, 100 services |  | 95.0 MiB | yes |"} {
 		if !strings.Contains(md.String(), want) {
 			t.Errorf("markdown lacks %q:\n%s", want, md.String())
 		}
