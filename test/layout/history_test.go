@@ -33,18 +33,19 @@ func TestNoHistoryReferences(t *testing.T) {
 }
 
 // TestHistoryRefPattern checks the pattern on the forms history references take, and on text
-// that merely mentions sessions and issues.
+// that merely mentions sessions and issues. The positive cases spell one letter as an escape, so
+// that this file's own text holds no reference for TestNoHistoryReferences to find.
 func TestHistoryRefPattern(t *testing.T) {
 	for _, tc := range []struct {
 		text string
 		want bool
 	}{
-		{"see issue 16's figures", true},
-		{"Issue 15, session 29: where the time goes", true},
-		{"the targets of issues 5 and 16", true},
-		{"the session-12 restructuring", true},
-		{"(bench/README, Session 27)", true},
-		{"issue #42", true},
+		{"see iss\x75e 16's figures", true},
+		{"Iss\x75e 15, sess\x69on 29: where the time goes", true},
+		{"the targets of iss\x75es 5 and 16", true},
+		{"the sess\x69on-12 restructuring", true},
+		{"(bench/README, Sess\x69on 27)", true},
+		{"iss\x75e #42", true},
 		{"UDP sessions end after --udp-timeout", false},
 		{"session affinity of 10800 s", false},
 		{"an issue with 2 endpoints", false},
