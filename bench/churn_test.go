@@ -277,33 +277,7 @@ func runChurn(t *testing.T, quick bool, outDir string) {
 	for _, p := range ChurnPaths {
 		before[p] = scrape(p)
 	}
-	type conn struct {
-		at      time.Time
-		backend string
-	}
-	var mu sync.Mutex
-	conns := map[string][]conn{}
-	stop := make(chan struct{})
-	var clients sync.WaitGroup
-	for _, p := range ChurnPaths {
-		clients.Go(func() {
-			for {
-				select {
-				case <-stop:
-					return
-				default:
-				}
-				at := time.Now()
-				a, err := harness.AskTimeout(ctx, nodes[p].NS, "tcp", harness.Addr(probeSvc, 0), 2*time.Second)
-				if err == nil {
-					mu.Lock()
-					conns[p] = append(conns[p], conn{at, a.Backend})
-					mu.Unlock()
-				}
-				time.Sleep(5 * time.Millisecond)
-			}
-		})
-	}
+	stopProbes := probeAll(ctx, nodes, probeSvc)
 	ticks := map[string]float64{}
 	for _, p := range ChurnPaths {
 		ticks[p] = cpuTicks(pids[p])
@@ -393,8 +367,7 @@ func runChurn(t *testing.T, quick bool, outDir string) {
 		cpu.Add(p, (cpuTicks(pids[p])-ticks[p])/100/took.Seconds()*100)
 	}
 	time.Sleep(2 * time.Second) // the last changes are programmed
-	close(stop)
-	clients.Wait()
+	conns := stopProbes()
 	t.Logf("churn: %d slice updates in %v (%.1f/s)", updates, took.Round(time.Millisecond), float64(updates)/took.Seconds())
 
 	mean := rep.Metric("programming latency, mean (metric)", "ms", false)
@@ -485,6 +458,45 @@ const (
 	bigNewRange = "10.210.4.0/22"
 )
 
+// probeConn is one answered connection of probeAll: when it began, and the backend that answered.
+type probeConn struct {
+	at      time.Time
+	backend string
+}
+
+// probeAll connects to svc's first port from every ChurnPaths node every 5 ms, each path from a
+// goroutine of its own, until the returned function is called; that function stops the probes,
+// waits for them, and returns each path's answered connections in the order they began.
+func probeAll(ctx context.Context, nodes map[string]*netns.Node, svc *corev1.Service) (stop func() map[string][]probeConn) {
+	var mu sync.Mutex
+	conns := map[string][]probeConn{}
+	done := make(chan struct{})
+	var clients sync.WaitGroup
+	for _, p := range ChurnPaths {
+		clients.Go(func() {
+			for {
+				select {
+				case <-done:
+					return
+				default:
+				}
+				at := time.Now()
+				if a, err := harness.AskTimeout(ctx, nodes[p].NS, "tcp", harness.Addr(svc, 0), 2*time.Second); err == nil {
+					mu.Lock()
+					conns[p] = append(conns[p], probeConn{at, a.Backend})
+					mu.Unlock()
+				}
+				time.Sleep(5 * time.Millisecond)
+			}
+		})
+	}
+	return func() map[string][]probeConn {
+		close(done)
+		clients.Wait()
+		return conns
+	}
+}
+
 // bigSlice returns slice number k of the large service svc: old endpoints of bigOldRange, then
 // fresh ones of bigNewRange from its index from.
 func bigSlice(svc *corev1.Service, k, old, from, fresh int) *discoveryv1.EndpointSlice {
@@ -506,32 +518,7 @@ func bigSlice(svc *corev1.Service, k, old, from, fresh int) *discoveryv1.Endpoin
 // the scale-down began.
 func scaleOnce(t *testing.T, c *cluster.Cluster, nodes map[string]*netns.Node, svc *corev1.Service, up, down *Metric) {
 	ctx := context.Background()
-	type conn struct {
-		at      time.Time
-		backend string
-	}
-	var mu sync.Mutex
-	conns := map[string][]conn{}
-	stop := make(chan struct{})
-	var clients sync.WaitGroup
-	for _, p := range ChurnPaths {
-		clients.Go(func() {
-			for {
-				select {
-				case <-stop:
-					return
-				default:
-				}
-				at := time.Now()
-				if a, err := harness.AskTimeout(ctx, nodes[p].NS, "tcp", harness.Addr(svc, 0), 2*time.Second); err == nil {
-					mu.Lock()
-					conns[p] = append(conns[p], conn{at, a.Backend})
-					mu.Unlock()
-				}
-				time.Sleep(5 * time.Millisecond)
-			}
-		})
-	}
+	stopProbes := probeAll(ctx, nodes, svc)
 	time.Sleep(500 * time.Millisecond)
 	upAt := time.Now()
 	harness.ApplySlice(ctx, t, c.Client, bigSlice(svc, 0, 10, 0, 90))
@@ -548,8 +535,7 @@ func scaleOnce(t *testing.T, c *cluster.Cluster, nodes map[string]*netns.Node, s
 		}
 	}
 	time.Sleep(5 * time.Second)
-	close(stop)
-	clients.Wait()
+	conns := stopProbes()
 	for _, p := range ChurnPaths {
 		first, last := -1.0, 0.0
 		for _, cn := range conns[p] {
