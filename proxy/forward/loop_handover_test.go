@@ -9,43 +9,7 @@ import (
 	"slices"
 	"testing"
 	"time"
-
-	"golang.org/x/sys/unix"
 )
-
-// silentEndpoint returns a loopback endpoint that drops every SYN: a listener whose accept
-// queue (one place) is full, as nobody accepts. A dial to it stays in progress until its
-// timeout.
-func silentEndpoint(t testing.TB) netip.AddrPort {
-	t.Helper()
-	fd, err := unix.Socket(unix.AF_INET, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { unix.Close(fd) })
-	if err := unix.Bind(fd, &unix.SockaddrInet4{Addr: [4]byte{127, 0, 0, 1}}); err != nil {
-		t.Fatal(err)
-	}
-	if err := unix.Listen(fd, 0); err != nil {
-		t.Fatal(err)
-	}
-	sa, err := unix.Getsockname(fd)
-	if err != nil {
-		t.Fatal(err)
-	}
-	ap := netip.AddrPortFrom(netip.AddrFrom4(sa.(*unix.SockaddrInet4).Addr), uint16(sa.(*unix.SockaddrInet4).Port))
-	for i := 0; ; i++ { // fill the accept queue until a dial times out
-		if i == 64 {
-			t.Fatal("could not fill the accept queue of the silent endpoint")
-		}
-		c, err := net.DialTimeout("tcp", ap.String(), 200*time.Millisecond)
-		if err != nil {
-			break
-		}
-		t.Cleanup(func() { c.Close() })
-	}
-	return ap
-}
 
 // dialOnLoop connects a client to r while every loop of r's but on is busy (their turns held),
 // so that on accepts it, and returns it once on has.
@@ -110,7 +74,7 @@ func TestLoopThawedDialStaysOnItsLoop(t *testing.T) {
 	checkNoFDLeaks(t)
 	checkNoLeaks(t)
 	loops := newTestLoops(t, 2)
-	hole := silentEndpoint(t)
+	hole := blackholeEndpoint(t)
 	timeouts := []time.Duration{200 * time.Millisecond, 200 * time.Millisecond}
 	a := startTCPProxy(t, "4", &fakeChooser{endpoints: []netip.AddrPort{hole}}, func(p *TCPProxy) {
 		p.Loops, p.DialTimeouts = loops, timeouts
