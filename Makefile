@@ -68,7 +68,7 @@ fuzz:
 	$(call fuzz-one,FuzzDecode,20000,./proxy/source/manifests/)
 	$(call fuzz-one,FuzzFromService,60000,./proxy/)
 	$(call fuzz-one,FuzzEndpointsFromSlices,100000,./proxy/)
-	$(call fuzz-one,FuzzProxyHeader,300000,./proxy/forward/)
+	$(call fuzz-one,FuzzProxyHeader,300000,./proxy/forward/proxyproto/)
 	$(call fuzz-one,FuzzRender,150,./portal/)
 
 # Unit and loopback tests only (no control plane).

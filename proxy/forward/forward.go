@@ -6,6 +6,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward/proxyproto"
 	"github.com/rs/zerolog"
 )
 
@@ -53,7 +54,7 @@ type Target struct {
 	// ProxyProtocol, when set, makes the proxy send a PROXY protocol header of that version
 	// (with the client's address and the original destination) before any payload. TCP only:
 	// UDP sessions ignore it.
-	ProxyProtocol ProxyProtocol
+	ProxyProtocol proxyproto.Version
 }
 
 // LogScope adds the fields naming what a proxy serves (its service port) to each event the proxy

@@ -19,6 +19,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward/proxyproto"
 	"golang.org/x/sys/unix"
 )
 
@@ -423,7 +424,7 @@ func TestTCPHandOverWhileDialling(t *testing.T) {
 			checkNoLeaks(t)
 			good, conns, headers := startPPEcho(t)
 			hole := blackholeEndpoint(t)
-			chooserA := &fakeChooser{endpoints: []netip.AddrPort{hole, good}, proxyProtocol: ProxyProtocolV1}
+			chooserA := &fakeChooser{endpoints: []netip.AddrPort{hole, good}, proxyProtocol: proxyproto.V1}
 			timeouts := []time.Duration{250 * time.Millisecond, waitTimeout}
 			if tc.giveUp {
 				chooserA.endpoints = []netip.AddrPort{hole}
@@ -453,7 +454,7 @@ func TestTCPHandOverWhileDialling(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			chooserB := &fakeChooser{endpoints: []netip.AddrPort{good}, proxyProtocol: ProxyProtocolV1}
+			chooserB := &fakeChooser{endpoints: []netip.AddrPort{good}, proxyProtocol: proxyproto.V1}
 			serveAdopted(t, ln, chooserB, nil, st.Conns)
 			a.Release()
 			got := make([]byte, 4)

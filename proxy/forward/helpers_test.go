@@ -15,6 +15,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward/proxyproto"
 	"github.com/rs/zerolog"
 )
 
@@ -96,7 +97,7 @@ type fakeChooser struct {
 	calls     []chooseCall
 	// Returned in every Target.
 	transparent   bool
-	proxyProtocol ProxyProtocol
+	proxyProtocol proxyproto.Version
 }
 
 var _ Chooser = (*fakeChooser)(nil)

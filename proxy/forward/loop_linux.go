@@ -11,6 +11,7 @@ import (
 	"time"
 	"unsafe"
 
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward/proxyproto"
 	"golang.org/x/sys/unix"
 )
 
@@ -211,9 +212,9 @@ type lconn struct {
 
 // ldial is the state of a connection's dial.
 type ldial struct {
-	dst        netip.AddrPort // the original destination, once asked
-	deadline   time.Duration  // of the attempt in progress
-	proxyProto ProxyProtocol  // the target's, sent once connected
+	dst        netip.AddrPort     // the original destination, once asked
+	deadline   time.Duration      // of the attempt in progress
+	proxyProto proxyproto.Version // the target's, sent once connected
 	plan       dialPlan
 	dstAsked   bool
 }
@@ -919,7 +920,7 @@ func (l *loop) connectDone(c *lconn, events uint32) {
 	}
 	c.connecting, c.connected, c.last = false, true, l.now
 	l.dialEnded()
-	if c.dl.proxyProto != ProxyProtocolNone && !l.queueProxyHeader(c) {
+	if c.dl.proxyProto != proxyproto.None && !l.queueProxyHeader(c) {
 		return
 	}
 	c.dl = nil

@@ -8,6 +8,8 @@ import (
 	"net/netip"
 	"sync/atomic"
 	"testing"
+
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward/proxyproto"
 )
 
 // dstChooser is a fakeChooser that says whether it needs the original destination.
@@ -40,7 +42,7 @@ func TestOriginalDstAskedOnlyWhenNeeded(t *testing.T) {
 			return &fakeChooser{endpoints: []netip.AddrPort{b}}
 		}, 1},
 		{"PROXY protocol header", func(b netip.AddrPort) Chooser {
-			return &dstChooser{fakeChooser: fakeChooser{endpoints: []netip.AddrPort{b}, proxyProtocol: ProxyProtocolV1}}
+			return &dstChooser{fakeChooser: fakeChooser{endpoints: []netip.AddrPort{b}, proxyProtocol: proxyproto.V1}}
 		}, 1},
 	}
 	for _, tc := range cases {

@@ -5,6 +5,8 @@ import (
 	"net"
 	"net/netip"
 	"time"
+
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward/proxyproto"
 )
 
 // The connection policy of a TCPProxy, one for every engine (the event loops of loop_linux.go,
@@ -91,11 +93,11 @@ func (p *TCPProxy) unreachable(client, dst netip.AddrPort) error {
 // proxyHeader returns the PROXY protocol header of version v for a connection from client whose
 // original destination is dst (local, the address it reached the proxy at, when dst is
 // unknown); on an error (logged) the engine resets the client.
-func (p *TCPProxy) proxyHeader(v ProxyProtocol, client, endpoint, dst, local netip.AddrPort) ([]byte, error) {
+func (p *TCPProxy) proxyHeader(v proxyproto.Version, client, endpoint, dst, local netip.AddrPort) ([]byte, error) {
 	if !dst.IsValid() {
 		dst = local
 	}
-	hdr, err := appendProxyHeader(make([]byte, 0, 64), v, true, client, dst)
+	hdr, err := proxyproto.AppendHeader(make([]byte, 0, 64), v, true, client, dst)
 	if err != nil {
 		p.logDebug().Err(err).Stringer("client", client).Stringer("endpoint", endpoint).
 			Msg("sending the PROXY protocol header failed; resetting the client")

@@ -11,6 +11,8 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward/proxyproto"
 )
 
 // tcpRelay is the portable TCP engine of a TCPProxy, for systems without the event loops
@@ -215,7 +217,7 @@ func (r *tcpRelay) handle(rc *relayConn) {
 	rc.backend = backend
 	rc.mu.Unlock()
 	connected = true
-	if target.ProxyProtocol != ProxyProtocolNone {
+	if target.ProxyProtocol != proxyproto.None {
 		var hdr []byte
 		hdr, err = p.proxyHeader(target.ProxyProtocol, client, endpoint, netip.AddrPort{}, netAddrPort(rc.client.LocalAddr()))
 		if err == nil {

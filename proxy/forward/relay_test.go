@@ -10,6 +10,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward/proxyproto"
 )
 
 // The portable relays (relay_tcp.go, relay_udp.go) are the engines of other operating systems;
@@ -139,7 +141,7 @@ func TestRelayTCPProxyHeader(t *testing.T) {
 		line, _ := bufio.NewReader(c).ReadString('\n')
 		lines <- line
 	})
-	ch := &fakeChooser{proxyProtocol: ProxyProtocolV1}
+	ch := &fakeChooser{proxyProtocol: proxyproto.V1}
 	ch.set(srv)
 	addr, _ := startRelayTCP(t, ch, nil)
 	c := dialTCPTest(t, addr)

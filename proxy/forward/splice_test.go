@@ -19,6 +19,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward/proxyproto"
 )
 
 // backendEnv passes the backend address to helper processes; spliceModeEnv, when "transparent-v2",
@@ -44,7 +46,7 @@ func spliceChild() int {
 	}
 	chooser := &fakeChooser{endpoints: []netip.AddrPort{backend}}
 	if os.Getenv(spliceModeEnv) == "transparent-v2" {
-		chooser.transparent, chooser.proxyProtocol = true, ProxyProtocolV2
+		chooser.transparent, chooser.proxyProtocol = true, proxyproto.V2
 	}
 	loops, err := NewLoops(2)
 	if err != nil {
@@ -100,7 +102,7 @@ func testTCPSplice(t *testing.T, mode string) {
 			_, err := io.ReadFull(c, hdr)
 			if err == nil {
 				src := netip.MustParseAddrPort(c.RemoteAddr().String())
-				if !bytes.Equal(hdr[:12], proxyV2Signature[:]) || hdr[12] != 0x21 || hdr[13] != 0x11 ||
+				if !bytes.Equal(hdr[:12], []byte("\r\n\r\n\x00\r\nQUIT\n")) || hdr[12] != 0x21 || hdr[13] != 0x11 ||
 					netip.AddrFrom4([4]byte(hdr[16:20])) != src.Addr() {
 					err = fmt.Errorf("bad PROXY v2 header % x from %v", hdr, src)
 				}

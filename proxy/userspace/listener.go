@@ -15,6 +15,7 @@ import (
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward/proxyproto"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/portalloc"
 )
 
@@ -151,14 +152,14 @@ func (c *chooser) NeedsOriginalDst() bool {
 }
 
 // proxyProtocol maps the service's PROXY protocol annotation to forward's setting.
-func proxyProtocol(v proxy.ProxyProtocol) forward.ProxyProtocol {
+func proxyProtocol(v proxy.ProxyProtocol) proxyproto.Version {
 	switch v {
 	case proxy.ProxyProtocolV1:
-		return forward.ProxyProtocolV1
+		return proxyproto.V1
 	case proxy.ProxyProtocolV2:
-		return forward.ProxyProtocolV2
+		return proxyproto.V2
 	}
-	return forward.ProxyProtocolNone
+	return proxyproto.None
 }
 
 // open allocates a proxy port (the preferred one if it can) and opens the listening socket;

@@ -8,7 +8,7 @@ import (
 	v1 "k8s.io/api/core/v1"
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy"
-	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward/proxyproto"
 )
 
 // TestNeedsOriginalDst checks when the chooser asks for the original destination, which costs
@@ -73,7 +73,7 @@ func TestNeedsOriginalDst(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			if tg.Transparent || tg.ProxyProtocol != forward.ProxyProtocolNone {
+			if tg.Transparent || tg.ProxyProtocol != proxyproto.None {
 				t.Fatalf("target %+v: want plain", tg)
 			}
 			switch {

@@ -1,14 +1,11 @@
-package forward
+package proxyproto
 
 import (
 	"bytes"
 	"encoding/hex"
-	"io"
-	"net"
 	"net/netip"
 	"strings"
 	"testing"
-	"time"
 )
 
 // unhex decodes a hex string written with spaces between groups.
@@ -31,47 +28,47 @@ func TestAppendProxyHeader(t *testing.T) {
 	ap := netip.MustParseAddrPort
 	tests := []struct {
 		name     string
-		v        ProxyProtocol
+		v        Version
 		stream   bool
 		src, dst netip.AddrPort
 		want     []byte
 		wantErr  bool
 	}{
-		{name: "v1 spec example", v: ProxyProtocolV1, stream: true,
+		{name: "v1 spec example", v: V1, stream: true,
 			src: ap("192.168.0.1:56324"), dst: ap("192.168.0.11:443"),
 			want: []byte("PROXY TCP4 192.168.0.1 192.168.0.11 56324 443\r\n")},
-		{name: "v1 longest TCP4 line", v: ProxyProtocolV1, stream: true,
+		{name: "v1 longest TCP4 line", v: V1, stream: true,
 			src: ap("255.255.255.255:65535"), dst: ap("255.255.255.255:65535"),
 			want: []byte("PROXY TCP4 255.255.255.255 255.255.255.255 65535 65535\r\n")},
-		{name: "v1 TCP6", v: ProxyProtocolV1, stream: true,
+		{name: "v1 TCP6", v: V1, stream: true,
 			src: ap("[2001:db8::1]:1234"), dst: ap("[2001:db8::2]:80"),
 			want: []byte("PROXY TCP6 2001:db8::1 2001:db8::2 1234 80\r\n")},
-		{name: "v1 mapped IPv4 is unmapped", v: ProxyProtocolV1, stream: true,
+		{name: "v1 mapped IPv4 is unmapped", v: V1, stream: true,
 			src: ap("[::ffff:10.0.0.9]:40000"), dst: ap("10.96.0.10:53"),
 			want: []byte("PROXY TCP4 10.0.0.9 10.96.0.10 40000 53\r\n")},
-		{name: "v1 mixed families are both IPv6", v: ProxyProtocolV1, stream: true,
+		{name: "v1 mixed families are both IPv6", v: V1, stream: true,
 			src: ap("10.0.0.9:40000"), dst: ap("[fd00::10]:53"),
 			want: []byte("PROXY TCP6 ::ffff:10.0.0.9 fd00::10 40000 53\r\n")},
-		{name: "v1 has no UDP", v: ProxyProtocolV1, stream: false,
+		{name: "v1 has no UDP", v: V1, stream: false,
 			src: ap("10.0.0.9:40000"), dst: ap("10.96.0.10:53"), wantErr: true},
-		{name: "v2 TCP4", v: ProxyProtocolV2, stream: true,
+		{name: "v2 TCP4", v: V2, stream: true,
 			src: ap("192.168.0.1:56324"), dst: ap("192.168.0.11:443"),
 			want: unhex(t, sig+"21 11 000c c0a80001 c0a8000b dc04 01bb")},
-		{name: "v2 UDP4", v: ProxyProtocolV2, stream: false,
+		{name: "v2 UDP4", v: V2, stream: false,
 			src: ap("10.0.0.9:40000"), dst: ap("10.96.0.10:53"),
 			want: unhex(t, sig+"21 12 000c 0a000009 0a60000a 9c40 0035")},
-		{name: "v2 TCP6", v: ProxyProtocolV2, stream: true,
+		{name: "v2 TCP6", v: V2, stream: true,
 			src: ap("[2001:db8::1]:1234"), dst: ap("[2001:db8::2]:80"),
 			want: unhex(t, sig+"21 21 0024 20010db8000000000000000000000001 20010db8000000000000000000000002 04d2 0050")},
-		{name: "missing destination", v: ProxyProtocolV2, stream: true,
+		{name: "missing destination", v: V2, stream: true,
 			src: ap("10.0.0.9:40000"), wantErr: true},
-		{name: "unknown version", v: ProxyProtocol(7), stream: true,
+		{name: "unknown version", v: Version(7), stream: true,
 			src: ap("10.0.0.9:40000"), dst: ap("10.96.0.10:53"), wantErr: true},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			prefix := []byte("x")
-			got, err := appendProxyHeader(prefix, tt.v, tt.stream, tt.src, tt.dst)
+			got, err := AppendHeader(prefix, tt.v, tt.stream, tt.src, tt.dst)
 			if tt.wantErr {
 				if err == nil {
 					t.Fatalf("got %q, want an error", got)
@@ -84,61 +81,8 @@ func TestAppendProxyHeader(t *testing.T) {
 			if !bytes.HasPrefix(got, prefix) || !bytes.Equal(got[1:], tt.want) {
 				t.Fatalf("header\n got % x\nwant % x", got[1:], tt.want)
 			}
-			if tt.v == ProxyProtocolV1 && len(got)-1 > 107 {
+			if tt.v == V1 && len(got)-1 > 107 {
 				t.Fatalf("v1 header of %d bytes exceeds the specification's 107", len(got)-1)
-			}
-		})
-	}
-}
-
-// TestTCPProxyProtocolHeader runs a connection through the proxy to an endpoint that records
-// what arrives first: the PROXY header naming the client and the address it connected to (the
-// listener's, as there is no NAT here), then the payload, echoed.
-func TestTCPProxyProtocolHeader(t *testing.T) {
-	for _, tt := range []struct {
-		name   string
-		v      ProxyProtocol
-		family string
-	}{
-		{"v1 IPv4", ProxyProtocolV1, "4"},
-		{"v2 IPv4", ProxyProtocolV2, "4"},
-		{"v1 IPv6", ProxyProtocolV1, "6"},
-		{"v2 IPv6", ProxyProtocolV2, "6"},
-		{"none", ProxyProtocolNone, "4"},
-	} {
-		t.Run(tt.name, func(t *testing.T) {
-			checkNoLeaks(t)
-			got := make(chan []byte, 1)
-			backend := startTCPServer(t, loopback(tt.family), func(c *net.TCPConn) {
-				c.SetDeadline(time.Now().Add(10 * time.Second))
-				b, _ := io.ReadAll(c)
-				got <- b
-			})
-			chooser := &fakeChooser{endpoints: []netip.AddrPort{backend}, proxyProtocol: tt.v}
-			p := startTCPProxy(t, tt.family, chooser, nil)
-			c := dialTCPTest(t, p.addr)
-			client := netip.MustParseAddrPort(c.LocalAddr().String())
-			if _, err := c.Write([]byte("payload")); err != nil {
-				t.Fatal(err)
-			}
-			c.CloseWrite()
-			var b []byte
-			select {
-			case b = <-got:
-			case <-time.After(10 * time.Second):
-				t.Fatal("endpoint got nothing")
-			}
-			c.Close()
-			want := []byte("payload")
-			if tt.v != ProxyProtocolNone {
-				hdr, err := appendProxyHeader(nil, tt.v, true, client, p.addr)
-				if err != nil {
-					t.Fatal(err)
-				}
-				want = append(hdr, want...)
-			}
-			if !bytes.Equal(b, want) {
-				t.Fatalf("endpoint got %q, want %q", b, want)
 			}
 		})
 	}

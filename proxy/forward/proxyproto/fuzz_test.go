@@ -1,4 +1,4 @@
-package forward
+package proxyproto
 
 import (
 	"bytes"
@@ -44,7 +44,7 @@ func fuzzAddr(b []byte, mapped, zone bool) netip.Addr {
 	return a
 }
 
-// FuzzProxyHeader checks appendProxyHeader against a parser of the PROXY protocol written from
+// FuzzProxyHeader checks AppendHeader against a parser of the PROXY protocol written from
 // the specification (haproxy.org/download/2.9/doc/proxy-protocol.txt), for any addresses,
 // ports, families, transports and versions: the header must parse back to the client and
 // destination addresses as the writer documents them (IPv4-mapped addresses unmapped, zones
@@ -68,12 +68,12 @@ func FuzzProxyHeader(f *testing.F) {
 	f.Fuzz(func(t *testing.T, prefix []byte, version uint8, stream bool, srcIP []byte, srcPort uint16, dstIP []byte, dstPort uint16, flags uint8) {
 		src := netip.AddrPortFrom(fuzzAddr(srcIP, flags&fuzzMapSrc != 0, flags&fuzzZoneSrc != 0), srcPort)
 		dst := netip.AddrPortFrom(fuzzAddr(dstIP, flags&fuzzMapDst != 0, flags&fuzzZoneDst != 0), dstPort)
-		v := ProxyProtocol(version)
+		v := Version(version)
 		in := append(make([]byte, 0, len(prefix)+8), prefix...)
-		out, err := appendProxyHeader(in, v, stream, src, dst)
+		out, err := AppendHeader(in, v, stream, src, dst)
 
 		wantErr := !src.Addr().IsValid() || !dst.Addr().IsValid() ||
-			(v != ProxyProtocolV1 && v != ProxyProtocolV2) || (v == ProxyProtocolV1 && !stream)
+			(v != V1 && v != V2) || (v == V1 && !stream)
 		if wantErr {
 			if err == nil {
 				t.Fatalf("v=%d stream=%v %v -> %v: got % x, want an error", version, stream, src, dst, out)
@@ -100,7 +100,7 @@ func FuzzProxyHeader(f *testing.F) {
 		want := proxyHeader{stream: stream, ipv6: want6, src: netip.AddrPortFrom(wantSrc, srcPort), dst: netip.AddrPortFrom(wantDst, dstPort)}
 
 		var got proxyHeader
-		if v == ProxyProtocolV1 {
+		if v == V1 {
 			got, err = parseProxyV1(hdr)
 		} else {
 			got, err = parseProxyV2(hdr)
@@ -182,7 +182,7 @@ func parseProxyV2(b []byte) (proxyHeader, error) {
 	if len(b) < 16 {
 		return h, fmt.Errorf("%d bytes, less than the fixed 16", len(b))
 	}
-	if !bytes.Equal(b[:12], proxyV2Signature[:]) {
+	if !bytes.Equal(b[:12], v2Signature[:]) {
 		return h, errors.New("no signature")
 	}
 	if b[12] != 0x21 {
