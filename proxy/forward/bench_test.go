@@ -13,6 +13,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward/internal/sys"
 	"github.com/rs/zerolog"
 )
 
@@ -251,7 +252,7 @@ func BenchmarkUDPBulk(b *testing.B) {
 }
 
 // BenchmarkUDPRecvOrigDst measures what IP_RECVORIGDSTADDR adds to receiving a datagram: the
-// control message the kernel builds and origDstFromOOB parsing it.
+// control message the kernel builds and sys.OrigDstFromOOB parsing it.
 func BenchmarkUDPRecvOrigDst(b *testing.B) {
 	for _, tc := range []struct {
 		name   string
@@ -264,12 +265,12 @@ func BenchmarkUDPRecvOrigDst(b *testing.B) {
 			}
 			defer recv.Close()
 			if tc.enable {
-				if err := enableOrigDst(recv); err != nil {
+				if err := sys.EnableOrigDst(recv); err != nil {
 					b.Fatal(err)
 				}
 			}
 			send := dialUDPTest(b, recv.LocalAddr().(*net.UDPAddr).AddrPort())
-			msg, buf, oob := make([]byte, 64), make([]byte, udpBufSize), make([]byte, origDstOOBSize)
+			msg, buf, oob := make([]byte, 64), make([]byte, udpBufSize), make([]byte, sys.OrigDstOOBSize)
 			b.ResetTimer()
 			for range b.N {
 				if _, err := send.Write(msg); err != nil {
@@ -279,7 +280,7 @@ func BenchmarkUDPRecvOrigDst(b *testing.B) {
 				if err != nil {
 					b.Fatal(err)
 				}
-				if got := origDstFromOOB(oob[:oobn]); got.IsValid() != tc.enable {
+				if got := sys.OrigDstFromOOB(oob[:oobn]); got.IsValid() != tc.enable {
 					b.Fatalf("destination %v with the option %v", got, tc.enable)
 				}
 			}

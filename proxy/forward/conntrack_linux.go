@@ -7,6 +7,7 @@ import (
 	"net/netip"
 	"time"
 
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward/internal/sys"
 	"golang.org/x/sys/unix"
 )
 
@@ -76,7 +77,7 @@ func (c *conntrackConn) Close() error { return unix.Close(c.fd) }
 // replies go from local (the proxy's address the datagram arrived at, after NAT) to client. It
 // returns an error wrapping unix.ENOENT when there is no such flow.
 func (c *conntrackConn) originalDst(proto uint8, client, local netip.AddrPort) (netip.AddrPort, error) {
-	client, local = unmapAddrPort(client), unmapAddrPort(local)
+	client, local = sys.UnmapAddrPort(client), sys.UnmapAddrPort(local)
 	if client.Addr().Is4() != local.Addr().Is4() {
 		return netip.AddrPort{}, fmt.Errorf("conntrack lookup %s→%s: mixed address families", local, client)
 	}

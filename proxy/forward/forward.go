@@ -135,11 +135,6 @@ func isResourceExhausted(err error) bool {
 		errors.Is(err, syscall.ENOBUFS) || errors.Is(err, syscall.ENOMEM)
 }
 
-// unmapAddrPort returns ap with an IPv4-mapped IPv6 address turned into IPv4.
-func unmapAddrPort(ap netip.AddrPort) netip.AddrPort {
-	return netip.AddrPortFrom(ap.Addr().Unmap(), ap.Port())
-}
-
 // Back-pressure on resource exhaustion (EMFILE on accept, ENOBUFS on receive): the loop sleeps
 // pauseMin, doubling up to pauseMax, until the call succeeds again.
 const (

@@ -16,6 +16,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward/internal/sys"
 	"golang.org/x/sys/unix"
 )
 
@@ -104,7 +105,7 @@ func sendWire(c *net.UnixConn, v any, files fileList) error {
 	}
 	fds := make([]int, len(files))
 	for i, f := range files {
-		if fds[i], err = socketFD(f); err != nil {
+		if fds[i], err = sys.FD(f); err != nil {
 			return err
 		}
 	}

@@ -15,6 +15,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward/internal/sys"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward/proxyproto"
 	"github.com/rs/zerolog"
 )
@@ -522,7 +523,7 @@ func resetConn(conn *net.TCPConn) {
 // tcpAddrPort returns the address of a TCP socket end, or the zero AddrPort.
 func tcpAddrPort(a net.Addr) netip.AddrPort {
 	if ta, ok := a.(*net.TCPAddr); ok {
-		return unmapAddrPort(ta.AddrPort())
+		return sys.UnmapAddrPort(ta.AddrPort())
 	}
 	return netip.AddrPort{}
 }

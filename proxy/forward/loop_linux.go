@@ -11,6 +11,7 @@ import (
 	"time"
 	"unsafe"
 
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward/internal/sys"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward/proxyproto"
 	"golang.org/x/sys/unix"
 )
@@ -310,7 +311,7 @@ func (l *loop) stop() {
 // runPosts runs the queued posts.
 func (l *loop) runPosts() {
 	var b [8]byte
-	_, _ = rawRead(l.evfd, b[:])
+	_, _ = sys.Read(l.evfd, b[:])
 	l.mu.Lock()
 	posts := l.posts
 	l.posts = nil
@@ -346,7 +347,7 @@ func (l *loop) run() {
 	// served any more.
 	_ = l.rc.Read(func(fd uintptr) bool {
 		for {
-			n, err := rawEpollPoll(int(fd), l.events[:])
+			n, err := sys.EpollPoll(int(fd), l.events[:])
 			switch {
 			case err == unix.EINTR:
 				continue
@@ -465,7 +466,7 @@ func (l *loop) register(c *lconn, side int) error {
 	gen := l.track(fd, fdSlot{c: c, side: uint8(side)})
 	c.gen[side] = gen
 	ev := unix.EpollEvent{Events: unix.EPOLLIN | unix.EPOLLOUT | unix.EPOLLRDHUP | unix.EPOLLET, Fd: int32(fd), Pad: int32(gen)}
-	if err := rawEpollCtl(l.epfd, unix.EPOLL_CTL_ADD, fd, &ev); err != nil {
+	if err := sys.EpollCtl(l.epfd, unix.EPOLL_CTL_ADD, fd, &ev); err != nil {
 		l.forget(fd)
 		return fmt.Errorf("epoll_ctl add socket %d: %w", fd, err)
 	}
@@ -475,7 +476,7 @@ func (l *loop) register(c *lconn, side int) error {
 // unregister takes side of c out of the epoll set and its slot, leaving the socket open.
 func (l *loop) unregister(c *lconn, side int) {
 	if fd := int(c.fd[side]); fd >= 0 {
-		_ = rawEpollCtl(l.epfd, unix.EPOLL_CTL_DEL, fd, nil)
+		_ = sys.EpollCtl(l.epfd, unix.EPOLL_CTL_DEL, fd, nil)
 		l.forget(fd)
 	}
 }
@@ -490,7 +491,7 @@ func (l *loop) armTimer(d time.Duration) {
 
 func (l *loop) setTimer(d time.Duration) {
 	ts := unix.NsecToTimespec(int64(d))
-	_ = rawTimerfdSettime(l.tfd, &unix.ItimerSpec{Interval: ts, Value: ts})
+	_ = sys.TimerfdSettime(l.tfd, &unix.ItimerSpec{Interval: ts, Value: ts})
 	l.tick = d
 }
 
@@ -499,7 +500,7 @@ func (l *loop) setTimer(d time.Duration) {
 // needs it any more.
 func (l *loop) sweep() {
 	var b [8]byte
-	_, _ = rawRead(l.tfd, b[:])
+	_, _ = sys.Read(l.tfd, b[:])
 	if len(l.dials) > 0 {
 		l.sweepDials()
 	}
@@ -710,7 +711,7 @@ func (l *loop) accept(ln *loopListener) {
 	}
 	cfd := int(r)
 	if ln.setNoDelay != 0 { // Go's default for every socket; otherwise inherited (noDelayToSet)
-		_ = rawSetsockoptInt(cfd, unix.IPPROTO_TCP, unix.TCP_NODELAY, 1)
+		_ = sys.SetsockoptInt(cfd, unix.IPPROTO_TCP, unix.TCP_NODELAY, 1)
 		if ln.setNoDelay > 0 {
 			ln.setNoDelay--
 		}
@@ -722,12 +723,12 @@ func (l *loop) accept(ln *loopListener) {
 	}
 	if !p.admitLoopConn() {
 		p.refused()
-		resetFD(cfd)
+		sys.Reset(cfd)
 		return
 	}
 	p.sink().ConnAccepted()
 	l.served.Add(1)
-	c := &lconn{p: p, l: l, fd: [2]int32{int32(cfd), -1}, clientAddr: rawAddrPort(&sa), last: l.now}
+	c := &lconn{p: p, l: l, fd: [2]int32{int32(cfd), -1}, clientAddr: sys.RawAddrPort(&sa), last: l.now}
 	if err := l.register(c, 0); err != nil {
 		l.finish(c, true, err)
 		return
@@ -742,7 +743,7 @@ func (l *loop) accept(ln *loopListener) {
 // TCPListenerFromFile on a socket handed over, which may hold connections set up before): so
 // those queued now, and -1 (all) for a listener without it or when it cannot be asked.
 func noDelayToSet(fd int) int {
-	if v, err := rawGetsockoptInt(fd, unix.IPPROTO_TCP, unix.TCP_NODELAY); err != nil || v == 0 {
+	if v, err := sys.GetsockoptInt(fd, unix.IPPROTO_TCP, unix.TCP_NODELAY); err != nil || v == 0 {
 		return -1
 	}
 	info, err := unix.GetsockoptTCPInfo(fd, unix.IPPROTO_TCP, unix.TCP_INFO)
@@ -775,25 +776,6 @@ func (l *loop) acceptFailed(ln *loopListener, errno syscall.Errno) {
 		}
 		l.detach(ln)
 	}
-}
-
-// rawAddrPort decodes accept4's address (unmapped); the zero AddrPort for another family.
-func rawAddrPort(sa *unix.RawSockaddrAny) netip.AddrPort {
-	switch sa.Addr.Family {
-	case unix.AF_INET:
-		in := (*unix.RawSockaddrInet4)(unsafe.Pointer(sa))
-		return netip.AddrPortFrom(netip.AddrFrom4(in.Addr), ntohs(in.Port))
-	case unix.AF_INET6:
-		in := (*unix.RawSockaddrInet6)(unsafe.Pointer(sa))
-		return unmapAddrPort(netip.AddrPortFrom(netip.AddrFrom16(in.Addr), ntohs(in.Port)))
-	}
-	return netip.AddrPort{}
-}
-
-// ntohs turns a port in network byte order, as the kernel stores it, into a number.
-func ntohs(p uint16) uint16 {
-	b := (*[2]byte)(unsafe.Pointer(&p))
-	return uint16(b[0])<<8 | uint16(b[1])
 }
 
 // originalDst returns c's original destination (see tcpOriginalDst), asked once.
@@ -833,7 +815,7 @@ func (l *loop) dial(c *lconn) {
 		if err == nil {
 			c.fd[1] = int32(fd)
 			if err = l.register(c, 1); err != nil {
-				_ = rawClose(fd)
+				_ = sys.Close(fd)
 				c.fd[1] = -1
 			}
 		}
@@ -861,23 +843,23 @@ func (l *loop) connect(c *lconn, target Target) (int, error) {
 	if ep.Addr().Unmap().Is4() {
 		family = unix.AF_INET
 	}
-	fd, err := rawSocket(family, unix.SOCK_STREAM|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, 0)
+	fd, err := sys.Socket(family, unix.SOCK_STREAM|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, 0)
 	if err != nil {
 		return -1, fmt.Errorf("socket: %w", err)
 	}
-	_ = rawSetsockoptInt(fd, unix.IPPROTO_TCP, unix.TCP_NODELAY, 1)
-	_ = rawSetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_KEEPALIVE, 1)
-	_ = rawSetsockoptInt(fd, unix.IPPROTO_TCP, unix.TCP_KEEPIDLE, int(keepAliveIdle/time.Second))
-	if target.Transparent && canDialFrom(c.clientAddr.Addr(), ep) {
+	_ = sys.SetsockoptInt(fd, unix.IPPROTO_TCP, unix.TCP_NODELAY, 1)
+	_ = sys.SetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_KEEPALIVE, 1)
+	_ = sys.SetsockoptInt(fd, unix.IPPROTO_TCP, unix.TCP_KEEPIDLE, int(keepAliveIdle/time.Second))
+	if target.Transparent && sys.CanDialFrom(c.clientAddr.Addr(), ep) {
 		if terr := bindTransparent(fd, c.clientAddr.Addr()); terr != nil {
-			_ = rawClose(fd)
+			_ = sys.Close(fd)
 			logTransparentFallback(logOrNop(c.p.Log), c.p.LogScope, &c.p.transparentWarned, terr, c.clientAddr, ep)
 			target.Transparent = false
 			return l.connect(c, target)
 		}
 	}
-	if err := rawConnect(fd, encodeSockaddr(netip.AddrPortFrom(ep.Addr().Unmap(), ep.Port()))); err != nil && err != unix.EINPROGRESS {
-		_ = rawClose(fd)
+	if err := sys.Connect(fd, sys.EncodeSockaddr(netip.AddrPortFrom(ep.Addr().Unmap(), ep.Port()))); err != nil && err != unix.EINPROGRESS {
+		_ = sys.Close(fd)
 		return -1, fmt.Errorf("connect to %s: %w", ep, err)
 	}
 	return fd, nil
@@ -896,10 +878,10 @@ func bindTransparent(fd int, client netip.Addr) error {
 		sa = &unix.SockaddrInet6{Addr: client.As16()}
 	}
 	if err != nil {
-		return fmt.Errorf("%w: set IP_TRANSPARENT: %w", errTransparentSetup, err)
+		return fmt.Errorf("%w: set IP_TRANSPARENT: %w", sys.ErrTransparentSetup, err)
 	}
 	if err := unix.Bind(fd, sa); err != nil {
-		return fmt.Errorf("%w: bind to %s: %w", errTransparentSetup, client, err)
+		return fmt.Errorf("%w: bind to %s: %w", sys.ErrTransparentSetup, client, err)
 	}
 	return nil
 }
@@ -909,7 +891,7 @@ func bindTransparent(fd int, client netip.Addr) error {
 // connected; the connect's error is asked for only with EPOLLERR or EPOLLHUP.
 func (l *loop) connectDone(c *lconn, events uint32) {
 	if events&(unix.EPOLLERR|unix.EPOLLHUP) != 0 {
-		serr, err := rawGetsockoptInt(int(c.fd[1]), unix.SOL_SOCKET, unix.SO_ERROR)
+		serr, err := sys.GetsockoptInt(int(c.fd[1]), unix.SOL_SOCKET, unix.SO_ERROR)
 		if err == nil && serr != 0 {
 			err = syscall.Errno(serr)
 		}
@@ -935,7 +917,7 @@ func (l *loop) connectDone(c *lconn, events uint32) {
 func (l *loop) dialFailed(c *lconn, err error) {
 	p := c.p
 	l.unregister(c, 1)
-	_ = rawClose(int(c.fd[1]))
+	_ = sys.Close(int(c.fd[1]))
 	c.fd[1], c.connecting = -1, false
 	l.dialEnded()
 	p.attemptFailed(&c.dl.plan, c.clientAddr, c.endpoint, err)
@@ -948,7 +930,7 @@ func (l *loop) queueProxyHeader(c *lconn) bool {
 	dst := c.originalDst()
 	local := netip.AddrPort{}
 	if !dst.IsValid() {
-		local = fdLocalAddr(int(c.fd[0]))
+		local = sys.LocalAddr(int(c.fd[0]))
 	}
 	hdr, err := c.p.proxyHeader(c.dl.proxyProto, c.clientAddr, c.endpoint, dst, local)
 	if err != nil {
@@ -957,30 +939,6 @@ func (l *loop) queueProxyHeader(c *lconn) bool {
 	}
 	c.dir[0].pending = append(hdr, c.dir[0].pending...)
 	return true
-}
-
-// fdLocalAddr returns a socket's local address (unmapped), or the zero AddrPort. The system
-// call itself: x/sys/unix's Getsockname asks for SO_PROTOCOL too, to parse the address.
-func fdLocalAddr(fd int) netip.AddrPort {
-	var sa unix.RawSockaddrAny
-	saLen := uint32(unix.SizeofSockaddrAny)
-	_, _, errno := syscall.RawSyscall(syscall.SYS_GETSOCKNAME, uintptr(fd), uintptr(unsafe.Pointer(&sa)), uintptr(unsafe.Pointer(&saLen)))
-	if errno != 0 {
-		return netip.AddrPort{}
-	}
-	return rawAddrPort(&sa)
-}
-
-// sockaddrAddrPort converts an IPv4 or IPv6 socket address (unmapped); the zero AddrPort for
-// another kind.
-func sockaddrAddrPort(sa unix.Sockaddr) netip.AddrPort {
-	switch sa := sa.(type) {
-	case *unix.SockaddrInet4:
-		return netip.AddrPortFrom(netip.AddrFrom4(sa.Addr), uint16(sa.Port))
-	case *unix.SockaddrInet6:
-		return unmapAddrPort(netip.AddrPortFrom(netip.AddrFrom16(sa.Addr), uint16(sa.Port)))
-	}
-	return netip.AddrPort{}
 }
 
 // event handles the readiness of side of c.
@@ -1056,7 +1014,7 @@ func (l *loop) pumpDir(c *lconn, d int) bool {
 			return true
 		}
 		reads++
-		n, err := rawRead(src, l.buf)
+		n, err := sys.Read(src, l.buf)
 		switch {
 		case err == unix.EAGAIN:
 			dd.readable = false
@@ -1074,7 +1032,7 @@ func (l *loop) pumpDir(c *lconn, d int) bool {
 		if n < len(l.buf) && !dd.rdhup {
 			dd.readable = false // drained: more data queues a new edge
 		}
-		w, err := rawWrite(dst, l.buf[:n])
+		w, err := sys.Write(dst, l.buf[:n])
 		switch {
 		case err == unix.EAGAIN || err == unix.EINTR:
 			w = 0
@@ -1101,7 +1059,7 @@ func (l *loop) flushPending(c *lconn, d int) (flushed, alive bool) {
 	dd := &c.dir[d]
 	dst := int(c.fd[1-d])
 	for len(dd.pending) > 0 {
-		n, err := rawWrite(dst, dd.pending)
+		n, err := sys.Write(dst, dd.pending)
 		if err == unix.EAGAIN || err == unix.EINTR {
 			return false, true
 		}
@@ -1140,7 +1098,7 @@ func (l *loop) spliceDir(c *lconn, d int) bool {
 			return alive
 		}
 		if dd.inPipe > 0 {
-			n, err := rawSplice(dd.pipe.r, dst, dd.inPipe, spliceMove|spliceNonblock)
+			n, err := sys.Splice(dd.pipe.r, dst, dd.inPipe, spliceMove|spliceNonblock)
 			if err == unix.EAGAIN || err == unix.EINTR {
 				return true // EPOLLOUT on dst calls again
 			}
@@ -1179,7 +1137,7 @@ func (l *loop) spliceDir(c *lconn, d int) bool {
 			}
 			dd.pipe = p
 		}
-		n, err := rawSplice(src, dd.pipe.w, spliceChunk, spliceMove|spliceNonblock)
+		n, err := sys.Splice(src, dd.pipe.w, spliceChunk, spliceMove|spliceNonblock)
 		switch {
 		case err == unix.EAGAIN:
 			dd.readable = false
@@ -1266,7 +1224,7 @@ func (l *loop) passEOF(c *lconn, d int) bool {
 		l.finish(c, false, nil)
 		return false
 	}
-	if err := rawShutdown(int(c.fd[1-d]), unix.SHUT_WR); err != nil {
+	if err := sys.Shutdown(int(c.fd[1-d]), unix.SHUT_WR); err != nil {
 		l.fail(c, d, err)
 		return false
 	}
@@ -1304,9 +1262,9 @@ func (l *loop) finish(c *lconn, reset bool, err error) {
 		}
 		l.forget(fd)
 		if reset {
-			resetFD(fd)
+			sys.Reset(fd)
 		} else {
-			_ = rawClose(fd)
+			_ = sys.Close(fd)
 		}
 		c.fd[side] = -1
 	}
@@ -1320,36 +1278,6 @@ func (l *loop) finish(c *lconn, reset bool, err error) {
 	p.loopConnEnded()
 }
 
-// dupFile duplicates fd into an *os.File (close-on-exec), for a hand-over.
-func dupFile(fd int, name string) (*os.File, error) {
-	nfd, err := unix.FcntlInt(uintptr(fd), unix.F_DUPFD_CLOEXEC, 0)
-	if err != nil {
-		return nil, fmt.Errorf("duplicate the %s socket: %w", name, err)
-	}
-	return os.NewFile(uintptr(nfd), name), nil
-}
-
-// fdFromFile takes a duplicate of f's descriptor, non-blocking, and closes f.
-func fdFromFile(f *os.File, what string) (int, error) {
-	if f == nil {
-		return -1, fmt.Errorf("no %s socket", what)
-	}
-	defer f.Close()
-	rc, err := f.SyscallConn()
-	if err != nil {
-		return -1, fmt.Errorf("%s socket: %w", what, err)
-	}
-	fd := -1
-	var derr error
-	if err := rc.Control(func(s uintptr) { fd, derr = unix.FcntlInt(s, unix.F_DUPFD_CLOEXEC, 0) }); err != nil {
-		return -1, fmt.Errorf("%s socket: %w", what, err)
-	}
-	if derr != nil {
-		return -1, fmt.Errorf("duplicate the %s socket: %w", what, derr)
-	}
-	if err := unix.SetNonblock(fd, true); err != nil {
-		_ = unix.Close(fd)
-		return -1, fmt.Errorf("%s socket: set non-blocking: %w", what, err)
-	}
-	return fd, nil
-}
+// osPendingConnErrnos are the accept errors of a failed pending connection that only Linux has
+// (see isPendingConnError).
+var osPendingConnErrnos = []syscall.Errno{syscall.ENONET}

@@ -7,6 +7,7 @@ import (
 	"net/netip"
 	"os"
 
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward/internal/sys"
 	"golang.org/x/sys/unix"
 )
 
@@ -105,7 +106,7 @@ func (p *TCPProxy) startOnLoop() (started bool, err error) {
 	if h := p.testHookLoopStarting; h != nil {
 		h()
 	}
-	fd, err := socketFD(p.Listener)
+	fd, err := sys.FD(p.Listener)
 	if err != nil {
 		p.run.ended()
 		if closed, _ := p.run.state(); closed {
@@ -370,12 +371,12 @@ func (c *lconn) export() (TCPConnState, error) {
 		ToEndpoint: cloneBytes(c.dir[0].pending), ToClient: cloneBytes(c.dir[1].pending),
 		ToEndpointDone: c.dir[0].shut, ToClientDone: c.dir[1].shut}
 	var err error
-	if cs.Client, err = dupFile(int(c.fd[0]), "client"); err != nil {
+	if cs.Client, err = sys.DupFile(int(c.fd[0]), "client"); err != nil {
 		return TCPConnState{}, err
 	}
 	if c.fd[1] >= 0 {
 		cs.Endpoint = c.endpoint
-		if cs.Backend, err = dupFile(int(c.fd[1]), "endpoint"); err != nil {
+		if cs.Backend, err = sys.DupFile(int(c.fd[1]), "endpoint"); err != nil {
 			_ = cs.close()
 			return TCPConnState{}, err
 		}
@@ -538,13 +539,13 @@ func fdPeerAddr(fd int) netip.AddrPort {
 	if err != nil {
 		return netip.AddrPort{}
 	}
-	return sockaddrAddrPort(sa)
+	return sys.SockaddrAddrPort(sa)
 }
 
-// connFDFromFile is fdFromFile for a connected TCP socket, or one whose connection has ended
+// connFDFromFile is sys.FDFromFile for a connected TCP socket, or one whose connection has ended
 // since it was frozen (see endedSocket).
 func connFDFromFile(f *os.File, what string) (int, error) {
-	fd, err := fdFromFile(f, what)
+	fd, err := sys.FDFromFile(f, what)
 	if err != nil {
 		return -1, err
 	}

@@ -18,6 +18,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward/internal/sys"
 )
 
 // TestLoopServesWithoutGoroutines fails when a proxy's connections cost goroutines: every
@@ -263,7 +265,7 @@ func TestLoopServeClosedWhileStarting(t *testing.T) {
 	p.testHookLoopStarting = func() {
 		go func() { closed <- p.Close() }() // Close waits for Serve: not on its goroutine
 		eventually(t, "Close to close the listener", func() bool {
-			_, err := socketFD(p.Listener)
+			_, err := sys.FD(p.Listener)
 			return err != nil
 		})
 	}

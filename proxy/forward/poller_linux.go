@@ -9,6 +9,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward/internal/sys"
 	"github.com/rs/zerolog"
 	"golang.org/x/sys/unix"
 )
@@ -87,9 +88,9 @@ func (p *Poller) Arm(fd int, fn func()) error {
 	if fd < len(p.fds) && p.fds[fd].watched {
 		op, other = other, op
 	}
-	err := rawEpollCtl(p.epfd, op, fd, &ev)
+	err := sys.EpollCtl(p.epfd, op, fd, &ev)
 	if errors.Is(err, unix.ENOENT) || errors.Is(err, unix.EEXIST) {
-		err = rawEpollCtl(p.epfd, other, fd, &ev)
+		err = sys.EpollCtl(p.epfd, other, fd, &ev)
 	}
 	if err != nil {
 		return fmt.Errorf("poller: watching descriptor %d: %w", fd, err)
@@ -112,7 +113,7 @@ func (p *Poller) Disarm(fd int) {
 	}
 	p.fds[fd] = watch{}
 	if !p.closed {
-		_ = rawEpollCtl(p.epfd, unix.EPOLL_CTL_DEL, fd, nil)
+		_ = sys.EpollCtl(p.epfd, unix.EPOLL_CTL_DEL, fd, nil)
 	}
 }
 
@@ -151,7 +152,7 @@ func (p *Poller) run() {
 	var n int
 	var werr error
 	collect := func(fd uintptr) bool {
-		n, werr = rawEpollPoll(int(fd), events)
+		n, werr = sys.EpollPoll(int(fd), events)
 		return n > 0 || (werr != nil && werr != unix.EINTR) // nothing ready: wait in the runtime
 	}
 	for {
@@ -229,7 +230,7 @@ type loopOwner interface {
 func startParked(run *runState, poller *Poller, sock syscall.Conn, owner loopOwner) {
 	l := &parkedLoop{run: run, poller: poller, owner: owner}
 	if poller != nil {
-		if fd, err := socketFD(sock); err == nil {
+		if fd, err := sys.FD(sock); err == nil {
 			l.fd = fd
 			l.parkOrEnd(errLoopIdle)
 			return

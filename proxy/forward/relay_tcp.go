@@ -12,6 +12,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward/internal/sys"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward/proxyproto"
 )
 
@@ -346,9 +347,9 @@ func resetNetConn(c net.Conn) {
 func netAddrPort(a net.Addr) netip.AddrPort {
 	switch a := a.(type) {
 	case *net.TCPAddr:
-		return unmapAddrPort(a.AddrPort())
+		return sys.UnmapAddrPort(a.AddrPort())
 	case *net.UDPAddr:
-		return unmapAddrPort(a.AddrPort())
+		return sys.UnmapAddrPort(a.AddrPort())
 	}
 	return netip.AddrPort{}
 }

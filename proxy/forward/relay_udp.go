@@ -10,6 +10,8 @@ import (
 	"sync/atomic"
 	"syscall"
 	"time"
+
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward/internal/sys"
 )
 
 // udpRelay is the portable UDP engine of a UDPProxy, for systems without recvmmsg, conntrack
@@ -154,7 +156,7 @@ func (r *udpRelay) session(client netip.AddrPort) *relaySession {
 	}
 	r.mu.Unlock()
 
-	clientAddr := unmapAddrPort(client)
+	clientAddr := sys.UnmapAddrPort(client)
 	dst := netip.AddrPort{} // unknown: no conntrack here
 	target, backend, ok := p.dialSession(clientAddr, dst, reset, r.admit, func(t Target) (*net.UDPConn, error) {
 		ep := t.Endpoint

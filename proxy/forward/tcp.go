@@ -116,20 +116,6 @@ func (p *TCPProxy) Start() error {
 	return err
 }
 
-// socketFD returns the descriptor of a socket (or of an *os.File, without Fd(), which would put
-// it into blocking mode); it stays valid until the socket is closed.
-func socketFD(sc syscall.Conn) (int, error) {
-	rc, err := sc.SyscallConn()
-	if err != nil {
-		return -1, err
-	}
-	fd := -1
-	if err := rc.Control(func(s uintptr) { fd = int(s) }); err != nil {
-		return -1, err
-	}
-	return fd, nil
-}
-
 // The configuration the fields give, resolved where it is used (the fields do not change once
 // the proxy serves): nothing derived from them is kept, as every listener has a TCPProxy.
 

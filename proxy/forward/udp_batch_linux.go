@@ -1,7 +1,6 @@
 package forward
 
 import (
-	"net"
 	"net/netip"
 	"strconv"
 	"sync"
@@ -9,6 +8,7 @@ import (
 	"syscall"
 	"unsafe"
 
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward/internal/sys"
 	"golang.org/x/sys/unix"
 )
 
@@ -29,7 +29,7 @@ type mmsghdr struct {
 
 // udpBatch is the memory of one batched receive and of the sends that forward it. Received
 // datagram i is in arena[i*udpBufSize:], its source address (when asked) in names[i] and its
-// control messages (when asked) in oob[i*origDstOOBSize:]. The out headers describe the sends.
+// control messages (when asked) in oob[i*sys.OrigDstOOBSize:]. The out headers describe the sends.
 type udpBatch struct {
 	in     [udpBatchLen]mmsghdr
 	inIov  [udpBatchLen]unix.Iovec
@@ -49,7 +49,7 @@ type udpBatch struct {
 // udpBatches holds the batches of every UDP proxy of the process: one is in use per goroutine
 // moving datagrams at the moment, not per socket.
 var udpBatches = sync.Pool{New: func() any {
-	b := &udpBatch{oob: make([]byte, udpBatchLen*origDstOOBSize), arena: make([]byte, udpBatchLen*udpBufSize)}
+	b := &udpBatch{oob: make([]byte, udpBatchLen*sys.OrigDstOOBSize), arena: make([]byte, udpBatchLen*udpBufSize)}
 	for i := range b.in {
 		b.inIov[i].Base = &b.arena[i*udpBufSize]
 		b.inIov[i].SetLen(udpBufSize)
@@ -74,8 +74,8 @@ func (b *udpBatch) prepareRecv(withAddr bool) {
 		if withAddr {
 			h.Name = (*byte)(unsafe.Pointer(&b.names[i]))
 			h.Namelen = unix.SizeofSockaddrInet6
-			h.Control = &b.oob[i*origDstOOBSize]
-			h.SetControllen(origDstOOBSize)
+			h.Control = &b.oob[i*sys.OrigDstOOBSize]
+			h.SetControllen(sys.OrigDstOOBSize)
 		} else {
 			h.Name, h.Namelen, h.Control = nil, 0, nil
 			h.SetControllen(0)
@@ -88,7 +88,7 @@ func (b *udpBatch) prepareRecv(withAddr bool) {
 func (b *udpBatch) source(i int) netip.AddrPort {
 	n := min(int(b.in[i].hdr.Namelen), unix.SizeofSockaddrInet6)
 	raw := unsafe.Slice((*byte)(unsafe.Pointer(&b.names[i])), n)
-	ap, ok := parseSockaddr(raw)
+	ap, ok := sys.ParseSockaddr(raw)
 	if !ok {
 		return netip.AddrPort{}
 	}
@@ -100,7 +100,7 @@ func (b *udpBatch) source(i int) netip.AddrPort {
 
 // control returns the control messages received with datagram i.
 func (b *udpBatch) control(i int) []byte {
-	return b.oob[i*origDstOOBSize : i*origDstOOBSize+int(b.in[i].hdr.Controllen)]
+	return b.oob[i*sys.OrigDstOOBSize : i*sys.OrigDstOOBSize+int(b.in[i].hdr.Controllen)]
 }
 
 // setOut describes send j: received datagram i, to name (nil on a connected socket) with the
@@ -226,43 +226,4 @@ func (s *udpBatchStats) received(n int) {
 func (s *udpBatchStats) sent(n int) {
 	s.sendCalls.Add(1)
 	s.sendMsgs.Add(int64(n))
-}
-
-// encodeSockaddr encodes ap as the struct sockaddr_in (a 4-byte address) or sockaddr_in6 (a
-// 16-byte one, IPv4-mapped included) that sendmsg(2) takes. A zone is the scope: an interface
-// index, or an interface name resolved now. It returns nil for an invalid ap.
-func encodeSockaddr(ap netip.AddrPort) []byte {
-	addr := ap.Addr()
-	switch {
-	case addr.Is4():
-		sa := &unix.RawSockaddrInet4{Family: unix.AF_INET, Addr: addr.As4()}
-		putPort(&sa.Port, ap.Port())
-		return unsafe.Slice((*byte)(unsafe.Pointer(sa)), unix.SizeofSockaddrInet4)
-	case addr.Is6():
-		sa := &unix.RawSockaddrInet6{Family: unix.AF_INET6, Addr: addr.As16(), Scope_id: zoneIndex(addr.Zone())}
-		putPort(&sa.Port, ap.Port())
-		return unsafe.Slice((*byte)(unsafe.Pointer(sa)), unix.SizeofSockaddrInet6)
-	}
-	return nil
-}
-
-// putPort stores port in network byte order.
-func putPort(p *uint16, port uint16) {
-	b := (*[2]byte)(unsafe.Pointer(p))
-	b[0], b[1] = byte(port>>8), byte(port)
-}
-
-// zoneIndex returns the interface index an IPv6 zone names (a number, as udpBatch.source writes
-// it, or an interface name), or 0.
-func zoneIndex(zone string) uint32 {
-	if zone == "" {
-		return 0
-	}
-	if n, err := strconv.ParseUint(zone, 10, 32); err == nil {
-		return uint32(n)
-	}
-	if ifi, err := net.InterfaceByName(zone); err == nil {
-		return uint32(ifi.Index)
-	}
-	return 0
 }

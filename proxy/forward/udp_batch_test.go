@@ -14,6 +14,7 @@ import (
 	"time"
 	"unsafe"
 
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward/internal/sys"
 	"golang.org/x/sys/unix"
 )
 
@@ -349,14 +350,14 @@ func TestRawSockaddr(t *testing.T) {
 		netip.MustParseAddrPort("[fe80::1%7]:1"),
 	} {
 		b := &udpBatch{}
-		raw := encodeSockaddr(ap)
+		raw := sys.EncodeSockaddr(ap)
 		copy(unsafe.Slice((*byte)(unsafe.Pointer(&b.names[0])), unix.SizeofSockaddrInet6), raw)
 		b.in[0].hdr.Namelen = uint32(len(raw))
 		if got := b.source(0); got != ap {
 			t.Errorf("%s: decoded as %s", ap, got)
 		}
 	}
-	if raw := encodeSockaddr(netip.AddrPort{}); raw != nil {
+	if raw := sys.EncodeSockaddr(netip.AddrPort{}); raw != nil {
 		t.Errorf("invalid address encoded as %v, want nil", raw)
 	}
 }

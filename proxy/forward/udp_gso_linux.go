@@ -6,6 +6,7 @@ import (
 	"sync/atomic"
 	"syscall"
 
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward/internal/sys"
 	"golang.org/x/sys/unix"
 )
 
@@ -67,7 +68,7 @@ func (b *udpBatch) sendSegmented(rc syscall.RawConn, from, to int, stats *udpBat
 		b.gsoIov[i-from].Base = &b.arena[i*udpBufSize]
 		b.gsoIov[i-from].SetLen(int(b.in[i].len))
 	}
-	b.gsoOOB = appendCmsg(b.gsoOOB[:0], unix.SOL_UDP, unix.UDP_SEGMENT, binary.NativeEndian.AppendUint16(nil, uint16(b.in[from].len)))
+	b.gsoOOB = sys.AppendCmsg(b.gsoOOB[:0], unix.SOL_UDP, unix.UDP_SEGMENT, binary.NativeEndian.AppendUint16(nil, uint16(b.in[from].len)))
 	h := &b.gso[0].hdr
 	*h = unix.Msghdr{Iov: &b.gsoIov[0], Control: &b.gsoOOB[0]}
 	h.SetIovlen(to - from)

@@ -9,6 +9,7 @@ import (
 	"os"
 	"time"
 
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward/internal/sys"
 	"golang.org/x/sys/unix"
 )
 
@@ -77,7 +78,7 @@ func (p *UDPProxy) closeStartCT() {
 // openOrigDst has Conn report the destinations of datagrams and opens the conntrack socket that
 // finds the original destinations of new flows; nil when that is unavailable (logged).
 func (p *UDPProxy) openOrigDst() *conntrackConn {
-	if err := enableOrigDst(p.Conn); err != nil {
+	if err := sys.EnableOrigDst(p.Conn); err != nil {
 		p.logWarn().Err(err).Msg("destinations of datagrams unavailable: original destinations unknown, replies leave from the routing's choice of source")
 		return nil
 	}
@@ -254,7 +255,7 @@ func (p *UDPProxy) forwardBatch(ct *conntrackConn, b *udpBatch, n int) {
 		for ; j < n && b.source(j) == client; j++ {
 			b.setOut(j, j, nil, nil)
 		}
-		p.forward(ct, b, i, j, client, origDstFromOOB(b.control(i)))
+		p.forward(ct, b, i, j, client, sys.OrigDstFromOOB(b.control(i)))
 		i = j
 	}
 }
@@ -273,7 +274,7 @@ func (p *UDPProxy) originalDst(ct *conntrackConn, client, to netip.AddrPort) net
 		}
 		return netip.AddrPort{}
 	}
-	if dst = unmapAddrPort(dst); dst == to {
+	if dst = sys.UnmapAddrPort(dst); dst == to {
 		return netip.AddrPort{}
 	}
 	return dst
@@ -346,7 +347,7 @@ func (p *UDPProxy) session(ct *conntrackConn, client, to netip.AddrPort) *udpSes
 	}
 	p.mu.Unlock()
 
-	clientAddr := unmapAddrPort(client)
+	clientAddr := sys.UnmapAddrPort(client)
 	dst := p.originalDst(ct, client, to)
 	target, backend, ok := p.dialSession(clientAddr, dst, reset, p.admitSession,
 		func(t Target) (*net.UDPConn, error) { return p.dialEndpoint(t, clientAddr) })
@@ -372,10 +373,10 @@ func (p *UDPProxy) session(ct *conntrackConn, client, to netip.AddrPort) *udpSes
 // newSession returns the session of client to ep through backend, whose replies leave from
 // replyFrom when valid.
 func (p *UDPProxy) newSession(client, ep netip.AddrPort, backend *net.UDPConn, replyFrom netip.Addr) *udpSession {
-	s := &udpSession{p: p, client: client, endpoint: ep, backend: backend, clientSA: encodeSockaddr(client)}
+	s := &udpSession{p: p, client: client, endpoint: ep, backend: backend, clientSA: sys.EncodeSockaddr(client)}
 	s.rc, _ = backend.SyscallConn() // fails only on a nil conn
 	if replyFrom.IsValid() {
-		s.replyFrom, s.replyOOB = replyFrom, sourceAddrOOB(replyFrom)
+		s.replyFrom, s.replyOOB = replyFrom, sys.SourceAddrOOB(replyFrom)
 	}
 	return s
 }
@@ -426,9 +427,9 @@ func (s *udpSession) release() {
 // privilege or by the bind falls back to a plain one, with a warning.
 func (p *UDPProxy) dialEndpoint(target Target, client netip.AddrPort) (*net.UDPConn, error) {
 	ep := target.Endpoint
-	if target.Transparent && canDialFrom(client.Addr(), ep) {
-		c, err := dialUDPFrom(client.Addr(), ep)
-		if err == nil || !isTransparentSetupError(err) {
+	if target.Transparent && sys.CanDialFrom(client.Addr(), ep) {
+		c, err := sys.DialUDPFrom(client.Addr(), ep)
+		if err == nil || !sys.IsTransparentSetupError(err) {
 			return c, err
 		}
 		logTransparentFallback(logOrNop(p.Log), p.LogScope, &p.transparentWarned, err, client, ep)

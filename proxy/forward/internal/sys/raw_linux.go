@@ -1,4 +1,4 @@
-package forward
+package sys
 
 import (
 	"syscall"
@@ -29,11 +29,11 @@ func errnoErr(e syscall.Errno) error {
 	return e
 }
 
-// rawRead is read(2).
-func rawRead(fd int, p []byte) (int, error) { return rawIO(unix.SYS_READ, fd, p) }
+// Read is read(2).
+func Read(fd int, p []byte) (int, error) { return rawIO(unix.SYS_READ, fd, p) }
 
-// rawWrite is write(2).
-func rawWrite(fd int, p []byte) (int, error) { return rawIO(unix.SYS_WRITE, fd, p) }
+// Write is write(2).
+func Write(fd int, p []byte) (int, error) { return rawIO(unix.SYS_WRITE, fd, p) }
 
 // rawIO is read(2) or write(2) (trap) of p.
 func rawIO(trap uintptr, fd int, p []byte) (int, error) {
@@ -48,14 +48,14 @@ func rawIO(trap uintptr, fd int, p []byte) (int, error) {
 	return int(n), nil
 }
 
-// rawClose is close(2).
-func rawClose(fd int) error {
+// Close is close(2).
+func Close(fd int) error {
 	_, _, e := unix.RawSyscall(unix.SYS_CLOSE, uintptr(fd), 0, 0)
 	return errnoErr(e)
 }
 
-// rawEpollPoll is epoll_pwait(2) with a zero timeout: the events ready now.
-func rawEpollPoll(epfd int, events []unix.EpollEvent) (int, error) {
+// EpollPoll is epoll_pwait(2) with a zero timeout: the events ready now.
+func EpollPoll(epfd int, events []unix.EpollEvent) (int, error) {
 	n, _, e := unix.RawSyscall6(unix.SYS_EPOLL_PWAIT, uintptr(epfd), uintptr(unsafe.Pointer(&events[0])),
 		uintptr(len(events)), 0, 0, 0)
 	if e != 0 {
@@ -64,28 +64,28 @@ func rawEpollPoll(epfd int, events []unix.EpollEvent) (int, error) {
 	return int(n), nil
 }
 
-// rawEpollCtl is epoll_ctl(2).
-func rawEpollCtl(epfd, op, fd int, ev *unix.EpollEvent) error {
+// EpollCtl is epoll_ctl(2).
+func EpollCtl(epfd, op, fd int, ev *unix.EpollEvent) error {
 	_, _, e := unix.RawSyscall6(unix.SYS_EPOLL_CTL, uintptr(epfd), uintptr(op), uintptr(fd), uintptr(unsafe.Pointer(ev)), 0, 0)
 	return errnoErr(e)
 }
 
-// rawTimerfdSettime is timerfd_settime(2) with a relative time.
-func rawTimerfdSettime(fd int, spec *unix.ItimerSpec) error {
+// TimerfdSettime is timerfd_settime(2) with a relative time.
+func TimerfdSettime(fd int, spec *unix.ItimerSpec) error {
 	_, _, e := unix.RawSyscall6(unix.SYS_TIMERFD_SETTIME, uintptr(fd), 0, uintptr(unsafe.Pointer(spec)), 0, 0, 0)
 	return errnoErr(e)
 }
 
-// rawSetsockoptInt is setsockopt(2) with an int value.
-func rawSetsockoptInt(fd, level, opt, value int) error {
+// SetsockoptInt is setsockopt(2) with an int value.
+func SetsockoptInt(fd, level, opt, value int) error {
 	v := int32(value)
 	_, _, e := unix.RawSyscall6(unix.SYS_SETSOCKOPT, uintptr(fd), uintptr(level), uintptr(opt),
 		uintptr(unsafe.Pointer(&v)), unsafe.Sizeof(v), 0)
 	return errnoErr(e)
 }
 
-// rawGetsockoptInt is getsockopt(2) with an int value.
-func rawGetsockoptInt(fd, level, opt int) (int, error) {
+// GetsockoptInt is getsockopt(2) with an int value.
+func GetsockoptInt(fd, level, opt int) (int, error) {
 	var v int32
 	size := uint32(unsafe.Sizeof(v))
 	_, _, e := unix.RawSyscall6(unix.SYS_GETSOCKOPT, uintptr(fd), uintptr(level), uintptr(opt),
@@ -93,22 +93,22 @@ func rawGetsockoptInt(fd, level, opt int) (int, error) {
 	return int(v), errnoErr(e)
 }
 
-// resetFD closes a socket with an RST (SO_LINGER 0: close does not wait).
-func resetFD(fd int) {
+// Reset closes a socket with an RST (SO_LINGER 0: close does not wait).
+func Reset(fd int) {
 	l := unix.Linger{Onoff: 1, Linger: 0}
 	_, _, _ = unix.RawSyscall6(unix.SYS_SETSOCKOPT, uintptr(fd), unix.SOL_SOCKET, unix.SO_LINGER,
 		uintptr(unsafe.Pointer(&l)), unsafe.Sizeof(l), 0)
-	_ = rawClose(fd)
+	_ = Close(fd)
 }
 
-// rawShutdown is shutdown(2).
-func rawShutdown(fd, how int) error {
+// Shutdown is shutdown(2).
+func Shutdown(fd, how int) error {
 	_, _, e := unix.RawSyscall(unix.SYS_SHUTDOWN, uintptr(fd), uintptr(how), 0)
 	return errnoErr(e)
 }
 
-// rawSplice is splice(2) without offsets.
-func rawSplice(rfd, wfd, n, flags int) (int64, error) {
+// Splice is splice(2) without offsets.
+func Splice(rfd, wfd, n, flags int) (int64, error) {
 	r, _, e := unix.RawSyscall6(unix.SYS_SPLICE, uintptr(rfd), 0, uintptr(wfd), 0, uintptr(n), uintptr(flags))
 	if e != 0 {
 		return 0, e
@@ -116,8 +116,8 @@ func rawSplice(rfd, wfd, n, flags int) (int64, error) {
 	return int64(r), nil
 }
 
-// rawSocket is socket(2).
-func rawSocket(family, typ, proto int) (int, error) {
+// Socket is socket(2).
+func Socket(family, typ, proto int) (int, error) {
 	fd, _, e := unix.RawSyscall(unix.SYS_SOCKET, uintptr(family), uintptr(typ), uintptr(proto))
 	if e != 0 {
 		return -1, e
@@ -125,15 +125,11 @@ func rawSocket(family, typ, proto int) (int, error) {
 	return int(fd), nil
 }
 
-// rawConnect is connect(2) to a socket address encoded by encodeSockaddr.
-func rawConnect(fd int, sa []byte) error {
+// Connect is connect(2) to a socket address encoded by EncodeSockaddr.
+func Connect(fd int, sa []byte) error {
 	if len(sa) == 0 {
 		return unix.EAFNOSUPPORT
 	}
 	_, _, e := unix.RawSyscall(unix.SYS_CONNECT, uintptr(fd), uintptr(unsafe.Pointer(&sa[0])), uintptr(len(sa)))
 	return errnoErr(e)
 }
-
-// osPendingConnErrnos are the accept errors of a failed pending connection that only Linux has
-// (see isPendingConnError).
-var osPendingConnErrnos = []syscall.Errno{syscall.ENONET}

@@ -1,4 +1,4 @@
-package forward
+package sys
 
 import (
 	"encoding/binary"
@@ -18,19 +18,12 @@ const (
 	ip6tSoOriginalDst = 80
 )
 
-// testHookOriginalDst, if set, is called each time fdOriginalDst asks the kernel. Tests that
-// set it do so before their proxy starts and clear it after it ends.
-var testHookOriginalDst func()
-
-// fdOriginalDst returns the destination of the connection of socket fd before the portal's
+// OriginalDst returns the destination of the connection of socket fd before the portal's
 // REDIRECT/DNAT, or the zero AddrPort when it is unknown: conntrack is not loaded
 // (ENOPROTOOPT), the connection has no conntrack entry (ENOENT), or it was not NATed (conntrack
 // then returns the local address).
-func fdOriginalDst(fd int) netip.AddrPort {
-	if h := testHookOriginalDst; h != nil {
-		h()
-	}
-	local := fdLocalAddr(fd)
+func OriginalDst(fd int) netip.AddrPort {
+	local := LocalAddr(fd)
 	if !local.IsValid() {
 		return netip.AddrPort{}
 	}
@@ -42,7 +35,7 @@ func fdOriginalDst(fd int) netip.AddrPort {
 	if err != nil {
 		return netip.AddrPort{}
 	}
-	if dst = unmapAddrPort(dst); dst == local {
+	if dst = UnmapAddrPort(dst); dst == local {
 		return netip.AddrPort{}
 	}
 	return dst
@@ -60,16 +53,16 @@ func getsockoptSockaddr(fd, level, opt int) (netip.AddrPort, error) {
 	if int(size) > len(buf) {
 		return netip.AddrPort{}, fmt.Errorf("getsockopt(%d, %d): %d-byte value", level, opt, size)
 	}
-	ap, ok := parseSockaddr(buf[:size])
+	ap, ok := ParseSockaddr(buf[:size])
 	if !ok {
 		return netip.AddrPort{}, fmt.Errorf("getsockopt(%d, %d): not a sockaddr_in/sockaddr_in6", level, opt)
 	}
 	return ap, nil
 }
 
-// parseSockaddr decodes a struct sockaddr_in or sockaddr_in6 (family in host byte order, port in
+// ParseSockaddr decodes a struct sockaddr_in or sockaddr_in6 (family in host byte order, port in
 // network byte order).
-func parseSockaddr(b []byte) (netip.AddrPort, bool) {
+func ParseSockaddr(b []byte) (netip.AddrPort, bool) {
 	if len(b) < 2 {
 		return netip.AddrPort{}, false
 	}
@@ -88,17 +81,17 @@ func parseSockaddr(b []byte) (netip.AddrPort, bool) {
 	return netip.AddrPort{}, false
 }
 
-// origDstOOBSize is enough out-of-band space for one IP_ORIGDSTADDR or IPV6_ORIGDSTADDR message,
+// OrigDstOOBSize is enough out-of-band space for one IP_ORIGDSTADDR or IPV6_ORIGDSTADDR message,
 // with room to spare.
-var origDstOOBSize = 2 * unix.CmsgSpace(unix.SizeofSockaddrInet6)
+var OrigDstOOBSize = 2 * unix.CmsgSpace(unix.SizeofSockaddrInet6)
 
-// enableOrigDst asks the kernel to attach to every datagram received on conn the destination
+// EnableOrigDst asks the kernel to attach to every datagram received on conn the destination
 // address and port in its headers (IP_RECVORIGDSTADDR; IPV6_RECVORIGDSTADDR on AF_INET6
 // sockets, whose IPv4 clients arrive as mapped addresses and need the IPv4 option too). Despite
 // the name, after REDIRECT/DNAT this is the NATed destination, the proxy's own address: the
 // original one comes from conntrack (conntrackConn). The proxy needs it for that lookup, and to
 // send replies from exactly the address the client's datagram reached.
-func enableOrigDst(conn *net.UDPConn) error {
+func EnableOrigDst(conn *net.UDPConn) error {
 	rc, err := conn.SyscallConn()
 	if err != nil {
 		return fmt.Errorf("enable IP_RECVORIGDSTADDR: %w", err)
@@ -127,28 +120,28 @@ func enableOrigDst(conn *net.UDPConn) error {
 	return serr
 }
 
-// sourceAddrOOB returns the control message that makes sendmsg(2) use src as the source address
+// SourceAddrOOB returns the control message that makes sendmsg(2) use src as the source address
 // (IP_PKTINFO / IPV6_PKTINFO with no interface), or nil for an invalid src. IP_PKTINFO also
 // serves IPv4-mapped destinations on an AF_INET6 socket (ip_cmsg_send handles SOL_IP there).
-func sourceAddrOOB(src netip.Addr) []byte {
+func SourceAddrOOB(src netip.Addr) []byte {
 	src = src.Unmap()
 	switch {
 	case src.Is4():
 		var info [unix.SizeofInet4Pktinfo]byte // ifindex, spec_dst, addr
 		a := src.As4()
 		copy(info[4:8], a[:])
-		return appendCmsg(nil, unix.SOL_IP, unix.IP_PKTINFO, info[:])
+		return AppendCmsg(nil, unix.SOL_IP, unix.IP_PKTINFO, info[:])
 	case src.Is6():
 		var info [unix.SizeofInet6Pktinfo]byte // addr, ifindex
 		a := src.As16()
 		copy(info[:16], a[:])
-		return appendCmsg(nil, unix.SOL_IPV6, unix.IPV6_PKTINFO, info[:])
+		return AppendCmsg(nil, unix.SOL_IPV6, unix.IPV6_PKTINFO, info[:])
 	}
 	return nil
 }
 
-// appendCmsg appends one control message, padded to the control message alignment.
-func appendCmsg(b []byte, level, typ int, data []byte) []byte {
+// AppendCmsg appends one control message, padded to the control message alignment.
+func AppendCmsg(b []byte, level, typ int, data []byte) []byte {
 	start := len(b)
 	b = append(b, make([]byte, unix.CmsgSpace(len(data)))...)
 	m := b[start:]
@@ -163,9 +156,9 @@ func appendCmsg(b []byte, level, typ int, data []byte) []byte {
 	return b
 }
 
-// origDstFromOOB returns the address of the first IP_ORIGDSTADDR or IPV6_ORIGDSTADDR control
+// OrigDstFromOOB returns the address of the first IP_ORIGDSTADDR or IPV6_ORIGDSTADDR control
 // message in oob (as filled by recvmsg), unmapped, or the zero AddrPort. It does not allocate.
-func origDstFromOOB(oob []byte) netip.AddrPort {
+func OrigDstFromOOB(oob []byte) netip.AddrPort {
 	hdrSpace := unix.CmsgLen(0) // the header, aligned: where the data starts
 	for len(oob) >= hdrSpace {
 		var msgLen uint64
@@ -180,8 +173,8 @@ func origDstFromOOB(oob []byte) netip.AddrPort {
 		level := int32(binary.NativeEndian.Uint32(oob[unix.SizeofPtr:]))
 		typ := int32(binary.NativeEndian.Uint32(oob[unix.SizeofPtr+4:]))
 		if (level == unix.SOL_IP && typ == unix.IP_ORIGDSTADDR) || (level == unix.SOL_IPV6 && typ == unix.IPV6_ORIGDSTADDR) {
-			if ap, ok := parseSockaddr(oob[hdrSpace:msgLen]); ok {
-				return unmapAddrPort(ap)
+			if ap, ok := ParseSockaddr(oob[hdrSpace:msgLen]); ok {
+				return UnmapAddrPort(ap)
 			}
 		}
 		next := unix.CmsgSpace(int(msgLen) - hdrSpace) // msgLen rounded up to the alignment
