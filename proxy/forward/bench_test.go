@@ -13,6 +13,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward/internal/forwardtest"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward/internal/sys"
 	"github.com/rs/zerolog"
 )
@@ -28,7 +29,7 @@ func tcpTarget(b *testing.B, proxied bool, backend netip.AddrPort) netip.AddrPor
 	if !proxied {
 		return backend
 	}
-	return startTCPProxy(b, "4", &fakeChooser{endpoints: []netip.AddrPort{backend}}, func(p *TCPProxy) {
+	return startTCPProxy(b, "4", &fakeChooser{Endpoints: []netip.AddrPort{backend}}, func(p *TCPProxy) {
 		p.Log = new(zerolog.Nop())
 	}).addr
 }
@@ -50,11 +51,11 @@ func startedUDPProxy(b *testing.B, backend netip.AddrPort) netip.AddrPort {
 	if err != nil {
 		b.Fatal(err)
 	}
-	conn, err := net.ListenUDP("udp", net.UDPAddrFromAddrPort(netip.AddrPortFrom(loopback("4"), 0)))
+	conn, err := net.ListenUDP("udp", net.UDPAddrFromAddrPort(netip.AddrPortFrom(forwardtest.Loopback("4"), 0)))
 	if err != nil {
 		b.Fatal(err)
 	}
-	p := &UDPProxy{Conn: conn, Chooser: &fakeChooser{endpoints: []netip.AddrPort{backend}}, Log: new(zerolog.Nop())}
+	p := &UDPProxy{Conn: conn, Chooser: &fakeChooser{Endpoints: []netip.AddrPort{backend}}, Log: new(zerolog.Nop())}
 	if err := p.Start(poller); err != nil {
 		b.Fatal(err)
 	}
@@ -69,7 +70,7 @@ func udpTarget(b *testing.B, proxied bool, backend netip.AddrPort) netip.AddrPor
 	if !proxied {
 		return backend
 	}
-	return startUDPProxy(b, "4", &fakeChooser{endpoints: []netip.AddrPort{backend}}, func(p *UDPProxy) {
+	return startUDPProxy(b, "4", &fakeChooser{Endpoints: []netip.AddrPort{backend}}, func(p *UDPProxy) {
 		p.Log = new(zerolog.Nop())
 	}).addr
 }
@@ -85,9 +86,9 @@ func BenchmarkTCPBulk(b *testing.B) {
 	const chunk = 128 << 10
 	for _, mode := range benchModes {
 		b.Run(mode.name, func(b *testing.B) {
-			backend := startTCPEcho(b, loopback("4"))
+			backend := forwardtest.StartTCPEcho(b, forwardtest.Loopback("4"))
 			target := tcpTarget(b, mode.proxied, backend)
-			c := dialTCPTest(b, target)
+			c := forwardtest.DialTCP(b, target)
 			c.SetDeadline(time.Time{})
 			buf := make([]byte, chunk)
 			b.SetBytes(chunk)
@@ -128,7 +129,7 @@ func requestServer(c *net.TCPConn) {
 func BenchmarkTCPShortConnections(b *testing.B) {
 	for _, mode := range benchModes {
 		b.Run(mode.name, func(b *testing.B) {
-			backend := startTCPServer(b, loopback("4"), requestServer)
+			backend := forwardtest.StartTCPServer(b, forwardtest.Loopback("4"), requestServer)
 			target := net.TCPAddrFromAddrPort(tcpTarget(b, mode.proxied, backend))
 			req := make([]byte, 64)
 			reply := make([]byte, 128)
@@ -159,9 +160,9 @@ func BenchmarkTCPShortConnections(b *testing.B) {
 func BenchmarkTCPRequestResponse(b *testing.B) {
 	for _, mode := range benchModes {
 		b.Run(mode.name, func(b *testing.B) {
-			backend := startTCPEcho(b, loopback("4"))
+			backend := forwardtest.StartTCPEcho(b, forwardtest.Loopback("4"))
 			target := tcpTarget(b, mode.proxied, backend)
-			c := dialTCPTest(b, target)
+			c := forwardtest.DialTCP(b, target)
 			c.SetDeadline(time.Time{})
 			req := make([]byte, 64)
 			reply := make([]byte, 64)
@@ -185,17 +186,17 @@ func BenchmarkTCPRequestResponse(b *testing.B) {
 func BenchmarkUDPRequestResponse(b *testing.B) {
 	for _, mode := range startedModes() {
 		b.Run(mode.name, func(b *testing.B) {
-			backend := startUDPEcho(b, loopback("4"), "")
+			backend := forwardtest.StartUDPEcho(b, forwardtest.Loopback("4"), "")
 			var target netip.AddrPort
 			if mode.name == "ProxyStarted" {
 				target = startedUDPProxy(b, backend)
 			} else {
 				target = udpTarget(b, mode.proxied, backend)
 			}
-			c := dialUDPTest(b, target)
+			c := forwardtest.DialUDP(b, target)
 			msg := make([]byte, 64)
 			buf := make([]byte, 2048)
-			if _, err := udpExchange(c, msg, 1, waitTimeout); err != nil { // open the session
+			if _, err := forwardtest.UDPExchange(c, msg, 1, forwardtest.WaitTimeout); err != nil { // open the session
 				b.Fatal(err)
 			}
 			c.SetReadDeadline(time.Now().Add(time.Hour))
@@ -218,10 +219,10 @@ func BenchmarkUDPBulk(b *testing.B) {
 	const size, window = 1400, 16
 	for _, mode := range benchModes {
 		b.Run(mode.name, func(b *testing.B) {
-			c := dialUDPTest(b, udpTarget(b, mode.proxied, startUDPEcho(b, loopback("4"), "")))
+			c := forwardtest.DialUDP(b, udpTarget(b, mode.proxied, forwardtest.StartUDPEcho(b, forwardtest.Loopback("4"), "")))
 			msg := make([]byte, size)
 			buf := make([]byte, 2048)
-			if _, err := udpExchange(c, msg, 1, waitTimeout); err != nil {
+			if _, err := forwardtest.UDPExchange(c, msg, 1, forwardtest.WaitTimeout); err != nil {
 				b.Fatal(err)
 			}
 			b.SetBytes(size)
@@ -269,7 +270,7 @@ func BenchmarkUDPRecvOrigDst(b *testing.B) {
 					b.Fatal(err)
 				}
 			}
-			send := dialUDPTest(b, recv.LocalAddr().(*net.UDPAddr).AddrPort())
+			send := forwardtest.DialUDP(b, recv.LocalAddr().(*net.UDPAddr).AddrPort())
 			msg, buf, oob := make([]byte, 64), make([]byte, udpBufSize), make([]byte, sys.OrigDstOOBSize)
 			b.ResetTimer()
 			for range b.N {
@@ -324,8 +325,8 @@ func BenchmarkTCPIdleConnections(b *testing.B) {
 				conns := make([]*net.TCPConn, 0, idleConns)
 				msg := []byte("ping")
 				for range idleConns {
-					c := dialTCPTest(b, target)
-					if _, err := roundTrip(c, msg); err != nil {
+					c := forwardtest.DialTCP(b, target)
+					if _, err := forwardtest.RoundTrip(c, msg); err != nil {
 						b.Fatalf("round trip: %v", err)
 					}
 					conns = append(conns, c)
@@ -351,7 +352,7 @@ func BenchmarkTCPIdleConnections(b *testing.B) {
 // stack spans the proxy's goroutines use, so that the memory the proxy's goroutines give back
 // could not be told.)
 func startIdleBackend(b *testing.B) netip.AddrPort {
-	ln := listenTCP(b, loopback("4"))
+	ln := forwardtest.ListenTCP(b, forwardtest.Loopback("4"))
 	done := make(chan struct{})
 	go func() {
 		defer close(done)
@@ -368,7 +369,7 @@ func startIdleBackend(b *testing.B) netip.AddrPort {
 				return
 			}
 			conns = append(conns, c)
-			c.SetDeadline(time.Now().Add(waitTimeout))
+			c.SetDeadline(time.Now().Add(forwardtest.WaitTimeout))
 			if _, err := io.ReadFull(c, buf); err == nil {
 				c.Write(buf)
 			}
@@ -378,7 +379,7 @@ func startIdleBackend(b *testing.B) netip.AddrPort {
 		ln.Close()
 		<-done
 	})
-	return listenerAddr(ln)
+	return forwardtest.ListenerAddr(ln)
 }
 
 // idleSettle is how long BenchmarkTCPIdleConnections lets its connections idle before it

@@ -10,6 +10,8 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward/internal/forwardtest"
 )
 
 // TestSecondEOFLeftToClose checks the short connection's saving of a system call: the direction
@@ -22,7 +24,7 @@ func TestSecondEOFLeftToClose(t *testing.T) {
 		server       func(*net.TCPConn)
 		clientCloses bool // the client half-closes first; else the server closes first
 	}{
-		{name: "client closes first", server: echoTCP, clientCloses: true},
+		{name: "client closes first", server: forwardtest.EchoTCP, clientCloses: true},
 		{name: "server closes first", server: func(c *net.TCPConn) {
 			buf := make([]byte, 5)
 			if _, err := io.ReadFull(c, buf); err == nil {
@@ -36,11 +38,11 @@ func TestSecondEOFLeftToClose(t *testing.T) {
 			var skipped atomic.Int32
 			testHookCloseWriteSkipped = func() { skipped.Add(1) }
 			t.Cleanup(func() { testHookCloseWriteSkipped = nil }) // after the proxy's cleanup: registered first
-			backend := startTCPServer(t, loopback("4"), tc.server)
-			r := startTCPProxy(t, "4", &fakeChooser{endpoints: []netip.AddrPort{backend}}, nil)
+			backend := forwardtest.StartTCPServer(t, forwardtest.Loopback("4"), tc.server)
+			r := startTCPProxy(t, "4", &fakeChooser{Endpoints: []netip.AddrPort{backend}}, nil)
 			const conns = 5
 			for range conns {
-				c := dialTCPTest(t, r.addr)
+				c := forwardtest.DialTCP(t, r.addr)
 				msg := []byte("hello")
 				if _, err := c.Write(msg); err != nil {
 					t.Fatalf("write: %v", err)
@@ -61,7 +63,7 @@ func TestSecondEOFLeftToClose(t *testing.T) {
 				}
 				c.Close()
 			}
-			deadline := time.Now().Add(waitTimeout)
+			deadline := time.Now().Add(forwardtest.WaitTimeout)
 			for skipped.Load() < conns && time.Now().Before(deadline) {
 				time.Sleep(time.Millisecond)
 			}

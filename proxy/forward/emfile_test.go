@@ -20,6 +20,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward/internal/forwardtest"
 	"github.com/rs/zerolog"
 	"golang.org/x/sys/unix"
 )
@@ -61,7 +62,7 @@ func emfileChild() int {
 	}
 	p := &TCPProxy{
 		Listener: ln,
-		Chooser:  &fakeChooser{endpoints: []netip.AddrPort{backend}},
+		Chooser:  &fakeChooser{Endpoints: []netip.AddrPort{backend}},
 		Log:      new(zerolog.New(os.Stderr).Level(zerolog.DebugLevel)),
 		testHookAcceptPause: func(attempt int, delay time.Duration) {
 			say("PAUSE %d", attempt)
@@ -113,7 +114,7 @@ func emfileChild() int {
 			return 2
 		}
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), waitTimeout)
+	ctx, cancel := context.WithTimeout(context.Background(), forwardtest.WaitTimeout)
 	defer cancel()
 	if err := p.Shutdown(ctx); err != nil {
 		fmt.Fprintln(os.Stderr, "shutdown:", err)
@@ -132,15 +133,15 @@ func emfileChild() int {
 // serves the waiting client. The child must not panic.
 func TestTCPOutOfFileDescriptors(t *testing.T) {
 	checkNoLeaks(t)
-	backend := startTCPEcho(t, loopback("4"))
+	backend := forwardtest.StartTCPEcho(t, forwardtest.Loopback("4"))
 	cmd := exec.Command(os.Args[0])
 	cmd.Env = append(os.Environ(), childEnv+"=emfile", backendEnv+"="+backend.String())
-	child := startChild(t, cmd)
-	stdin, stderr := child.stdin, &child.stderr
+	child := forwardtest.StartChild(t, cmd)
+	stdin, stderr := child.Stdin, &child.Stderr
 	lines := make(chan string, 100)
 	go func() {
 		defer close(lines)
-		s := bufio.NewScanner(child.stdout)
+		s := bufio.NewScanner(child.Stdout)
 		for s.Scan() {
 			lines <- s.Text()
 		}
@@ -148,7 +149,7 @@ func TestTCPOutOfFileDescriptors(t *testing.T) {
 	// expect waits for a line starting with prefix, skipping others.
 	expect := func(prefix string) string {
 		t.Helper()
-		timeout := time.After(waitTimeout)
+		timeout := time.After(forwardtest.WaitTimeout)
 		for {
 			select {
 			case l, ok := <-lines:
@@ -183,7 +184,7 @@ func TestTCPOutOfFileDescriptors(t *testing.T) {
 			t.Fatalf("dial with the proxy out of descriptors for its dial: %v, want ECONNRESET", err)
 		}
 	} else {
-		c.SetDeadline(time.Now().Add(waitTimeout))
+		c.SetDeadline(time.Now().Add(forwardtest.WaitTimeout))
 		if _, err := c.Read(make([]byte, 1)); !errors.Is(err, syscall.ECONNRESET) {
 			t.Fatalf("read with the proxy out of descriptors for its dial: %v, want ECONNRESET", err)
 		}
@@ -193,7 +194,7 @@ func TestTCPOutOfFileDescriptors(t *testing.T) {
 	// None left: accept fails with EMFILE and pauses; the client waits in the backlog.
 	send("FILL 0")
 	expect("FILLED")
-	c := dialTCPTest(t, proxyAddr)
+	c := forwardtest.DialTCP(t, proxyAddr)
 	if _, err := c.Write([]byte("ping")); err != nil {
 		t.Fatal(err)
 	}
@@ -205,7 +206,7 @@ func TestTCPOutOfFileDescriptors(t *testing.T) {
 		t.Fatalf("after the descriptors were released: %q, %v; want the echo", buf, err)
 	}
 	c.Close()
-	if err := child.wait(); err != nil {
+	if err := child.Wait(); err != nil {
 		t.Fatalf("child: %v; stderr:\n%s", err, stderr.String())
 	}
 

@@ -14,6 +14,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward/internal/forwardtest"
 	"github.com/rs/zerolog"
 	"golang.org/x/sys/unix"
 )
@@ -52,8 +53,8 @@ func adoptChild() int {
 		return fail("event loops", err)
 	}
 	defer loops.Close()
-	m := &fakeMetrics{}
-	p := &TCPProxy{Listener: ln, Chooser: &fakeChooser{endpoints: []netip.AddrPort{backend}}, Metrics: m,
+	m := &forwardtest.Metrics{}
+	p := &TCPProxy{Listener: ln, Chooser: &fakeChooser{Endpoints: []netip.AddrPort{backend}}, Metrics: m,
 		Log: new(zerolog.New(os.Stderr).Level(zerolog.DebugLevel)), Loops: loops}
 	if err := p.Adopt(st.Conns); err != nil {
 		return fail("adopt", err)
@@ -62,7 +63,7 @@ func adoptChild() int {
 	go func() { served <- p.Serve() }()
 	fmt.Printf("ADOPTED %d\n", len(st.Conns))
 	io.Copy(io.Discard, os.Stdin)
-	ctx, cancel := context.WithTimeout(context.Background(), waitTimeout)
+	ctx, cancel := context.WithTimeout(context.Background(), forwardtest.WaitTimeout)
 	defer cancel()
 	if err := p.Shutdown(ctx); err != nil {
 		return fail("shutdown", err)
@@ -70,8 +71,8 @@ func adoptChild() int {
 	if err := <-served; err != nil {
 		return fail("serve", err)
 	}
-	s := m.snapshot()
-	fmt.Printf("BYTES %d %d %d\n", s.toEndpoint, s.fromEndpoint, s.closed)
+	s := m.Snapshot()
+	fmt.Printf("BYTES %d %d %d\n", s.ToEndpoint, s.FromEndpoint, s.Closed)
 	return 0
 }
 
@@ -90,9 +91,9 @@ func TestTCPHandOverToAnotherProcess(t *testing.T) {
 	cmd := exec.Command(os.Args[0])
 	cmd.Env = append(os.Environ(), childEnv+"=adopt", backendEnv+"="+backend.String())
 	cmd.ExtraFiles = []*os.File{childEnd}
-	child := startChild(t, cmd)
+	child := forwardtest.StartChild(t, cmd)
 	childEnd.Close()
-	lines := bufio.NewScanner(child.stdout)
+	lines := bufio.NewScanner(child.Stdout)
 
 	st, err := a.Freeze(context.Background())
 	if err != nil {
@@ -105,30 +106,30 @@ func TestTCPHandOverToAnotherProcess(t *testing.T) {
 		t.Fatalf("send state: %v", err)
 	}
 	if !lines.Scan() || lines.Text() != "ADOPTED 1" {
-		t.Fatalf("child said %q; stderr:\n%s", lines.Text(), child.stderr.String())
+		t.Fatalf("child said %q; stderr:\n%s", lines.Text(), child.Stderr.String())
 	}
 	a.Release()
 	ms.finish(t)
-	child.stdin.Close()
+	child.Stdin.Close()
 	var to, from int64
 	var closed int
 	if !lines.Scan() {
-		t.Fatalf("child ended without its byte counts; stderr:\n%s", child.stderr.String())
+		t.Fatalf("child ended without its byte counts; stderr:\n%s", child.Stderr.String())
 	}
 	if _, err := fmt.Sscanf(lines.Text(), "BYTES %d %d %d", &to, &from, &closed); err != nil {
 		t.Fatalf("child said %q: %v", lines.Text(), err)
 	}
-	if err := child.wait(); err != nil {
-		t.Fatalf("child: %v; stderr:\n%s", err, child.stderr.String())
+	if err := child.Wait(); err != nil {
+		t.Fatalf("child: %v; stderr:\n%s", err, child.Stderr.String())
 	}
-	sa := ma.snapshot()
-	if sa.closed != 0 || sa.failed != 0 || closed != 1 {
-		t.Errorf("A closed %d and failed %d connections, the child closed %d; want 0, 0, 1", sa.closed, sa.failed, closed)
+	sa := ma.Snapshot()
+	if sa.Closed != 0 || sa.Failed != 0 || closed != 1 {
+		t.Errorf("A closed %d and failed %d connections, the child closed %d; want 0, 0, 1", sa.Closed, sa.Failed, closed)
 	}
-	if sa.toEndpoint+to != n || sa.fromEndpoint+from != n {
-		t.Errorf("bytes counted by A and the child: %d to and %d from the endpoint, want %d each", sa.toEndpoint+to, sa.fromEndpoint+from, n)
+	if sa.ToEndpoint+to != n || sa.FromEndpoint+from != n {
+		t.Errorf("bytes counted by A and the child: %d to and %d from the endpoint, want %d each", sa.ToEndpoint+to, sa.FromEndpoint+from, n)
 	}
-	if strings.Contains(child.stderr.String(), "panic") {
-		t.Errorf("child log mentions a panic:\n%s", child.stderr.String())
+	if strings.Contains(child.Stderr.String(), "panic") {
+		t.Errorf("child log mentions a panic:\n%s", child.Stderr.String())
 	}
 }

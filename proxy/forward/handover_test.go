@@ -19,6 +19,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward/internal/forwardtest"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward/proxyproto"
 	"golang.org/x/sys/unix"
 )
@@ -135,7 +136,7 @@ func fixSendBuffer(t testing.TB, ln *net.TCPListener, size int) {
 // down.
 func serveAdopted(t *testing.T, ln *net.TCPListener, chooser Chooser, configure func(*TCPProxy), conns []TCPConnState) *proxyRun {
 	t.Helper()
-	p := &TCPProxy{Listener: ln, Chooser: chooser, Log: new(testLogger(t))}
+	p := &TCPProxy{Listener: ln, Chooser: chooser, Log: new(forwardtest.Logger(t))}
 	if configure != nil {
 		configure(p)
 	}
@@ -143,7 +144,7 @@ func serveAdopted(t *testing.T, ln *net.TCPListener, chooser Chooser, configure 
 	if err := p.Adopt(conns); err != nil {
 		t.Errorf("Adopt: %v", err)
 	}
-	r := &proxyRun{TCPProxy: p, addr: listenerAddr(ln), served: make(chan error, 1)}
+	r := &proxyRun{TCPProxy: p, addr: forwardtest.ListenerAddr(ln), served: make(chan error, 1)}
 	go func() { r.served <- p.Serve() }()
 	t.Cleanup(func() {
 		ctx, cancel := context.WithCancel(context.Background())
@@ -200,7 +201,7 @@ type midStream struct {
 	a                      *proxyRun
 	backend                netip.AddrPort
 	chooser                *fakeChooser
-	metrics                *fakeMetrics
+	metrics                *forwardtest.Metrics
 	gate                   chan struct{}
 	clientErr, endpointErr chan error
 }
@@ -210,13 +211,13 @@ func startMidStream(t *testing.T) *midStream {
 	t.Helper()
 	checkNoFDLeaks(t)
 	checkNoLeaks(t)
-	ms := &midStream{n: streamSize(t), metrics: &fakeMetrics{}, gate: make(chan struct{}),
+	ms := &midStream{n: streamSize(t), metrics: &forwardtest.Metrics{}, gate: make(chan struct{}),
 		clientErr: make(chan error, 1), endpointErr: make(chan error, 1)}
-	ms.backend = startTCPServer(t, loopback("4"), func(c *net.TCPConn) {
+	ms.backend = forwardtest.StartTCPServer(t, forwardtest.Loopback("4"), func(c *net.TCPConn) {
 		c.SetReadBuffer(64 << 10)
 		ms.endpointErr <- streamPeer(c, 2, 1, ms.n, ms.gate)
 	})
-	ms.chooser = &fakeChooser{endpoints: []netip.AddrPort{ms.backend}}
+	ms.chooser = &fakeChooser{Endpoints: []netip.AddrPort{ms.backend}}
 	// The proxy's sockets to the client (inherited from the listener) and to the endpoint get
 	// fixed send buffers: one that grows (the kernel's autotuning) could drain the pipe toward
 	// its peer between the check below and the freeze.
@@ -224,11 +225,11 @@ func startMidStream(t *testing.T) *midStream {
 		p.Metrics = ms.metrics
 		fixSendBuffer(t, p.Listener, 64<<10)
 	})
-	c := dialTCPTest(t, ms.a.addr)
+	c := forwardtest.DialTCP(t, ms.a.addr)
 	c.SetReadBuffer(64 << 10)
 	go func() { ms.clientErr <- streamPeer(c, 1, 2, ms.n, ms.gate) }()
 	// The loop's pending bytes, which stay until the peers read.
-	eventually(t, "bytes pending both ways on the event loop", func() bool { return loopPendingBoth(ms.a.TCPProxy) })
+	forwardtest.Eventually(t, "bytes pending both ways on the event loop", func() bool { return loopPendingBoth(ms.a.TCPProxy) })
 	return ms
 }
 
@@ -257,7 +258,7 @@ func TestTCPHandOverMidStream(t *testing.T) {
 
 func testTCPHandOverMidStream(t *testing.T, wire bool) {
 	ms := startMidStream(t)
-	n, a, chooser, ma, mb := ms.n, ms.a, ms.chooser, ms.metrics, &fakeMetrics{}
+	n, a, chooser, ma, mb := ms.n, ms.a, ms.chooser, ms.metrics, &forwardtest.Metrics{}
 
 	_, st := handOverTCP(t, a, wire, chooser, func(p *TCPProxy) { p.Metrics = mb })
 	if len(st) != 1 {
@@ -270,12 +271,12 @@ func testTCPHandOverMidStream(t *testing.T, wire bool) {
 			len(cs.ToEndpoint), len(cs.ToClient), cs.ToEndpointDone, cs.ToClientDone, cs.Endpoint, ms.backend)
 	}
 	ms.finish(t)
-	eventually(t, "B to close the connection", func() bool { return mb.snapshot().closed == 1 })
-	sa, sb := ma.snapshot(), mb.snapshot()
-	if sa.accepted != 1 || sa.closed != 0 || sa.failed != 0 || sb.accepted != 1 || sb.failed != 0 {
+	forwardtest.Eventually(t, "B to close the connection", func() bool { return mb.Snapshot().Closed == 1 })
+	sa, sb := ma.Snapshot(), mb.Snapshot()
+	if sa.Accepted != 1 || sa.Closed != 0 || sa.Failed != 0 || sb.Accepted != 1 || sb.Failed != 0 {
 		t.Errorf("metrics: A %+v, B %+v; want A: 1 accepted, none closed or failed; B: 1 accepted (adopted), 1 closed", sa, sb)
 	}
-	if to, from := sa.toEndpoint+sb.toEndpoint, sa.fromEndpoint+sb.fromEndpoint; to != n || from != n {
+	if to, from := sa.ToEndpoint+sb.ToEndpoint, sa.FromEndpoint+sb.FromEndpoint; to != n || from != n {
 		t.Errorf("bytes counted by A and B: %d to and %d from the endpoint, want %d each", to, from, n)
 	}
 }
@@ -355,18 +356,18 @@ func TestTCPHandOverHalfClosed(t *testing.T) {
 			checkNoLeaks(t)
 			freeze, gate := make(chan struct{}), make(chan struct{})
 			endpointErr := make(chan error, 1)
-			backend := startTCPServer(t, loopback("4"), func(c *net.TCPConn) {
+			backend := forwardtest.StartTCPServer(t, forwardtest.Loopback("4"), func(c *net.TCPConn) {
 				endpointErr <- tc.endpoint(c, freeze, gate)
 			})
-			chooser := &fakeChooser{endpoints: []netip.AddrPort{backend}}
+			chooser := &fakeChooser{Endpoints: []netip.AddrPort{backend}}
 			a := startTCPProxy(t, "4", chooser, nil)
-			c := dialTCPTest(t, a.addr)
+			c := forwardtest.DialTCP(t, a.addr)
 			clientErr := make(chan error, 1)
 			go func() { clientErr <- tc.client(c, freeze, gate) }()
 			<-freeze
 			// The proxy passed the EOF on before the other end could read it, so the frozen
 			// direction is done.
-			mb := &fakeMetrics{}
+			mb := &forwardtest.Metrics{}
 			_, st := handOverTCP(t, a, true, chooser, func(p *TCPProxy) { p.Metrics = mb })
 			close(gate)
 			if len(st) != 1 || st[0].ToEndpointDone != tc.wantToEndpointDone || st[0].ToClientDone != tc.wantToClientDone ||
@@ -380,7 +381,7 @@ func TestTCPHandOverHalfClosed(t *testing.T) {
 			if err := <-endpointErr; err != nil {
 				t.Errorf("endpoint: %v", err)
 			}
-			eventually(t, "B to close the connection", func() bool { return mb.snapshot().closed == 1 })
+			forwardtest.Eventually(t, "B to close the connection", func() bool { return mb.Snapshot().Closed == 1 })
 		})
 	}
 }
@@ -389,7 +390,7 @@ func TestTCPHandOverHalfClosed(t *testing.T) {
 // counts connections and headers.
 func startPPEcho(t *testing.T) (netip.AddrPort, *atomic.Int32, *atomic.Int32) {
 	var conns, headers atomic.Int32
-	ep := startTCPServer(t, loopback("4"), func(c *net.TCPConn) {
+	ep := forwardtest.StartTCPServer(t, forwardtest.Loopback("4"), func(c *net.TCPConn) {
 		conns.Add(1)
 		r := bufio.NewReader(c)
 		line, err := r.ReadString('\n')
@@ -424,19 +425,19 @@ func TestTCPHandOverWhileDialling(t *testing.T) {
 			checkNoLeaks(t)
 			good, conns, headers := startPPEcho(t)
 			hole := blackholeEndpoint(t)
-			chooserA := &fakeChooser{endpoints: []netip.AddrPort{hole, good}, proxyProtocol: proxyproto.V1}
-			timeouts := []time.Duration{250 * time.Millisecond, waitTimeout}
+			chooserA := &fakeChooser{Endpoints: []netip.AddrPort{hole, good}, ProxyProtocol: proxyproto.V1}
+			timeouts := []time.Duration{250 * time.Millisecond, forwardtest.WaitTimeout}
 			if tc.giveUp {
-				chooserA.endpoints = []netip.AddrPort{hole}
-				timeouts = []time.Duration{waitTimeout}
+				chooserA.Endpoints = []netip.AddrPort{hole}
+				timeouts = []time.Duration{forwardtest.WaitTimeout}
 			}
-			ma := &fakeMetrics{}
+			ma := &forwardtest.Metrics{}
 			a := startTCPProxy(t, "4", chooserA, func(p *TCPProxy) { p.DialTimeouts, p.Metrics = timeouts, ma })
-			c := dialTCPTest(t, a.addr)
+			c := forwardtest.DialTCP(t, a.addr)
 			if _, err := c.Write([]byte("ping")); err != nil {
 				t.Fatal(err)
 			}
-			eventually(t, "the proxy to dial", func() bool { return len(chooserA.recorded()) > 0 })
+			forwardtest.Eventually(t, "the proxy to dial", func() bool { return len(chooserA.Recorded()) > 0 })
 			ctx, cancel := context.WithCancel(context.Background())
 			if tc.giveUp {
 				cancel()
@@ -454,20 +455,20 @@ func TestTCPHandOverWhileDialling(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			chooserB := &fakeChooser{endpoints: []netip.AddrPort{good}, proxyProtocol: proxyproto.V1}
+			chooserB := &fakeChooser{Endpoints: []netip.AddrPort{good}, ProxyProtocol: proxyproto.V1}
 			serveAdopted(t, ln, chooserB, nil, st.Conns)
 			a.Release()
 			got := make([]byte, 4)
 			if _, err := io.ReadFull(c, got); err != nil || string(got) != "ping" {
 				t.Fatalf("client read %q, %v; want the echo of ping", got, err)
 			}
-			if got, err := roundTrip(c, []byte("more")); err != nil || string(got) != "more" {
+			if got, err := forwardtest.RoundTrip(c, []byte("more")); err != nil || string(got) != "more" {
 				t.Fatalf("client round trip after the hand-over: %q, %v", got, err)
 			}
 			if n, h := conns.Load(), headers.Load(); n != 1 || h != 1 {
 				t.Errorf("endpoint saw %d connections and %d headers, want 1 and 1", n, h)
 			}
-			if s := ma.snapshot(); s.failed != 0 || s.closed != 0 {
+			if s := ma.Snapshot(); s.Failed != 0 || s.Closed != 0 {
 				t.Errorf("A's metrics %+v: the connection must be neither failed nor closed", s)
 			}
 		})
@@ -479,18 +480,18 @@ func TestTCPHandOverWhileDialling(t *testing.T) {
 func TestTCPHandOverBacklog(t *testing.T) {
 	checkNoFDLeaks(t)
 	checkNoLeaks(t)
-	backend := startTCPEcho(t, loopback("4"))
-	chooser := &fakeChooser{endpoints: []netip.AddrPort{backend}}
+	backend := forwardtest.StartTCPEcho(t, forwardtest.Loopback("4"))
+	chooser := &fakeChooser{Endpoints: []netip.AddrPort{backend}}
 	a := startTCPProxy(t, "4", chooser, nil)
-	c1 := dialTCPTest(t, a.addr)
-	if got, err := roundTrip(c1, []byte("before")); err != nil || string(got) != "before" {
+	c1 := forwardtest.DialTCP(t, a.addr)
+	if got, err := forwardtest.RoundTrip(c1, []byte("before")); err != nil || string(got) != "before" {
 		t.Fatalf("before the freeze: %q, %v", got, err)
 	}
 	st, err := a.Freeze(context.Background())
 	if err != nil {
 		t.Fatal(err)
 	}
-	c2 := dialTCPTest(t, a.addr) // queued in the backlog: nobody accepts
+	c2 := forwardtest.DialTCP(t, a.addr) // queued in the backlog: nobody accepts
 	if _, err := c2.Write([]byte("queued")); err != nil {
 		t.Fatal(err)
 	}
@@ -505,7 +506,7 @@ func TestTCPHandOverBacklog(t *testing.T) {
 	if _, err := io.ReadFull(c2, got); err != nil || string(got) != "queued" {
 		t.Errorf("connection queued during the freeze: %q, %v", got, err)
 	}
-	if got, err := roundTrip(c1, []byte("after")); err != nil || string(got) != "after" {
+	if got, err := forwardtest.RoundTrip(c1, []byte("after")); err != nil || string(got) != "after" {
 		t.Errorf("established connection after the hand-over: %q, %v", got, err)
 	}
 }
@@ -516,9 +517,9 @@ func TestTCPFreezeMisuse(t *testing.T) {
 	checkNoFDLeaks(t)
 	checkNoLeaks(t)
 	ctx := context.Background()
-	chooser := &fakeChooser{endpoints: []netip.AddrPort{startTCPEcho(t, loopback("4"))}}
+	chooser := &fakeChooser{Endpoints: []netip.AddrPort{forwardtest.StartTCPEcho(t, forwardtest.Loopback("4"))}}
 
-	closed := &TCPProxy{Listener: listenTCP(t, loopback("4")), Chooser: chooser, Loops: newTestLoops(t, 1)}
+	closed := &TCPProxy{Listener: forwardtest.ListenTCP(t, forwardtest.Loopback("4")), Chooser: chooser, Loops: newTestLoops(t, 1)}
 	closed.Close()
 	if _, err := closed.Freeze(ctx); !errors.Is(err, ErrClosed) {
 		t.Errorf("Freeze after Close: %v, want ErrClosed", err)
@@ -534,8 +535,8 @@ func TestTCPFreezeMisuse(t *testing.T) {
 
 	r := startTCPProxy(t, "4", chooser, nil)
 	r.Release() // not frozen: nothing
-	c := dialTCPTest(t, r.addr)
-	if got, err := roundTrip(c, []byte("x")); err != nil || string(got) != "x" {
+	c := forwardtest.DialTCP(t, r.addr)
+	if got, err := forwardtest.RoundTrip(c, []byte("x")); err != nil || string(got) != "x" {
 		t.Fatalf("after Release of a proxy not frozen: %q, %v", got, err)
 	}
 	st, err := r.Freeze(ctx)
@@ -557,7 +558,7 @@ func TestTCPFreezeMisuse(t *testing.T) {
 		t.Errorf("Freeze after Release: %v, want ErrClosed", err)
 	}
 
-	idle := &TCPProxy{Listener: listenTCP(t, loopback("4")), Chooser: chooser, Loops: newTestLoops(t, 1)}
+	idle := &TCPProxy{Listener: forwardtest.ListenTCP(t, forwardtest.Loopback("4")), Chooser: chooser, Loops: newTestLoops(t, 1)}
 	st2, err := idle.Freeze(ctx)
 	if err != nil {
 		t.Fatalf("Freeze before Serve: %v", err)
@@ -598,7 +599,7 @@ func socketFile(t *testing.T) *os.File {
 func TestTCPHandOverEndpointGone(t *testing.T) {
 	checkNoFDLeaks(t)
 	checkNoLeaks(t)
-	backend := startTCPServer(t, loopback("4"), func(c *net.TCPConn) {
+	backend := forwardtest.StartTCPServer(t, forwardtest.Loopback("4"), func(c *net.TCPConn) {
 		if got, err := io.ReadAll(c); err != nil || string(got) != "request" {
 			t.Errorf("endpoint read %q, %v", got, err)
 		}
@@ -606,14 +607,14 @@ func TestTCPHandOverEndpointGone(t *testing.T) {
 		c.Close()
 	})
 	// The proxy's two sockets, as a frozen proxy would hand them over.
-	front := listenTCP(t, loopback("4"))
-	client := dialTCPTest(t, listenerAddr(front))
+	front := forwardtest.ListenTCP(t, forwardtest.Loopback("4"))
+	client := forwardtest.DialTCP(t, forwardtest.ListenerAddr(front))
 	clientSide, err := front.AcceptTCP()
 	front.Close()
 	if err != nil {
 		t.Fatal(err)
 	}
-	endpoint := dialTCPTest(t, backend)
+	endpoint := forwardtest.DialTCP(t, backend)
 	if _, err := client.Write([]byte("request")); err != nil {
 		t.Fatal(err)
 	}
@@ -629,7 +630,7 @@ func TestTCPHandOverEndpointGone(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	eventually(t, "the endpoint socket to be disconnected", func() bool {
+	forwardtest.Eventually(t, "the endpoint socket to be disconnected", func() bool {
 		var perr error
 		_ = rc.Control(func(fd uintptr) { _, perr = unix.Getpeername(int(fd)) })
 		return errors.Is(perr, unix.ENOTCONN)
@@ -644,13 +645,13 @@ func TestTCPHandOverEndpointGone(t *testing.T) {
 	}
 	clientSide.Close()
 	endpoint.Close()
-	mb := &fakeMetrics{}
-	serveAdopted(t, listenTCP(t, loopback("4")), &fakeChooser{}, func(p *TCPProxy) { p.Metrics = mb }, []TCPConnState{{
-		Client: cf, Backend: ef, ClientAddr: tcpAddrPort(client.LocalAddr()), Endpoint: backend, ToEndpointDone: true,
+	mb := &forwardtest.Metrics{}
+	serveAdopted(t, forwardtest.ListenTCP(t, forwardtest.Loopback("4")), &fakeChooser{}, func(p *TCPProxy) { p.Metrics = mb }, []TCPConnState{{
+		Client: cf, Backend: ef, ClientAddr: forwardtest.TCPAddrPort(client.LocalAddr()), Endpoint: backend, ToEndpointDone: true,
 	}})
-	client.SetReadDeadline(time.Now().Add(waitTimeout))
+	client.SetReadDeadline(time.Now().Add(forwardtest.WaitTimeout))
 	if got, err := io.ReadAll(client); err != nil || string(got) != "reply" {
 		t.Errorf("client read %q, %v; want reply, then EOF", got, err)
 	}
-	eventually(t, "the adopter to close the connection", func() bool { return mb.snapshot().closed == 1 })
+	forwardtest.Eventually(t, "the adopter to close the connection", func() bool { return mb.Snapshot().Closed == 1 })
 }

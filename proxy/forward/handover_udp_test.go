@@ -9,6 +9,8 @@ import (
 	"net/netip"
 	"testing"
 	"time"
+
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward/internal/forwardtest"
 )
 
 // TestUDPHandOver freezes a UDP proxy with two sessions to two endpoints, has B adopt them
@@ -19,15 +21,15 @@ import (
 func TestUDPHandOver(t *testing.T) {
 	checkNoFDLeaks(t)
 	checkNoLeaks(t)
-	e1, e2, e3 := startUDPEcho(t, loopback("4"), "e1:"), startUDPEcho(t, loopback("4"), "e2:"), startUDPEcho(t, loopback("4"), "e3:")
-	ma, mb := &fakeMetrics{}, &fakeMetrics{}
-	a := startUDPProxy(t, "4", &fakeChooser{endpoints: []netip.AddrPort{e1, e2}}, func(p *UDPProxy) { p.Metrics = ma })
-	c1, c2 := dialUDPTest(t, a.addr), dialUDPTest(t, a.addr)
+	e1, e2, e3 := forwardtest.StartUDPEcho(t, forwardtest.Loopback("4"), "e1:"), forwardtest.StartUDPEcho(t, forwardtest.Loopback("4"), "e2:"), forwardtest.StartUDPEcho(t, forwardtest.Loopback("4"), "e3:")
+	ma, mb := &forwardtest.Metrics{}, &forwardtest.Metrics{}
+	a := startUDPProxy(t, "4", &fakeChooser{Endpoints: []netip.AddrPort{e1, e2}}, func(p *UDPProxy) { p.Metrics = ma })
+	c1, c2 := forwardtest.DialUDP(t, a.addr), forwardtest.DialUDP(t, a.addr)
 	for _, x := range []struct {
 		c    *net.UDPConn
 		want string
 	}{{c1, "e1:one"}, {c2, "e2:two"}} {
-		if got, err := udpExchange(x.c, []byte(x.want[3:]), 3, time.Second); err != nil || string(got) != x.want {
+		if got, err := forwardtest.UDPExchange(x.c, []byte(x.want[3:]), 3, time.Second); err != nil || string(got) != x.want {
 			t.Fatalf("before the freeze: %q, %v; want %q", got, err, x.want)
 		}
 	}
@@ -44,8 +46,8 @@ func TestUDPHandOver(t *testing.T) {
 		t.Fatalf("frozen state has %d sessions, want 2", len(st.Sessions))
 	}
 	for _, ss := range st.Sessions {
-		if ss.ReplyFrom != loopback("4") || ss.Refused || ss.Idle < 0 {
-			t.Errorf("frozen session %+v: want replies from %v, not refused", ss, loopback("4"))
+		if ss.ReplyFrom != forwardtest.Loopback("4") || ss.Refused || ss.Idle < 0 {
+			t.Errorf("frozen session %+v: want replies from %v, not refused", ss, forwardtest.Loopback("4"))
 		}
 	}
 	// Sent while nobody reads: it waits in the socket's buffer for B.
@@ -57,7 +59,7 @@ func TestUDPHandOver(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	b := &UDPProxy{Conn: conn, Chooser: &fakeChooser{endpoints: []netip.AddrPort{e3}}, Metrics: mb, Log: new(testLogger(t))}
+	b := &UDPProxy{Conn: conn, Chooser: &fakeChooser{Endpoints: []netip.AddrPort{e3}}, Metrics: mb, Log: new(forwardtest.Logger(t))}
 	if err := b.Adopt(st.Sessions); err != nil {
 		t.Fatalf("Adopt: %v", err)
 	}
@@ -74,19 +76,19 @@ func TestUDPHandOver(t *testing.T) {
 	a.Release()
 
 	buf := make([]byte, 100)
-	c1.SetReadDeadline(time.Now().Add(waitTimeout))
+	c1.SetReadDeadline(time.Now().Add(forwardtest.WaitTimeout))
 	if n, err := c1.Read(buf); err != nil || string(buf[:n]) != "e1:frozen" {
 		t.Errorf("datagram sent during the freeze: %q, %v; want e1:frozen", buf[:n], err)
 	}
 	for _, x := range []struct {
 		c    *net.UDPConn
 		want string
-	}{{c1, "e1:again"}, {c2, "e2:again"}, {dialUDPTest(t, a.addr), "e3:new"}} {
-		if got, err := udpExchange(x.c, []byte(x.want[3:]), 3, time.Second); err != nil || string(got) != x.want {
+	}{{c1, "e1:again"}, {c2, "e2:again"}, {forwardtest.DialUDP(t, a.addr), "e3:new"}} {
+		if got, err := forwardtest.UDPExchange(x.c, []byte(x.want[3:]), 3, time.Second); err != nil || string(got) != x.want {
 			t.Errorf("after the hand-over: %q, %v; want %q", got, err, x.want)
 		}
 	}
-	if sa, sb := ma.snapshot(), mb.snapshot(); sa.sessionsOpened != 2 || sa.sessionsClosed != 0 || sb.sessionsOpened != 3 {
+	if sa, sb := ma.Snapshot(), mb.Snapshot(); sa.SessionsOpened != 2 || sa.SessionsClosed != 0 || sb.SessionsOpened != 3 {
 		t.Errorf("metrics A %+v, B %+v: want A 2 sessions opened, none closed; B 3 opened (2 adopted)", sa, sb)
 	}
 }
@@ -96,10 +98,10 @@ func TestUDPHandOver(t *testing.T) {
 func TestUDPHandOverKeepsIdleClock(t *testing.T) {
 	checkNoFDLeaks(t)
 	checkNoLeaks(t)
-	echo := startUDPEcho(t, loopback("4"), "")
-	a := startUDPProxy(t, "4", &fakeChooser{endpoints: []netip.AddrPort{echo}}, nil)
-	c := dialUDPTest(t, a.addr)
-	if _, err := udpExchange(c, []byte("x"), 3, time.Second); err != nil {
+	echo := forwardtest.StartUDPEcho(t, forwardtest.Loopback("4"), "")
+	a := startUDPProxy(t, "4", &fakeChooser{Endpoints: []netip.AddrPort{echo}}, nil)
+	c := forwardtest.DialUDP(t, a.addr)
+	if _, err := forwardtest.UDPExchange(c, []byte("x"), 3, time.Second); err != nil {
 		t.Fatal(err)
 	}
 	st, err := a.Freeze(context.Background())
@@ -115,7 +117,7 @@ func TestUDPHandOverKeepsIdleClock(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	b := &UDPProxy{Conn: conn, Chooser: &fakeChooser{}, Timeout: 300 * time.Millisecond, Log: new(testLogger(t))}
+	b := &UDPProxy{Conn: conn, Chooser: &fakeChooser{}, Timeout: 300 * time.Millisecond, Log: new(forwardtest.Logger(t))}
 	if err := b.Adopt(st.Sessions); err != nil {
 		t.Fatal(err)
 	}
@@ -127,7 +129,7 @@ func TestUDPHandOverKeepsIdleClock(t *testing.T) {
 	}
 	b.mu.Unlock()
 	a.Release()
-	eventually(t, "the adopted session to expire", func() bool { return b.sessionCount() == 0 })
+	forwardtest.Eventually(t, "the adopted session to expire", func() bool { return b.sessionCount() == 0 })
 	if err := b.Close(); err != nil {
 		t.Error(err)
 	}
@@ -138,8 +140,8 @@ func TestUDPFreezeMisuse(t *testing.T) {
 	checkNoFDLeaks(t)
 	checkNoLeaks(t)
 	ctx := context.Background()
-	r := startUDPProxy(t, "4", &fakeChooser{endpoints: []netip.AddrPort{startUDPEcho(t, loopback("4"), "")}}, nil)
-	if _, err := udpExchange(dialUDPTest(t, r.addr), []byte("x"), 3, time.Second); err != nil {
+	r := startUDPProxy(t, "4", &fakeChooser{Endpoints: []netip.AddrPort{forwardtest.StartUDPEcho(t, forwardtest.Loopback("4"), "")}}, nil)
+	if _, err := forwardtest.UDPExchange(forwardtest.DialUDP(t, r.addr), []byte("x"), 3, time.Second); err != nil {
 		t.Fatal(err) // Serve runs
 	}
 	st, err := r.Freeze(ctx)

@@ -16,6 +16,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward/internal/forwardtest"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward/internal/sys"
 	"golang.org/x/sys/unix"
 )
@@ -268,7 +269,7 @@ func checkNoFDLeaks(t *testing.T) {
 	before := openFDs(t)
 	t.Cleanup(func() {
 		var leaked []string
-		deadline := time.Now().Add(waitTimeout)
+		deadline := time.Now().Add(forwardtest.WaitTimeout)
 		for {
 			leaked = leaked[:0]
 			for fd, target := range openFDs(t) {

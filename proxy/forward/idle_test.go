@@ -14,6 +14,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward/internal/forwardtest"
 )
 
 // Idle connections on the event loops: they hold no goroutine, and every event that ends or
@@ -25,9 +27,9 @@ func idleConns(t *testing.T, addr netip.AddrPort, n int) []*net.TCPConn {
 	t.Helper()
 	conns := make([]*net.TCPConn, n)
 	for i := range conns {
-		conns[i] = dialTCPTest(t, addr)
+		conns[i] = forwardtest.DialTCP(t, addr)
 		msg := fmt.Sprintf("hello %d", i)
-		if got, err := roundTrip(conns[i], []byte(msg)); err != nil || string(got) != msg {
+		if got, err := forwardtest.RoundTrip(conns[i], []byte(msg)); err != nil || string(got) != msg {
 			t.Fatalf("connection %d: %q, %v", i, got, err)
 		}
 	}
@@ -44,9 +46,9 @@ func TestTCPIdleConnectionsHoldNoGoroutine(t *testing.T) {
 	const n = 40
 	checkNoLeaks(t)
 	checkNoFDLeaks(t)
-	backend := startTCPEcho(t, loopback("4"))
-	metrics := &fakeMetrics{}
-	p := startTCPProxy(t, "4", &fakeChooser{endpoints: []netip.AddrPort{backend}}, func(p *TCPProxy) {
+	backend := forwardtest.StartTCPEcho(t, forwardtest.Loopback("4"))
+	metrics := &forwardtest.Metrics{}
+	p := startTCPProxy(t, "4", &fakeChooser{Endpoints: []netip.AddrPort{backend}}, func(p *TCPProxy) {
 		p.Metrics = metrics
 	})
 	goroutines := runtime.NumGoroutine()
@@ -62,7 +64,7 @@ func TestTCPIdleConnectionsHoldNoGoroutine(t *testing.T) {
 	for round := range 2 {
 		for i, c := range conns {
 			msg := strings.Repeat(fmt.Sprintf("again %d ", i), 1+i*100) // some fill the loop's buffer: spliced
-			if got, err := roundTrip(c, []byte(msg)); err != nil || string(got) != msg {
+			if got, err := forwardtest.RoundTrip(c, []byte(msg)); err != nil || string(got) != msg {
 				t.Fatalf("round %d, connection %d after idling: %d bytes, %v", round, i, len(got), err)
 			}
 			sent += int64(len(msg))
@@ -79,10 +81,10 @@ func TestTCPIdleConnectionsHoldNoGoroutine(t *testing.T) {
 			t.Fatalf("connection %d after its half-close: %q, %v", i, rest, err)
 		}
 	}
-	eventually(t, "connections closed", func() bool { return metrics.snapshot().closed == n })
+	forwardtest.Eventually(t, "connections closed", func() bool { return metrics.Snapshot().Closed == n })
 	// The bytes of every exchange counted.
-	if s := metrics.snapshot(); s.toEndpoint != sent || s.fromEndpoint != sent {
-		t.Fatalf("bytes copied: %d to endpoints and %d from them, want %d each way", s.toEndpoint, s.fromEndpoint, sent)
+	if s := metrics.Snapshot(); s.ToEndpoint != sent || s.FromEndpoint != sent {
+		t.Fatalf("bytes copied: %d to endpoints and %d from them, want %d each way", s.ToEndpoint, s.FromEndpoint, sent)
 	}
 }
 
@@ -92,19 +94,19 @@ func TestTCPIdleTimeoutRenewedByData(t *testing.T) {
 	checkNoLeaks(t)
 	checkNoFDLeaks(t)
 	const idle = 300 * time.Millisecond
-	backend := startTCPEcho(t, loopback("4"))
-	metrics := &fakeMetrics{}
-	p := startTCPProxy(t, "4", &fakeChooser{endpoints: []netip.AddrPort{backend}}, func(p *TCPProxy) {
+	backend := forwardtest.StartTCPEcho(t, forwardtest.Loopback("4"))
+	metrics := &forwardtest.Metrics{}
+	p := startTCPProxy(t, "4", &fakeChooser{Endpoints: []netip.AddrPort{backend}}, func(p *TCPProxy) {
 		p.Metrics, p.IdleTimeout = metrics, idle
 	})
 	c := idleConns(t, p.addr, 1)[0]
 	// Data one way keeps the connection (both directions share the clock).
 	time.Sleep(idle / 2)
-	if _, err := roundTrip(c, []byte("keep")); err != nil {
+	if _, err := forwardtest.RoundTrip(c, []byte("keep")); err != nil {
 		t.Fatalf("round trip within the idle timeout: %v", err)
 	}
 	start := time.Now()
-	c.SetReadDeadline(time.Now().Add(waitTimeout))
+	c.SetReadDeadline(time.Now().Add(forwardtest.WaitTimeout))
 	_, err := c.Read(make([]byte, 1))
 	elapsed := time.Since(start)
 	if !errors.Is(err, syscall.ECONNRESET) && !errors.Is(err, io.EOF) {
@@ -113,7 +115,7 @@ func TestTCPIdleTimeoutRenewedByData(t *testing.T) {
 	if elapsed < idle-20*time.Millisecond || elapsed > idle+time.Second {
 		t.Errorf("idle connection ended after %v, want about %v", elapsed, idle)
 	}
-	eventually(t, "connection closed", func() bool { return metrics.snapshot().closed == 1 })
+	forwardtest.Eventually(t, "connection closed", func() bool { return metrics.Snapshot().Closed == 1 })
 }
 
 // TestTCPShutdownCutsIdle: Shutdown waits for idle connections until its context ends, then
@@ -122,8 +124,8 @@ func TestTCPShutdownCutsIdle(t *testing.T) {
 	checkNoLeaks(t)
 	checkNoFDLeaks(t)
 	const n = 10
-	backend := startTCPEcho(t, loopback("4"))
-	p := startTCPProxy(t, "4", &fakeChooser{endpoints: []netip.AddrPort{backend}}, nil)
+	backend := forwardtest.StartTCPEcho(t, forwardtest.Loopback("4"))
+	p := startTCPProxy(t, "4", &fakeChooser{Endpoints: []netip.AddrPort{backend}}, nil)
 	conns := idleConns(t, p.addr, n)
 	ctx, cancel := context.WithTimeout(context.Background(), 200*time.Millisecond)
 	defer cancel()
@@ -135,7 +137,7 @@ func TestTCPShutdownCutsIdle(t *testing.T) {
 		t.Errorf("Shutdown returned after %v, before its deadline: it did not wait for the idle connections", d)
 	}
 	for i, c := range conns {
-		c.SetReadDeadline(time.Now().Add(waitTimeout))
+		c.SetReadDeadline(time.Now().Add(forwardtest.WaitTimeout))
 		if _, err := c.Read(make([]byte, 1)); !errors.Is(err, syscall.ECONNRESET) {
 			t.Errorf("connection %d after Shutdown: %v, want a reset", i, err)
 		}
@@ -148,19 +150,19 @@ func TestTCPIdlePeerReset(t *testing.T) {
 	checkNoLeaks(t)
 	checkNoFDLeaks(t)
 	reset := make(chan struct{})
-	backend := startTCPServer(t, loopback("4"), func(c *net.TCPConn) {
+	backend := forwardtest.StartTCPServer(t, forwardtest.Loopback("4"), func(c *net.TCPConn) {
 		buf := make([]byte, 5)
 		io.ReadFull(c, buf)
 		c.Write(buf)
 		<-reset
-		resetConn(c)
+		forwardtest.ResetConn(c)
 	})
-	metrics := &fakeMetrics{}
-	p := startTCPProxy(t, "4", &fakeChooser{endpoints: []netip.AddrPort{backend}}, func(p *TCPProxy) {
+	metrics := &forwardtest.Metrics{}
+	p := startTCPProxy(t, "4", &fakeChooser{Endpoints: []netip.AddrPort{backend}}, func(p *TCPProxy) {
 		p.Metrics = metrics
 	})
-	c := dialTCPTest(t, p.addr)
-	if _, err := roundTrip(c, []byte("hello")); err != nil {
+	c := forwardtest.DialTCP(t, p.addr)
+	if _, err := forwardtest.RoundTrip(c, []byte("hello")); err != nil {
 		t.Fatal(err)
 	}
 	settle()
@@ -168,7 +170,7 @@ func TestTCPIdlePeerReset(t *testing.T) {
 	if _, err := io.ReadAll(c); !errors.Is(err, syscall.ECONNRESET) {
 		t.Fatalf("client read after the endpoint's reset: %v, want ECONNRESET", err)
 	}
-	eventually(t, "connection closed", func() bool { return metrics.snapshot().closed == 1 })
+	forwardtest.Eventually(t, "connection closed", func() bool { return metrics.Snapshot().Closed == 1 })
 }
 
 // TestTCPHandOverIdle: Freeze stops idle connections (no event wakes them: the freeze must)
@@ -179,12 +181,12 @@ func TestTCPHandOverIdle(t *testing.T) {
 			checkNoLeaks(t)
 			checkNoFDLeaks(t)
 			const n = 5
-			backend := startTCPEcho(t, loopback("4"))
-			chooser := &fakeChooser{endpoints: []netip.AddrPort{backend}}
+			backend := forwardtest.StartTCPEcho(t, forwardtest.Loopback("4"))
+			chooser := &fakeChooser{Endpoints: []netip.AddrPort{backend}}
 			a := startTCPProxy(t, "4", chooser, nil)
 			conns := idleConns(t, a.addr, n)
 			settle()
-			ctx, cancel := context.WithTimeout(context.Background(), waitTimeout)
+			ctx, cancel := context.WithTimeout(context.Background(), forwardtest.WaitTimeout)
 			defer cancel()
 			if thaw {
 				st, err := a.Freeze(ctx)
@@ -208,7 +210,7 @@ func TestTCPHandOverIdle(t *testing.T) {
 			}
 			for i, c := range conns {
 				msg := fmt.Sprintf("after %d", i)
-				if got, err := roundTrip(c, []byte(msg)); err != nil || string(got) != msg {
+				if got, err := forwardtest.RoundTrip(c, []byte(msg)); err != nil || string(got) != msg {
 					t.Fatalf("connection %d after the hand-over: %q, %v", i, got, err)
 				}
 			}
@@ -231,8 +233,8 @@ func TestTCPAdoptBeforeStart(t *testing.T) {
 			checkNoLeaks(t)
 			checkNoFDLeaks(t)
 			const n = 4
-			backend := startTCPEcho(t, loopback("4"))
-			chooser := &fakeChooser{endpoints: []netip.AddrPort{backend}}
+			backend := forwardtest.StartTCPEcho(t, forwardtest.Loopback("4"))
+			chooser := &fakeChooser{Endpoints: []netip.AddrPort{backend}}
 			a := startTCPProxy(t, "4", chooser, nil)
 			conns := idleConns(t, a.addr, n)
 			st, err := a.Freeze(context.Background())
@@ -245,7 +247,7 @@ func TestTCPAdoptBeforeStart(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			b := &TCPProxy{Listener: ln, Chooser: chooser, Log: new(testLogger(t)), Loops: newTestLoops(t, 2)}
+			b := &TCPProxy{Listener: ln, Chooser: chooser, Log: new(forwardtest.Logger(t)), Loops: newTestLoops(t, 2)}
 			if err := b.Adopt(st.Conns); err != nil {
 				t.Fatalf("Adopt: %v", err)
 			}
@@ -267,7 +269,7 @@ func TestTCPAdoptBeforeStart(t *testing.T) {
 			}()
 			for i, c := range conns {
 				msg := fmt.Sprintf("adopted %d", i)
-				if got, err := roundTrip(c, []byte(msg)); err != nil || string(got) != msg {
+				if got, err := forwardtest.RoundTrip(c, []byte(msg)); err != nil || string(got) != msg {
 					t.Fatalf("connection %d after adoption: %q, %v", i, got, err)
 				}
 			}
@@ -281,9 +283,9 @@ func TestTCPAdoptBeforeStart(t *testing.T) {
 func TestTCPIdleChurn(t *testing.T) {
 	checkNoLeaks(t)
 	checkNoFDLeaks(t)
-	backend := startTCPEcho(t, loopback("4"))
-	metrics := &fakeMetrics{}
-	p := startTCPProxy(t, "4", &fakeChooser{endpoints: []netip.AddrPort{backend}}, func(p *TCPProxy) {
+	backend := forwardtest.StartTCPEcho(t, forwardtest.Loopback("4"))
+	metrics := &forwardtest.Metrics{}
+	p := startTCPProxy(t, "4", &fakeChooser{Endpoints: []netip.AddrPort{backend}}, func(p *TCPProxy) {
 		p.Metrics = metrics
 	})
 	var live []*net.TCPConn
@@ -295,10 +297,10 @@ func TestTCPIdleChurn(t *testing.T) {
 			for i := range 16 {
 				c, err := net.DialTCP("tcp", nil, net.TCPAddrFromAddrPort(p.addr))
 				if err == nil {
-					c.SetDeadline(time.Now().Add(waitTimeout))
+					c.SetDeadline(time.Now().Add(forwardtest.WaitTimeout))
 					msg := fmt.Sprintf("round %d conn %d", round, i)
 					var got []byte
-					if got, err = roundTrip(c, []byte(msg)); err == nil && string(got) != msg {
+					if got, err = forwardtest.RoundTrip(c, []byte(msg)); err == nil && string(got) != msg {
 						err = fmt.Errorf("echo %q, want %q", got, msg)
 					}
 				}
@@ -309,7 +311,7 @@ func TestTCPIdleChurn(t *testing.T) {
 		// Half of the live ones end: some with a reset, some with a close.
 		for i, c := range live[:len(live)/2] {
 			if i%2 == 0 {
-				resetConn(c)
+				forwardtest.ResetConn(c)
 			} else {
 				c.Close()
 			}
@@ -327,7 +329,7 @@ func TestTCPIdleChurn(t *testing.T) {
 		settle()
 		for i, c := range live {
 			msg := fmt.Sprintf("check %d %d", round, i)
-			if got, err := roundTrip(c, []byte(msg)); err != nil || string(got) != msg {
+			if got, err := forwardtest.RoundTrip(c, []byte(msg)); err != nil || string(got) != msg {
 				t.Fatalf("round %d: live connection %d: %q, %v", round, i, got, err)
 			}
 		}
@@ -335,5 +337,5 @@ func TestTCPIdleChurn(t *testing.T) {
 	for _, c := range live {
 		c.Close()
 	}
-	eventually(t, "connections closed", func() bool { return metrics.snapshot().closed == opened })
+	forwardtest.Eventually(t, "connections closed", func() bool { return metrics.Snapshot().Closed == opened })
 }

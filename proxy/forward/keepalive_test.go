@@ -7,16 +7,18 @@ import (
 	"net/netip"
 	"syscall"
 	"testing"
+
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward/internal/forwardtest"
 )
 
 // Both sockets of a proxied connection probe their peer: the client side with the settings it
 // inherited from the listener, the endpoint side with those set at the dial.
 func TestTCPKeepAlive(t *testing.T) {
 	checkNoLeaks(t)
-	backend := startTCPEcho(t, loopback("4"))
-	p := startTCPProxy(t, "4", &fakeChooser{endpoints: []netip.AddrPort{backend}}, nil)
-	c := dialTCPTest(t, p.addr)
-	if _, err := roundTrip(c, []byte("ping")); err != nil {
+	backend := forwardtest.StartTCPEcho(t, forwardtest.Loopback("4"))
+	p := startTCPProxy(t, "4", &fakeChooser{Endpoints: []netip.AddrPort{backend}}, nil)
+	c := forwardtest.DialTCP(t, p.addr)
+	if _, err := forwardtest.RoundTrip(c, []byte("ping")); err != nil {
 		t.Fatalf("round trip: %v", err)
 	}
 	client, endpoint := connSockets(p.TCPProxy)

@@ -11,6 +11,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward/internal/forwardtest"
 )
 
 // refusedAtOnce connects to addr and reports whether the proxy reset the connection without
@@ -26,8 +28,8 @@ func refusedAtOnce(t *testing.T, addr netip.AddrPort) bool {
 		t.Fatalf("dial %s: %v", addr, err)
 	}
 	t.Cleanup(func() { c.Close() })
-	_ = c.SetDeadline(time.Now().Add(waitTimeout))
-	got, err := roundTrip(c, []byte("x"))
+	_ = c.SetDeadline(time.Now().Add(forwardtest.WaitTimeout))
+	got, err := forwardtest.RoundTrip(c, []byte("x"))
 	if err != nil && !errors.Is(err, syscall.ECONNRESET) && !errors.Is(err, io.EOF) && !errors.Is(err, syscall.EPIPE) {
 		t.Fatalf("connection to %s: %v", addr, err)
 	}
@@ -38,16 +40,16 @@ func refusedAtOnce(t *testing.T, addr netip.AddrPort) bool {
 // them; once one ends, a new one is served; the budget is whole again when all are gone.
 func TestTCPMaxConns(t *testing.T) {
 	checkNoLeaks(t)
-	backend := startTCPEcho(t, loopback("4"))
-	metrics := &fakeMetrics{}
+	backend := forwardtest.StartTCPEcho(t, forwardtest.Loopback("4"))
+	metrics := &forwardtest.Metrics{}
 	budget := NewBudget(1000)
-	p := startTCPProxy(t, "4", &fakeChooser{endpoints: []netip.AddrPort{backend}}, func(p *TCPProxy) {
+	p := startTCPProxy(t, "4", &fakeChooser{Endpoints: []netip.AddrPort{backend}}, func(p *TCPProxy) {
 		p.MaxConns, p.Budget, p.Metrics = 3, budget, metrics
 	})
 	var open []*net.TCPConn
 	for i := range 3 {
-		c := dialTCPTest(t, p.addr)
-		if got, err := roundTrip(c, []byte("a")); err != nil || string(got) != "a" {
+		c := forwardtest.DialTCP(t, p.addr)
+		if got, err := forwardtest.RoundTrip(c, []byte("a")); err != nil || string(got) != "a" {
 			t.Fatalf("connection %d within the limit: %q, %v", i, got, err)
 		}
 		open = append(open, c)
@@ -55,21 +57,21 @@ func TestTCPMaxConns(t *testing.T) {
 	if !refusedAtOnce(t, p.addr) {
 		t.Errorf("a fourth connection was served beyond MaxConns 3")
 	}
-	if m := metrics.snapshot(); m.refused != 1 || m.accepted != 3 {
+	if m := metrics.Snapshot(); m.Refused != 1 || m.Accepted != 3 {
 		t.Errorf("metrics %+v, want 3 accepted and 1 refused", m)
 	}
 	open[0].Close()
-	eventually(t, "the closed connection to free its slot", func() bool {
+	forwardtest.Eventually(t, "the closed connection to free its slot", func() bool {
 		return liveConns(p.TCPProxy) == 2
 	})
-	c := dialTCPTest(t, p.addr)
-	if got, err := roundTrip(c, []byte("b")); err != nil || string(got) != "b" {
+	c := forwardtest.DialTCP(t, p.addr)
+	if got, err := forwardtest.RoundTrip(c, []byte("b")); err != nil || string(got) != "b" {
 		t.Errorf("a connection after one ended: %q, %v", got, err)
 	}
 	for _, c := range append(open[1:], c) {
 		c.Close()
 	}
-	eventually(t, "the connections' descriptors back in the budget", func() bool {
+	forwardtest.Eventually(t, "the connections' descriptors back in the budget", func() bool {
 		budget.pipes.dropIdle() // idle pipes hold descriptors of the budget too
 		return budget.InUse() == 0
 	})
@@ -79,12 +81,12 @@ func TestTCPMaxConns(t *testing.T) {
 // held open, stops at that port's limit, and the other port is still served.
 func TestTCPFloodOnOnePortSparesAnother(t *testing.T) {
 	checkNoLeaks(t)
-	backend := startTCPEcho(t, loopback("4"))
+	backend := forwardtest.StartTCPEcho(t, forwardtest.Loopback("4"))
 	budget := NewBudget(12 * tcpConnFDs)
-	flooded := startTCPProxy(t, "4", &fakeChooser{endpoints: []netip.AddrPort{backend}}, func(p *TCPProxy) {
+	flooded := startTCPProxy(t, "4", &fakeChooser{Endpoints: []netip.AddrPort{backend}}, func(p *TCPProxy) {
 		p.MaxConns, p.Budget = 6, budget
 	})
-	other := startTCPProxy(t, "4", &fakeChooser{endpoints: []netip.AddrPort{backend}}, func(p *TCPProxy) {
+	other := startTCPProxy(t, "4", &fakeChooser{Endpoints: []netip.AddrPort{backend}}, func(p *TCPProxy) {
 		p.MaxConns, p.Budget = 6, budget
 	})
 	served := 0
@@ -96,8 +98,8 @@ func TestTCPFloodOnOnePortSparesAnother(t *testing.T) {
 	if served != 6 {
 		t.Errorf("the flooded port served %d connections, want its limit 6", served)
 	}
-	c := dialTCPTest(t, other.addr)
-	if got, err := roundTrip(c, []byte("ok")); err != nil || string(got) != "ok" {
+	c := forwardtest.DialTCP(t, other.addr)
+	if got, err := forwardtest.RoundTrip(c, []byte("ok")); err != nil || string(got) != "ok" {
 		t.Errorf("the other port during the flood: %q, %v", got, err)
 	}
 }
@@ -106,21 +108,21 @@ func TestTCPFloodOnOnePortSparesAnother(t *testing.T) {
 // connections, and connections go on without splice pipes when the budget has no room for one.
 func TestTCPBudgetSpentRefuses(t *testing.T) {
 	checkNoLeaks(t)
-	backend := startTCPEcho(t, loopback("4"))
+	backend := forwardtest.StartTCPEcho(t, forwardtest.Loopback("4"))
 	budget := NewBudget(2 * tcpConnFDs) // two connections, no pipe
-	metrics := &fakeMetrics{}
-	p := startTCPProxy(t, "4", &fakeChooser{endpoints: []netip.AddrPort{backend}}, func(p *TCPProxy) {
+	metrics := &forwardtest.Metrics{}
+	p := startTCPProxy(t, "4", &fakeChooser{Endpoints: []netip.AddrPort{backend}}, func(p *TCPProxy) {
 		p.Budget, p.Metrics = budget, metrics
 	})
 	for i := range 2 {
-		c := dialTCPTest(t, p.addr)
-		if got, err := roundTrip(c, []byte("copied without a pipe")); err != nil || string(got) != "copied without a pipe" {
+		c := forwardtest.DialTCP(t, p.addr)
+		if got, err := forwardtest.RoundTrip(c, []byte("copied without a pipe")); err != nil || string(got) != "copied without a pipe" {
 			t.Fatalf("connection %d within the budget: %q, %v", i, got, err)
 		}
 		// The first connection alone leaves room for a pipe, which its direction may still hold
 		// for a moment after the echo came back; a pipe back in the pool is dropped when a
 		// connection needs the room.
-		eventually(t, "every pipe back in the pool", func() bool {
+		forwardtest.Eventually(t, "every pipe back in the pool", func() bool {
 			budget.pipes.mu.Lock()
 			idle := len(budget.pipes.free)
 			budget.pipes.mu.Unlock()
@@ -130,8 +132,8 @@ func TestTCPBudgetSpentRefuses(t *testing.T) {
 	if !refusedAtOnce(t, p.addr) {
 		t.Errorf("a connection beyond the budget was served")
 	}
-	if m := metrics.snapshot(); m.refused != 1 {
-		t.Errorf("refused %d, want 1", m.refused)
+	if m := metrics.Snapshot(); m.Refused != 1 {
+		t.Errorf("refused %d, want 1", m.Refused)
 	}
 }
 
@@ -139,14 +141,14 @@ func TestTCPBudgetSpentRefuses(t *testing.T) {
 // that keeps moving data in one direction only lives on.
 func TestTCPIdleTimeout(t *testing.T) {
 	checkNoLeaks(t)
-	backend := startTCPEcho(t, loopback("4"))
+	backend := forwardtest.StartTCPEcho(t, forwardtest.Loopback("4"))
 	const idle = time.Second // well above a loaded machine's scheduling stalls
-	p := startTCPProxy(t, "4", &fakeChooser{endpoints: []netip.AddrPort{backend}}, func(p *TCPProxy) {
+	p := startTCPProxy(t, "4", &fakeChooser{Endpoints: []netip.AddrPort{backend}}, func(p *TCPProxy) {
 		p.IdleTimeout = idle
 	})
-	quiet, busy := dialTCPTest(t, p.addr), dialTCPTest(t, p.addr)
+	quiet, busy := forwardtest.DialTCP(t, p.addr), forwardtest.DialTCP(t, p.addr)
 	for _, c := range []*net.TCPConn{quiet, busy} {
-		if _, err := roundTrip(c, []byte("hi")); err != nil {
+		if _, err := forwardtest.RoundTrip(c, []byte("hi")); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -159,11 +161,11 @@ func TestTCPIdleTimeout(t *testing.T) {
 		}
 		time.Sleep(idle / 5)
 	}
-	_ = quiet.SetReadDeadline(time.Now().Add(waitTimeout))
+	_ = quiet.SetReadDeadline(time.Now().Add(forwardtest.WaitTimeout))
 	if n, err := quiet.Read(make([]byte, 1)); err == nil || errors.Is(err, os.ErrDeadlineExceeded) {
 		t.Errorf("the idle connection: read %d bytes, %v; want it ended by the proxy", n, err)
 	}
-	if got, err := roundTrip(busy, []byte("!")); err != nil || len(got) != 1 {
+	if got, err := forwardtest.RoundTrip(busy, []byte("!")); err != nil || len(got) != 1 {
 		t.Errorf("the busy connection after 3 idle timeouts: %q, %v", got, err)
 	}
 }
@@ -172,16 +174,16 @@ func TestTCPIdleTimeout(t *testing.T) {
 // client; the budget is whole again after Close.
 func TestUDPMaxSessions(t *testing.T) {
 	checkNoLeaks(t)
-	backend := startUDPEcho(t, loopback("4"), "")
-	metrics := &fakeMetrics{}
+	backend := forwardtest.StartUDPEcho(t, forwardtest.Loopback("4"), "")
+	metrics := &forwardtest.Metrics{}
 	budget := NewBudget(1000)
-	p := startUDPProxy(t, "4", &fakeChooser{endpoints: []netip.AddrPort{backend}}, func(p *UDPProxy) {
+	p := startUDPProxy(t, "4", &fakeChooser{Endpoints: []netip.AddrPort{backend}}, func(p *UDPProxy) {
 		p.MaxSessions, p.Budget, p.Metrics = 3, budget, metrics
 	})
 	var clients []*net.UDPConn
 	for i := range 5 {
-		c := dialUDPTest(t, p.addr)
-		if _, err := udpExchange(c, []byte{byte(i)}, 1, waitTimeout); err != nil {
+		c := forwardtest.DialUDP(t, p.addr)
+		if _, err := forwardtest.UDPExchange(c, []byte{byte(i)}, 1, forwardtest.WaitTimeout); err != nil {
 			t.Fatalf("client %d: %v", i, err)
 		}
 		clients = append(clients, c)
@@ -190,16 +192,16 @@ func TestUDPMaxSessions(t *testing.T) {
 	if n := p.sessionCount(); n != 3 {
 		t.Errorf("%d sessions, want the limit 3", n)
 	}
-	if m := metrics.snapshot(); m.evicted != 2 {
-		t.Errorf("evicted %d sessions, want 2", m.evicted)
+	if m := metrics.Snapshot(); m.Evicted != 2 {
+		t.Errorf("evicted %d sessions, want 2", m.Evicted)
 	}
 	// The newest clients kept their sessions: another exchange opens none.
-	opened := metrics.snapshot().sessionsOpened
-	if _, err := udpExchange(clients[4], []byte("again"), 1, waitTimeout); err != nil {
+	opened := metrics.Snapshot().SessionsOpened
+	if _, err := forwardtest.UDPExchange(clients[4], []byte("again"), 1, forwardtest.WaitTimeout); err != nil {
 		t.Fatal(err)
 	}
-	if m := metrics.snapshot(); m.sessionsOpened != opened {
-		t.Errorf("the newest client's session was evicted (sessions opened %d → %d)", opened, m.sessionsOpened)
+	if m := metrics.Snapshot(); m.SessionsOpened != opened {
+		t.Errorf("the newest client's session was evicted (sessions opened %d → %d)", opened, m.SessionsOpened)
 	}
 	if err := p.Close(); err != nil {
 		t.Fatal(err)
@@ -213,22 +215,22 @@ func TestUDPMaxSessions(t *testing.T) {
 // port's sessions; another port sharing the budget still opens sessions.
 func TestUDPFloodOnOnePortSparesAnother(t *testing.T) {
 	checkNoLeaks(t)
-	backend := startUDPEcho(t, loopback("4"), "")
+	backend := forwardtest.StartUDPEcho(t, forwardtest.Loopback("4"), "")
 	budget := NewBudget(8)
-	flooded := startUDPProxy(t, "4", &fakeChooser{endpoints: []netip.AddrPort{backend}}, func(p *UDPProxy) {
+	flooded := startUDPProxy(t, "4", &fakeChooser{Endpoints: []netip.AddrPort{backend}}, func(p *UDPProxy) {
 		p.MaxSessions, p.Budget = 4, budget
 	})
-	other := startUDPProxy(t, "4", &fakeChooser{endpoints: []netip.AddrPort{backend}}, func(p *UDPProxy) {
+	other := startUDPProxy(t, "4", &fakeChooser{Endpoints: []netip.AddrPort{backend}}, func(p *UDPProxy) {
 		p.MaxSessions, p.Budget = 4, budget
 	})
 	for i := range 30 {
-		c := dialUDPTest(t, flooded.addr)
+		c := forwardtest.DialUDP(t, flooded.addr)
 		if _, err := c.Write([]byte{byte(i)}); err != nil {
 			t.Fatal(err)
 		}
 	}
-	eventually(t, "the flooded port at its limit", func() bool { return flooded.sessionCount() == 4 })
-	if _, err := udpExchange(dialUDPTest(t, other.addr), []byte("ok"), 1, waitTimeout); err != nil {
+	forwardtest.Eventually(t, "the flooded port at its limit", func() bool { return flooded.sessionCount() == 4 })
+	if _, err := forwardtest.UDPExchange(forwardtest.DialUDP(t, other.addr), []byte("ok"), 1, forwardtest.WaitTimeout); err != nil {
 		t.Errorf("the other port during the flood: %v", err)
 	}
 	if n := flooded.sessionCount(); n > 4 {

@@ -9,6 +9,8 @@ import (
 	"slices"
 	"testing"
 	"time"
+
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward/internal/forwardtest"
 )
 
 // dialOnLoop connects a client to r while every loop of r's but on is busy (their turns held),
@@ -22,15 +24,15 @@ func dialOnLoop(t *testing.T, r *proxyRun, on *loop) *net.TCPConn {
 	set := lp.set
 	// The listener is attached to one loop after the other, each in its turn: all of them
 	// first, or holding a turn would stop the attaching.
-	eventually(t, "the listener on every loop", func() bool {
+	forwardtest.Eventually(t, "the listener on every loop", func() bool {
 		r.mu.Lock()
 		defer r.mu.Unlock()
 		return !slices.Contains(lp.lns, nil)
 	})
 	hold = func(i int) {
 		if i == len(set) {
-			c = dialTCPTest(t, r.addr)
-			eventually(t, "the chosen loop to accept", func() bool { return on.served.Load() > before })
+			c = forwardtest.DialTCP(t, r.addr)
+			forwardtest.Eventually(t, "the chosen loop to accept", func() bool { return on.served.Load() > before })
 			return
 		}
 		if set[i] == on {
@@ -76,11 +78,11 @@ func TestLoopThawedDialStaysOnItsLoop(t *testing.T) {
 	loops := newTestLoops(t, 2)
 	hole := blackholeEndpoint(t)
 	timeouts := []time.Duration{200 * time.Millisecond, 200 * time.Millisecond}
-	a := startTCPProxy(t, "4", &fakeChooser{endpoints: []netip.AddrPort{hole}}, func(p *TCPProxy) {
+	a := startTCPProxy(t, "4", &fakeChooser{Endpoints: []netip.AddrPort{hole}}, func(p *TCPProxy) {
 		p.Loops, p.DialTimeouts = loops, timeouts
 	})
-	other := startTCPProxy(t, "4", &fakeChooser{endpoints: []netip.AddrPort{hole}}, func(p *TCPProxy) {
-		p.Loops, p.DialTimeouts = loops, []time.Duration{waitTimeout}
+	other := startTCPProxy(t, "4", &fakeChooser{Endpoints: []netip.AddrPort{hole}}, func(p *TCPProxy) {
+		p.Loops, p.DialTimeouts = loops, []time.Duration{forwardtest.WaitTimeout}
 	})
 	away := a.loopState().set[1] // not a's home loop
 	c := dialOnLoop(t, a, away)
@@ -106,7 +108,7 @@ func TestLoopThawedDialStaysOnItsLoop(t *testing.T) {
 	go func() { a.served <- a.Serve() }()
 	loopDialsConsistent(t, loops)
 	// Both attempts time out on the thawed connection's loop, which resets the client.
-	_ = c.SetReadDeadline(time.Now().Add(waitTimeout))
+	_ = c.SetReadDeadline(time.Now().Add(forwardtest.WaitTimeout))
 	if n, err := c.Read(make([]byte, 1)); err == nil {
 		t.Fatalf("client read %d bytes, want the reset after the dial attempts", n)
 	}

@@ -19,6 +19,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward/internal/forwardtest"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward/internal/sys"
 )
 
@@ -26,15 +27,15 @@ import (
 // connection must be counted by the loops, and fifty open connections must not add a goroutine
 // each.
 func TestLoopServesWithoutGoroutines(t *testing.T) {
-	echo := startTCPEcho(t, loopback("4"))
+	echo := forwardtest.StartTCPEcho(t, forwardtest.Loopback("4"))
 	loops := newTestLoops(t, 2)
-	r := startTCPProxy(t, "4", &fakeChooser{endpoints: []netip.AddrPort{echo}}, func(p *TCPProxy) { p.Loops = loops })
+	r := startTCPProxy(t, "4", &fakeChooser{Endpoints: []netip.AddrPort{echo}}, func(p *TCPProxy) { p.Loops = loops })
 	before := runtime.NumGoroutine()
 	const n = 50
 	conns := make([]*net.TCPConn, n)
 	for i := range conns {
-		conns[i] = dialTCPTest(t, r.addr)
-		if got, err := roundTrip(conns[i], []byte("ping")); err != nil || string(got) != "ping" {
+		conns[i] = forwardtest.DialTCP(t, r.addr)
+		if got, err := forwardtest.RoundTrip(conns[i], []byte("ping")); err != nil || string(got) != "ping" {
 			t.Fatalf("round trip %d: %q, %v", i, got, err)
 		}
 	}
@@ -59,19 +60,19 @@ func TestLoopPendingAndBackPressure(t *testing.T) {
 	var proxy atomic.Pointer[TCPProxy]
 	spliced := make(chan bool, 1)
 	writing := make(chan struct{})
-	ep := startTCPServer(t, loopback("4"), func(c *net.TCPConn) {
+	ep := forwardtest.StartTCPServer(t, forwardtest.Loopback("4"), func(c *net.TCPConn) {
 		<-writing
 		time.Sleep(100 * time.Millisecond) // the proxy fills the endpoint's socket and waits
 		spliced <- loopSpliced(proxy.Load())
-		c.SetDeadline(time.Now().Add(waitTimeout))
+		c.SetDeadline(time.Now().Add(forwardtest.WaitTimeout))
 		got, err := io.ReadAll(c)
 		read <- result{got, err}
 	})
 	loops := newTestLoops(t, 1)
-	r := startTCPProxy(t, "4", &fakeChooser{endpoints: []netip.AddrPort{ep}}, func(p *TCPProxy) { p.Loops = loops })
+	r := startTCPProxy(t, "4", &fakeChooser{Endpoints: []netip.AddrPort{ep}}, func(p *TCPProxy) { p.Loops = loops })
 	proxy.Store(r.TCPProxy)
 	data := bytes.Repeat([]byte("0123456789abcdef"), (8<<20)/16)
-	client := dialTCPTest(t, r.addr)
+	client := forwardtest.DialTCP(t, r.addr)
 	var wg sync.WaitGroup
 	wg.Add(1)
 	go func() {
@@ -151,20 +152,20 @@ func loopSpliced(p *TCPProxy) bool {
 // socket, pipe or goroutine of theirs is left.
 func TestLoopShutdownCutsAndLeaksNothing(t *testing.T) {
 	checkNoFDLeaks(t)
-	echo := startTCPEcho(t, loopback("4"))
+	echo := forwardtest.StartTCPEcho(t, forwardtest.Loopback("4"))
 	loops, err := NewLoops(2)
 	if err != nil {
 		t.Fatal(err)
 	}
 	goroutines := runtime.NumGoroutine()
-	metrics := &fakeMetrics{}
-	p := &TCPProxy{Listener: listenTCP(t, loopback("4")), Chooser: &fakeChooser{endpoints: []netip.AddrPort{echo}},
-		Log: new(testLogger(t)), Metrics: metrics, Loops: loops}
+	metrics := &forwardtest.Metrics{}
+	p := &TCPProxy{Listener: forwardtest.ListenTCP(t, forwardtest.Loopback("4")), Chooser: &fakeChooser{Endpoints: []netip.AddrPort{echo}},
+		Log: new(forwardtest.Logger(t)), Metrics: metrics, Loops: loops}
 	if err := p.Start(); err != nil {
 		t.Fatal(err)
 	}
-	c := dialTCPTest(t, listenerAddr(p.Listener))
-	if got, err := roundTrip(c, []byte("ping")); err != nil || string(got) != "ping" {
+	c := forwardtest.DialTCP(t, forwardtest.ListenerAddr(p.Listener))
+	if got, err := forwardtest.RoundTrip(c, []byte("ping")); err != nil || string(got) != "ping" {
 		t.Fatalf("round trip: %q, %v", got, err)
 	}
 	ctx, cancel := context.WithCancel(context.Background())
@@ -175,11 +176,11 @@ func TestLoopShutdownCutsAndLeaksNothing(t *testing.T) {
 	if _, err := c.Read(make([]byte, 1)); !errors.Is(err, syscall.ECONNRESET) {
 		t.Errorf("the client read %v after the cut, want a reset", err)
 	}
-	if m := metrics.snapshot(); m.accepted != 1 || m.closed != 1 {
+	if m := metrics.Snapshot(); m.Accepted != 1 || m.Closed != 1 {
 		t.Errorf("metrics %+v, want 1 accepted and 1 closed", m)
 	}
 	loops.Close()
-	eventually(t, "the loops' goroutines to end", func() bool { return runtime.NumGoroutine() <= goroutines-2 })
+	forwardtest.Eventually(t, "the loops' goroutines to end", func() bool { return runtime.NumGoroutine() <= goroutines-2 })
 }
 
 // TestTCPTransparentDial: a target asking for Transparent is dialled from the client's address
@@ -191,18 +192,18 @@ func TestTCPTransparentDial(t *testing.T) {
 	}
 	client := netip.MustParseAddr("127.0.0.2")
 	seen := make(chan netip.Addr, 1)
-	ep := startTCPServer(t, loopback("4"), func(c *net.TCPConn) {
-		seen <- tcpAddrPort(c.RemoteAddr()).Addr()
-		echoTCP(c)
+	ep := forwardtest.StartTCPServer(t, forwardtest.Loopback("4"), func(c *net.TCPConn) {
+		seen <- forwardtest.TCPAddrPort(c.RemoteAddr()).Addr()
+		forwardtest.EchoTCP(c)
 	})
-	r := startTCPProxy(t, "4", &fakeChooser{endpoints: []netip.AddrPort{ep}, transparent: true}, nil)
+	r := startTCPProxy(t, "4", &fakeChooser{Endpoints: []netip.AddrPort{ep}, Transparent: true}, nil)
 	c, err := net.DialTCP("tcp", net.TCPAddrFromAddrPort(netip.AddrPortFrom(client, 0)), net.TCPAddrFromAddrPort(r.addr))
 	if err != nil {
 		t.Fatalf("dial from %s: %v", client, err)
 	}
 	defer c.Close()
-	c.SetDeadline(time.Now().Add(waitTimeout))
-	if got, err := roundTrip(c, []byte("ping")); err != nil || string(got) != "ping" {
+	c.SetDeadline(time.Now().Add(forwardtest.WaitTimeout))
+	if got, err := forwardtest.RoundTrip(c, []byte("ping")); err != nil || string(got) != "ping" {
 		t.Fatalf("round trip: %q, %v", got, err)
 	}
 	if got := <-seen; got != client {
@@ -215,13 +216,13 @@ func TestTCPTransparentDial(t *testing.T) {
 // the loop takes one connection per turn, and the listener, level-triggered, must bring it back
 // for the next one without a new connection arriving.
 func TestLoopDrainsABurstOfRefusals(t *testing.T) {
-	echo := startTCPEcho(t, loopback("4"))
-	metrics := &fakeMetrics{}
-	r := startTCPProxy(t, "4", &fakeChooser{endpoints: []netip.AddrPort{echo}}, func(p *TCPProxy) {
+	echo := forwardtest.StartTCPEcho(t, forwardtest.Loopback("4"))
+	metrics := &forwardtest.Metrics{}
+	r := startTCPProxy(t, "4", &fakeChooser{Endpoints: []netip.AddrPort{echo}}, func(p *TCPProxy) {
 		p.Loops, p.MaxConns, p.Metrics = newTestLoops(t, 1), 1, metrics
 	})
-	held := dialTCPTest(t, r.addr)
-	if got, err := roundTrip(held, []byte("ping")); err != nil || string(got) != "ping" {
+	held := forwardtest.DialTCP(t, r.addr)
+	if got, err := forwardtest.RoundTrip(held, []byte("ping")); err != nil || string(got) != "ping" {
 		t.Fatalf("the connection within the limit: %q, %v", got, err)
 	}
 	const n = 30
@@ -249,7 +250,7 @@ func TestLoopDrainsABurstOfRefusals(t *testing.T) {
 			t.Errorf("a connection beyond the limit: %v, want a reset at once", err)
 		}
 	}
-	if m := metrics.snapshot(); m.refused != n {
+	if m := metrics.Snapshot(); m.Refused != n {
 		t.Errorf("metrics %+v, want %d refused", m, n)
 	}
 }
@@ -258,13 +259,13 @@ func TestLoopDrainsABurstOfRefusals(t *testing.T) {
 // the listener's descriptor (which Close closes) ends Serve with nil, as a Close before Serve
 // does — not with the closed descriptor's error (seen once in CI, in a hand-over test's cleanup).
 func TestLoopServeClosedWhileStarting(t *testing.T) {
-	echo := startTCPEcho(t, loopback("4"))
-	p := &TCPProxy{Listener: listenTCP(t, loopback("4")), Chooser: &fakeChooser{endpoints: []netip.AddrPort{echo}},
-		Log: new(testLogger(t)), Loops: newTestLoops(t, 1)}
+	echo := forwardtest.StartTCPEcho(t, forwardtest.Loopback("4"))
+	p := &TCPProxy{Listener: forwardtest.ListenTCP(t, forwardtest.Loopback("4")), Chooser: &fakeChooser{Endpoints: []netip.AddrPort{echo}},
+		Log: new(forwardtest.Logger(t)), Loops: newTestLoops(t, 1)}
 	closed := make(chan error, 1)
 	p.testHookLoopStarting = func() {
 		go func() { closed <- p.Close() }() // Close waits for Serve: not on its goroutine
-		eventually(t, "Close to close the listener", func() bool {
+		forwardtest.Eventually(t, "Close to close the listener", func() bool {
 			_, err := sys.FD(p.Listener)
 			return err != nil
 		})
@@ -281,15 +282,15 @@ func TestLoopServeClosedWhileStarting(t *testing.T) {
 // inherit it from their listener — those queued before the listener had it (a socket handed
 // over from an older process; checkListening sets it) — and every accepted socket has it.
 func TestLoopAcceptedSocketsHaveNoDelay(t *testing.T) {
-	echo := startTCPEcho(t, loopback("4"))
+	echo := forwardtest.StartTCPEcho(t, forwardtest.Loopback("4"))
 	const queued, later = 3, 3
 	var early []*net.TCPConn
-	r := startTCPProxy(t, "4", &fakeChooser{endpoints: []netip.AddrPort{echo}}, func(p *TCPProxy) {
+	r := startTCPProxy(t, "4", &fakeChooser{Endpoints: []netip.AddrPort{echo}}, func(p *TCPProxy) {
 		p.Loops = newTestLoops(t, 1)
 		p.Listener.Close()
-		p.Listener = listenTCP(t, loopback("4")) // without TCP_NODELAY, as an older process's
+		p.Listener = forwardtest.ListenTCP(t, forwardtest.Loopback("4")) // without TCP_NODELAY, as an older process's
 		for range queued {
-			early = append(early, dialTCPTest(t, listenerAddr(p.Listener)))
+			early = append(early, forwardtest.DialTCP(t, forwardtest.ListenerAddr(p.Listener)))
 		}
 		if err := checkListening(p.Listener); err != nil {
 			t.Fatalf("checkListening: %v", err)
@@ -297,10 +298,10 @@ func TestLoopAcceptedSocketsHaveNoDelay(t *testing.T) {
 	})
 	conns := early
 	for range later {
-		conns = append(conns, dialTCPTest(t, r.addr))
+		conns = append(conns, forwardtest.DialTCP(t, r.addr))
 	}
 	for i, c := range conns {
-		if got, err := roundTrip(c, []byte("ping")); err != nil || string(got) != "ping" {
+		if got, err := forwardtest.RoundTrip(c, []byte("ping")); err != nil || string(got) != "ping" {
 			t.Fatalf("connection %d: %q, %v", i, got, err)
 		}
 	}
@@ -338,13 +339,13 @@ func TestLoopAcceptedSocketsHaveNoDelay(t *testing.T) {
 // itself: with one loop held busy (its turn taken), the other accepts and serves a new
 // connection; connections keep working after the hold.
 func TestLoopListenerOnTwoLoops(t *testing.T) {
-	echo := startTCPEcho(t, loopback("4"))
+	echo := forwardtest.StartTCPEcho(t, forwardtest.Loopback("4"))
 	loops := newTestLoops(t, 2)
-	r := startTCPProxy(t, "4", &fakeChooser{endpoints: []netip.AddrPort{echo}}, func(p *TCPProxy) {
+	r := startTCPProxy(t, "4", &fakeChooser{Endpoints: []netip.AddrPort{echo}}, func(p *TCPProxy) {
 		p.Loops = loops
 	})
-	warm := dialTCPTest(t, r.addr) // Serve has attached the listener once a connection is served
-	if got, err := roundTrip(warm, []byte("warm")); err != nil || string(got) != "warm" {
+	warm := forwardtest.DialTCP(t, r.addr) // Serve has attached the listener once a connection is served
+	if got, err := forwardtest.RoundTrip(warm, []byte("warm")); err != nil || string(got) != "warm" {
 		t.Fatalf("first connection: %q, %v", got, err)
 	}
 	for busy := range loops.loops {
@@ -352,8 +353,8 @@ func TestLoopListenerOnTwoLoops(t *testing.T) {
 		before := other.served.Load()
 		ok := make(chan error, 1)
 		loops.loops[busy].withTurn(func() {
-			c := dialTCPTest(t, r.addr)
-			got, err := roundTrip(c, []byte("ping"))
+			c := forwardtest.DialTCP(t, r.addr)
+			got, err := forwardtest.RoundTrip(c, []byte("ping"))
 			if err == nil && string(got) != "ping" {
 				err = fmt.Errorf("echoed %q", got)
 			}
@@ -366,7 +367,7 @@ func TestLoopListenerOnTwoLoops(t *testing.T) {
 			t.Errorf("loop %d busy: loop %d served %d connections, want %d", busy, 1-busy, got, before+1)
 		}
 	}
-	if got, err := roundTrip(warm, []byte("again")); err != nil || string(got) != "again" {
+	if got, err := forwardtest.RoundTrip(warm, []byte("again")); err != nil || string(got) != "again" {
 		t.Fatalf("first connection after: %q, %v", got, err)
 	}
 }

@@ -9,6 +9,7 @@ import (
 	"sync/atomic"
 	"testing"
 
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward/internal/forwardtest"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward/proxyproto"
 )
 
@@ -33,16 +34,16 @@ func TestOriginalDstAskedOnlyWhenNeeded(t *testing.T) {
 		want    int32 // asks per connection
 	}{
 		{"chooser does not need it", func(b netip.AddrPort) Chooser {
-			return &dstChooser{fakeChooser: fakeChooser{endpoints: []netip.AddrPort{b}}}
+			return &dstChooser{fakeChooser: fakeChooser{Endpoints: []netip.AddrPort{b}}}
 		}, 0},
 		{"chooser needs it", func(b netip.AddrPort) Chooser {
-			return &dstChooser{fakeChooser: fakeChooser{endpoints: []netip.AddrPort{b}}, needs: true}
+			return &dstChooser{fakeChooser: fakeChooser{Endpoints: []netip.AddrPort{b}}, needs: true}
 		}, 1},
 		{"chooser does not say", func(b netip.AddrPort) Chooser {
-			return &fakeChooser{endpoints: []netip.AddrPort{b}}
+			return &fakeChooser{Endpoints: []netip.AddrPort{b}}
 		}, 1},
 		{"PROXY protocol header", func(b netip.AddrPort) Chooser {
-			return &dstChooser{fakeChooser: fakeChooser{endpoints: []netip.AddrPort{b}, proxyProtocol: proxyproto.V1}}
+			return &dstChooser{fakeChooser: fakeChooser{Endpoints: []netip.AddrPort{b}, ProxyProtocol: proxyproto.V1}}
 		}, 1},
 	}
 	for _, tc := range cases {
@@ -51,11 +52,11 @@ func TestOriginalDstAskedOnlyWhenNeeded(t *testing.T) {
 			var asked atomic.Int32
 			testHookOriginalDst = func() { asked.Add(1) }
 			t.Cleanup(func() { testHookOriginalDst = nil }) // after the proxy's cleanup: registered first
-			backend := startTCPServer(t, loopback("4"), func(c *net.TCPConn) { io.Copy(io.Discard, c) })
+			backend := forwardtest.StartTCPServer(t, forwardtest.Loopback("4"), func(c *net.TCPConn) { io.Copy(io.Discard, c) })
 			r := startTCPProxy(t, "4", tc.chooser(backend), nil)
 			const conns = 3
 			for range conns {
-				c := dialTCPTest(t, r.addr)
+				c := forwardtest.DialTCP(t, r.addr)
 				if _, err := c.Write([]byte("x")); err != nil {
 					t.Fatalf("write: %v", err)
 				}

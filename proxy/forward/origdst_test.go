@@ -13,6 +13,7 @@ import (
 	"testing"
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/internal/testenv"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward/internal/forwardtest"
 )
 
 // netnsEnv carries the name of the network namespace TestOriginalDestination made to the copy
@@ -101,26 +102,26 @@ func originalDestinationInNetns(t *testing.T, ns string) {
 			chooser := &fakeChooser{}
 			var port uint16
 			if tc.proto == "tcp" {
-				chooser.set(startTCPEcho(t, loopback("4")))
+				chooser.Set(forwardtest.StartTCPEcho(t, forwardtest.Loopback("4")))
 				ln, err := net.ListenTCP("tcp", net.TCPAddrFromAddrPort(listen))
 				if err != nil {
 					t.Fatal(err)
 				}
-				p := &TCPProxy{Listener: ln, Chooser: chooser, Log: new(testLogger(t)), Loops: newTestLoops(t, 2)}
+				p := &TCPProxy{Listener: ln, Chooser: chooser, Log: new(forwardtest.Logger(t)), Loops: newTestLoops(t, 2)}
 				done := make(chan error, 1)
 				go func() { done <- p.Serve() }()
 				t.Cleanup(func() {
 					p.Close()
 					<-done
 				})
-				port = listenerAddr(ln).Port()
+				port = forwardtest.ListenerAddr(ln).Port()
 			} else {
-				chooser.set(startUDPEcho(t, loopback("4"), ""))
+				chooser.Set(forwardtest.StartUDPEcho(t, forwardtest.Loopback("4"), ""))
 				conn, err := net.ListenUDP("udp", net.UDPAddrFromAddrPort(listen))
 				if err != nil {
 					t.Fatal(err)
 				}
-				p := &UDPProxy{Conn: conn, Chooser: chooser, Log: new(testLogger(t))}
+				p := &UDPProxy{Conn: conn, Chooser: chooser, Log: new(forwardtest.Logger(t))}
 				done := make(chan error, 1)
 				go func() { done <- p.Serve() }()
 				t.Cleanup(func() {
@@ -144,23 +145,23 @@ func originalDestinationInNetns(t *testing.T, ns string) {
 			}
 
 			if tc.proto == "tcp" {
-				c := dialTCPTest(t, target)
-				if got, err := roundTrip(c, []byte("hello")); err != nil || string(got) != "hello" {
+				c := forwardtest.DialTCP(t, target)
+				if got, err := forwardtest.RoundTrip(c, []byte("hello")); err != nil || string(got) != "hello" {
 					t.Fatalf("round trip: %q, %v", got, err)
 				}
 			} else {
-				c := dialUDPTest(t, target)
+				c := forwardtest.DialUDP(t, target)
 				// The socket is connected to the service address: only a reply whose
 				// source conntrack rewrote back to it is delivered.
-				if got, err := udpExchange(c, []byte("hello"), 1, waitTimeout); err != nil || !bytes.Equal(got, []byte("hello")) {
+				if got, err := forwardtest.UDPExchange(c, []byte("hello"), 1, forwardtest.WaitTimeout); err != nil || !bytes.Equal(got, []byte("hello")) {
 					t.Fatalf("exchange: %q, %v", got, err)
 				}
 			}
-			calls := chooser.recorded()
-			if len(calls) != 1 || calls[0].dst != service {
+			calls := chooser.Recorded()
+			if len(calls) != 1 || calls[0].Dst != service {
 				t.Fatalf("Choose calls %+v, want one with dst %v", calls, service)
 			}
-			t.Logf("client %v, dst %v", calls[0].client, calls[0].dst)
+			t.Logf("client %v, dst %v", calls[0].Client, calls[0].Dst)
 		})
 	}
 }

@@ -13,6 +13,8 @@ import (
 	"sync/atomic"
 	"syscall"
 	"testing"
+
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward/internal/forwardtest"
 )
 
 // openPipeFDs counts this process's descriptors that are pipes.
@@ -49,7 +51,7 @@ func TestIdleConnectionsHoldNoPipe(t *testing.T) {
 			checkNoLeaks(t)
 			// An echo that copies through user space: io.Copy between sockets would splice,
 			// holding pipes of its own in this process.
-			backend := startTCPServer(t, loopback("4"), func(c *net.TCPConn) {
+			backend := forwardtest.StartTCPServer(t, forwardtest.Loopback("4"), func(c *net.TCPConn) {
 				buf := make([]byte, 64<<10)
 				for {
 					n, err := c.Read(buf)
@@ -63,11 +65,11 @@ func TestIdleConnectionsHoldNoPipe(t *testing.T) {
 					}
 				}
 			})
-			r := startTCPProxy(t, "4", &fakeChooser{endpoints: []netip.AddrPort{backend}}, nil)
+			r := startTCPProxy(t, "4", &fakeChooser{Endpoints: []netip.AddrPort{backend}}, nil)
 			before := openPipeFDs(t)
 			for range tc.conns {
-				c := dialTCPTest(t, r.addr)
-				got, err := roundTrip(c, tc.msg)
+				c := forwardtest.DialTCP(t, r.addr)
+				got, err := forwardtest.RoundTrip(c, tc.msg)
 				if err != nil || !bytes.Equal(got, tc.msg) {
 					t.Fatalf("round trip through the proxy: %d bytes back, err %v", len(got), err)
 				}
@@ -94,11 +96,11 @@ func TestCopyWithoutPipes(t *testing.T) {
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
 			checkNoLeaks(t)
-			backend := startTCPEcho(t, loopback("4"))
-			r := startTCPProxy(t, "4", &fakeChooser{endpoints: []netip.AddrPort{backend}}, func(p *TCPProxy) {
+			backend := forwardtest.StartTCPEcho(t, forwardtest.Loopback("4"))
+			r := startTCPProxy(t, "4", &fakeChooser{Endpoints: []netip.AddrPort{backend}}, func(p *TCPProxy) {
 				p.pipes.testHookNewPipe = func() (*pipe, error) { return nil, syscall.EMFILE }
 			})
-			c := dialTCPTest(t, r.addr)
+			c := forwardtest.DialTCP(t, r.addr)
 			if _, err := c.Write(tc.msg); err != nil {
 				t.Fatalf("write: %v", err)
 			}
@@ -122,25 +124,25 @@ func TestTCPCopyThenSplice(t *testing.T) {
 	testHookCopied = func(n int64) { copied.Add(n) }
 	testHookSpliced = func(n int64) { spliced.Add(n) }
 	t.Cleanup(func() { testHookCopied, testHookSpliced = nil, nil }) // after the proxy's cleanup: registered first
-	backend := startTCPEcho(t, loopback("4"))
-	r := startTCPProxy(t, "4", &fakeChooser{endpoints: []netip.AddrPort{backend}}, func(p *TCPProxy) {
+	backend := forwardtest.StartTCPEcho(t, forwardtest.Loopback("4"))
+	r := startTCPProxy(t, "4", &fakeChooser{Endpoints: []netip.AddrPort{backend}}, func(p *TCPProxy) {
 		p.pipes.testHookNewPipe = func() (*pipe, error) {
 			pipes.Add(1)
 			return newPipe()
 		}
 	})
-	c := dialTCPTest(t, r.addr)
+	c := forwardtest.DialTCP(t, r.addr)
 	msg := bytes.Repeat([]byte("r"), 100)
 	const rounds = 50
 	for range rounds {
-		if got, err := roundTrip(c, msg); err != nil || !bytes.Equal(got, msg) {
+		if got, err := forwardtest.RoundTrip(c, msg); err != nil || !bytes.Equal(got, msg) {
 			t.Fatalf("round trip: %d bytes, %v", len(got), err)
 		}
 	}
 	// The client can read a response before the proxy's hook has counted its write: wait for
 	// the count to catch up, then check it exactly.
 	want := int64(2 * rounds * len(msg))
-	eventually(t, "the request/response bytes counted", func() bool { return copied.Load()+spliced.Load() >= want })
+	forwardtest.Eventually(t, "the request/response bytes counted", func() bool { return copied.Load()+spliced.Load() >= want })
 	if got := copied.Load(); got != want || spliced.Load() != 0 || pipes.Load() != 0 {
 		t.Fatalf("request/response: %d bytes copied (want %d), %d spliced, %d pipes made (want 0)",
 			got, want, spliced.Load(), pipes.Load())
@@ -156,7 +158,7 @@ func TestTCPCopyThenSplice(t *testing.T) {
 	if _, err := io.ReadFull(c, got); err != nil || <-werr != nil || !bytes.Equal(got, bulk) {
 		t.Fatalf("bulk echo through the proxy: %v", err)
 	}
-	eventually(t, "the bulk bytes counted", func() bool { return copied.Load()+spliced.Load() >= want+int64(2*len(bulk)) })
+	forwardtest.Eventually(t, "the bulk bytes counted", func() bool { return copied.Load()+spliced.Load() >= want+int64(2*len(bulk)) })
 	// Each direction copies at most until its first full buffer (a read returns what has
 	// arrived, so a few short reads may come first), then splices.
 	if s := spliced.Load(); s < int64(len(bulk)) || pipes.Load() == 0 {

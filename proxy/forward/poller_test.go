@@ -10,6 +10,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward/internal/forwardtest"
 	"golang.org/x/sys/unix"
 )
 
@@ -42,7 +43,7 @@ func TestPoller(t *testing.T) {
 			if n != want {
 				t.Fatalf("function %d called, want %d", n, want)
 			}
-		case <-time.After(waitTimeout):
+		case <-time.After(forwardtest.WaitTimeout):
 			t.Fatalf("function %d not called", want)
 		}
 	}
@@ -99,7 +100,7 @@ func readLoops() int { return goroutinesIn("forward.(*UDPProxy).readLoop") }
 // (frame.func1) do not count.
 func goroutinesIn(frame string) int {
 	receivers := map[string]bool{}
-	for _, line := range strings.Split(string(allStacks()), "\n") {
+	for _, line := range strings.Split(string(forwardtest.AllStacks()), "\n") {
 		if strings.HasPrefix(line, "created by ") {
 			continue
 		}
@@ -121,16 +122,16 @@ func TestUDPStartParksIdleSockets(t *testing.T) {
 	checkNoLeaks(t)
 	checkNoFDLeaks(t)
 	poller := newTestPoller(t)
-	backend := startUDPEcho(t, loopback("4"), "echo:")
+	backend := forwardtest.StartUDPEcho(t, forwardtest.Loopback("4"), "echo:")
 	const n = 5
 	proxies := make([]*UDPProxy, n)
 	addrs := make([]netip.AddrPort, n)
 	for i := range proxies {
-		conn, err := net.ListenUDP("udp", net.UDPAddrFromAddrPort(netip.AddrPortFrom(loopback("4"), 0)))
+		conn, err := net.ListenUDP("udp", net.UDPAddrFromAddrPort(netip.AddrPortFrom(forwardtest.Loopback("4"), 0)))
 		if err != nil {
 			t.Fatal(err)
 		}
-		p := &UDPProxy{Conn: conn, Chooser: &fakeChooser{endpoints: []netip.AddrPort{backend}}, Log: new(testLogger(t))}
+		p := &UDPProxy{Conn: conn, Chooser: &fakeChooser{Endpoints: []netip.AddrPort{backend}}, Log: new(forwardtest.Logger(t))}
 		if err := p.Start(poller); err != nil {
 			t.Fatalf("Start: %v", err)
 		}
@@ -146,7 +147,7 @@ func TestUDPStartParksIdleSockets(t *testing.T) {
 	}
 	exchange := func(i int, msg string) {
 		t.Helper()
-		got, err := udpExchange(dialUDPTest(t, addrs[i]), []byte(msg), 3, time.Second)
+		got, err := forwardtest.UDPExchange(forwardtest.DialUDP(t, addrs[i]), []byte(msg), 3, time.Second)
 		if err != nil || string(got) != "echo:"+msg {
 			t.Fatalf("exchange through port %d: %q, %v", i, got, err)
 		}
@@ -156,7 +157,7 @@ func TestUDPStartParksIdleSockets(t *testing.T) {
 	if got := readLoops(); got > 2 {
 		t.Errorf("%d read loops after datagrams to 2 ports, want at most 2", got)
 	}
-	eventually(t, "the read loops to park after loopIdle", func() bool { return readLoops() == 0 })
+	forwardtest.Eventually(t, "the read loops to park after loopIdle", func() bool { return readLoops() == 0 })
 	exchange(0, "again") // a new client of a parked port
 
 	if err := proxies[2].Close(); err != nil {
@@ -164,7 +165,7 @@ func TestUDPStartParksIdleSockets(t *testing.T) {
 	}
 
 	p := proxies[3]
-	eventually(t, "the other read loops to park", func() bool { return readLoops() == 0 })
+	forwardtest.Eventually(t, "the other read loops to park", func() bool { return readLoops() == 0 })
 	st, err := p.Freeze(context.Background())
 	if err != nil {
 		t.Fatalf("Freeze of a parked port: %v", err)
@@ -173,7 +174,7 @@ func TestUDPStartParksIdleSockets(t *testing.T) {
 		t.Fatal("Freeze returned no socket")
 	}
 	st.Conn.Close()
-	c := dialUDPTest(t, addrs[3])
+	c := forwardtest.DialUDP(t, addrs[3])
 	if _, err := c.Write([]byte("pending")); err != nil {
 		t.Fatal(err)
 	}
@@ -188,7 +189,7 @@ func TestUDPStartParksIdleSockets(t *testing.T) {
 		t.Fatalf("Start after Thaw: %v", err)
 	}
 	buf := make([]byte, 100)
-	c.SetReadDeadline(time.Now().Add(waitTimeout))
+	c.SetReadDeadline(time.Now().Add(forwardtest.WaitTimeout))
 	if m, err := c.Read(buf); err != nil || string(buf[:m]) != "echo:pending" {
 		t.Fatalf("the datagram pending across freeze and thaw: %q, %v", buf[:m], err)
 	}

@@ -8,6 +8,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward/internal/forwardtest"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward/proxyproto"
 )
 
@@ -29,14 +30,14 @@ func TestTCPProxyProtocolHeader(t *testing.T) {
 		t.Run(tt.name, func(t *testing.T) {
 			checkNoLeaks(t)
 			got := make(chan []byte, 1)
-			backend := startTCPServer(t, loopback(tt.family), func(c *net.TCPConn) {
+			backend := forwardtest.StartTCPServer(t, forwardtest.Loopback(tt.family), func(c *net.TCPConn) {
 				c.SetDeadline(time.Now().Add(10 * time.Second))
 				b, _ := io.ReadAll(c)
 				got <- b
 			})
-			chooser := &fakeChooser{endpoints: []netip.AddrPort{backend}, proxyProtocol: tt.v}
+			chooser := &fakeChooser{Endpoints: []netip.AddrPort{backend}, ProxyProtocol: tt.v}
 			p := startTCPProxy(t, tt.family, chooser, nil)
-			c := dialTCPTest(t, p.addr)
+			c := forwardtest.DialTCP(t, p.addr)
 			client := netip.MustParseAddrPort(c.LocalAddr().String())
 			if _, err := c.Write([]byte("payload")); err != nil {
 				t.Fatal(err)

@@ -20,6 +20,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward/internal/forwardtest"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward/proxyproto"
 )
 
@@ -44,9 +45,9 @@ func spliceChild() int {
 		fmt.Fprintln(os.Stderr, "listen:", err)
 		return 2
 	}
-	chooser := &fakeChooser{endpoints: []netip.AddrPort{backend}}
+	chooser := &fakeChooser{Endpoints: []netip.AddrPort{backend}}
 	if os.Getenv(spliceModeEnv) == "transparent-v2" {
-		chooser.transparent, chooser.proxyProtocol = true, proxyproto.V2
+		chooser.Transparent, chooser.ProxyProtocol = true, proxyproto.V2
 	}
 	loops, err := NewLoops(2)
 	if err != nil {
@@ -93,11 +94,11 @@ func testTCPSplice(t *testing.T, mode string) {
 		t.Fatalf("strace is required to prove splice (apt-get install strace): %v", err)
 	}
 	const payload = 8 << 20
-	backend := startTCPEcho(t, loopback("4"))
+	backend := forwardtest.StartTCPEcho(t, forwardtest.Loopback("4"))
 	headerErr := make(chan error, 1)
 	if mode == "transparent-v2" {
 		// The endpoint checks and strips the 28-byte header (IPv4), then echoes.
-		backend = startTCPServer(t, loopback("4"), func(c *net.TCPConn) {
+		backend = forwardtest.StartTCPServer(t, forwardtest.Loopback("4"), func(c *net.TCPConn) {
 			hdr := make([]byte, 28)
 			_, err := io.ReadFull(c, hdr)
 			if err == nil {
@@ -108,7 +109,7 @@ func testTCPSplice(t *testing.T, mode string) {
 				}
 			}
 			headerErr <- err
-			echoTCP(c)
+			forwardtest.EchoTCP(c)
 		})
 	} else {
 		headerErr <- nil
@@ -119,9 +120,9 @@ func testTCPSplice(t *testing.T, mode string) {
 		"-e", "trace=splice,read,write,readv,writev,recvfrom,sendto,recvmsg,sendmsg",
 		"-e", "signal=none", os.Args[0])
 	cmd.Env = append(os.Environ(), childEnv+"=splice", backendEnv+"="+backend.String(), spliceModeEnv+"="+mode)
-	child := startChild(t, cmd)
-	stderr := &child.stderr
-	line, err := bufio.NewReader(child.stdout).ReadString('\n')
+	child := forwardtest.StartChild(t, cmd)
+	stderr := &child.Stderr
+	line, err := bufio.NewReader(child.Stdout).ReadString('\n')
 	if err != nil {
 		t.Fatalf("reading the child's address: %v (stderr: %s)", err, stderr.String())
 	}
@@ -130,7 +131,7 @@ func testTCPSplice(t *testing.T, mode string) {
 		t.Fatalf("child said %q: %v", line, err)
 	}
 
-	c := dialTCPTest(t, proxyAddr)
+	c := forwardtest.DialTCP(t, proxyAddr)
 	c.SetDeadline(time.Now().Add(5 * time.Minute))
 	msg := make([]byte, payload)
 	rand.NewChaCha8([32]byte{3}).Read(msg)
@@ -153,7 +154,7 @@ func testTCPSplice(t *testing.T, mode string) {
 		t.Fatal(err)
 	}
 	c.Close()
-	if err := child.wait(); err != nil {
+	if err := child.Wait(); err != nil {
 		t.Fatalf("child: %v (stderr: %s)", err, stderr.String())
 	}
 

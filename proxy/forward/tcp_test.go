@@ -18,6 +18,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward/internal/forwardtest"
 	"golang.org/x/sys/unix"
 )
 
@@ -34,12 +35,12 @@ func TestTCPEcho(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			checkNoLeaks(t)
-			backend := startTCPEcho(t, loopback(tc.family))
-			chooser := &fakeChooser{endpoints: []netip.AddrPort{backend}}
-			metrics := &fakeMetrics{}
+			backend := forwardtest.StartTCPEcho(t, forwardtest.Loopback(tc.family))
+			chooser := &fakeChooser{Endpoints: []netip.AddrPort{backend}}
+			metrics := &forwardtest.Metrics{}
 			p := startTCPProxy(t, tc.family, chooser, func(p *TCPProxy) { p.Metrics = metrics })
 
-			c := dialTCPTest(t, p.addr)
+			c := forwardtest.DialTCP(t, p.addr)
 			msg := make([]byte, tc.size)
 			rand.NewChaCha8([32]byte{1}).Read(msg)
 			var got []byte
@@ -58,13 +59,13 @@ func TestTCPEcho(t *testing.T) {
 				t.Fatalf("echo differs: got %d bytes, want %d", len(got), len(msg))
 			}
 			c.Close()
-			eventually(t, "connection closed", func() bool { return metrics.snapshot().closed == 1 })
-			m := metrics.snapshot()
-			if m.accepted != 1 || m.failed != 0 || m.toEndpoint != int64(tc.size) || m.fromEndpoint != int64(tc.size) {
+			forwardtest.Eventually(t, "connection closed", func() bool { return metrics.Snapshot().Closed == 1 })
+			m := metrics.Snapshot()
+			if m.Accepted != 1 || m.Failed != 0 || m.ToEndpoint != int64(tc.size) || m.FromEndpoint != int64(tc.size) {
 				t.Errorf("metrics: %+v, want 1 accepted, 0 failed, %d bytes each way", m, tc.size)
 			}
-			calls := chooser.recorded()
-			if len(calls) != 1 || calls[0].reset || calls[0].client != tcpAddrPort(c.LocalAddr()) || calls[0].dst.IsValid() {
+			calls := chooser.Recorded()
+			if len(calls) != 1 || calls[0].Reset || calls[0].Client != forwardtest.TCPAddrPort(c.LocalAddr()) || calls[0].Dst.IsValid() {
 				t.Errorf("Choose calls %+v, want one from %s with no reset and unknown dst", calls, c.LocalAddr())
 			}
 		})
@@ -73,9 +74,9 @@ func TestTCPEcho(t *testing.T) {
 
 func TestTCPManyConcurrentConnections(t *testing.T) {
 	checkNoLeaks(t)
-	b1, b2 := startTCPEcho(t, loopback("4")), startTCPEcho(t, loopback("4"))
-	metrics := &fakeMetrics{}
-	p := startTCPProxy(t, "4", &fakeChooser{endpoints: []netip.AddrPort{b1, b2}}, func(p *TCPProxy) { p.Metrics = metrics })
+	b1, b2 := forwardtest.StartTCPEcho(t, forwardtest.Loopback("4")), forwardtest.StartTCPEcho(t, forwardtest.Loopback("4"))
+	metrics := &forwardtest.Metrics{}
+	p := startTCPProxy(t, "4", &fakeChooser{Endpoints: []netip.AddrPort{b1, b2}}, func(p *TCPProxy) { p.Metrics = metrics })
 
 	const conns = 200
 	var wg sync.WaitGroup
@@ -90,11 +91,11 @@ func TestTCPManyConcurrentConnections(t *testing.T) {
 				return
 			}
 			defer c.Close()
-			c.SetDeadline(time.Now().Add(waitTimeout))
+			c.SetDeadline(time.Now().Add(forwardtest.WaitTimeout))
 			msg := make([]byte, 4096)
 			rand.NewChaCha8([32]byte{byte(i), byte(i >> 8)}).Read(msg)
 			for range 3 {
-				got, err := roundTrip(c, msg)
+				got, err := forwardtest.RoundTrip(c, msg)
 				if err != nil {
 					errs <- fmt.Errorf("conn %d: %w", i, err)
 					return
@@ -111,8 +112,8 @@ func TestTCPManyConcurrentConnections(t *testing.T) {
 	for err := range errs {
 		t.Error(err)
 	}
-	eventually(t, "all connections closed", func() bool { return metrics.snapshot().closed == conns })
-	if m := metrics.snapshot(); m.accepted != conns || m.toEndpoint != conns*3*4096 {
+	forwardtest.Eventually(t, "all connections closed", func() bool { return metrics.Snapshot().Closed == conns })
+	if m := metrics.Snapshot(); m.Accepted != conns || m.ToEndpoint != conns*3*4096 {
 		t.Errorf("metrics %+v, want %d accepted and %d bytes to endpoints", m, conns, conns*3*4096)
 	}
 }
@@ -152,8 +153,8 @@ func blackholeEndpoint(t *testing.T) netip.AddrPort {
 }
 
 func TestTCPDialFailures(t *testing.T) {
-	echo := func(t *testing.T) netip.AddrPort { return startTCPEcho(t, loopback("4")) }
-	closed := func(t *testing.T) netip.AddrPort { return closedTCPPort(t, loopback("4")) }
+	echo := func(t *testing.T) netip.AddrPort { return forwardtest.StartTCPEcho(t, forwardtest.Loopback("4")) }
+	closed := func(t *testing.T) netip.AddrPort { return forwardtest.ClosedTCPPort(t, forwardtest.Loopback("4")) }
 	for _, tc := range []struct {
 		name      string
 		endpoints []func(*testing.T) netip.AddrPort
@@ -204,11 +205,11 @@ func TestTCPDialFailures(t *testing.T) {
 			for _, mk := range tc.endpoints {
 				eps = append(eps, mk(t))
 			}
-			chooser := &fakeChooser{endpoints: eps}
+			chooser := &fakeChooser{Endpoints: eps}
 			if tc.noEPs {
-				chooser.err = errors.New("service has no endpoints")
+				chooser.Err = errors.New("service has no endpoints")
 			}
-			metrics := &fakeMetrics{}
+			metrics := &forwardtest.Metrics{}
 			p := startTCPProxy(t, "4", chooser, func(p *TCPProxy) {
 				p.Metrics = metrics
 				p.DialTimeouts = tc.timeouts
@@ -220,8 +221,8 @@ func TestTCPDialFailures(t *testing.T) {
 			c, err := net.DialTCP("tcp", nil, net.TCPAddrFromAddrPort(p.addr))
 			if err == nil {
 				defer c.Close()
-				c.SetDeadline(time.Now().Add(waitTimeout))
-				got, err = roundTrip(c, []byte("hello"))
+				c.SetDeadline(time.Now().Add(forwardtest.WaitTimeout))
+				got, err = forwardtest.RoundTrip(c, []byte("hello"))
 			}
 			t.Logf("connection ended after %v", time.Since(start))
 			if tc.wantEcho {
@@ -229,21 +230,21 @@ func TestTCPDialFailures(t *testing.T) {
 					t.Fatalf("round trip: %q, %v; want the echo", got, err)
 				}
 				c.Close()
-				eventually(t, "connection closed", func() bool { return metrics.snapshot().closed == 1 })
+				forwardtest.Eventually(t, "connection closed", func() bool { return metrics.Snapshot().Closed == 1 })
 			} else {
 				if !errors.Is(err, syscall.ECONNRESET) {
 					t.Fatalf("round trip: %q, %v; want ECONNRESET", got, err)
 				}
-				eventually(t, "connection failed", func() bool { return metrics.snapshot().failed == 1 })
+				forwardtest.Eventually(t, "connection failed", func() bool { return metrics.Snapshot().Failed == 1 })
 			}
-			if got := chooser.resets(); !reflect.DeepEqual(got, tc.wantResets) {
+			if got := chooser.Resets(); !reflect.DeepEqual(got, tc.wantResets) {
 				t.Errorf("Choose calls with reset=%v, want %v", got, tc.wantResets)
 			}
 			var wantFailed []netip.AddrPort
 			for _, i := range tc.wantDialFailed {
 				wantFailed = append(wantFailed, eps[i])
 			}
-			if got := metrics.snapshot().dialFailed; !reflect.DeepEqual(got, wantFailed) {
+			if got := metrics.Snapshot().DialFailed; !reflect.DeepEqual(got, wantFailed) {
 				t.Errorf("DialFailed for %v, want %v", got, wantFailed)
 			}
 		})
@@ -254,15 +255,15 @@ func TestTCPDialFailures(t *testing.T) {
 // accepted and served.
 func TestTCPSlowDialDoesNotBlockAccept(t *testing.T) {
 	checkNoLeaks(t)
-	dead, echo := blackholeEndpoint(t), startTCPEcho(t, loopback("4"))
-	chooser := &fakeChooser{endpoints: []netip.AddrPort{dead}}
+	dead, echo := blackholeEndpoint(t), forwardtest.StartTCPEcho(t, forwardtest.Loopback("4"))
+	chooser := &fakeChooser{Endpoints: []netip.AddrPort{dead}}
 	p := startTCPProxy(t, "4", chooser, func(p *TCPProxy) { p.DialTimeouts = []time.Duration{time.Hour} })
 
-	stuck := dialTCPTest(t, p.addr)
-	eventually(t, "the first connection to choose", func() bool { return len(chooser.recorded()) == 1 })
-	chooser.set(echo)
-	c := dialTCPTest(t, p.addr)
-	if got, err := roundTrip(c, []byte("hi")); err != nil || string(got) != "hi" {
+	stuck := forwardtest.DialTCP(t, p.addr)
+	forwardtest.Eventually(t, "the first connection to choose", func() bool { return len(chooser.Recorded()) == 1 })
+	chooser.Set(echo)
+	c := forwardtest.DialTCP(t, p.addr)
+	if got, err := forwardtest.RoundTrip(c, []byte("hi")); err != nil || string(got) != "hi" {
 		t.Fatalf("second connection: %q, %v", got, err)
 	}
 	stuck.Close() // the proxy's cleanup cuts its dial
@@ -335,13 +336,13 @@ func TestTCPHalfClose(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			checkNoLeaks(t)
 			serverErr := make(chan error, 1)
-			backend := startTCPServer(t, loopback("4"), func(c *net.TCPConn) {
-				c.SetDeadline(time.Now().Add(waitTimeout))
+			backend := forwardtest.StartTCPServer(t, forwardtest.Loopback("4"), func(c *net.TCPConn) {
+				c.SetDeadline(time.Now().Add(forwardtest.WaitTimeout))
 				serverErr <- tc.server(c)
 			})
-			metrics := &fakeMetrics{}
-			p := startTCPProxy(t, "4", &fakeChooser{endpoints: []netip.AddrPort{backend}}, func(p *TCPProxy) { p.Metrics = metrics })
-			c := dialTCPTest(t, p.addr)
+			metrics := &forwardtest.Metrics{}
+			p := startTCPProxy(t, "4", &fakeChooser{Endpoints: []netip.AddrPort{backend}}, func(p *TCPProxy) { p.Metrics = metrics })
+			c := forwardtest.DialTCP(t, p.addr)
 			if err := tc.client(c); err != nil {
 				t.Errorf("client: %v", err)
 			}
@@ -349,7 +350,7 @@ func TestTCPHalfClose(t *testing.T) {
 			if err := <-serverErr; err != nil {
 				t.Errorf("server: %v", err)
 			}
-			eventually(t, "connection closed", func() bool { return metrics.snapshot().closed == 1 })
+			forwardtest.Eventually(t, "connection closed", func() bool { return metrics.Snapshot().Closed == 1 })
 		})
 	}
 }
@@ -358,14 +359,14 @@ func TestTCPHalfClose(t *testing.T) {
 // reset too, not an orderly end of stream.
 func TestTCPEndpointResetReachesClient(t *testing.T) {
 	checkNoLeaks(t)
-	backend := startTCPServer(t, loopback("4"), func(c *net.TCPConn) {
+	backend := forwardtest.StartTCPServer(t, forwardtest.Loopback("4"), func(c *net.TCPConn) {
 		buf := make([]byte, 5)
 		io.ReadFull(c, buf)
 		c.Write([]byte("partial"))
-		resetConn(c)
+		forwardtest.ResetConn(c)
 	})
-	p := startTCPProxy(t, "4", &fakeChooser{endpoints: []netip.AddrPort{backend}}, nil)
-	c := dialTCPTest(t, p.addr)
+	p := startTCPProxy(t, "4", &fakeChooser{Endpoints: []netip.AddrPort{backend}}, nil)
+	c := forwardtest.DialTCP(t, p.addr)
 	c.Write([]byte("hello"))
 	_, err := io.ReadAll(c)
 	if !errors.Is(err, syscall.ECONNRESET) {
@@ -376,9 +377,9 @@ func TestTCPEndpointResetReachesClient(t *testing.T) {
 func TestTCPLargeTransferIntegrity(t *testing.T) {
 	checkNoLeaks(t)
 	const size = 64 << 20
-	backend := startTCPEcho(t, loopback("4"))
-	p := startTCPProxy(t, "4", &fakeChooser{endpoints: []netip.AddrPort{backend}}, nil)
-	c := dialTCPTest(t, p.addr)
+	backend := forwardtest.StartTCPEcho(t, forwardtest.Loopback("4"))
+	p := startTCPProxy(t, "4", &fakeChooser{Endpoints: []netip.AddrPort{backend}}, nil)
+	c := forwardtest.DialTCP(t, p.addr)
 	c.SetDeadline(time.Now().Add(5 * time.Minute))
 
 	sent := sha256.New()
@@ -409,10 +410,10 @@ func TestTCPLargeTransferIntegrity(t *testing.T) {
 
 func TestTCPCloseStopsAcceptingButKeepsConnections(t *testing.T) {
 	checkNoLeaks(t)
-	backend := startTCPEcho(t, loopback("4"))
-	p := startTCPProxy(t, "4", &fakeChooser{endpoints: []netip.AddrPort{backend}}, nil)
-	c := dialTCPTest(t, p.addr)
-	if _, err := roundTrip(c, []byte("before")); err != nil {
+	backend := forwardtest.StartTCPEcho(t, forwardtest.Loopback("4"))
+	p := startTCPProxy(t, "4", &fakeChooser{Endpoints: []netip.AddrPort{backend}}, nil)
+	c := forwardtest.DialTCP(t, p.addr)
+	if _, err := forwardtest.RoundTrip(c, []byte("before")); err != nil {
 		t.Fatal(err)
 	}
 	if err := p.Close(); err != nil {
@@ -429,7 +430,7 @@ func TestTCPCloseStopsAcceptingButKeepsConnections(t *testing.T) {
 		c2.Close()
 		t.Error("a new connection was accepted after Close")
 	}
-	if got, err := roundTrip(c, []byte("after")); err != nil || string(got) != "after" {
+	if got, err := forwardtest.RoundTrip(c, []byte("after")); err != nil || string(got) != "after" {
 		t.Fatalf("established connection after Close: %q, %v", got, err)
 	}
 }
@@ -445,11 +446,11 @@ func TestTCPShutdown(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			checkNoLeaks(t)
-			backend := startTCPEcho(t, loopback("4"))
-			metrics := &fakeMetrics{}
-			p := startTCPProxy(t, "4", &fakeChooser{endpoints: []netip.AddrPort{backend}}, func(p *TCPProxy) { p.Metrics = metrics })
-			c := dialTCPTest(t, p.addr)
-			if _, err := roundTrip(c, []byte("x")); err != nil {
+			backend := forwardtest.StartTCPEcho(t, forwardtest.Loopback("4"))
+			metrics := &forwardtest.Metrics{}
+			p := startTCPProxy(t, "4", &fakeChooser{Endpoints: []netip.AddrPort{backend}}, func(p *TCPProxy) { p.Metrics = metrics })
+			c := forwardtest.DialTCP(t, p.addr)
+			if _, err := forwardtest.RoundTrip(c, []byte("x")); err != nil {
 				t.Fatal(err)
 			}
 
@@ -461,7 +462,7 @@ func TestTCPShutdown(t *testing.T) {
 			p.served <- nil
 
 			// The connection still works, and Shutdown waits for it.
-			if got, err := roundTrip(c, []byte("still here")); err != nil || string(got) != "still here" {
+			if got, err := forwardtest.RoundTrip(c, []byte("still here")); err != nil || string(got) != "still here" {
 				t.Fatalf("round trip during Shutdown: %q, %v", got, err)
 			}
 			select {
@@ -484,8 +485,8 @@ func TestTCPShutdown(t *testing.T) {
 					t.Errorf("Shutdown: %v", err)
 				}
 			}
-			if m := metrics.snapshot(); m.closed != 1 {
-				t.Errorf("%d connections closed, want 1", m.closed)
+			if m := metrics.Snapshot(); m.Closed != 1 {
+				t.Errorf("%d connections closed, want 1", m.Closed)
 			}
 		})
 	}
@@ -494,10 +495,10 @@ func TestTCPShutdown(t *testing.T) {
 // TestTCPSocketOptions: both proxy sockets keep Go's defaults, TCP_NODELAY and SO_KEEPALIVE.
 func TestTCPSocketOptions(t *testing.T) {
 	checkNoLeaks(t)
-	backend := startTCPEcho(t, loopback("4"))
-	p := startTCPProxy(t, "4", &fakeChooser{endpoints: []netip.AddrPort{backend}}, nil)
-	c := dialTCPTest(t, p.addr)
-	if _, err := roundTrip(c, []byte("x")); err != nil {
+	backend := forwardtest.StartTCPEcho(t, forwardtest.Loopback("4"))
+	p := startTCPProxy(t, "4", &fakeChooser{Endpoints: []netip.AddrPort{backend}}, nil)
+	c := forwardtest.DialTCP(t, p.addr)
+	if _, err := forwardtest.RoundTrip(c, []byte("x")); err != nil {
 		t.Fatal(err)
 	}
 	client, endpoint := connSockets(p.TCPProxy)
@@ -533,8 +534,8 @@ func TestTCPServeValidation(t *testing.T) {
 		p    *TCPProxy
 	}{
 		{"no listener", &TCPProxy{Chooser: &fakeChooser{}, Loops: newTestLoops(t, 1)}},
-		{"no chooser", &TCPProxy{Listener: listenTCP(t, loopback("4")), Loops: newTestLoops(t, 1)}},
-		{"no loops", &TCPProxy{Listener: listenTCP(t, loopback("4")), Chooser: &fakeChooser{}}},
+		{"no chooser", &TCPProxy{Listener: forwardtest.ListenTCP(t, forwardtest.Loopback("4")), Loops: newTestLoops(t, 1)}},
+		{"no loops", &TCPProxy{Listener: forwardtest.ListenTCP(t, forwardtest.Loopback("4")), Chooser: &fakeChooser{}}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			if err := tc.p.Serve(); err == nil {
@@ -547,7 +548,7 @@ func TestTCPServeValidation(t *testing.T) {
 
 func TestTCPCloseBeforeServe(t *testing.T) {
 	checkNoLeaks(t)
-	p := &TCPProxy{Listener: listenTCP(t, loopback("4")), Chooser: &fakeChooser{}, Loops: newTestLoops(t, 1)}
+	p := &TCPProxy{Listener: forwardtest.ListenTCP(t, forwardtest.Loopback("4")), Chooser: &fakeChooser{}, Loops: newTestLoops(t, 1)}
 	if err := p.Close(); err != nil {
 		t.Fatalf("Close: %v", err)
 	}

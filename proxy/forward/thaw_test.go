@@ -7,6 +7,8 @@ import (
 	"net/netip"
 	"testing"
 	"time"
+
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward/internal/forwardtest"
 )
 
 // A hand-over that fails after the freeze thaws the proxy in place: it serves again on its own
@@ -36,12 +38,12 @@ func TestTCPThawMidStream(t *testing.T) {
 	go func() { a.served <- a.Serve() }()
 	ms.finish(t)
 	// A new connection is served too.
-	if _, err := roundTrip(dialTCPTest(t, a.addr), []byte("ping")); err != nil {
+	if _, err := forwardtest.RoundTrip(forwardtest.DialTCP(t, a.addr), []byte("ping")); err != nil {
 		t.Errorf("a new connection after the thaw: %v", err)
 	}
-	eventually(t, "the stream's connection to close", func() bool { return m.snapshot().closed >= 1 })
-	if s := m.snapshot(); s.toEndpoint < n || s.fromEndpoint < n {
-		t.Errorf("bytes counted: %d to and %d from the endpoint, want at least %d each", s.toEndpoint, s.fromEndpoint, n)
+	forwardtest.Eventually(t, "the stream's connection to close", func() bool { return m.Snapshot().Closed >= 1 })
+	if s := m.Snapshot(); s.ToEndpoint < n || s.FromEndpoint < n {
+		t.Errorf("bytes counted: %d to and %d from the endpoint, want at least %d each", s.ToEndpoint, s.FromEndpoint, n)
 	}
 	if err := a.Thaw(); err == nil {
 		t.Error("a second Thaw of a running proxy succeeded")
@@ -51,11 +53,11 @@ func TestTCPThawMidStream(t *testing.T) {
 func TestUDPThaw(t *testing.T) {
 	checkNoFDLeaks(t)
 	checkNoLeaks(t)
-	e1, e2 := startUDPEcho(t, loopback("4"), "e1:"), startUDPEcho(t, loopback("4"), "e2:")
-	chooser := &fakeChooser{endpoints: []netip.AddrPort{e1, e2}}
+	e1, e2 := forwardtest.StartUDPEcho(t, forwardtest.Loopback("4"), "e1:"), forwardtest.StartUDPEcho(t, forwardtest.Loopback("4"), "e2:")
+	chooser := &fakeChooser{Endpoints: []netip.AddrPort{e1, e2}}
 	a := startUDPProxy(t, "4", chooser, nil)
-	c1 := dialUDPTest(t, a.addr)
-	if got, err := udpExchange(c1, []byte("one"), 3, time.Second); err != nil || string(got) != "e1:one" {
+	c1 := forwardtest.DialUDP(t, a.addr)
+	if got, err := forwardtest.UDPExchange(c1, []byte("one"), 3, time.Second); err != nil || string(got) != "e1:one" {
 		t.Fatalf("before the freeze: %q, %v", got, err)
 	}
 	st, err := a.Freeze(context.Background())
@@ -76,14 +78,14 @@ func TestUDPThaw(t *testing.T) {
 	}
 	go func() { a.served <- a.Serve() }()
 	buf := make([]byte, 100)
-	c1.SetReadDeadline(time.Now().Add(waitTimeout))
+	c1.SetReadDeadline(time.Now().Add(forwardtest.WaitTimeout))
 	if n, err := c1.Read(buf); err != nil || string(buf[:n]) != "e1:frozen" {
 		t.Errorf("datagram sent while frozen: %q, %v; want e1:frozen (the session's endpoint)", buf[:n], err)
 	}
-	if got, err := udpExchange(c1, []byte("again"), 3, time.Second); err != nil || string(got) != "e1:again" {
+	if got, err := forwardtest.UDPExchange(c1, []byte("again"), 3, time.Second); err != nil || string(got) != "e1:again" {
 		t.Errorf("after the thaw: %q, %v; want e1:again", got, err)
 	}
-	if got, err := udpExchange(dialUDPTest(t, a.addr), []byte("new"), 3, time.Second); err != nil || string(got) != "e2:new" {
+	if got, err := forwardtest.UDPExchange(forwardtest.DialUDP(t, a.addr), []byte("new"), 3, time.Second); err != nil || string(got) != "e2:new" {
 		t.Errorf("a new session after the thaw: %q, %v; want e2:new", got, err)
 	}
 }

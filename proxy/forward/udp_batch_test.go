@@ -14,6 +14,7 @@ import (
 	"time"
 	"unsafe"
 
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward/internal/forwardtest"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward/internal/sys"
 	"golang.org/x/sys/unix"
 )
@@ -52,7 +53,7 @@ func (g *recvGate) waitEntered(t *testing.T) int {
 	select {
 	case fd := <-g.entered:
 		return fd
-	case <-time.After(waitTimeout):
+	case <-time.After(forwardtest.WaitTimeout):
 		t.Fatal("the proxy never read")
 		return -1
 	}
@@ -75,14 +76,14 @@ func rmemAlloc(t *testing.T, fd int) uint32 {
 // not exactly (a datagram takes more memory than its payload).
 func waitQueued(t *testing.T, fd int, payload int) {
 	t.Helper()
-	eventually(t, "the datagrams to queue", func() bool { return int(rmemAlloc(t, fd)) >= payload })
+	forwardtest.Eventually(t, "the datagrams to queue", func() bool { return int(rmemAlloc(t, fd)) >= payload })
 }
 
 // checkBatched waits until st counts n datagrams received and sent (the counts follow the
 // calls), then fails unless some receive and some send moved more than one.
 func checkBatched(t *testing.T, what string, st *udpBatchStats, n int64) {
 	t.Helper()
-	eventually(t, what+" counted", func() bool { return st.recvMsgs.Load() >= n && st.sendMsgs.Load() >= n })
+	forwardtest.Eventually(t, what+" counted", func() bool { return st.recvMsgs.Load() >= n && st.sendMsgs.Load() >= n })
 	rc, rm, sc, sm := st.recvCalls.Load(), st.recvMsgs.Load(), st.sendCalls.Load(), st.sendMsgs.Load()
 	if rm <= rc || sm <= sc {
 		t.Errorf("%s: %d datagrams received in %d calls, %d sent in %d: want batches of several", what, rm, rc, sm, sc)
@@ -105,7 +106,7 @@ func listenUDPTest(t *testing.T, addr netip.Addr) *net.UDPConn {
 func readFrom(t *testing.T, c *net.UDPConn) ([]byte, netip.AddrPort) {
 	t.Helper()
 	buf := make([]byte, 1<<16)
-	c.SetReadDeadline(time.Now().Add(waitTimeout))
+	c.SetReadDeadline(time.Now().Add(forwardtest.WaitTimeout))
 	n, from, err := c.ReadFromUDPAddrPort(buf)
 	if err != nil {
 		t.Fatalf("read from %s: %v", c.LocalAddr(), err)
@@ -118,14 +119,14 @@ func readFrom(t *testing.T, c *net.UDPConn) ([]byte, netip.AddrPort) {
 // address it sent to.
 func TestUDPBatchMixedSources(t *testing.T) {
 	checkNoLeaks(t)
-	backend := startUDPEcho(t, loopback("4"), "echo:")
+	backend := forwardtest.StartUDPEcho(t, forwardtest.Loopback("4"), "echo:")
 	gate := newRecvGate(true)
 	conn, err := net.ListenUDP("udp", &net.UDPAddr{IP: net.IPv4zero})
 	if err != nil {
 		t.Fatal(err)
 	}
-	metrics := &fakeMetrics{}
-	p := &UDPProxy{Conn: conn, Chooser: &fakeChooser{endpoints: []netip.AddrPort{backend}}, Log: new(testLogger(t)),
+	metrics := &forwardtest.Metrics{}
+	p := &UDPProxy{Conn: conn, Chooser: &fakeChooser{Endpoints: []netip.AddrPort{backend}}, Log: new(forwardtest.Logger(t)),
 		Metrics: metrics, testHookRecv: gate.hook}
 	served := make(chan error, 1)
 	go func() { served <- p.Serve() }()
@@ -146,8 +147,8 @@ func TestUDPBatchMixedSources(t *testing.T) {
 		sent [][]byte
 	}
 	clients := []*client{
-		{c: listenUDPTest(t, loopback("4")), to: netip.AddrPortFrom(netip.MustParseAddr("127.0.0.1"), port)},
-		{c: listenUDPTest(t, loopback("4")), to: netip.AddrPortFrom(netip.MustParseAddr("127.0.0.2"), port)},
+		{c: listenUDPTest(t, forwardtest.Loopback("4")), to: netip.AddrPortFrom(netip.MustParseAddr("127.0.0.1"), port)},
+		{c: listenUDPTest(t, forwardtest.Loopback("4")), to: netip.AddrPortFrom(netip.MustParseAddr("127.0.0.2"), port)},
 	}
 	payload := 0
 	for i := range 7 { // A B A B A B A: one batch of 7
@@ -183,15 +184,15 @@ func TestUDPBatchMixedSources(t *testing.T) {
 // reach the endpoint whole, in order, in one send, and come back whole.
 func TestUDPBatchLargeDatagrams(t *testing.T) {
 	checkNoLeaks(t)
-	backend := startUDPEcho(t, loopback("4"), "")
+	backend := forwardtest.StartUDPEcho(t, forwardtest.Loopback("4"), "")
 	gate := newRecvGate(true)
-	metrics := &fakeMetrics{}
-	p := startUDPProxy(t, "4", &fakeChooser{endpoints: []netip.AddrPort{backend}}, func(p *UDPProxy) {
+	metrics := &forwardtest.Metrics{}
+	p := startUDPProxy(t, "4", &fakeChooser{Endpoints: []netip.AddrPort{backend}}, func(p *UDPProxy) {
 		p.Metrics = metrics
 		p.testHookRecv = gate.hook
 	})
 	fd := gate.waitEntered(t)
-	c := listenUDPTest(t, loopback("4"))
+	c := listenUDPTest(t, forwardtest.Loopback("4"))
 	rng := rand.NewChaCha8([32]byte{15})
 	var sent [][]byte
 	total := 0
@@ -216,7 +217,7 @@ func TestUDPBatchLargeDatagrams(t *testing.T) {
 	if err := p.Close(); err != nil {
 		t.Fatal(err)
 	}
-	if m := metrics.snapshot(); m.toEndpoint != int64(total) || m.fromEndpoint != int64(total) || m.dropped != 0 {
+	if m := metrics.Snapshot(); m.ToEndpoint != int64(total) || m.FromEndpoint != int64(total) || m.Dropped != 0 {
 		t.Errorf("metrics %+v, want %d bytes each way, nothing dropped", m, total)
 	}
 }
@@ -257,14 +258,14 @@ func startUDPBurst(t *testing.T, addr netip.Addr, count int) (netip.AddrPort, <-
 func TestUDPBatchReplies(t *testing.T) {
 	checkNoLeaks(t)
 	const burst = 6
-	backend, answered := startUDPBurst(t, loopback("4"), burst)
+	backend, answered := startUDPBurst(t, forwardtest.Loopback("4"), burst)
 	gate := newRecvGate(false)
-	metrics := &fakeMetrics{}
-	p := startUDPProxy(t, "4", &fakeChooser{endpoints: []netip.AddrPort{backend}}, func(p *UDPProxy) {
+	metrics := &forwardtest.Metrics{}
+	p := startUDPProxy(t, "4", &fakeChooser{Endpoints: []netip.AddrPort{backend}}, func(p *UDPProxy) {
 		p.Metrics = metrics
 		p.testHookRecv = gate.hook
 	})
-	c := listenUDPTest(t, loopback("4"))
+	c := listenUDPTest(t, forwardtest.Loopback("4"))
 	msg := []byte("a burst, please")
 	if _, err := c.WriteToUDPAddrPort(msg, p.addr); err != nil {
 		t.Fatal(err)
@@ -272,7 +273,7 @@ func TestUDPBatchReplies(t *testing.T) {
 	fd := gate.waitEntered(t)
 	select {
 	case <-answered:
-	case <-time.After(waitTimeout):
+	case <-time.After(forwardtest.WaitTimeout):
 		t.Fatal("the endpoint never answered")
 	}
 	waitQueued(t, fd, burst*len(msg))
@@ -286,8 +287,8 @@ func TestUDPBatchReplies(t *testing.T) {
 	if err := p.Close(); err != nil {
 		t.Fatal(err)
 	}
-	if m := metrics.snapshot(); m.fromEndpoint != burst*int64(len(msg)) {
-		t.Errorf("%d bytes from the endpoint, want %d", m.fromEndpoint, burst*len(msg))
+	if m := metrics.Snapshot(); m.FromEndpoint != burst*int64(len(msg)) {
+		t.Errorf("%d bytes from the endpoint, want %d", m.FromEndpoint, burst*len(msg))
 	}
 }
 
@@ -297,11 +298,11 @@ func TestUDPBatchReplies(t *testing.T) {
 func TestUDPBatchFloodEvicts(t *testing.T) {
 	checkNoLeaks(t)
 	const clients, maxSessions = 8, 2
-	backend := startUDPEcho(t, loopback("4"), "")
+	backend := forwardtest.StartUDPEcho(t, forwardtest.Loopback("4"), "")
 	gate := newRecvGate(true)
-	metrics := &fakeMetrics{}
+	metrics := &forwardtest.Metrics{}
 	budget := NewBudget(100)
-	p := startUDPProxy(t, "4", &fakeChooser{endpoints: []netip.AddrPort{backend}}, func(p *UDPProxy) {
+	p := startUDPProxy(t, "4", &fakeChooser{Endpoints: []netip.AddrPort{backend}}, func(p *UDPProxy) {
 		p.Metrics = metrics
 		p.MaxSessions = maxSessions
 		p.Budget = budget
@@ -310,7 +311,7 @@ func TestUDPBatchFloodEvicts(t *testing.T) {
 	fd := gate.waitEntered(t)
 	var cs []*net.UDPConn
 	for i := range clients {
-		c := listenUDPTest(t, loopback("4"))
+		c := listenUDPTest(t, forwardtest.Loopback("4"))
 		if _, err := c.WriteToUDPAddrPort(fmt.Appendf(nil, "client %d", i), p.addr); err != nil {
 			t.Fatal(err)
 		}
@@ -318,7 +319,7 @@ func TestUDPBatchFloodEvicts(t *testing.T) {
 	}
 	waitQueued(t, fd, clients*len("client 0"))
 	close(gate.released)
-	eventually(t, "every client's session", func() bool { return metrics.snapshot().sessionsOpened == clients })
+	forwardtest.Eventually(t, "every client's session", func() bool { return metrics.Snapshot().SessionsOpened == clients })
 	if n := p.sessionCount(); n > maxSessions {
 		t.Errorf("%d sessions, want at most %d", n, maxSessions)
 	}
@@ -332,8 +333,8 @@ func TestUDPBatchFloodEvicts(t *testing.T) {
 	if err := p.Close(); err != nil {
 		t.Fatal(err)
 	}
-	m := metrics.snapshot()
-	if m.evicted != clients-maxSessions || m.sessionsClosed != clients || m.dropped != 0 {
+	m := metrics.Snapshot()
+	if m.Evicted != clients-maxSessions || m.SessionsClosed != clients || m.Dropped != 0 {
 		t.Errorf("metrics %+v, want %d evicted, %d closed, none dropped", m, clients-maxSessions, clients)
 	}
 	if n := budget.InUse(); n != 0 {
@@ -370,13 +371,13 @@ func TestUDPBatchSegmented(t *testing.T) {
 		t.Skip("the kernel has no UDP_SEGMENT")
 	}
 	checkNoLeaks(t)
-	backend := startUDPEcho(t, loopback("4"), "")
+	backend := forwardtest.StartUDPEcho(t, forwardtest.Loopback("4"), "")
 	gate := newRecvGate(true)
-	p := startUDPProxy(t, "4", &fakeChooser{endpoints: []netip.AddrPort{backend}}, func(p *UDPProxy) {
+	p := startUDPProxy(t, "4", &fakeChooser{Endpoints: []netip.AddrPort{backend}}, func(p *UDPProxy) {
 		p.testHookRecv = gate.hook
 	})
 	fd := gate.waitEntered(t)
-	c := listenUDPTest(t, loopback("4"))
+	c := listenUDPTest(t, forwardtest.Loopback("4"))
 	var sent [][]byte
 	total := 0
 	for i, size := range []int{1400, 1400, 1400, 1400, 1400, 1400, 700} {
@@ -398,7 +399,7 @@ func TestUDPBatchSegmented(t *testing.T) {
 		t.Fatal("segmented sends were disabled: the kernel or loopback refused one")
 	}
 	// The counters move just after the send returns, which the echoes can outrun.
-	eventually(t, "the sends counted", func() bool { return p.connStats.sendMsgs.Load() >= int64(len(sent)) })
+	forwardtest.Eventually(t, "the sends counted", func() bool { return p.connStats.sendMsgs.Load() >= int64(len(sent)) })
 	if n := p.connStats.segmented.Load(); n == 0 {
 		t.Errorf("no segmented send (%d datagrams in %d sends)", p.connStats.sendMsgs.Load(), p.connStats.sendCalls.Load())
 	}

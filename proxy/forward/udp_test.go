@@ -15,6 +15,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward/internal/forwardtest"
 	"golang.org/x/sys/unix"
 )
 
@@ -34,15 +35,15 @@ func TestUDPEcho(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			checkNoLeaks(t)
-			backend := startUDPEcho(t, loopback(tc.family), "")
-			chooser := &fakeChooser{endpoints: []netip.AddrPort{backend}}
-			metrics := &fakeMetrics{}
+			backend := forwardtest.StartUDPEcho(t, forwardtest.Loopback(tc.family), "")
+			chooser := &fakeChooser{Endpoints: []netip.AddrPort{backend}}
+			metrics := &forwardtest.Metrics{}
 			p := startUDPProxy(t, tc.family, chooser, func(p *UDPProxy) { p.Metrics = metrics })
-			c := dialUDPTest(t, p.addr)
+			c := forwardtest.DialUDP(t, p.addr)
 			msg := make([]byte, tc.size)
 			rand.NewChaCha8([32]byte{9}).Read(msg)
 			for i := range 3 {
-				got, err := udpExchange(c, msg, 1, waitTimeout)
+				got, err := forwardtest.UDPExchange(c, msg, 1, forwardtest.WaitTimeout)
 				if err != nil {
 					t.Fatalf("exchange %d: %v", i, err)
 				}
@@ -50,15 +51,15 @@ func TestUDPEcho(t *testing.T) {
 					t.Fatalf("exchange %d: reply of %d bytes differs from the %d sent", i, len(got), len(msg))
 				}
 			}
-			calls := chooser.recorded()
-			if len(calls) != 1 || calls[0].client != c.LocalAddr().(*net.UDPAddr).AddrPort() || calls[0].dst.IsValid() || calls[0].reset {
+			calls := chooser.Recorded()
+			if len(calls) != 1 || calls[0].Client != c.LocalAddr().(*net.UDPAddr).AddrPort() || calls[0].Dst.IsValid() || calls[0].Reset {
 				t.Errorf("Choose calls %+v, want one from %s with unknown dst and no reset", calls, c.LocalAddr())
 			}
 			if err := p.Close(); err != nil {
 				t.Fatal(err)
 			}
-			m := metrics.snapshot()
-			if m.sessionsOpened != 1 || m.sessionsClosed != 1 || m.toEndpoint != 3*int64(tc.size) || m.fromEndpoint != 3*int64(tc.size) || m.dropped != 0 {
+			m := metrics.Snapshot()
+			if m.SessionsOpened != 1 || m.SessionsClosed != 1 || m.ToEndpoint != 3*int64(tc.size) || m.FromEndpoint != 3*int64(tc.size) || m.Dropped != 0 {
 				t.Errorf("metrics %+v, want 1 session, %d bytes each way", m, 3*tc.size)
 			}
 		})
@@ -67,26 +68,26 @@ func TestUDPEcho(t *testing.T) {
 
 func TestUDPIdleTimeoutEndsSession(t *testing.T) {
 	checkNoLeaks(t)
-	backend := startUDPEcho(t, loopback("4"), "")
-	chooser := &fakeChooser{endpoints: []netip.AddrPort{backend}}
-	metrics := &fakeMetrics{}
+	backend := forwardtest.StartUDPEcho(t, forwardtest.Loopback("4"), "")
+	chooser := &fakeChooser{Endpoints: []netip.AddrPort{backend}}
+	metrics := &forwardtest.Metrics{}
 	p := startUDPProxy(t, "4", chooser, func(p *UDPProxy) {
 		p.Timeout = 50 * time.Millisecond
 		p.Metrics = metrics
 	})
-	c := dialUDPTest(t, p.addr)
-	if _, err := udpExchange(c, []byte("one"), 1, waitTimeout); err != nil {
+	c := forwardtest.DialUDP(t, p.addr)
+	if _, err := forwardtest.UDPExchange(c, []byte("one"), 1, forwardtest.WaitTimeout); err != nil {
 		t.Fatal(err)
 	}
-	eventually(t, "the idle session to end", func() bool { return p.sessionCount() == 0 && metrics.snapshot().sessionsClosed == 1 })
-	if _, err := udpExchange(c, []byte("two"), 1, waitTimeout); err != nil {
+	forwardtest.Eventually(t, "the idle session to end", func() bool { return p.sessionCount() == 0 && metrics.Snapshot().SessionsClosed == 1 })
+	if _, err := forwardtest.UDPExchange(c, []byte("two"), 1, forwardtest.WaitTimeout); err != nil {
 		t.Fatal(err)
 	}
-	if got := chooser.resets(); !reflect.DeepEqual(got, []bool{false, false}) {
+	if got := chooser.Resets(); !reflect.DeepEqual(got, []bool{false, false}) {
 		t.Errorf("Choose calls with reset=%v, want a new session without reset", got)
 	}
-	if m := metrics.snapshot(); m.sessionsOpened != 2 {
-		t.Errorf("%d sessions opened, want 2", m.sessionsOpened)
+	if m := metrics.Snapshot(); m.SessionsOpened != 2 {
+		t.Errorf("%d sessions opened, want 2", m.SessionsOpened)
 	}
 }
 
@@ -120,31 +121,31 @@ func TestUDPExpire(t *testing.T) {
 
 func TestUDPDropSessions(t *testing.T) {
 	checkNoLeaks(t)
-	a, b := startUDPEcho(t, loopback("4"), "A:"), startUDPEcho(t, loopback("4"), "B:")
-	chooser := &fakeChooser{endpoints: []netip.AddrPort{a}}
-	metrics := &fakeMetrics{}
+	a, b := forwardtest.StartUDPEcho(t, forwardtest.Loopback("4"), "A:"), forwardtest.StartUDPEcho(t, forwardtest.Loopback("4"), "B:")
+	chooser := &fakeChooser{Endpoints: []netip.AddrPort{a}}
+	metrics := &forwardtest.Metrics{}
 	p := startUDPProxy(t, "4", chooser, func(p *UDPProxy) { p.Metrics = metrics })
-	c := dialUDPTest(t, p.addr)
-	if got, err := udpExchange(c, []byte("x"), 1, waitTimeout); err != nil || string(got) != "A:x" {
+	c := forwardtest.DialUDP(t, p.addr)
+	if got, err := forwardtest.UDPExchange(c, []byte("x"), 1, forwardtest.WaitTimeout); err != nil || string(got) != "A:x" {
 		t.Fatalf("before: %q, %v; want A:x", got, err)
 	}
 	if n := p.DropSessions(func(ep netip.AddrPort) bool { return ep == a }); n != 0 {
 		t.Errorf("DropSessions keeping A dropped %d sessions, want 0", n)
 	}
-	chooser.set(b) // A leaves the service
+	chooser.Set(b) // A leaves the service
 	if n := p.DropSessions(func(ep netip.AddrPort) bool { return ep == b }); n != 1 {
 		t.Errorf("DropSessions dropped %d sessions, want 1", n)
 	}
-	if got, err := udpExchange(c, []byte("y"), 1, waitTimeout); err != nil || string(got) != "B:y" {
+	if got, err := forwardtest.UDPExchange(c, []byte("y"), 1, forwardtest.WaitTimeout); err != nil || string(got) != "B:y" {
 		t.Fatalf("after: %q, %v; want B:y", got, err)
 	}
-	eventually(t, "the dropped session to close", func() bool { return metrics.snapshot().sessionsClosed == 1 })
+	forwardtest.Eventually(t, "the dropped session to close", func() bool { return metrics.Snapshot().SessionsClosed == 1 })
 }
 
 func TestUDPClientsAreIsolated(t *testing.T) {
 	checkNoLeaks(t)
-	a, b := startUDPEcho(t, loopback("4"), ""), startUDPEcho(t, loopback("4"), "")
-	p := startUDPProxy(t, "4", &fakeChooser{endpoints: []netip.AddrPort{a, b}}, nil)
+	a, b := forwardtest.StartUDPEcho(t, forwardtest.Loopback("4"), ""), forwardtest.StartUDPEcho(t, forwardtest.Loopback("4"), "")
+	p := startUDPProxy(t, "4", &fakeChooser{Endpoints: []netip.AddrPort{a, b}}, nil)
 	const clients, perClient = 20, 50
 	var wg sync.WaitGroup
 	errs := make(chan error, clients)
@@ -160,7 +161,7 @@ func TestUDPClientsAreIsolated(t *testing.T) {
 			defer c.Close()
 			for j := range perClient {
 				msg := fmt.Appendf(nil, "client %d message %d", i, j)
-				got, err := udpExchange(c, msg, 1, waitTimeout)
+				got, err := forwardtest.UDPExchange(c, msg, 1, forwardtest.WaitTimeout)
 				if err != nil {
 					errs <- fmt.Errorf("client %d: %w", i, err)
 					return
@@ -184,14 +185,14 @@ func TestUDPClientsAreIsolated(t *testing.T) {
 
 func TestUDPNoEndpointDropsDatagram(t *testing.T) {
 	checkNoLeaks(t)
-	metrics := &fakeMetrics{}
-	chooser := &fakeChooser{err: errors.New("service has no endpoints")}
+	metrics := &forwardtest.Metrics{}
+	chooser := &fakeChooser{Err: errors.New("service has no endpoints")}
 	p := startUDPProxy(t, "4", chooser, func(p *UDPProxy) { p.Metrics = metrics })
-	c := dialUDPTest(t, p.addr)
+	c := forwardtest.DialUDP(t, p.addr)
 	if _, err := c.Write([]byte("anyone?")); err != nil {
 		t.Fatal(err)
 	}
-	eventually(t, "the datagram to be dropped", func() bool { return metrics.snapshot().dropped == 1 })
+	forwardtest.Eventually(t, "the datagram to be dropped", func() bool { return metrics.Snapshot().Dropped == 1 })
 	if n := p.sessionCount(); n != 0 {
 		t.Errorf("%d sessions, want none", n)
 	}
@@ -207,37 +208,37 @@ func TestUDPRefusedEndpoint(t *testing.T) {
 	}
 	closed := conn.LocalAddr().(*net.UDPAddr).AddrPort()
 	conn.Close()
-	live := startUDPEcho(t, loopback("4"), "")
-	chooser := &fakeChooser{endpoints: []netip.AddrPort{closed, live}}
-	metrics := &fakeMetrics{}
+	live := forwardtest.StartUDPEcho(t, forwardtest.Loopback("4"), "")
+	chooser := &fakeChooser{Endpoints: []netip.AddrPort{closed, live}}
+	metrics := &forwardtest.Metrics{}
 	p := startUDPProxy(t, "4", chooser, func(p *UDPProxy) { p.Metrics = metrics })
-	c := dialUDPTest(t, p.addr)
-	got, err := udpExchange(c, []byte("hello"), 50, 200*time.Millisecond)
+	c := forwardtest.DialUDP(t, p.addr)
+	got, err := forwardtest.UDPExchange(c, []byte("hello"), 50, 200*time.Millisecond)
 	if err != nil || string(got) != "hello" {
 		t.Fatalf("exchange: %q, %v", got, err)
 	}
-	if got := chooser.resets(); !reflect.DeepEqual(got, []bool{false, true}) {
+	if got := chooser.Resets(); !reflect.DeepEqual(got, []bool{false, true}) {
 		t.Errorf("Choose calls with reset=%v, want [false true]", got)
 	}
-	if got := metrics.snapshot().dialFailed; !reflect.DeepEqual(got, []netip.AddrPort{closed}) {
+	if got := metrics.Snapshot().DialFailed; !reflect.DeepEqual(got, []netip.AddrPort{closed}) {
 		t.Errorf("DialFailed for %v, want [%s]", got, closed)
 	}
 }
 
 func TestUDPCloseEndsSessions(t *testing.T) {
 	checkNoLeaks(t)
-	backend := startUDPEcho(t, loopback("4"), "")
-	metrics := &fakeMetrics{}
-	p := startUDPProxy(t, "4", &fakeChooser{endpoints: []netip.AddrPort{backend}}, func(p *UDPProxy) { p.Metrics = metrics })
+	backend := forwardtest.StartUDPEcho(t, forwardtest.Loopback("4"), "")
+	metrics := &forwardtest.Metrics{}
+	p := startUDPProxy(t, "4", &fakeChooser{Endpoints: []netip.AddrPort{backend}}, func(p *UDPProxy) { p.Metrics = metrics })
 	for range 3 {
-		if _, err := udpExchange(dialUDPTest(t, p.addr), []byte("x"), 1, waitTimeout); err != nil {
+		if _, err := forwardtest.UDPExchange(forwardtest.DialUDP(t, p.addr), []byte("x"), 1, forwardtest.WaitTimeout); err != nil {
 			t.Fatal(err)
 		}
 	}
 	if err := p.Close(); err != nil {
 		t.Fatalf("Close: %v", err)
 	}
-	if m := metrics.snapshot(); m.sessionsOpened != 3 || m.sessionsClosed != 3 || p.sessionCount() != 0 {
+	if m := metrics.Snapshot(); m.SessionsOpened != 3 || m.SessionsClosed != 3 || p.sessionCount() != 0 {
 		t.Errorf("after Close: %+v and %d sessions, want 3 opened and closed, none left", m, p.sessionCount())
 	}
 	if err := p.Close(); err != nil {
@@ -251,10 +252,10 @@ func TestUDPConnReceiveBuffer(t *testing.T) {
 	if os.Geteuid() != 0 {
 		t.Skip("needs CAP_NET_ADMIN for SO_RCVBUFFORCE")
 	}
-	backend := startUDPEcho(t, loopback("4"), "")
-	r := startUDPProxy(t, "4", &fakeChooser{endpoints: []netip.AddrPort{backend}}, nil)
-	c := dialUDPTest(t, r.addr)
-	if _, err := udpExchange(c, []byte("ping"), 1, waitTimeout); err != nil { // Serve has prepared
+	backend := forwardtest.StartUDPEcho(t, forwardtest.Loopback("4"), "")
+	r := startUDPProxy(t, "4", &fakeChooser{Endpoints: []netip.AddrPort{backend}}, nil)
+	c := forwardtest.DialUDP(t, r.addr)
+	if _, err := forwardtest.UDPExchange(c, []byte("ping"), 1, forwardtest.WaitTimeout); err != nil { // Serve has prepared
 		t.Fatal(err)
 	}
 	rc, err := r.Conn.SyscallConn()
