@@ -1,10 +1,7 @@
 package forward
 
 import (
-	"errors"
 	"net/netip"
-	"syscall"
-	"time"
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward/proxyproto"
 	"github.com/rs/zerolog"
@@ -65,14 +62,6 @@ type LogScope interface {
 	ScopeEvent(e *zerolog.Event) *zerolog.Event
 }
 
-// scoped returns e with s's fields; a nil e (the level is off) stays nil, and costs nothing.
-func scoped(s LogScope, e *zerolog.Event) *zerolog.Event {
-	if s == nil || e == nil {
-		return e
-	}
-	return s.ScopeEvent(e)
-}
-
 // Metrics receives the traffic events of one service port. Calls come from many goroutines at
 // once and are made off the copy loops: at most a few per connection or session, never per
 // read. Every accepted connection ends in exactly one ConnClosed (it reached an endpoint) or
@@ -125,62 +114,4 @@ func metricsOrNone(m Metrics) Metrics {
 		return noMetrics{}
 	}
 	return m
-}
-
-// isResourceExhausted reports whether err means the process or the kernel ran out of file
-// descriptors or memory: a condition that goes away when load drops, to be met with
-// back-pressure rather than failure.
-func isResourceExhausted(err error) bool {
-	return errors.Is(err, syscall.EMFILE) || errors.Is(err, syscall.ENFILE) ||
-		errors.Is(err, syscall.ENOBUFS) || errors.Is(err, syscall.ENOMEM)
-}
-
-// Back-pressure on resource exhaustion (EMFILE on accept, ENOBUFS on receive): the loop sleeps
-// pauseMin, doubling up to pauseMax, until the call succeeds again.
-const (
-	pauseMin = 5 * time.Millisecond
-	pauseMax = time.Second
-)
-
-// resourcePause is one episode of back-pressure: consecutive failures of a loop's call for lack
-// of file descriptors or memory. The zero value is no episode.
-type resourcePause struct {
-	start    time.Time
-	attempts int
-	delay    time.Duration
-}
-
-// next records another failure and returns how long to sleep before retrying.
-func (r *resourcePause) next() time.Duration {
-	if r.attempts == 0 {
-		r.start = time.Now()
-		r.delay = pauseMin
-	} else {
-		r.delay = min(2*r.delay, pauseMax)
-	}
-	r.attempts++
-	return r.delay
-}
-
-// sleepUnlessStopped sleeps for d and returns true, or returns false as soon as stop is closed.
-func sleepUnlessStopped(d time.Duration, stop <-chan struct{}) bool {
-	t := time.NewTimer(d)
-	defer t.Stop()
-	select {
-	case <-t.C:
-		return true
-	case <-stop:
-		return false
-	}
-}
-
-// nopLog discards everything.
-var nopLog = zerolog.Nop()
-
-// logOrNop returns l, or a Logger that discards everything when l is nil.
-func logOrNop(l *zerolog.Logger) *zerolog.Logger {
-	if l == nil {
-		return &nopLog
-	}
-	return l
 }

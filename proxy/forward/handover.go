@@ -5,6 +5,8 @@ import (
 	"net/netip"
 	"os"
 	"time"
+
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward/internal/runstate"
 )
 
 // Hand-over (restarts and upgrades that drop nothing): a running proxy can be frozen and its
@@ -29,10 +31,10 @@ import (
 // per datagram.
 
 // ErrClosed is returned (wrapped) by Freeze and Adopt on a proxy that was closed or released.
-var ErrClosed = errors.New("proxy closed")
+var ErrClosed = runstate.ErrClosed
 
 // ErrFrozen is returned (wrapped) by Freeze and Adopt on a proxy that was frozen before.
-var ErrFrozen = errors.New("proxy frozen for a hand-over")
+var ErrFrozen = runstate.ErrFrozen
 
 // freezeDeadline is the deadline, long past, that wakes and stops a frozen proxy's waits.
 var freezeDeadline = time.Unix(1, 0)

@@ -8,6 +8,7 @@ import (
 	"os"
 	"syscall"
 
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward/internal/runstate"
 	"golang.org/x/sys/unix"
 )
 
@@ -22,7 +23,7 @@ import (
 // duplicating a socket fails (out of descriptors: a hand-over needs one more per socket for a
 // while), it returns the error, closes the duplicates it made and the proxy stays frozen.
 func (p *TCPProxy) Freeze(ctx context.Context) (TCPState, error) {
-	if err := p.run.freeze("TCP proxy", p.detachFromLoop); err != nil {
+	if err := p.run.Freeze("TCP proxy", p.detachFromLoop); err != nil {
 		return TCPState{}, err
 	}
 	p.mu.Lock()
@@ -38,7 +39,7 @@ func (p *TCPProxy) Freeze(ctx context.Context) (TCPState, error) {
 // What Freeze exported is the caller's to close. Thaw fails on a proxy that is not frozen or
 // was released.
 func (p *TCPProxy) Thaw() error {
-	if !p.run.thaw() {
+	if !p.run.Thaw() {
 		return errors.New("thaw TCP proxy: not frozen, or released")
 	}
 	p.thawLoopConns()
@@ -71,7 +72,7 @@ func (p *TCPProxy) export() (TCPState, error) {
 // nothing closed or failed (see HandoverMetrics), and returns once every goroutine of the proxy
 // has ended. It does nothing on a proxy that is not frozen, or was released before.
 func (p *TCPProxy) Release() {
-	if !p.run.release() {
+	if !p.run.Release() {
 		return
 	}
 	p.releaseLoopConns()
@@ -94,11 +95,11 @@ func (p *TCPProxy) Release() {
 // A connection that cannot be adopted is closed and reported in the joined error; the others
 // go on. It fails for all of them on a closed or frozen proxy.
 func (p *TCPProxy) Adopt(conns []TCPConnState) error {
-	if closed, frozen := p.run.state(); closed || frozen {
+	if closed, frozen := p.run.Status(); closed || frozen {
 		for _, c := range conns {
 			_ = c.close()
 		}
-		return fmt.Errorf("adopt TCP connections: %w", stateErr(closed, frozen))
+		return fmt.Errorf("adopt TCP connections: %w", runstate.Err(closed, frozen))
 	}
 	var errs []error
 	for i := range conns {
@@ -107,17 +108,6 @@ func (p *TCPProxy) Adopt(conns []TCPConnState) error {
 		}
 	}
 	return errors.Join(errs...)
-}
-
-// stateErr is the error for a proxy found closed or frozen.
-func stateErr(closed, frozen bool) error {
-	if closed {
-		return ErrClosed
-	}
-	if frozen {
-		return ErrFrozen
-	}
-	return nil
 }
 
 // adoptConn starts one adopted connection.

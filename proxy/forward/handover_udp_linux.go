@@ -8,6 +8,8 @@ import (
 	"net/netip"
 	"os"
 	"time"
+
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward/internal/runstate"
 )
 
 // Freeze stops the proxy for a hand-over and exports its socket and sessions (see UDPState). It
@@ -20,7 +22,7 @@ import (
 // which releases a frozen proxy). Freeze fails on a closed or frozen proxy; when duplicating a
 // socket fails, it returns the error and the proxy stays frozen.
 func (p *UDPProxy) Freeze(_ context.Context) (UDPState, error) {
-	if err := p.run.freeze("UDP proxy", p.wakeReadLoop); err != nil {
+	if err := p.run.Freeze("UDP proxy", p.wakeReadLoop); err != nil {
 		return UDPState{}, err
 	}
 	p.closeStartCT() // the loop is over; Thaw and Start open another
@@ -57,7 +59,7 @@ func (s *udpSession) park() {
 // needed. Call Serve again. What Freeze exported is the caller's to close. Thaw fails on a
 // proxy that is not frozen or was released.
 func (p *UDPProxy) Thaw() error {
-	if !p.run.thaw() {
+	if !p.run.Thaw() {
 		return errors.New("thaw UDP proxy: not frozen, or released")
 	}
 	if p.Conn != nil {
@@ -113,7 +115,7 @@ func (p *UDPProxy) export() (UDPState, error) {
 // the Budget and reports nothing closed (see HandoverMetrics). It does nothing on a proxy that
 // is not frozen, or was released before.
 func (p *UDPProxy) Release() {
-	if !p.run.release() {
+	if !p.run.Release() {
 		return
 	}
 	p.sessionWG.Wait()
@@ -143,11 +145,11 @@ func (p *UDPProxy) Release() {
 // session that cannot be adopted is closed and reported in the joined error; the others go on.
 // It fails for all of them on a closed or frozen proxy.
 func (p *UDPProxy) Adopt(sessions []UDPSessionState) error {
-	closed, frozen := p.run.state()
+	closed, frozen := p.run.Status()
 	var err error
 	switch {
 	case closed || frozen:
-		err = stateErr(closed, frozen)
+		err = runstate.Err(closed, frozen)
 	case p.Conn == nil:
 		err = errors.New("the Conn field is required")
 	}
@@ -189,8 +191,8 @@ func (p *UDPProxy) adoptSession(ss UDPSessionState) error {
 func (p *UDPProxy) admitAdopted(s *udpSession) error {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	if closed, frozen := p.run.state(); closed || frozen || p.frozen.Load() {
-		return stateErr(closed, true)
+	if closed, frozen := p.run.Status(); closed || frozen || p.frozen.Load() {
+		return runstate.Err(closed, true)
 	}
 	if _, dup := p.sessions[s.client]; dup {
 		return errors.New("the client has a session already")

@@ -11,6 +11,8 @@ import (
 	"time"
 	"unsafe"
 
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward/internal/backpressure"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward/internal/logscope"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward/internal/sys"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward/proxyproto"
 	"golang.org/x/sys/unix"
@@ -182,7 +184,7 @@ type loopListener struct {
 	// queued when the listener was attached (see noDelayToSet); -1 for every one.
 	setNoDelay int
 	paused     bool
-	pause      resourcePause
+	pause      backpressure.Pause
 	resumeAt   time.Duration
 }
 
@@ -323,7 +325,7 @@ func (l *loop) runPosts() {
 
 // withTurn runs fn on the caller's goroutine while the loop's goroutine is between batches:
 // cheaper than call for short work, as it does not wake the loop. The caller must not hold a
-// lock the loop takes during a batch (p.mu, runState's).
+// lock the loop takes during a batch (p.mu, runstate.State's).
 func (l *loop) withTurn(fn func()) {
 	l.turn.Lock()
 	defer l.turn.Unlock()
@@ -669,17 +671,17 @@ func (l *loop) detach(ln *loopListener) {
 	ln.p.listenerOff()
 }
 
-// pauseListener takes ln out of the epoll set for the next resourcePause delay: a
+// pauseListener takes ln out of the epoll set for the next backpressure.Pause delay: a
 // level-triggered listener whose accept fails for want of descriptors would be ready again at
 // once.
 func (l *loop) pauseListener(ln *loopListener, err error) {
 	p := ln.p
-	if ln.pause.attempts == 0 {
+	if ln.pause.Attempts == 0 {
 		p.logWarn().Err(err).Msg("accept: out of file descriptors or memory; pausing new connections until some close")
 	}
-	d := ln.pause.next()
+	d := ln.pause.Next()
 	if h := p.testHookAcceptPause; h != nil {
-		h(ln.pause.attempts, d)
+		h(ln.pause.Attempts, d)
 	}
 	_ = unix.EpollCtl(l.epfd, unix.EPOLL_CTL_DEL, ln.fd, nil)
 	ln.paused, ln.resumeAt = true, l.now+d
@@ -716,10 +718,10 @@ func (l *loop) accept(ln *loopListener) {
 			ln.setNoDelay--
 		}
 	}
-	if ln.pause.attempts > 0 {
-		p.logInfo().Int("retries", ln.pause.attempts).Dur("paused", time.Since(ln.pause.start)).
+	if ln.pause.Attempts > 0 {
+		p.logInfo().Int("retries", ln.pause.Attempts).Dur("paused", time.Since(ln.pause.Start)).
 			Msg("accepting connections again")
-		ln.pause = resourcePause{}
+		ln.pause = backpressure.Pause{}
 	}
 	if !p.admitLoopConn() {
 		p.refused()
@@ -758,7 +760,7 @@ func (l *loop) acceptFailed(ln *loopListener, errno syscall.Errno) {
 	p := ln.p
 	switch {
 	case errno == syscall.EAGAIN || errno == syscall.EINTR:
-	case isResourceExhausted(errno):
+	case backpressure.IsResourceExhausted(errno):
 		l.pauseListener(ln, errno)
 	case isPendingConnError(errno):
 		p.logDebug().Err(errno).Msg("accept: connection failed before it was accepted")
@@ -824,7 +826,7 @@ func (l *loop) dial(c *lconn) {
 			l.dialStarted(c)
 			return
 		}
-		if isResourceExhausted(err) {
+		if backpressure.IsResourceExhausted(err) {
 			p.socketFailed(c.clientAddr, target.Endpoint, err)
 			l.finish(c, true, err)
 			return
@@ -853,7 +855,7 @@ func (l *loop) connect(c *lconn, target Target) (int, error) {
 	if target.Transparent && sys.CanDialFrom(c.clientAddr.Addr(), ep) {
 		if terr := bindTransparent(fd, c.clientAddr.Addr()); terr != nil {
 			_ = sys.Close(fd)
-			logTransparentFallback(logOrNop(c.p.Log), c.p.LogScope, &c.p.transparentWarned, terr, c.clientAddr, ep)
+			logscope.TransparentFallback(logscope.Logger(c.p.Log), c.p.LogScope, &c.p.transparentWarned, terr, c.clientAddr, ep)
 			target.Transparent = false
 			return l.connect(c, target)
 		}

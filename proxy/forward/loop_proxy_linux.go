@@ -7,6 +7,7 @@ import (
 	"net/netip"
 	"os"
 
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward/internal/runstate"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward/internal/sys"
 	"golang.org/x/sys/unix"
 )
@@ -83,9 +84,7 @@ func (p *TCPProxy) serveOnLoop() error {
 	if !started {
 		return err
 	}
-	p.run.mu.Lock()
-	done := p.run.doneLocked()
-	p.run.mu.Unlock()
+	done := p.run.Done()
 	if done != nil {
 		<-done
 	}
@@ -99,7 +98,7 @@ func (p *TCPProxy) serveOnLoop() error {
 // wake the loops (see withTurn): a proxier starting thousands of listeners pays an epoll_ctl
 // per listener and loop.
 func (p *TCPProxy) startOnLoop() (started bool, err error) {
-	ok, err := p.run.start("TCP proxy")
+	ok, err := p.run.Start("TCP proxy")
 	if !ok {
 		return false, err
 	}
@@ -108,8 +107,8 @@ func (p *TCPProxy) startOnLoop() (started bool, err error) {
 	}
 	fd, err := sys.FD(p.Listener)
 	if err != nil {
-		p.run.ended()
-		if closed, _ := p.run.state(); closed {
+		p.run.Ended()
+		if closed, _ := p.run.Status(); closed {
 			return false, nil // Close came between start and here (and closed the listener): as Serve after Close
 		}
 		return false, fmt.Errorf("start TCP proxy on %s: %w", p.Listener.Addr(), err)
@@ -146,7 +145,7 @@ func (p *TCPProxy) attachInTurn(lp *loopProxy, i int, l *loop, ln *loopListener)
 	if l.isStopped() {
 		return false, errors.New("the event loops are closed")
 	}
-	if closed, frozen := p.run.state(); closed || frozen {
+	if closed, frozen := p.run.Status(); closed || frozen {
 		return false, nil
 	}
 	if err := l.attach(ln); err != nil {
@@ -167,7 +166,7 @@ func (p *TCPProxy) listenerOff() {
 	last := p.onLoop.holds == 0
 	p.mu.Unlock()
 	if last {
-		p.run.ended()
+		p.run.Ended()
 	}
 }
 
@@ -516,8 +515,8 @@ func (p *TCPProxy) adoptOnLoop(cs TCPConnState) error {
 func (p *TCPProxy) admitAdoptedOnLoop(lp *loopProxy) error {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	if closed, frozen := p.run.state(); closed || frozen || p.freezing {
-		return stateErr(closed, true)
+	if closed, frozen := p.run.Status(); closed || frozen || p.freezing {
+		return runstate.Err(closed, true)
 	}
 	lp.live++
 	p.Budget.force(tcpConnFDs)

@@ -9,6 +9,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward/internal/runstate"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward/internal/sys"
 	"github.com/rs/zerolog"
 	"golang.org/x/sys/unix"
@@ -194,22 +195,22 @@ type idleDeadline struct {
 // renew sets a new deadline with setDeadline when the last one is due for renewal, and reports
 // whether run is stopping: a freeze's wake-up deadline, set before the one set here, is lost, so
 // the caller must not wait.
-func (d *idleDeadline) renew(run *runState, setDeadline func(time.Time) error) bool {
+func (d *idleDeadline) renew(run *runstate.State, setDeadline func(time.Time) error) bool {
 	now := time.Now()
 	if now.Sub(d.set) < loopIdle/2 {
 		return false
 	}
 	d.set = now
 	_ = setDeadline(now.Add(loopIdle))
-	return run.stopping()
+	return run.Stopping()
 }
 
 // parkedLoop is the loop of a proxy's Start, run while there is work and parked on a Poller
 // while there is none. owner.serveLoop(true) returns errLoopIdle when it found no work for a
-// while; any other return ends it for good (runState.ended). It is small, and holds no closure:
+// while; any other return ends it for good (runstate.State.ended). It is small, and holds no closure:
 // every idle listener has one.
 type parkedLoop struct {
-	run    *runState
+	run    *runstate.State
 	poller *Poller
 	fd     int
 	owner  loopOwner
@@ -227,7 +228,7 @@ type loopOwner interface {
 // startParked starts owner's loop for Start: parked on poller at once (the first readiness of
 // sock starts it), or on a goroutine of its own for good when there is no poller or it cannot
 // watch sock. An error that ends the loop is logged.
-func startParked(run *runState, poller *Poller, sock syscall.Conn, owner loopOwner) {
+func startParked(run *runstate.State, poller *Poller, sock syscall.Conn, owner loopOwner) {
 	l := &parkedLoop{run: run, poller: poller, owner: owner}
 	if poller != nil {
 		if fd, err := sys.FD(sock); err == nil {
@@ -252,9 +253,9 @@ func (l *parkedLoop) parkOrEnd(err error) {
 		l.end(err)
 		return
 	}
-	parked, perr := l.run.park(func() error {
+	parked, perr := l.run.Park(func() error {
 		return l.poller.Arm(l.fd, func() {
-			if l.run.resume() {
+			if l.run.Resume() {
 				go l.runOnce()
 			}
 		})
@@ -274,5 +275,5 @@ func (l *parkedLoop) end(err error) {
 	if err != nil {
 		l.owner.logError().Err(err).Msg("proxy listener stopped serving")
 	}
-	l.run.ended()
+	l.run.Ended()
 }

@@ -77,24 +77,24 @@ func (p *TCPProxy) tcpRelayOf() *tcpRelay {
 
 // serveOnLoop is Serve: the relay accepts and relays until Close.
 func (p *TCPProxy) serveOnLoop() error {
-	ok, err := p.run.start("TCP proxy")
+	ok, err := p.run.Start("TCP proxy")
 	if !ok {
 		return err
 	}
-	defer p.run.ended()
+	defer p.run.Ended()
 	return p.tcpRelayOf().serve()
 }
 
 // startOnLoop is Start: the relay's accept loop runs on a goroutine of its own, which Close
 // waits for.
 func (p *TCPProxy) startOnLoop() (bool, error) {
-	ok, err := p.run.start("TCP proxy")
+	ok, err := p.run.Start("TCP proxy")
 	if !ok {
 		return false, err
 	}
 	r := p.tcpRelayOf()
 	go func() {
-		defer p.run.ended()
+		defer p.run.Ended()
 		_ = r.serve() // an accept error is logged by serve
 	}()
 	return true, nil

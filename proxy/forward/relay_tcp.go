@@ -12,6 +12,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward/internal/backpressure"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward/internal/sys"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward/proxyproto"
 )
@@ -72,19 +73,19 @@ func (r *tcpRelay) serve() error {
 		return nil
 	}
 	p := r.p
-	var pause resourcePause
+	var pause backpressure.Pause
 	for {
 		c, err := p.Listener.Accept()
 		if err != nil {
 			switch {
 			case r.isClosed():
 				return nil
-			case isResourceExhausted(err):
-				d := pause.next()
+			case backpressure.IsResourceExhausted(err):
+				d := pause.Next()
 				if h := p.testHookAcceptPause; h != nil {
-					h(pause.attempts, d)
+					h(pause.Attempts, d)
 				}
-				if !sleepUnlessStopped(d, r.stop) {
+				if !backpressure.SleepUnlessStopped(d, r.stop) {
 					return nil
 				}
 				continue
@@ -96,10 +97,10 @@ func (r *tcpRelay) serve() error {
 			p.logError().Err(err).Msg("TCP proxy stopped")
 			return err
 		}
-		if pause.attempts > 0 {
-			p.logInfo().Int("retries", pause.attempts).Dur("paused", time.Since(pause.start)).
+		if pause.Attempts > 0 {
+			p.logInfo().Int("retries", pause.Attempts).Dur("paused", time.Since(pause.Start)).
 				Msg("accepting connections again")
-			pause = resourcePause{}
+			pause = backpressure.Pause{}
 		}
 		rc := &relayConn{client: c}
 		if !r.admit(rc) {
@@ -274,7 +275,7 @@ func (r *tcpRelay) dial(client netip.AddrPort) (net.Conn, Target, error) {
 		if r.ctx.Err() != nil {
 			return nil, Target{}, errCutRelay
 		}
-		if isResourceExhausted(err) {
+		if backpressure.IsResourceExhausted(err) {
 			p.socketFailed(client, target.Endpoint, err)
 			return nil, Target{}, err
 		}

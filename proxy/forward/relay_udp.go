@@ -11,6 +11,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward/internal/backpressure"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward/internal/sys"
 )
 
@@ -88,15 +89,15 @@ func (r *udpRelay) run() error {
 	defer close(r.done)
 	p := r.p
 	buf := make([]byte, udpBufSize)
-	var pause resourcePause
+	var pause backpressure.Pause
 	for {
 		n, client, err := p.Conn.ReadFromUDPAddrPort(buf)
 		if err != nil {
 			switch {
 			case r.isClosed():
 				return nil
-			case isResourceExhausted(err):
-				if !sleepUnlessStopped(pause.next(), r.stop) {
+			case backpressure.IsResourceExhausted(err):
+				if !backpressure.SleepUnlessStopped(pause.Next(), r.stop) {
 					return nil
 				}
 				continue
@@ -107,7 +108,7 @@ func (r *udpRelay) run() error {
 			p.logError().Err(err).Msg("UDP proxy stopped")
 			return err
 		}
-		pause = resourcePause{}
+		pause = backpressure.Pause{}
 		r.forward(client, buf[:n])
 	}
 }

@@ -11,6 +11,8 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward/internal/logscope"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward/internal/runstate"
 	"github.com/rs/zerolog"
 )
 
@@ -84,7 +86,7 @@ type TCPProxy struct {
 	transparentWarned atomic.Bool // a failed transparent dial was logged at warning level
 	refusedWarned     atomic.Bool // a refused connection was logged at warning level
 
-	run runState
+	run runstate.State
 
 	relay *tcpRelay // the portable engine's state, where it serves (relay_other.go; tests)
 
@@ -143,7 +145,7 @@ func (p *TCPProxy) pipePool() *pipePool {
 // Established connections, and connections still dialling, go on. Close may be called more
 // than once, and before Serve. On a frozen proxy it is Release.
 func (p *TCPProxy) Close() error {
-	if _, frozen := p.run.state(); frozen {
+	if _, frozen := p.run.Status(); frozen {
 		p.Release()
 		return nil
 	}
@@ -154,7 +156,7 @@ func (p *TCPProxy) Close() error {
 			sock = loopListenerCloser{p} // off the loops first
 		}
 	}
-	first, err := p.run.close(sock, "TCP proxy listener")
+	first, err := p.run.Close(sock, "TCP proxy listener")
 	if first {
 		p.pipes.closeAll() // connections still running close their pipes when done
 	}
@@ -166,7 +168,7 @@ func (p *TCPProxy) Close() error {
 // returns ctx's error. On a frozen proxy it is Release: the frozen connections belong to
 // whoever adopts them, and are not cut.
 func (p *TCPProxy) Shutdown(ctx context.Context) error {
-	if _, frozen := p.run.state(); frozen {
+	if _, frozen := p.run.Status(); frozen {
 		p.Release()
 		return nil
 	}
@@ -225,7 +227,15 @@ var testHookCloseWriteSkipped func()
 
 // logDebug, logInfo, logWarn and logError start an event of Log at their level, with LogScope's
 // fields.
-func (p *TCPProxy) logDebug() *zerolog.Event { return scoped(p.LogScope, logOrNop(p.Log).Debug()) }
-func (p *TCPProxy) logInfo() *zerolog.Event  { return scoped(p.LogScope, logOrNop(p.Log).Info()) }
-func (p *TCPProxy) logWarn() *zerolog.Event  { return scoped(p.LogScope, logOrNop(p.Log).Warn()) }
-func (p *TCPProxy) logError() *zerolog.Event { return scoped(p.LogScope, logOrNop(p.Log).Error()) }
+func (p *TCPProxy) logDebug() *zerolog.Event {
+	return logscope.Event(p.LogScope, logscope.Logger(p.Log).Debug())
+}
+func (p *TCPProxy) logInfo() *zerolog.Event {
+	return logscope.Event(p.LogScope, logscope.Logger(p.Log).Info())
+}
+func (p *TCPProxy) logWarn() *zerolog.Event {
+	return logscope.Event(p.LogScope, logscope.Logger(p.Log).Warn())
+}
+func (p *TCPProxy) logError() *zerolog.Event {
+	return logscope.Event(p.LogScope, logscope.Logger(p.Log).Error())
+}

@@ -9,6 +9,8 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward/internal/logscope"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward/internal/runstate"
 	"github.com/rs/zerolog"
 )
 
@@ -87,7 +89,7 @@ type UDPProxy struct {
 	transparentWarned atomic.Bool // a failed transparent socket was logged at warning level
 	refusedWarned     atomic.Bool // a datagram dropped for want of room was logged at warning level
 
-	run    runState
+	run    runstate.State
 	frozen atomic.Bool // Freeze asks the sessions' goroutines to stop (see handover_udp.go)
 
 	relay *udpRelay // the portable engine's state, where it serves (relay_other.go; tests)
@@ -125,6 +127,12 @@ func isUnreachable(err error) bool {
 
 // logDebug, logWarn and logError start an event of Log at their level, with LogScope's
 // fields.
-func (p *UDPProxy) logDebug() *zerolog.Event { return scoped(p.LogScope, logOrNop(p.Log).Debug()) }
-func (p *UDPProxy) logWarn() *zerolog.Event  { return scoped(p.LogScope, logOrNop(p.Log).Warn()) }
-func (p *UDPProxy) logError() *zerolog.Event { return scoped(p.LogScope, logOrNop(p.Log).Error()) }
+func (p *UDPProxy) logDebug() *zerolog.Event {
+	return logscope.Event(p.LogScope, logscope.Logger(p.Log).Debug())
+}
+func (p *UDPProxy) logWarn() *zerolog.Event {
+	return logscope.Event(p.LogScope, logscope.Logger(p.Log).Warn())
+}
+func (p *UDPProxy) logError() *zerolog.Event {
+	return logscope.Event(p.LogScope, logscope.Logger(p.Log).Error())
+}

@@ -9,6 +9,8 @@ import (
 	"os"
 	"time"
 
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward/internal/backpressure"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward/internal/logscope"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward/internal/sys"
 	"golang.org/x/sys/unix"
 )
@@ -20,12 +22,12 @@ func (p *UDPProxy) Serve() error {
 	if p.Conn == nil || p.Chooser == nil {
 		return errors.New("serve UDP proxy: Conn and Chooser are required")
 	}
-	ok, err := p.run.start("UDP proxy")
+	ok, err := p.run.Start("UDP proxy")
 	if !ok {
 		return err
 	}
 	p.prepare()
-	defer p.run.ended()
+	defer p.run.Ended()
 	ct := p.openOrigDst()
 	if ct != nil {
 		defer ct.Close()
@@ -43,7 +45,7 @@ func (p *UDPProxy) Start(poller *Poller) error {
 	if p.Conn == nil || p.Chooser == nil {
 		return errors.New("start UDP proxy: Conn and Chooser are required")
 	}
-	ok, err := p.run.start("UDP proxy")
+	ok, err := p.run.Start("UDP proxy")
 	if !ok {
 		return err
 	}
@@ -140,7 +142,7 @@ func (p *UDPProxy) growRcvBuf() {
 // leave through Conn. Close may be called more than once, and before Serve. On a frozen proxy
 // it is Release.
 func (p *UDPProxy) Close() error {
-	if _, frozen := p.run.state(); frozen {
+	if _, frozen := p.run.Status(); frozen {
 		p.Release()
 		return nil
 	}
@@ -148,7 +150,7 @@ func (p *UDPProxy) Close() error {
 	if p.Conn != nil {
 		sock = p.Conn
 	}
-	_, err := p.run.close(sock, "UDP proxy socket")
+	_, err := p.run.Close(sock, "UDP proxy socket")
 	p.closeStartCT()
 	p.DropSessions(func(netip.AddrPort) bool { return false })
 	p.sessionWG.Wait()
@@ -180,8 +182,8 @@ func (p *UDPProxy) now() int64 { return int64(time.Since(p.epoch)) }
 // nil when conntrack cannot be asked.
 func (p *UDPProxy) readLoop(ct *conntrackConn, idle bool) error {
 	local := p.Conn.LocalAddr()
-	stop := p.run.stopChan()
-	var pause resourcePause
+	stop := p.run.StopChan()
+	var pause backpressure.Pause
 	var deadline idleDeadline
 	for {
 		if idle && deadline.renew(&p.run, p.Conn.SetReadDeadline) {
@@ -195,17 +197,17 @@ func (p *UDPProxy) readLoop(ct *conntrackConn, idle bool) error {
 		if err == nil {
 			err = rerr
 		}
-		if p.run.stopping() {
+		if p.run.Stopping() {
 			return nil
 		}
 		if idle && errors.Is(err, os.ErrDeadlineExceeded) {
 			return errLoopIdle
 		}
-		if isResourceExhausted(err) {
-			if pause.attempts == 0 {
+		if backpressure.IsResourceExhausted(err) {
+			if pause.Attempts == 0 {
 				p.logWarn().Err(err).Msg("receive: out of memory; pausing")
 			}
-			if !sleepUnlessStopped(pause.next(), stop) {
+			if !backpressure.SleepUnlessStopped(pause.Next(), stop) {
 				return nil
 			}
 			continue
@@ -219,13 +221,13 @@ func (p *UDPProxy) readLoop(ct *conntrackConn, idle bool) error {
 //
 // A batch shorter than udpBatchLen means that the socket was empty: the caller waits without
 // the read that would find it so. A datagram arriving after that read wakes the wait.
-func (p *UDPProxy) readBatches(fd int, ct *conntrackConn, stop <-chan struct{}, pause *resourcePause) error {
+func (p *UDPProxy) readBatches(fd int, ct *conntrackConn, stop <-chan struct{}, pause *backpressure.Pause) error {
 	for {
 		b, n, err := p.recvBatch(fd, true)
 		if b == nil {
 			return err // nil: the socket is empty
 		}
-		*pause = resourcePause{}
+		*pause = backpressure.Pause{}
 		p.connStats.received(n)
 		p.forwardBatch(ct, b, n)
 		putUDPBatch(b)
@@ -357,7 +359,7 @@ func (p *UDPProxy) session(ct *conntrackConn, client, to netip.AddrPort) *udpSes
 	ep := target.Endpoint
 	s = p.newSession(client, ep, backend, to.Addr())
 	s.lastActive.Store(p.now())
-	if p.run.stopping() { // sessions are opened by the read loop only, which Close waits for
+	if p.run.Stopping() { // sessions are opened by the read loop only, which Close waits for
 		s.release()
 		return nil
 	}
@@ -432,7 +434,7 @@ func (p *UDPProxy) dialEndpoint(target Target, client netip.AddrPort) (*net.UDPC
 		if err == nil || !sys.IsTransparentSetupError(err) {
 			return c, err
 		}
-		logTransparentFallback(logOrNop(p.Log), p.LogScope, &p.transparentWarned, err, client, ep)
+		logscope.TransparentFallback(logscope.Logger(p.Log), p.LogScope, &p.transparentWarned, err, client, ep)
 	}
 	return net.DialUDP("udp", nil, net.UDPAddrFromAddrPort(ep))
 }

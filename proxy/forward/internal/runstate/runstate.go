@@ -1,4 +1,6 @@
-package forward
+// Package runstate is the Serve/Close life cycle of the data path's proxies (State), with the
+// errors of a proxy found closed or frozen (ErrClosed, ErrFrozen).
+package runstate
 
 import (
 	"errors"
@@ -8,11 +10,11 @@ import (
 	"sync"
 )
 
-// runState is the Serve/Close life cycle that TCPProxy and UDPProxy share: Serve may run once,
+// State is the Serve/Close life cycle that the TCP and UDP proxies share: Serve may run once,
 // Close may come before, during or after it, and Close returns only once Serve's loop has
 // returned. Freeze (a hand-over) stops Serve's loop like Close but keeps the socket open. The
 // zero value is ready; it owns its lock.
-type runState struct {
+type State struct {
 	mu                      sync.Mutex // guards the following fields
 	started, closed, frozen bool
 	// running is set from start until Serve's loop returns (ended); done is closed then, made
@@ -21,7 +23,7 @@ type runState struct {
 	running bool
 	// stop is closed by Close or freeze, and wakes a pausing loop; made by the first stopChan
 	// (closed already when it comes after them), as few loops ever pause: every listener has a
-	// runState.
+	// State.
 	stop chan struct{}
 	done chan struct{} // see running
 	// parked: the loop ended for want of work and waits, without a goroutine, for resume (see
@@ -32,15 +34,15 @@ type runState struct {
 }
 
 // closeStopLocked closes stop, if made; s.mu must be held.
-func (s *runState) closeStopLocked() {
+func (s *State) closeStopLocked() {
 	if s.stop != nil {
 		close(s.stop)
 	}
 }
 
-// start is Serve's admission: an error when Serve was called before, ok=false (and no error)
+// Start is Serve's admission: an error when Serve was called before, ok=false (and no error)
 // when Close came first. When ok, the caller calls ended as its loop returns.
-func (s *runState) start(what string) (ok bool, err error) {
+func (s *State) Start(what string) (ok bool, err error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.started {
@@ -57,23 +59,31 @@ func (s *runState) start(what string) (ok bool, err error) {
 	return true, nil
 }
 
-// ended is the loop's last act when it returns for good: close and freeze stop waiting.
-func (s *runState) ended() {
+// Ended is the loop's last act when it returns for good: close and freeze stop waiting.
+func (s *State) Ended() {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	s.endedLocked()
 }
 
-func (s *runState) endedLocked() {
+func (s *State) endedLocked() {
 	s.running = false
 	if s.done != nil {
 		close(s.done)
 	}
 }
 
+// Done returns what Close and Freeze wait on: nil when the loop is not running, else a channel
+// closed when it returns.
+func (s *State) Done() chan struct{} {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.doneLocked()
+}
+
 // doneLocked returns what close and freeze wait on: nil when the loop is not running, else
 // done, made by the first of them. s.mu must be held.
-func (s *runState) doneLocked() chan struct{} {
+func (s *State) doneLocked() chan struct{} {
 	if !s.running {
 		return nil
 	}
@@ -83,9 +93,9 @@ func (s *runState) doneLocked() chan struct{} {
 	return s.done
 }
 
-// close marks the state closed, closes sock on the first call, waits for Serve's loop to return,
+// Close marks the state closed, closes sock on the first call, waits for Serve's loop to return,
 // and reports whether this call was the first. sock may be nil.
-func (s *runState) close(sock io.Closer, what string) (first bool, err error) {
+func (s *State) Close(sock io.Closer, what string) (first bool, err error) {
 	s.mu.Lock()
 	first = !s.closed
 	if first {
@@ -108,10 +118,10 @@ func (s *runState) close(sock io.Closer, what string) (first bool, err error) {
 	return first, err
 }
 
-// freeze stops Serve's loop for a hand-over without closing the socket: it marks the state
+// Freeze stops Serve's loop for a hand-over without closing the socket: it marks the state
 // frozen, calls wake (which makes the loop's blocking call return, e.g. with a deadline in the
 // past) and waits for the loop to return. It fails when the proxy was closed or frozen before.
-func (s *runState) freeze(what string, wake func()) error {
+func (s *State) Freeze(what string, wake func()) error {
 	s.mu.Lock()
 	switch {
 	case s.closed:
@@ -133,12 +143,12 @@ func (s *runState) freeze(what string, wake func()) error {
 	return nil
 }
 
-// park is the loop's last act when it ends for want of work: unless the state is closed or
+// Park is the loop's last act when it ends for want of work: unless the state is closed or
 // frozen it calls arm, which arranges for resume to be called later (the Poller, when the socket
 // is readable), marks the state parked and returns true; the loop's goroutine then returns
 // without closing done. It returns false, and arm's error if that failed, when the loop must go
 // on or end as it would without parking.
-func (s *runState) park(arm func() error, disarm func()) (bool, error) {
+func (s *State) Park(arm func() error, disarm func()) (bool, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.closed || s.frozen {
@@ -151,9 +161,9 @@ func (s *runState) park(arm func() error, disarm func()) (bool, error) {
 	return true, nil
 }
 
-// resume takes the state out of parked and reports whether it did; the caller then runs the
+// Resume takes the state out of parked and reports whether it did; the caller then runs the
 // loop again (on a new goroutine). False means close or freeze came first.
-func (s *runState) resume() bool {
+func (s *State) Resume() bool {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if !s.parked {
@@ -166,7 +176,7 @@ func (s *runState) resume() bool {
 // unparkLocked is close's and freeze's: nothing watches the socket any more (before it is
 // closed: its descriptor's number may be reused), and a parked loop ends for good, done closed
 // as the loop would have. s.mu must be held.
-func (s *runState) unparkLocked() {
+func (s *State) unparkLocked() {
 	if s.disarm != nil {
 		s.disarm()
 		s.disarm = nil
@@ -177,9 +187,9 @@ func (s *runState) unparkLocked() {
 	}
 }
 
-// thaw undoes freeze for a hand-over that failed: the state runs again and Serve may be called
+// Thaw undoes freeze for a hand-over that failed: the state runs again and Serve may be called
 // anew. It reports false when the state is not frozen or was released (closed) since.
-func (s *runState) thaw() bool {
+func (s *State) Thaw() bool {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if !s.frozen || s.closed {
@@ -190,9 +200,9 @@ func (s *runState) thaw() bool {
 	return true
 }
 
-// release marks a frozen state closed and reports whether it did: false when the state is not
+// Release marks a frozen state closed and reports whether it did: false when the state is not
 // frozen or was closed before.
-func (s *runState) release() bool {
+func (s *State) Release() bool {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if !s.frozen || s.closed {
@@ -202,15 +212,15 @@ func (s *runState) release() bool {
 	return true
 }
 
-// state reports whether the proxy was closed and whether it was frozen.
-func (s *runState) state() (closed, frozen bool) {
+// Status reports whether the proxy was closed and whether it was frozen.
+func (s *State) Status() (closed, frozen bool) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	return s.closed, s.frozen
 }
 
-// stopChan returns the channel Close (or freeze) closes.
-func (s *runState) stopChan() <-chan struct{} {
+// StopChan returns the channel Close (or freeze) closes.
+func (s *State) StopChan() <-chan struct{} {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.stop == nil {
@@ -222,9 +232,26 @@ func (s *runState) stopChan() <-chan struct{} {
 	return s.stop
 }
 
-// stopping reports whether Close (or freeze) was called: whether stopChan's channel is closed.
-func (s *runState) stopping() bool {
+// Stopping reports whether Close (or freeze) was called: whether stopChan's channel is closed.
+func (s *State) Stopping() bool {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	return s.closed || s.frozen
 }
+
+// Err is the error for a proxy found closed or frozen.
+func Err(closed, frozen bool) error {
+	if closed {
+		return ErrClosed
+	}
+	if frozen {
+		return ErrFrozen
+	}
+	return nil
+}
+
+// ErrClosed is returned (wrapped) by Freeze and Adopt on a proxy that was closed or released.
+var ErrClosed = errors.New("proxy closed")
+
+// ErrFrozen is returned (wrapped) by Freeze and Adopt on a proxy that was frozen before.
+var ErrFrozen = errors.New("proxy frozen for a hand-over")
