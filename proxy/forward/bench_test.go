@@ -289,23 +289,6 @@ func BenchmarkUDPRecvOrigDst(b *testing.B) {
 	}
 }
 
-// BenchmarkConntrackLookup measures the ctnetlink round trip made once per new UDP session (here
-// for a flow conntrack does not know, which costs the same lookup).
-func BenchmarkConntrackLookup(b *testing.B) {
-	ct, err := openConntrack()
-	if err != nil {
-		b.Fatalf("conntrack: %v", err)
-	}
-	defer ct.Close()
-	client, local := netip.MustParseAddrPort("127.0.0.1:1"), netip.MustParseAddrPort("127.0.0.1:2")
-	b.ResetTimer()
-	for range b.N {
-		if _, err := ct.originalDst(17, client, local); err != nil && !errors.Is(err, syscall.ENOENT) {
-			b.Fatal(err)
-		}
-	}
-}
-
 // BenchmarkTCPIdleConnections holds idleConns connections, each after one echoed request, and
 // reports the Go memory (heap in use plus goroutine stacks, after a GC) per connection. Client
 // and backend (startIdleBackend) live in this process too, so the proxy's own cost per idle

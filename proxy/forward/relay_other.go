@@ -42,13 +42,12 @@ func NewPoller() (*Poller, error) { return &Poller{}, nil }
 // Close does nothing.
 func (*Poller) Close() error { return nil }
 
-// pipePool, loopProxy, udpBatchStats and conntrackConn are Linux's splice pipes, loop state,
-// batch counters and ctnetlink socket: none here.
+// pipePool, loopProxy and udpBatchStats are Linux's splice pipes, loop state and batch
+// counters: none here.
 type (
 	pipePool      struct{ budget *Budget }
 	loopProxy     struct{}
 	udpBatchStats struct{}
-	conntrackConn struct{}
 )
 
 func (*pipePool) dropIdle() int { return 0 }

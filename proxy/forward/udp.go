@@ -9,6 +9,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward/internal/ctnetlink"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward/internal/logscope"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward/internal/runstate"
 	"github.com/rs/zerolog"
@@ -96,7 +97,7 @@ type UDPProxy struct {
 
 	mu       sync.Mutex                     // guards the following fields
 	sessions map[netip.AddrPort]*udpSession // nil until Serve
-	startCT  *conntrackConn                 // Start's loop's, closed once the loop is over
+	startCT  *ctnetlink.Conn                // Start's loop's, closed once the loop is over
 }
 
 // udpSession is one client address's flow to one endpoint. Its goroutine (relayReplies) owns it.

@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward/internal/backpressure"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward/internal/ctnetlink"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward/internal/logscope"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward/internal/sys"
 	"golang.org/x/sys/unix"
@@ -61,7 +62,7 @@ func (p *UDPProxy) Start(poller *Poller) error {
 // udpStartLoop is Start's loop (loopOwner): the read loop with Start's conntrack socket.
 type udpStartLoop struct {
 	*UDPProxy
-	ct *conntrackConn
+	ct *ctnetlink.Conn
 }
 
 func (u *udpStartLoop) serveLoop(idle bool) error { return u.readLoop(u.ct, idle) }
@@ -79,12 +80,12 @@ func (p *UDPProxy) closeStartCT() {
 
 // openOrigDst has Conn report the destinations of datagrams and opens the conntrack socket that
 // finds the original destinations of new flows; nil when that is unavailable (logged).
-func (p *UDPProxy) openOrigDst() *conntrackConn {
+func (p *UDPProxy) openOrigDst() *ctnetlink.Conn {
 	if err := sys.EnableOrigDst(p.Conn); err != nil {
 		p.logWarn().Err(err).Msg("destinations of datagrams unavailable: original destinations unknown, replies leave from the routing's choice of source")
 		return nil
 	}
-	ct, err := openConntrack()
+	ct, err := ctnetlink.Open()
 	if err != nil {
 		p.logWarn().Err(err).Msg("conntrack unavailable: original destinations of UDP flows unknown")
 		return nil
@@ -180,7 +181,7 @@ func (p *UDPProxy) now() int64 { return int64(time.Since(p.epoch)) }
 // readLoop is Serve's loop. It stays in one wait on Conn: each time Conn is readable it reads
 // and forwards batches of datagrams until Conn is empty (readBatches), then waits again. ct is
 // nil when conntrack cannot be asked.
-func (p *UDPProxy) readLoop(ct *conntrackConn, idle bool) error {
+func (p *UDPProxy) readLoop(ct *ctnetlink.Conn, idle bool) error {
 	local := p.Conn.LocalAddr()
 	stop := p.run.StopChan()
 	var pause backpressure.Pause
@@ -221,7 +222,7 @@ func (p *UDPProxy) readLoop(ct *conntrackConn, idle bool) error {
 //
 // A batch shorter than udpBatchLen means that the socket was empty: the caller waits without
 // the read that would find it so. A datagram arriving after that read wakes the wait.
-func (p *UDPProxy) readBatches(fd int, ct *conntrackConn, stop <-chan struct{}, pause *backpressure.Pause) error {
+func (p *UDPProxy) readBatches(fd int, ct *ctnetlink.Conn, stop <-chan struct{}, pause *backpressure.Pause) error {
 	for {
 		b, n, err := p.recvBatch(fd, true)
 		if b == nil {
@@ -249,7 +250,7 @@ func isClosed(ch <-chan struct{}) bool {
 
 // forwardBatch forwards the n datagrams received in b: each run of consecutive datagrams from
 // one client goes to its session in one send.
-func (p *UDPProxy) forwardBatch(ct *conntrackConn, b *udpBatch, n int) {
+func (p *UDPProxy) forwardBatch(ct *ctnetlink.Conn, b *udpBatch, n int) {
 	for i := 0; i < n; {
 		client := b.source(i)
 		b.setOut(i, i, nil, nil)
@@ -265,11 +266,11 @@ func (p *UDPProxy) forwardBatch(ct *conntrackConn, b *udpBatch, n int) {
 // originalDst asks conntrack where the flow from client that reached the proxy at to was
 // addressed before NAT. It returns the zero AddrPort when that is unknown or when the flow was
 // not NATed.
-func (p *UDPProxy) originalDst(ct *conntrackConn, client, to netip.AddrPort) netip.AddrPort {
+func (p *UDPProxy) originalDst(ct *ctnetlink.Conn, client, to netip.AddrPort) netip.AddrPort {
 	if ct == nil || !to.IsValid() {
 		return netip.AddrPort{}
 	}
-	dst, err := ct.originalDst(unix.IPPROTO_UDP, client, to)
+	dst, err := ct.OriginalDst(unix.IPPROTO_UDP, client, to)
 	if err != nil {
 		if !errors.Is(err, unix.ENOENT) { // ENOENT: conntrack does not track the flow
 			p.logDebug().Err(err).Stringer("client", client).Msg("conntrack lookup failed")
@@ -285,7 +286,7 @@ func (p *UDPProxy) originalDst(ct *conntrackConn, client, to netip.AddrPort) net
 // forward sends the datagrams of b's sends [from, to), all from client and received at dst,
 // to the client's session, opening one if needed. A session found closed or refused is
 // replaced; a datagram that two sessions failed to take is dropped.
-func (p *UDPProxy) forward(ct *conntrackConn, b *udpBatch, from, to int, client, dst netip.AddrPort) {
+func (p *UDPProxy) forward(ct *ctnetlink.Conn, b *udpBatch, from, to int, client, dst netip.AddrPort) {
 	tries := 0
 	for from < to {
 		if tries == 2 {
@@ -334,7 +335,7 @@ func (p *UDPProxy) forward(ct *conntrackConn, b *udpBatch, from, to int, client,
 // session returns client's live session, opening one if there is none or the current one was
 // refused by its endpoint. It returns nil when no session could be opened. Only the read loop
 // calls it, so sessions of one client are never opened concurrently.
-func (p *UDPProxy) session(ct *conntrackConn, client, to netip.AddrPort) *udpSession {
+func (p *UDPProxy) session(ct *ctnetlink.Conn, client, to netip.AddrPort) *udpSession {
 	p.mu.Lock()
 	s := p.sessions[client]
 	if s != nil && !s.refused.Load() {

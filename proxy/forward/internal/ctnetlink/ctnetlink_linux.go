@@ -1,4 +1,4 @@
-package forward
+package ctnetlink
 
 import (
 	"encoding/binary"
@@ -44,17 +44,17 @@ const (
 	conntrackTimeout = 100 * time.Millisecond
 )
 
-// conntrackConn is a ctnetlink socket for looking up original destinations. It is not safe for
+// Conn is a ctnetlink socket for looking up original destinations. It is not safe for
 // concurrent use: the UDP read loop owns it.
-type conntrackConn struct {
+type Conn struct {
 	fd  int
 	seq uint32
 	buf []byte
 }
 
-// openConntrack opens a ctnetlink socket in the process's network namespace. It fails without
+// Open opens a ctnetlink socket in the process's network namespace. It fails without
 // CAP_NET_ADMIN or when the kernel lacks nf_conntrack_netlink.
-func openConntrack() (*conntrackConn, error) {
+func Open() (*Conn, error) {
 	fd, err := unix.Socket(unix.AF_NETLINK, unix.SOCK_RAW|unix.SOCK_CLOEXEC, unix.NETLINK_NETFILTER)
 	if err != nil {
 		return nil, fmt.Errorf("open ctnetlink socket: %w", err)
@@ -68,15 +68,15 @@ func openConntrack() (*conntrackConn, error) {
 		unix.Close(fd)
 		return nil, fmt.Errorf("bind ctnetlink socket: %w", err)
 	}
-	return &conntrackConn{fd: fd, buf: make([]byte, 8192)}, nil
+	return &Conn{fd: fd, buf: make([]byte, 8192)}, nil
 }
 
-func (c *conntrackConn) Close() error { return unix.Close(c.fd) }
+func (c *Conn) Close() error { return unix.Close(c.fd) }
 
-// originalDst returns the original destination of the conntrack flow of protocol proto whose
+// OriginalDst returns the original destination of the conntrack flow of protocol proto whose
 // replies go from local (the proxy's address the datagram arrived at, after NAT) to client. It
 // returns an error wrapping unix.ENOENT when there is no such flow.
-func (c *conntrackConn) originalDst(proto uint8, client, local netip.AddrPort) (netip.AddrPort, error) {
+func (c *Conn) OriginalDst(proto uint8, client, local netip.AddrPort) (netip.AddrPort, error) {
 	client, local = sys.UnmapAddrPort(client), sys.UnmapAddrPort(local)
 	if client.Addr().Is4() != local.Addr().Is4() {
 		return netip.AddrPort{}, fmt.Errorf("conntrack lookup %s→%s: mixed address families", local, client)

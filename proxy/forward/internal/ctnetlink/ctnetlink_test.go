@@ -1,6 +1,6 @@
 //go:build linux
 
-package forward
+package ctnetlink
 
 import (
 	"encoding/binary"
