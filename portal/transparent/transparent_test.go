@@ -22,6 +22,7 @@ import (
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/iptables"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/iptables/netnstest"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward/udp"
 )
 
 func testLogger(t testing.TB) zerolog.Logger {
@@ -234,7 +235,7 @@ func proxyChild() int {
 	}
 	defer loops.Close()
 	tp := &forward.TCPProxy{Listener: ln, Loops: loops, Chooser: chooser{ep}, Log: &log, DialTimeouts: []time.Duration{time.Second}}
-	up := &forward.UDPProxy{Conn: uc, Chooser: chooser{ep}, Log: &log}
+	up := &udp.Proxy{Conn: uc, Chooser: chooser{ep}, Log: &log}
 	var wg sync.WaitGroup
 	wg.Add(2)
 	go func() {

@@ -50,9 +50,9 @@ func (b *Budget) InUse() int {
 	return int(b.used.Load())
 }
 
-// take reserves n descriptors and reports whether they were within the limit. When they were
+// Take reserves n descriptors and reports whether they were within the limit. When they were
 // not, it closes the idle pipes and tries once more.
-func (b *Budget) take(n int64) bool {
+func (b *Budget) Take(n int64) bool {
 	if b == nil {
 		return true
 	}
@@ -68,16 +68,16 @@ func (b *Budget) take(n int64) bool {
 	return false
 }
 
-// force reserves n descriptors even beyond the limit: for work admitted before, such as
+// Force reserves n descriptors even beyond the limit: for work admitted before, such as
 // adopted connections, which are counted but never refused.
-func (b *Budget) force(n int64) {
+func (b *Budget) Force(n int64) {
 	if b != nil {
 		b.used.Add(n)
 	}
 }
 
-// give returns n descriptors taken before.
-func (b *Budget) give(n int64) {
+// Give returns n descriptors taken before.
+func (b *Budget) Give(n int64) {
 	if b != nil {
 		b.used.Add(-n)
 	}
@@ -85,9 +85,8 @@ func (b *Budget) give(n int64) {
 
 // Descriptors each piece of the data path holds.
 const (
-	tcpConnFDs    = 2 // the accepted client socket and the socket to the endpoint
-	udpSessionFDs = 1 // the session's socket to the endpoint
-	pipeFDs       = 2 // a splice pipe's two ends
+	tcpConnFDs = 2 // the accepted client socket and the socket to the endpoint
+	pipeFDs    = 2 // a splice pipe's two ends
 )
 
 // errBudgetSpent: the data path's descriptor budget is spent.

@@ -1,8 +1,16 @@
 // Package forward is the proxy's data path: given the listening socket of one service port, it
-// forwards every TCP connection (TCPProxy) or UDP flow (UDPProxy) to an endpoint picked by a
-// Chooser. It knows nothing about Kubernetes objects or iptables; the proxier creates the
-// listening sockets, hands each one to a TCPProxy or UDPProxy and runs its Serve method in a
-// goroutine it owns.
+// forwards every TCP connection (TCPProxy; UDP flows: package proxy/forward/udp) to an endpoint
+// picked by a Chooser. It knows nothing about Kubernetes objects or iptables; the proxier
+// creates the listening sockets, hands each one to a TCPProxy or a udp.Proxy and runs its Serve
+// method in a goroutine it owns.
+//
+// What both engines share is here: the Chooser and its Target, the Metrics they report to, the
+// LogScope of their log lines, the descriptor Budget, and the hand-over's records (TCPState,
+// UDPState) and errors. Below it: proxyproto (the PROXY protocol header), and, internal to the
+// data path, sys (raw system calls, socket addresses, SO_ORIGINAL_DST, transparent dialing),
+// ctnetlink (the original destination of a UDP flow), runstate (the Serve/Close/freeze life
+// cycle), backpressure (pausing on EMFILE), logscope (scoped log events) and forwardtest (what
+// the tests share).
 //
 // TCP (TCPProxy, on Loops; loop_linux.go): a few event loops (one per processor), each a
 // goroutine waiting in Go's poller for its epoll descriptor, serve every listener and
@@ -18,32 +26,23 @@
 // (ListenTCP), so accepting sets no options. Running out of file descriptors on accept pauses
 // accepting with a growing sleep instead of failing.
 //
-// UDP: one session per client address, each with its own connected socket to the endpoint and
-// one goroutine reading the endpoint's replies, which are written back from the service's own
-// listening socket, with the source address the client's datagrams arrived at, so that
-// conntrack un-NATs them. Sessions end after an idle timeout, when their endpoint leaves the
-// service (DropSessions), or when the proxy closes.
+// The TCP proxy reports the original destination of a connection (before the portal's
+// REDIRECT/DNAT) to the Chooser, read from conntrack with getsockopt SO_ORIGINAL_DST (skipped
+// when the Chooser says it does not need it: OriginalDstChooser).
 //
-// Both report the original destination of the traffic (before the portal's REDIRECT/DNAT) to the
-// Chooser, read from conntrack: with getsockopt SO_ORIGINAL_DST for TCP (skipped when the
-// Chooser says it does not need it: OriginalDstChooser), and with a ctnetlink
-// lookup once per new UDP session (UDP has no SO_ORIGINAL_DST, and IP_RECVORIGDSTADDR reports
-// the NATed destination, not the original one, except under TPROXY).
-//
-// Both engines follow one connection policy (policy.go): admission within MaxConns and the
+// Both TCP engines follow one connection policy (policy.go): admission within MaxConns and the
 // Budget, Choose, failover from one dial attempt to the next with DialTimeouts and the same log
 // lines, the PROXY protocol header, the end's metrics.
 //
-// Hand-over (handover_linux.go, handover_udp_linux.go): Freeze stops a proxy at a safe point and exports
-// its listening socket and every connection or session as plain data plus duplicated
-// descriptors, including the bytes a connection had read but not yet written (its pending
-// buffer's, or drained from its splice pipe); Adopt, on a fresh proxy of this process or another, carries on
-// from there, and Release lets the frozen proxy close its own descriptors without touching the
-// sockets.
+// Hand-over (handover.go, handover_linux.go, loop_proxy_linux.go): Freeze stops a proxy at a
+// safe point and exports its listening socket and every connection as plain data plus
+// duplicated descriptors, including the bytes a connection had read but not yet written (its
+// pending buffer's, or drained from its splice pipe); Adopt, on a fresh proxy of this process or
+// another, carries on from there, and Release lets the frozen proxy close its own descriptors
+// without touching the sockets.
 //
-// The engines above are Linux's (_linux files: epoll, splice, recvmmsg, SO_ORIGINAL_DST,
-// ctnetlink). On other systems (relay_other.go) TCPProxy and UDPProxy serve with the portable
-// relay (relay_tcp.go, relay_udp.go; its tests run on Linux too): goroutines with net.Conn,
-// io.Copy each way with half-close, one datagram per call, no original destination, no
-// transparent dialing, and Freeze and Adopt fail with ErrNotSupported.
+// The event loops are Linux's (_linux files: epoll, splice, SO_ORIGINAL_DST). On other systems
+// (relay_other.go) a TCPProxy serves with the portable relay (relay_tcp.go; its tests run on
+// Linux too): goroutines with net.Conn, io.Copy each way with half-close, no original
+// destination, no transparent dialing, and Freeze and Adopt fail with ErrNotSupported.
 package forward

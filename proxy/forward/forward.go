@@ -94,24 +94,24 @@ type Metrics interface {
 	UDPSessionEvicted()
 }
 
-// noMetrics is the Metrics used when none is configured.
-type noMetrics struct{}
+// NopMetrics is a Metrics that discards every event: what a proxy without Metrics reports to.
+type NopMetrics struct{}
 
-func (noMetrics) ConnAccepted()              {}
-func (noMetrics) ConnClosed()                {}
-func (noMetrics) ConnFailed()                {}
-func (noMetrics) ConnRefused()               {}
-func (noMetrics) UDPSessionEvicted()         {}
-func (noMetrics) DialFailed(netip.AddrPort)  {}
-func (noMetrics) BytesCopied(to, from int64) {}
-func (noMetrics) UDPSessionOpened()          {}
-func (noMetrics) UDPSessionClosed()          {}
-func (noMetrics) DatagramDropped()           {}
+func (NopMetrics) ConnAccepted()              {}
+func (NopMetrics) ConnClosed()                {}
+func (NopMetrics) ConnFailed()                {}
+func (NopMetrics) ConnRefused()               {}
+func (NopMetrics) UDPSessionEvicted()         {}
+func (NopMetrics) DialFailed(netip.AddrPort)  {}
+func (NopMetrics) BytesCopied(to, from int64) {}
+func (NopMetrics) UDPSessionOpened()          {}
+func (NopMetrics) UDPSessionClosed()          {}
+func (NopMetrics) DatagramDropped()           {}
 
 // metricsOrNone returns m, or a Metrics that discards everything when m is nil.
 func metricsOrNone(m Metrics) Metrics {
 	if m == nil {
-		return noMetrics{}
+		return NopMetrics{}
 	}
 	return m
 }

@@ -4,7 +4,6 @@ import (
 	"errors"
 	"net/netip"
 	"os"
-	"time"
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward/internal/runstate"
 )
@@ -36,8 +35,9 @@ var ErrClosed = runstate.ErrClosed
 // ErrFrozen is returned (wrapped) by Freeze and Adopt on a proxy that was frozen before.
 var ErrFrozen = runstate.ErrFrozen
 
-// freezeDeadline is the deadline, long past, that wakes and stops a frozen proxy's waits.
-var freezeDeadline = time.Unix(1, 0)
+// ErrNotSupported is returned (wrapped), on systems other than Linux, for what needs Linux: the
+// hand-over (Freeze, Adopt, the sockets from files).
+var ErrNotSupported = errors.New("not supported on this OS")
 
 // TCPState is a frozen TCPProxy: its listening socket and its established connections. Its
 // files belong to whoever holds the state: Adopt and TCPListenerFromFile take them over, Close

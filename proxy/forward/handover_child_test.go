@@ -86,7 +86,7 @@ func TestTCPHandOverToAnotherProcess(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	parent := unixConnFromFD(t, fds[0])
+	parent := forwardtest.UnixConnFromFD(t, fds[0])
 	childEnd := os.NewFile(uintptr(fds[1]), "handover")
 	cmd := exec.Command(os.Args[0])
 	cmd.Env = append(os.Environ(), childEnv+"=adopt", backendEnv+"="+backend.String())

@@ -209,7 +209,7 @@ type midStream struct {
 // startMidStream starts a midStream, with the descriptor and goroutine leak checks of the test.
 func startMidStream(t *testing.T) *midStream {
 	t.Helper()
-	checkNoFDLeaks(t)
+	forwardtest.CheckNoFDLeaks(t)
 	checkNoLeaks(t)
 	ms := &midStream{n: streamSize(t), metrics: &forwardtest.Metrics{}, gate: make(chan struct{}),
 		clientErr: make(chan error, 1), endpointErr: make(chan error, 1)}
@@ -352,7 +352,7 @@ func TestTCPHandOverHalfClosed(t *testing.T) {
 		},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			checkNoFDLeaks(t)
+			forwardtest.CheckNoFDLeaks(t)
 			checkNoLeaks(t)
 			freeze, gate := make(chan struct{}), make(chan struct{})
 			endpointErr := make(chan error, 1)
@@ -421,7 +421,7 @@ func TestTCPHandOverWhileDialling(t *testing.T) {
 		{name: "freeze gives up the dial", giveUp: true},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			checkNoFDLeaks(t)
+			forwardtest.CheckNoFDLeaks(t)
 			checkNoLeaks(t)
 			good, conns, headers := startPPEcho(t)
 			hole := blackholeEndpoint(t)
@@ -478,7 +478,7 @@ func TestTCPHandOverWhileDialling(t *testing.T) {
 // TestTCPHandOverBacklog: connections that arrive while the proxy is frozen wait in the
 // listening socket's backlog and are served by the adopter; an established connection goes on.
 func TestTCPHandOverBacklog(t *testing.T) {
-	checkNoFDLeaks(t)
+	forwardtest.CheckNoFDLeaks(t)
 	checkNoLeaks(t)
 	backend := forwardtest.StartTCPEcho(t, forwardtest.Loopback("4"))
 	chooser := &fakeChooser{Endpoints: []netip.AddrPort{backend}}
@@ -514,7 +514,7 @@ func TestTCPHandOverBacklog(t *testing.T) {
 // TestTCPFreezeMisuse: Freeze, Adopt, Release and Serve called out of turn fail clearly, close
 // what they were given, and panic nowhere.
 func TestTCPFreezeMisuse(t *testing.T) {
-	checkNoFDLeaks(t)
+	forwardtest.CheckNoFDLeaks(t)
 	checkNoLeaks(t)
 	ctx := context.Background()
 	chooser := &fakeChooser{Endpoints: []netip.AddrPort{forwardtest.StartTCPEcho(t, forwardtest.Loopback("4"))}}
@@ -524,7 +524,7 @@ func TestTCPFreezeMisuse(t *testing.T) {
 	if _, err := closed.Freeze(ctx); !errors.Is(err, ErrClosed) {
 		t.Errorf("Freeze after Close: %v, want ErrClosed", err)
 	}
-	f := socketFile(t)
+	f := forwardtest.SocketFile(t)
 	if err := closed.Adopt([]TCPConnState{{Client: f}}); !errors.Is(err, ErrClosed) {
 		t.Errorf("Adopt after Close: %v, want ErrClosed", err)
 	}
@@ -547,7 +547,7 @@ func TestTCPFreezeMisuse(t *testing.T) {
 	if _, err := r.Freeze(ctx); !errors.Is(err, ErrFrozen) {
 		t.Errorf("second Freeze: %v, want ErrFrozen", err)
 	}
-	if err := r.Adopt([]TCPConnState{{Client: socketFile(t)}}); !errors.Is(err, ErrFrozen) {
+	if err := r.Adopt([]TCPConnState{{Client: forwardtest.SocketFile(t)}}); !errors.Is(err, ErrFrozen) {
 		t.Errorf("Adopt on a frozen proxy: %v, want ErrFrozen", err)
 	}
 	if err := r.Close(); err != nil { // releases
@@ -572,23 +572,13 @@ func TestTCPFreezeMisuse(t *testing.T) {
 	if _, err := TCPListenerFromFile(nil); err == nil {
 		t.Error("TCPListenerFromFile(nil) succeeded")
 	}
-	if _, err := TCPListenerFromFile(socketFile(t)); err == nil {
+	if _, err := TCPListenerFromFile(forwardtest.SocketFile(t)); err == nil {
 		t.Error("TCPListenerFromFile of a socket that does not listen succeeded")
 	}
 	p := &TCPProxy{Chooser: chooser, Loops: newTestLoops(t, 1)}
-	if err := p.Adopt([]TCPConnState{{}, {Client: socketFile(t)}}); err == nil {
+	if err := p.Adopt([]TCPConnState{{}, {Client: forwardtest.SocketFile(t)}}); err == nil {
 		t.Error("Adopt of a state without a client socket, and of one that is not connected, succeeded")
 	}
-}
-
-// socketFile returns a TCP socket, neither connected nor listening, as a file.
-func socketFile(t *testing.T) *os.File {
-	t.Helper()
-	fd, err := unix.Socket(unix.AF_INET, unix.SOCK_STREAM|unix.SOCK_CLOEXEC|unix.SOCK_NONBLOCK, 0)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return os.NewFile(uintptr(fd), "socket")
 }
 
 // TestTCPHandOverEndpointGone hands over a connection frozen after both FINs crossed on the
@@ -597,7 +587,7 @@ func socketFile(t *testing.T) *os.File {
 // connected (the kernel moved the connection to TIME_WAIT) yet still holds the answer and the
 // EOF. The adopter must deliver both to the client, not drop the connection.
 func TestTCPHandOverEndpointGone(t *testing.T) {
-	checkNoFDLeaks(t)
+	forwardtest.CheckNoFDLeaks(t)
 	checkNoLeaks(t)
 	backend := forwardtest.StartTCPServer(t, forwardtest.Loopback("4"), func(c *net.TCPConn) {
 		if got, err := io.ReadAll(c); err != nil || string(got) != "request" {

@@ -71,7 +71,7 @@ func (c *fakeChooser) Resets() []bool {
 var _ Metrics = (*forwardtest.Metrics)(nil)
 
 // proxyMarkers name the functions of this package's proxies in goroutine stacks.
-var proxyMarkers = []string{"forward.(*Poller)", "forward.(*TCPProxy)", "forward.(*loop)", "forward.(*UDPProxy)", "forward.(*udpSession)", "forward.(*tcpRelay)", "forward.(*udpRelay)"}
+var proxyMarkers = []string{"forward.(*TCPProxy)", "forward.(*loop)", "forward.(*tcpRelay)"}
 
 // checkNoLeaks fails the test if goroutines of this package's proxies remain once its cleanups
 // have run (forwardtest.CheckNoLeaks). Call it first in a test, so its cleanup runs last.
@@ -129,36 +129,6 @@ func startTCPProxy(t testing.TB, family string, chooser Chooser, configure func(
 		ctx, cancel := context.WithCancel(context.Background())
 		cancel()
 		p.Shutdown(ctx)
-		if err := <-r.served; err != nil {
-			t.Errorf("Serve: %v", err)
-		}
-	})
-	return r
-}
-
-// udpRun is a UDPProxy serving in the background of a test.
-type udpRun struct {
-	*UDPProxy
-	addr   netip.AddrPort
-	served chan error
-}
-
-func startUDPProxy(t testing.TB, family string, chooser Chooser, configure func(*UDPProxy)) *udpRun {
-	t.Helper()
-	conn, err := net.ListenUDP("udp", net.UDPAddrFromAddrPort(netip.AddrPortFrom(forwardtest.Loopback(family), 0)))
-	if err != nil {
-		t.Fatalf("listen UDP: %v", err)
-	}
-	p := &UDPProxy{Conn: conn, Chooser: chooser, Log: new(forwardtest.Logger(t))}
-	if configure != nil {
-		configure(p)
-	}
-	r := &udpRun{UDPProxy: p, addr: conn.LocalAddr().(*net.UDPAddr).AddrPort(), served: make(chan error, 1)}
-	go func() { r.served <- p.Serve() }()
-	t.Cleanup(func() {
-		if err := p.Close(); err != nil {
-			t.Errorf("Close: %v", err)
-		}
 		if err := <-r.served; err != nil {
 			t.Errorf("Serve: %v", err)
 		}

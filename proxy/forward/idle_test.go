@@ -45,7 +45,7 @@ func settle() { time.Sleep(20 * time.Millisecond) }
 func TestTCPIdleConnectionsHoldNoGoroutine(t *testing.T) {
 	const n = 40
 	checkNoLeaks(t)
-	checkNoFDLeaks(t)
+	forwardtest.CheckNoFDLeaks(t)
 	backend := forwardtest.StartTCPEcho(t, forwardtest.Loopback("4"))
 	metrics := &forwardtest.Metrics{}
 	p := startTCPProxy(t, "4", &fakeChooser{Endpoints: []netip.AddrPort{backend}}, func(p *TCPProxy) {
@@ -92,7 +92,7 @@ func TestTCPIdleConnectionsHoldNoGoroutine(t *testing.T) {
 // directions share the clock); it is reset after IdleTimeout without data, and not before.
 func TestTCPIdleTimeoutRenewedByData(t *testing.T) {
 	checkNoLeaks(t)
-	checkNoFDLeaks(t)
+	forwardtest.CheckNoFDLeaks(t)
 	const idle = 300 * time.Millisecond
 	backend := forwardtest.StartTCPEcho(t, forwardtest.Loopback("4"))
 	metrics := &forwardtest.Metrics{}
@@ -122,7 +122,7 @@ func TestTCPIdleTimeoutRenewedByData(t *testing.T) {
 // cuts them: their clients see a reset, and no goroutine or descriptor is left.
 func TestTCPShutdownCutsIdle(t *testing.T) {
 	checkNoLeaks(t)
-	checkNoFDLeaks(t)
+	forwardtest.CheckNoFDLeaks(t)
 	const n = 10
 	backend := forwardtest.StartTCPEcho(t, forwardtest.Loopback("4"))
 	p := startTCPProxy(t, "4", &fakeChooser{Endpoints: []netip.AddrPort{backend}}, nil)
@@ -148,7 +148,7 @@ func TestTCPShutdownCutsIdle(t *testing.T) {
 // a reset.
 func TestTCPIdlePeerReset(t *testing.T) {
 	checkNoLeaks(t)
-	checkNoFDLeaks(t)
+	forwardtest.CheckNoFDLeaks(t)
 	reset := make(chan struct{})
 	backend := forwardtest.StartTCPServer(t, forwardtest.Loopback("4"), func(c *net.TCPConn) {
 		buf := make([]byte, 5)
@@ -179,7 +179,7 @@ func TestTCPHandOverIdle(t *testing.T) {
 	for _, thaw := range []bool{false, true} {
 		t.Run(fmt.Sprintf("thaw=%v", thaw), func(t *testing.T) {
 			checkNoLeaks(t)
-			checkNoFDLeaks(t)
+			forwardtest.CheckNoFDLeaks(t)
 			const n = 5
 			backend := forwardtest.StartTCPEcho(t, forwardtest.Loopback("4"))
 			chooser := &fakeChooser{Endpoints: []netip.AddrPort{backend}}
@@ -231,7 +231,7 @@ func TestTCPAdoptBeforeStart(t *testing.T) {
 	for _, start := range []bool{true, false} {
 		t.Run(fmt.Sprintf("start=%v", start), func(t *testing.T) {
 			checkNoLeaks(t)
-			checkNoFDLeaks(t)
+			forwardtest.CheckNoFDLeaks(t)
 			const n = 4
 			backend := forwardtest.StartTCPEcho(t, forwardtest.Loopback("4"))
 			chooser := &fakeChooser{Endpoints: []netip.AddrPort{backend}}
@@ -282,7 +282,7 @@ func TestTCPAdoptBeforeStart(t *testing.T) {
 // stale registration reaches a new connection's (which would then never be woken).
 func TestTCPIdleChurn(t *testing.T) {
 	checkNoLeaks(t)
-	checkNoFDLeaks(t)
+	forwardtest.CheckNoFDLeaks(t)
 	backend := forwardtest.StartTCPEcho(t, forwardtest.Loopback("4"))
 	metrics := &forwardtest.Metrics{}
 	p := startTCPProxy(t, "4", &fakeChooser{Endpoints: []netip.AddrPort{backend}}, func(p *TCPProxy) {

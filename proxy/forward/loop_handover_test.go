@@ -73,7 +73,7 @@ func loopDialsConsistent(t *testing.T, ls *Loops) {
 // thawed (the hand-over failed), stays its loop's: that loop alone dials it again, times it
 // out and resets it, and the other loop, with a dial of its own in progress, never touches it.
 func TestLoopThawedDialStaysOnItsLoop(t *testing.T) {
-	checkNoFDLeaks(t)
+	forwardtest.CheckNoFDLeaks(t)
 	checkNoLeaks(t)
 	loops := newTestLoops(t, 2)
 	hole := blackholeEndpoint(t)

@@ -70,7 +70,7 @@ func (p *TCPProxy) admitLoopConn() bool {
 // loopConnEnded forgets a loop connection that ended: its descriptors go back to the Budget and
 // Shutdown hears of it.
 func (p *TCPProxy) loopConnEnded() {
-	p.Budget.give(tcpConnFDs)
+	p.Budget.Give(tcpConnFDs)
 	p.mu.Lock()
 	p.onLoop.live--
 	p.mu.Unlock()
@@ -407,7 +407,7 @@ func (p *TCPProxy) releaseLoopConns() {
 				_ = unix.Close(int(fd))
 			}
 		}
-		p.Budget.give(tcpConnFDs)
+		p.Budget.Give(tcpConnFDs)
 		if hm != nil {
 			hm.ConnReleased()
 		}
@@ -519,7 +519,7 @@ func (p *TCPProxy) admitAdoptedOnLoop(lp *loopProxy) error {
 		return runstate.Err(closed, true)
 	}
 	lp.live++
-	p.Budget.force(tcpConnFDs)
+	p.Budget.Force(tcpConnFDs)
 	p.connWG.Add(1)
 	return nil
 }

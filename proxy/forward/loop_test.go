@@ -151,7 +151,7 @@ func loopSpliced(p *TCPProxy) bool {
 // connections (the client sees a reset, Metrics a close), and once the loops are closed no
 // socket, pipe or goroutine of theirs is left.
 func TestLoopShutdownCutsAndLeaksNothing(t *testing.T) {
-	checkNoFDLeaks(t)
+	forwardtest.CheckNoFDLeaks(t)
 	echo := forwardtest.StartTCPEcho(t, forwardtest.Loopback("4"))
 	loops, err := NewLoops(2)
 	if err != nil {

@@ -81,7 +81,7 @@ func (pp *pipePool) get() (*pipe, error) {
 		return p, nil
 	}
 	pp.mu.Unlock()
-	if !pp.budget.take(pipeFDs) {
+	if !pp.budget.Take(pipeFDs) {
 		return nil, errBudgetSpent
 	}
 	newPipe := newPipe
@@ -90,7 +90,7 @@ func (pp *pipePool) get() (*pipe, error) {
 	}
 	p, err := newPipe()
 	if err != nil {
-		pp.budget.give(pipeFDs)
+		pp.budget.Give(pipeFDs)
 	}
 	return p, err
 }
@@ -98,7 +98,7 @@ func (pp *pipePool) get() (*pipe, error) {
 // discard closes a pipe of the pool's and returns its descriptors to the budget.
 func (pp *pipePool) discard(p *pipe) {
 	p.close()
-	pp.budget.give(pipeFDs)
+	pp.budget.Give(pipeFDs)
 }
 
 // put returns an empty pipe to the pool (or closes it). A pipe that still holds bytes, or whose

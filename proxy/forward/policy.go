@@ -2,7 +2,6 @@ package forward
 
 import (
 	"errors"
-	"net"
 	"net/netip"
 	"time"
 
@@ -21,7 +20,7 @@ var errNoEndpointReached = errors.New("no endpoint could be reached")
 // port are open) and the Budget, and if so takes its descriptors from the Budget. The engine's
 // lock guarding live must be held.
 func (p *TCPProxy) admitLocked(live int) bool {
-	return (p.MaxConns <= 0 || live < p.MaxConns) && p.Budget.take(tcpConnFDs)
+	return (p.MaxConns <= 0 || live < p.MaxConns) && p.Budget.Take(tcpConnFDs)
 }
 
 // refused counts and logs a connection refused at admission; the engine resets it.
@@ -119,78 +118,4 @@ func (p *TCPProxy) connEnded(connected bool, client, endpoint netip.AddrPort, to
 			Int64("toEndpoint", toEndpoint).Int64("fromEndpoint", fromEndpoint).AnErr("err", err).
 			Msg("connection closed")
 	}
-}
-
-// The policy of a UDPProxy's sessions, for both engines (udp_linux.go, relay_udp.go).
-
-// dialSession picks and opens the endpoint of a new session of client (clientAddr unmapped):
-// Choose (reset after the previous endpoint refused the flow), admission (admit: MaxSessions
-// and the Budget), the socket (dial); each failure is counted and logged, and ok=false means
-// the datagram is dropped. On success the session holds its descriptor of the Budget.
-func (p *UDPProxy) dialSession(clientAddr, dst netip.AddrPort, reset bool, admit func() bool,
-	dial func(Target) (*net.UDPConn, error)) (target Target, backend *net.UDPConn, ok bool) {
-	target, err := p.Chooser.Choose(clientAddr, dst, reset)
-	if err != nil {
-		p.logDebug().Err(err).Stringer("client", clientAddr).Stringer("dst", dst).
-			Msg("no endpoint; datagram dropped")
-		return Target{}, nil, false
-	}
-	if !admit() {
-		p.logDebug().Stringer("client", clientAddr).Msg("no room for a new UDP session; datagram dropped")
-		return Target{}, nil, false
-	}
-	backend, err = dial(target)
-	if err != nil {
-		p.Budget.give(udpSessionFDs)
-		metricsOrNone(p.Metrics).DialFailed(target.Endpoint)
-		p.logDebug().Err(err).Stringer("client", clientAddr).Stringer("endpoint", target.Endpoint).
-			Msg("cannot open a socket to the endpoint; datagram dropped")
-		return Target{}, nil, false
-	}
-	return target, backend, true
-}
-
-// admitSessionWithin takes a new session's descriptor from the Budget within MaxSessions
-// (count: the port's sessions now), ending the longest-idle session (evictIdlest) to make room;
-// false, logged once at warning level, when there is none to end.
-func (p *UDPProxy) admitSessionWithin(count func() int, evictIdlest func() bool) bool {
-	for range 2 {
-		full := p.MaxSessions > 0 && count() >= p.MaxSessions
-		if !full && p.Budget.take(udpSessionFDs) {
-			return true
-		}
-		if !evictIdlest() {
-			break
-		}
-	}
-	if p.refusedWarned.CompareAndSwap(false, true) {
-		p.logWarn().Int("maxSessions", p.MaxSessions).Int("budget", p.Budget.Limit()).Int("budgetInUse", p.Budget.InUse()).
-			Msg("UDP datagram dropped: no room for a new session (logged once)")
-	}
-	return false
-}
-
-// sessionOpened counts and logs a new session.
-func (p *UDPProxy) sessionOpened(clientAddr, dst, endpoint netip.AddrPort, reset bool) {
-	metricsOrNone(p.Metrics).UDPSessionOpened()
-	p.logDebug().Stringer("client", clientAddr).Stringer("dst", dst).Stringer("endpoint", endpoint).
-		Bool("reset", reset).Msg("UDP session opened")
-}
-
-// flowRefused counts and logs the ICMP error of a session's endpoint (once per session): the
-// client's next datagram chooses again.
-func (p *UDPProxy) flowRefused(client, endpoint netip.AddrPort, err error) {
-	metricsOrNone(p.Metrics).DialFailed(endpoint)
-	p.logDebug().Err(err).Stringer("client", client).Stringer("endpoint", endpoint).
-		Msg("endpoint refused the flow")
-}
-
-// sessionEnded counts and logs the end of a session with its bytes each way.
-func (p *UDPProxy) sessionEnded(client, endpoint netip.AddrPort, toEndpoint, fromEndpoint int64) {
-	m := metricsOrNone(p.Metrics)
-	m.BytesCopied(toEndpoint, fromEndpoint)
-	m.UDPSessionClosed()
-	p.logDebug().Stringer("client", client).Stringer("endpoint", endpoint).
-		Int64("toEndpoint", toEndpoint).Int64("fromEndpoint", fromEndpoint).
-		Msg("UDP session closed")
 }

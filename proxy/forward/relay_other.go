@@ -4,21 +4,16 @@ package forward
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"net"
-	"net/netip"
 	"os"
 	"syscall"
 )
 
-// On systems other than Linux a TCPProxy and a UDPProxy serve with the portable relays
-// (relay_tcp.go, relay_udp.go), under the same connection policy as Linux's event loops. What
-// needs Linux says so: the hand-over (Freeze, Adopt, the sockets from files), the original
-// destination (conntrack), transparent dialing.
-
-// ErrNotSupported is returned (wrapped) for what needs Linux.
-var ErrNotSupported = errors.New("not supported on this OS")
+// On systems other than Linux a TCPProxy serves with the portable relay (relay_tcp.go), under
+// the same connection policy as Linux's event loops (package proxy/forward/udp has the UDP
+// proxy's). What needs Linux says so: the hand-over (Freeze, Adopt, the listener from a file),
+// the original destination (conntrack), transparent dialing.
 
 // Loops stands for the event loops of Linux: the relays need none.
 type Loops struct{}
@@ -32,22 +27,10 @@ func (ls *Loops) Close() error { return nil }
 // Served returns 0: the relays' connections are counted by their proxies' Metrics.
 func (ls *Loops) Served() uint64 { return 0 }
 
-// Poller stands for Linux's poller of idle UDP listeners: here a UDP proxy's read loop runs
-// from Start to Close.
-type Poller struct{}
-
-// NewPoller returns a Poller for UDPProxy.Start.
-func NewPoller() (*Poller, error) { return &Poller{}, nil }
-
-// Close does nothing.
-func (*Poller) Close() error { return nil }
-
-// pipePool, loopProxy and udpBatchStats are Linux's splice pipes, loop state and batch
-// counters: none here.
+// pipePool and loopProxy are Linux's splice pipes and loop state: none here.
 type (
-	pipePool      struct{ budget *Budget }
-	loopProxy     struct{}
-	udpBatchStats struct{}
+	pipePool  struct{ budget *Budget }
+	loopProxy struct{}
 )
 
 func (*pipePool) dropIdle() int { return 0 }
@@ -128,68 +111,4 @@ func (p *TCPProxy) Adopt(conns []TCPConnState) error {
 func TCPListenerFromFile(f *os.File) (*net.TCPListener, error) {
 	_ = closeFile(f)
 	return nil, fmt.Errorf("TCP listener from file: %w", ErrNotSupported)
-}
-
-// udpRelayOf returns p's relay, made at its first use.
-func (p *UDPProxy) udpRelayOf() *udpRelay {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	if p.relay == nil {
-		newUDPRelay(p)
-	}
-	return p.relay
-}
-
-// Serve reads datagrams from Conn and forwards them until Close. It returns nil after Close, or
-// the read error that stopped it. It may be called once.
-func (p *UDPProxy) Serve() error {
-	if p.Conn == nil || p.Chooser == nil {
-		return errors.New("serve UDP proxy: Conn and Chooser are required")
-	}
-	return p.udpRelayOf().serve()
-}
-
-// Start serves like Serve on a goroutine of its own, which Close waits for; poller is unused.
-func (p *UDPProxy) Start(*Poller) error {
-	if p.Conn == nil || p.Chooser == nil {
-		return errors.New("start UDP proxy: Conn and Chooser are required")
-	}
-	r := p.udpRelayOf()
-	ok, err := r.start()
-	if !ok {
-		return err
-	}
-	go func() { _ = r.run() }() // a read error is logged by run; close waits for it
-	return nil
-}
-
-// Close closes Conn and every session, and returns once Serve and the sessions have ended.
-func (p *UDPProxy) Close() error { return p.udpRelayOf().close() }
-
-// DropSessions ends the sessions whose endpoint keep rejects and returns how many it ended.
-func (p *UDPProxy) DropSessions(keep func(endpoint netip.AddrPort) bool) int {
-	return p.udpRelayOf().dropSessions(keep)
-}
-
-// Freeze fails: the hand-over needs Linux.
-func (p *UDPProxy) Freeze(context.Context) (UDPState, error) {
-	return UDPState{}, fmt.Errorf("freeze UDP proxy: %w", ErrNotSupported)
-}
-
-// Thaw fails: the hand-over needs Linux.
-func (p *UDPProxy) Thaw() error { return fmt.Errorf("thaw UDP proxy: %w", ErrNotSupported) }
-
-// Release does nothing: a proxy here is never frozen.
-func (p *UDPProxy) Release() {}
-
-// Adopt fails and closes the sessions' files: the hand-over needs Linux.
-func (p *UDPProxy) Adopt(sessions []UDPSessionState) error {
-	_ = UDPState{Sessions: sessions}.Close()
-	return fmt.Errorf("adopt UDP sessions: %w", ErrNotSupported)
-}
-
-// UDPConnFromFile fails and closes f: the hand-over needs Linux.
-func UDPConnFromFile(f *os.File) (*net.UDPConn, error) {
-	_ = closeFile(f)
-	return nil, fmt.Errorf("UDP socket from file: %w", ErrNotSupported)
 }

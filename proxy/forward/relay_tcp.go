@@ -197,7 +197,7 @@ func (r *tcpRelay) handle(rc *relayConn) {
 		r.mu.Lock()
 		delete(r.live, rc)
 		r.mu.Unlock()
-		p.Budget.give(tcpConnFDs)
+		p.Budget.Give(tcpConnFDs)
 		p.connEnded(connected, client, endpoint, n[0], n[1], err)
 		r.p.connWG.Done()
 	}()

@@ -12,6 +12,7 @@ import (
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/loadbalancer"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward/udp"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/handover"
 )
 
@@ -431,7 +432,7 @@ func (p *Proxier) dropInheritedLocked() {
 func (l *listener) openInherited(cfg *listenConfig, in *inherited, metrics forward.Metrics) error {
 	sp := l.choose.sp.Load()
 	if sp.Protocol == v1.ProtocolUDP {
-		conn, err := forward.UDPConnFromFile(in.sock)
+		conn, err := udp.ConnFromFile(in.sock)
 		if err != nil {
 			in.close()
 			return err

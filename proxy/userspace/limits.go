@@ -5,6 +5,7 @@ import (
 	"time"
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward/udp"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/portalloc"
 )
 
@@ -83,10 +84,10 @@ type listenConfig struct {
 	maxSessions int
 	idleTimeout time.Duration
 	preferred   PreferredPorts // nil: none
-	// poller resumes the read loops of idle UDP listeners (forward.UDPProxy.Start); nil: each
+	// poller resumes the read loops of idle UDP listeners (udp.Proxy.Start); nil: each
 	// keeps a goroutine. The proxier creates it with its first listener and closes it with the
 	// last (closeListeners).
-	poller *forward.Poller
+	poller *udp.Poller
 	// loops relay TCP (forward.TCPProxy.Loops); the proxier closes them at the end of Shutdown.
 	// Nil if they could not be created.
 	loops *forward.Loops

@@ -16,6 +16,7 @@ import (
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward/proxyproto"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward/udp"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/portalloc"
 )
 
@@ -64,7 +65,7 @@ type listener struct {
 	// inherit is what a predecessor handed over for this listener, taken by the next open.
 	inherit *inherited
 	tcp     *forward.TCPProxy
-	udp     *forward.UDPProxy
+	udp     *udp.Proxy
 	// adopt holds the handed-over connections (conns) and sessions (sessions) of a listener
 	// open yet not started: start adopts them. (One pointer: most listeners never have any.)
 	adopt   *inherited
@@ -266,8 +267,8 @@ func (l *listener) start(cfg *listenConfig) {
 	}
 }
 
-func (l *listener) newUDP(cfg *listenConfig, conn *net.UDPConn, metrics forward.Metrics) *forward.UDPProxy {
-	return &forward.UDPProxy{Conn: conn, Chooser: &l.choose, Timeout: cfg.udpTimeout, Log: l.log, LogScope: l, Metrics: metrics,
+func (l *listener) newUDP(cfg *listenConfig, conn *net.UDPConn, metrics forward.Metrics) *udp.Proxy {
+	return &udp.Proxy{Conn: conn, Chooser: &l.choose, Timeout: cfg.udpTimeout, Log: l.log, LogScope: l, Metrics: metrics,
 		Budget: cfg.budget, MaxSessions: cfg.maxSessions}
 }
 

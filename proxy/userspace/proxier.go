@@ -20,6 +20,7 @@ import (
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/loadbalancer"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward/udp"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/portalloc"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/syncrunner"
 )
@@ -1029,7 +1030,7 @@ func (p *Proxier) ensurePollerLocked() {
 	if p.listen.poller != nil || p.closed {
 		return
 	}
-	poller, err := forward.NewPoller()
+	poller, err := udp.NewPoller()
 	if err != nil {
 		p.log.Warn().Err(err).Msg("idle listeners keep a goroutine each")
 		return

@@ -1,4 +1,4 @@
-package forward
+package udp
 
 import (
 	"errors"
@@ -9,13 +9,14 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward/internal/ctnetlink"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward/internal/logscope"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward/internal/runstate"
 	"github.com/rs/zerolog"
 )
 
-// DefaultUDPTimeout is the idle timeout of a UDP session when UDPProxy.Timeout is zero.
+// DefaultTimeout is the idle timeout of a UDP session when Proxy.Timeout is zero.
 //
 // kube-proxy's 250ms broke DNS forwarders, which wait seconds for an upstream answer (glibc's
 // resolver retries after 5 s): the session, and the affinity of the flow to one endpoint, were
@@ -23,13 +24,13 @@ import (
 // (nf_conntrack_udp_timeout; replied flows get 120 s), so a session never outlives the conntrack
 // entry that un-NATs its replies, and the proxy holds a socket per client no longer than the
 // kernel holds the flow's state anyway.
-const DefaultUDPTimeout = 30 * time.Second
+const DefaultTimeout = 30 * time.Second
 
 // udpBufSize is the size of every datagram buffer: more than the largest UDP payload (65,507
 // bytes over IPv4, 65,527 over IPv6), so no datagram is ever truncated.
 const udpBufSize = 64 << 10
 
-// UDPProxy forwards the datagrams received on Conn to endpoints picked by Chooser, one session
+// Proxy forwards the datagrams received on Conn to endpoints picked by Chooser, one session
 // per client address.
 //
 // The original destination passed to Choose comes from conntrack over ctnetlink (one lookup per
@@ -49,26 +50,26 @@ const udpBufSize = 64 << 10
 // the proxy closes. When the endpoint answers with ICMP port unreachable, the next datagram
 // from the client asks Choose again with reset=true. A datagram with no usable endpoint is
 // dropped (iptables rules elsewhere send the ICMP reject).
-type UDPProxy struct {
+type Proxy struct {
 	// Conn is the service port's listening socket. Required. The proxy owns it from Serve on:
 	// Close closes it.
 	Conn *net.UDPConn
 	// Chooser picks the endpoint of each new session. Required.
-	Chooser Chooser
+	Chooser forward.Chooser
 	// Timeout is how long a session lives without traffic in either direction; zero means
-	// DefaultUDPTimeout.
+	// DefaultTimeout.
 	Timeout time.Duration
 	// Log receives the proxy's events; nil discards them. Scope it to the service port.
 	// Per-session and per-drop events are at debug level. (A pointer, as TCPProxy's.)
 	Log *zerolog.Logger
 	// LogScope, if set, adds the fields naming the service port to each event, at log time
 	// (see LogScope); Log then need not be scoped.
-	LogScope LogScope
+	LogScope forward.LogScope
 	// Metrics receives traffic events; nil means none.
-	Metrics Metrics
+	Metrics forward.Metrics
 	// Budget is the descriptor budget shared with the other service ports; nil means
 	// unlimited. Each session takes one descriptor.
-	Budget *Budget
+	Budget *forward.Budget
 	// MaxSessions bounds the sessions of this service port open at once; 0 means no bound but
 	// the Budget's. A new client beyond either limit ends this port's longest-idle session
 	// (Metrics.UDPSessionEvicted); when the port has none, its datagram is dropped.
@@ -76,7 +77,7 @@ type UDPProxy struct {
 
 	// Resolved by Serve or Adopt (prepare) before the first session starts.
 	prepared sync.Once
-	metrics  Metrics
+	metrics  forward.Metrics
 	timeout  time.Duration
 	epoch    time.Time       // session activity is kept as the monotonic time since epoch
 	connRC   syscall.RawConn // Conn's, for the replies' sends
@@ -91,7 +92,7 @@ type UDPProxy struct {
 	refusedWarned     atomic.Bool // a datagram dropped for want of room was logged at warning level
 
 	run    runstate.State
-	frozen atomic.Bool // Freeze asks the sessions' goroutines to stop (see handover_udp.go)
+	frozen atomic.Bool // Freeze asks the sessions' goroutines to stop (see handover_linux.go)
 
 	relay *udpRelay // the portable engine's state, where it serves (relay_other.go; tests)
 
@@ -102,7 +103,7 @@ type UDPProxy struct {
 
 // udpSession is one client address's flow to one endpoint. Its goroutine (relayReplies) owns it.
 type udpSession struct {
-	p         *UDPProxy
+	p         *Proxy
 	client    netip.AddrPort // as received on Conn (an IPv4 client of an AF_INET6 socket is mapped)
 	endpoint  netip.AddrPort
 	backend   *net.UDPConn    // connected to endpoint
@@ -119,6 +120,20 @@ type udpSession struct {
 	fromEndpoint atomic.Int64
 }
 
+// udpSessionFDs is the descriptors a session holds of the Budget: its socket to the endpoint.
+const udpSessionFDs = 1
+
+// freezeDeadline is the deadline, long past, that wakes and stops a frozen proxy's waits.
+var freezeDeadline = time.Unix(1, 0)
+
+// sink returns Metrics, or a Metrics that discards everything.
+func (p *Proxy) sink() forward.Metrics {
+	if p.Metrics == nil {
+		return forward.NopMetrics{}
+	}
+	return p.Metrics
+}
+
 // isUnreachable reports whether err is an ICMP error reported on a connected UDP socket: the
 // endpoint's port is closed or its host cannot be reached.
 func isUnreachable(err error) bool {
@@ -128,12 +143,12 @@ func isUnreachable(err error) bool {
 
 // logDebug, logWarn and logError start an event of Log at their level, with LogScope's
 // fields.
-func (p *UDPProxy) logDebug() *zerolog.Event {
+func (p *Proxy) logDebug() *zerolog.Event {
 	return logscope.Event(p.LogScope, logscope.Logger(p.Log).Debug())
 }
-func (p *UDPProxy) logWarn() *zerolog.Event {
+func (p *Proxy) logWarn() *zerolog.Event {
 	return logscope.Event(p.LogScope, logscope.Logger(p.Log).Warn())
 }
-func (p *UDPProxy) logError() *zerolog.Event {
+func (p *Proxy) logError() *zerolog.Event {
 	return logscope.Event(p.LogScope, logscope.Logger(p.Log).Error())
 }

@@ -1,6 +1,6 @@
 //go:build linux
 
-package forward
+package udp
 
 import (
 	"bytes"
@@ -38,7 +38,7 @@ func TestUDPEcho(t *testing.T) {
 			backend := forwardtest.StartUDPEcho(t, forwardtest.Loopback(tc.family), "")
 			chooser := &fakeChooser{Endpoints: []netip.AddrPort{backend}}
 			metrics := &forwardtest.Metrics{}
-			p := startUDPProxy(t, tc.family, chooser, func(p *UDPProxy) { p.Metrics = metrics })
+			p := startUDPProxy(t, tc.family, chooser, func(p *Proxy) { p.Metrics = metrics })
 			c := forwardtest.DialUDP(t, p.addr)
 			msg := make([]byte, tc.size)
 			rand.NewChaCha8([32]byte{9}).Read(msg)
@@ -71,7 +71,7 @@ func TestUDPIdleTimeoutEndsSession(t *testing.T) {
 	backend := forwardtest.StartUDPEcho(t, forwardtest.Loopback("4"), "")
 	chooser := &fakeChooser{Endpoints: []netip.AddrPort{backend}}
 	metrics := &forwardtest.Metrics{}
-	p := startUDPProxy(t, "4", chooser, func(p *UDPProxy) {
+	p := startUDPProxy(t, "4", chooser, func(p *Proxy) {
 		p.Timeout = 50 * time.Millisecond
 		p.Metrics = metrics
 	})
@@ -104,7 +104,7 @@ func TestUDPExpire(t *testing.T) {
 		{"idle for the timeout ends it", time.Minute, true},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			p := &UDPProxy{timeout: time.Minute, epoch: time.Now().Add(-time.Hour), sessions: map[netip.AddrPort]*udpSession{}}
+			p := &Proxy{timeout: time.Minute, epoch: time.Now().Add(-time.Hour), sessions: map[netip.AddrPort]*udpSession{}}
 			client := netip.MustParseAddrPort("192.0.2.1:5353")
 			s := &udpSession{p: p, client: client}
 			p.sessions[client] = s
@@ -124,7 +124,7 @@ func TestUDPDropSessions(t *testing.T) {
 	a, b := forwardtest.StartUDPEcho(t, forwardtest.Loopback("4"), "A:"), forwardtest.StartUDPEcho(t, forwardtest.Loopback("4"), "B:")
 	chooser := &fakeChooser{Endpoints: []netip.AddrPort{a}}
 	metrics := &forwardtest.Metrics{}
-	p := startUDPProxy(t, "4", chooser, func(p *UDPProxy) { p.Metrics = metrics })
+	p := startUDPProxy(t, "4", chooser, func(p *Proxy) { p.Metrics = metrics })
 	c := forwardtest.DialUDP(t, p.addr)
 	if got, err := forwardtest.UDPExchange(c, []byte("x"), 1, forwardtest.WaitTimeout); err != nil || string(got) != "A:x" {
 		t.Fatalf("before: %q, %v; want A:x", got, err)
@@ -187,7 +187,7 @@ func TestUDPNoEndpointDropsDatagram(t *testing.T) {
 	checkNoLeaks(t)
 	metrics := &forwardtest.Metrics{}
 	chooser := &fakeChooser{Err: errors.New("service has no endpoints")}
-	p := startUDPProxy(t, "4", chooser, func(p *UDPProxy) { p.Metrics = metrics })
+	p := startUDPProxy(t, "4", chooser, func(p *Proxy) { p.Metrics = metrics })
 	c := forwardtest.DialUDP(t, p.addr)
 	if _, err := c.Write([]byte("anyone?")); err != nil {
 		t.Fatal(err)
@@ -211,7 +211,7 @@ func TestUDPRefusedEndpoint(t *testing.T) {
 	live := forwardtest.StartUDPEcho(t, forwardtest.Loopback("4"), "")
 	chooser := &fakeChooser{Endpoints: []netip.AddrPort{closed, live}}
 	metrics := &forwardtest.Metrics{}
-	p := startUDPProxy(t, "4", chooser, func(p *UDPProxy) { p.Metrics = metrics })
+	p := startUDPProxy(t, "4", chooser, func(p *Proxy) { p.Metrics = metrics })
 	c := forwardtest.DialUDP(t, p.addr)
 	got, err := forwardtest.UDPExchange(c, []byte("hello"), 50, 200*time.Millisecond)
 	if err != nil || string(got) != "hello" {
@@ -229,7 +229,7 @@ func TestUDPCloseEndsSessions(t *testing.T) {
 	checkNoLeaks(t)
 	backend := forwardtest.StartUDPEcho(t, forwardtest.Loopback("4"), "")
 	metrics := &forwardtest.Metrics{}
-	p := startUDPProxy(t, "4", &fakeChooser{Endpoints: []netip.AddrPort{backend}}, func(p *UDPProxy) { p.Metrics = metrics })
+	p := startUDPProxy(t, "4", &fakeChooser{Endpoints: []netip.AddrPort{backend}}, func(p *Proxy) { p.Metrics = metrics })
 	for range 3 {
 		if _, err := forwardtest.UDPExchange(forwardtest.DialUDP(t, p.addr), []byte("x"), 1, forwardtest.WaitTimeout); err != nil {
 			t.Fatal(err)
@@ -270,7 +270,7 @@ func TestUDPConnReceiveBuffer(t *testing.T) {
 }
 
 // sessionCount returns the number of live sessions (for tests).
-func (p *UDPProxy) sessionCount() int {
+func (p *Proxy) sessionCount() int {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	return len(p.sessions)

@@ -1,4 +1,4 @@
-package forward
+package udp
 
 import (
 	"errors"
@@ -9,6 +9,7 @@ import (
 	"os"
 	"time"
 
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward/internal/backpressure"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward/internal/ctnetlink"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward/internal/logscope"
@@ -19,7 +20,7 @@ import (
 // Serve reads datagrams from Conn and forwards them until Close. It returns nil after Close, or
 // an error if reading fails for a reason other than a shortage of memory (which pauses
 // reading). It may be called once.
-func (p *UDPProxy) Serve() error {
+func (p *Proxy) Serve() error {
 	if p.Conn == nil || p.Chooser == nil {
 		return errors.New("serve UDP proxy: Conn and Chooser are required")
 	}
@@ -42,7 +43,7 @@ func (p *UDPProxy) Serve() error {
 // start it again when the next datagram is pending (see startParked). Sessions keep their own
 // goroutines. Close and Freeze work as with Serve; an error of the read loop is logged. With a
 // nil poller, or when the poller cannot watch Conn, the loop keeps its goroutine.
-func (p *UDPProxy) Start(poller *Poller) error {
+func (p *Proxy) Start(poller *Poller) error {
 	if p.Conn == nil || p.Chooser == nil {
 		return errors.New("start UDP proxy: Conn and Chooser are required")
 	}
@@ -61,14 +62,14 @@ func (p *UDPProxy) Start(poller *Poller) error {
 
 // udpStartLoop is Start's loop (loopOwner): the read loop with Start's conntrack socket.
 type udpStartLoop struct {
-	*UDPProxy
+	*Proxy
 	ct *ctnetlink.Conn
 }
 
 func (u *udpStartLoop) serveLoop(idle bool) error { return u.readLoop(u.ct, idle) }
 
 // closeStartCT closes the conntrack socket of Start's loop, once the loop is over (Close, Freeze).
-func (p *UDPProxy) closeStartCT() {
+func (p *Proxy) closeStartCT() {
 	p.mu.Lock()
 	ct := p.startCT
 	p.startCT = nil
@@ -80,7 +81,7 @@ func (p *UDPProxy) closeStartCT() {
 
 // openOrigDst has Conn report the destinations of datagrams and opens the conntrack socket that
 // finds the original destinations of new flows; nil when that is unavailable (logged).
-func (p *UDPProxy) openOrigDst() *ctnetlink.Conn {
+func (p *Proxy) openOrigDst() *ctnetlink.Conn {
 	if err := sys.EnableOrigDst(p.Conn); err != nil {
 		p.logWarn().Err(err).Msg("destinations of datagrams unavailable: original destinations unknown, replies leave from the routing's choice of source")
 		return nil
@@ -94,15 +95,15 @@ func (p *UDPProxy) openOrigDst() *ctnetlink.Conn {
 }
 
 // prepare resolves the configuration once, for Serve and Adopt alike.
-func (p *UDPProxy) prepare() {
+func (p *Proxy) prepare() {
 	p.prepared.Do(func() {
 		p.mu.Lock()
 		defer p.mu.Unlock()
 		p.sessions = make(map[netip.AddrPort]*udpSession)
-		p.metrics = metricsOrNone(p.Metrics)
+		p.metrics = p.sink()
 		p.timeout = p.Timeout
 		if p.timeout <= 0 {
-			p.timeout = DefaultUDPTimeout
+			p.timeout = DefaultTimeout
 		}
 		p.epoch = time.Now()
 		if p.Conn != nil {
@@ -122,7 +123,7 @@ const udpConnRcvBuf = 4 << 20
 // growRcvBuf gives Conn a receive buffer of udpConnRcvBuf unless it has one as large already:
 // with SO_RCVBUFFORCE, which needs CAP_NET_ADMIN, else with SO_RCVBUF (up to net.core.rmem_max).
 // A failure leaves the buffer as it was (logged at debug level).
-func (p *UDPProxy) growRcvBuf() {
+func (p *Proxy) growRcvBuf() {
 	var err error
 	cerr := p.connRC.Control(func(fd uintptr) {
 		cur, gerr := unix.GetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_RCVBUF)
@@ -142,7 +143,7 @@ func (p *UDPProxy) growRcvBuf() {
 // their goroutines. Unlike TCP connections, sessions cannot outlive the proxy: their replies
 // leave through Conn. Close may be called more than once, and before Serve. On a frozen proxy
 // it is Release.
-func (p *UDPProxy) Close() error {
+func (p *Proxy) Close() error {
 	if _, frozen := p.run.Status(); frozen {
 		p.Release()
 		return nil
@@ -161,7 +162,7 @@ func (p *UDPProxy) Close() error {
 // DropSessions ends at once every session whose endpoint keep rejects and returns how many it
 // ended. The next datagram from such a client opens a new session, to an endpoint Choose picks.
 // Call it after each change of the service's endpoints.
-func (p *UDPProxy) DropSessions(keep func(endpoint netip.AddrPort) bool) int {
+func (p *Proxy) DropSessions(keep func(endpoint netip.AddrPort) bool) int {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	n := 0
@@ -176,12 +177,12 @@ func (p *UDPProxy) DropSessions(keep func(endpoint netip.AddrPort) bool) int {
 }
 
 // now is the monotonic time since Serve started, for session activity stamps.
-func (p *UDPProxy) now() int64 { return int64(time.Since(p.epoch)) }
+func (p *Proxy) now() int64 { return int64(time.Since(p.epoch)) }
 
 // readLoop is Serve's loop. It stays in one wait on Conn: each time Conn is readable it reads
 // and forwards batches of datagrams until Conn is empty (readBatches), then waits again. ct is
 // nil when conntrack cannot be asked.
-func (p *UDPProxy) readLoop(ct *ctnetlink.Conn, idle bool) error {
+func (p *Proxy) readLoop(ct *ctnetlink.Conn, idle bool) error {
 	local := p.Conn.LocalAddr()
 	stop := p.run.StopChan()
 	var pause backpressure.Pause
@@ -222,7 +223,7 @@ func (p *UDPProxy) readLoop(ct *ctnetlink.Conn, idle bool) error {
 //
 // A batch shorter than udpBatchLen means that the socket was empty: the caller waits without
 // the read that would find it so. A datagram arriving after that read wakes the wait.
-func (p *UDPProxy) readBatches(fd int, ct *ctnetlink.Conn, stop <-chan struct{}, pause *backpressure.Pause) error {
+func (p *Proxy) readBatches(fd int, ct *ctnetlink.Conn, stop <-chan struct{}, pause *backpressure.Pause) error {
 	for {
 		b, n, err := p.recvBatch(fd, true)
 		if b == nil {
@@ -250,7 +251,7 @@ func isClosed(ch <-chan struct{}) bool {
 
 // forwardBatch forwards the n datagrams received in b: each run of consecutive datagrams from
 // one client goes to its session in one send.
-func (p *UDPProxy) forwardBatch(ct *ctnetlink.Conn, b *udpBatch, n int) {
+func (p *Proxy) forwardBatch(ct *ctnetlink.Conn, b *udpBatch, n int) {
 	for i := 0; i < n; {
 		client := b.source(i)
 		b.setOut(i, i, nil, nil)
@@ -266,7 +267,7 @@ func (p *UDPProxy) forwardBatch(ct *ctnetlink.Conn, b *udpBatch, n int) {
 // originalDst asks conntrack where the flow from client that reached the proxy at to was
 // addressed before NAT. It returns the zero AddrPort when that is unknown or when the flow was
 // not NATed.
-func (p *UDPProxy) originalDst(ct *ctnetlink.Conn, client, to netip.AddrPort) netip.AddrPort {
+func (p *Proxy) originalDst(ct *ctnetlink.Conn, client, to netip.AddrPort) netip.AddrPort {
 	if ct == nil || !to.IsValid() {
 		return netip.AddrPort{}
 	}
@@ -286,7 +287,7 @@ func (p *UDPProxy) originalDst(ct *ctnetlink.Conn, client, to netip.AddrPort) ne
 // forward sends the datagrams of b's sends [from, to), all from client and received at dst,
 // to the client's session, opening one if needed. A session found closed or refused is
 // replaced; a datagram that two sessions failed to take is dropped.
-func (p *UDPProxy) forward(ct *ctnetlink.Conn, b *udpBatch, from, to int, client, dst netip.AddrPort) {
+func (p *Proxy) forward(ct *ctnetlink.Conn, b *udpBatch, from, to int, client, dst netip.AddrPort) {
 	tries := 0
 	for from < to {
 		if tries == 2 {
@@ -335,7 +336,7 @@ func (p *UDPProxy) forward(ct *ctnetlink.Conn, b *udpBatch, from, to int, client
 // session returns client's live session, opening one if there is none or the current one was
 // refused by its endpoint. It returns nil when no session could be opened. Only the read loop
 // calls it, so sessions of one client are never opened concurrently.
-func (p *UDPProxy) session(ct *ctnetlink.Conn, client, to netip.AddrPort) *udpSession {
+func (p *Proxy) session(ct *ctnetlink.Conn, client, to netip.AddrPort) *udpSession {
 	p.mu.Lock()
 	s := p.sessions[client]
 	if s != nil && !s.refused.Load() {
@@ -353,7 +354,7 @@ func (p *UDPProxy) session(ct *ctnetlink.Conn, client, to netip.AddrPort) *udpSe
 	clientAddr := sys.UnmapAddrPort(client)
 	dst := p.originalDst(ct, client, to)
 	target, backend, ok := p.dialSession(clientAddr, dst, reset, p.admitSession,
-		func(t Target) (*net.UDPConn, error) { return p.dialEndpoint(t, clientAddr) })
+		func(t forward.Target) (*net.UDPConn, error) { return p.dialEndpoint(t, clientAddr) })
 	if !ok {
 		return nil
 	}
@@ -375,7 +376,7 @@ func (p *UDPProxy) session(ct *ctnetlink.Conn, client, to netip.AddrPort) *udpSe
 
 // newSession returns the session of client to ep through backend, whose replies leave from
 // replyFrom when valid.
-func (p *UDPProxy) newSession(client, ep netip.AddrPort, backend *net.UDPConn, replyFrom netip.Addr) *udpSession {
+func (p *Proxy) newSession(client, ep netip.AddrPort, backend *net.UDPConn, replyFrom netip.Addr) *udpSession {
 	s := &udpSession{p: p, client: client, endpoint: ep, backend: backend, clientSA: sys.EncodeSockaddr(client)}
 	s.rc, _ = backend.SyscallConn() // fails only on a nil conn
 	if replyFrom.IsValid() {
@@ -387,7 +388,7 @@ func (p *UDPProxy) newSession(client, ep netip.AddrPort, backend *net.UDPConn, r
 // admitSession takes the descriptor of a new session, making room first when this port is at
 // MaxSessions or the Budget is spent: it ends the port's longest-idle session. It reports false
 // (and takes nothing) when there is no room to be made.
-func (p *UDPProxy) admitSession() bool {
+func (p *Proxy) admitSession() bool {
 	return p.admitSessionWithin(func() int {
 		p.mu.Lock()
 		defer p.mu.Unlock()
@@ -397,7 +398,7 @@ func (p *UDPProxy) admitSession() bool {
 
 // evictIdlest ends the session that has been idle longest and reports whether there was one.
 // It scans the port's sessions: eviction happens only at a limit, and the limit bounds the scan.
-func (p *UDPProxy) evictIdlest() bool {
+func (p *Proxy) evictIdlest() bool {
 	p.mu.Lock()
 	var idlest *udpSession
 	for _, s := range p.sessions {
@@ -421,14 +422,14 @@ func (p *UDPProxy) evictIdlest() bool {
 func (s *udpSession) release() {
 	if s.released.CompareAndSwap(false, true) {
 		s.backend.Close()
-		s.p.Budget.give(udpSessionFDs)
+		s.p.Budget.Give(udpSessionFDs)
 	}
 }
 
 // dialEndpoint opens the session's socket to target's endpoint, from the client's address when
 // the target asks for it and that is possible. A transparent socket refused for lack of
 // privilege or by the bind falls back to a plain one, with a warning.
-func (p *UDPProxy) dialEndpoint(target Target, client netip.AddrPort) (*net.UDPConn, error) {
+func (p *Proxy) dialEndpoint(target forward.Target, client netip.AddrPort) (*net.UDPConn, error) {
 	ep := target.Endpoint
 	if target.Transparent && sys.CanDialFrom(client.Addr(), ep) {
 		c, err := sys.DialUDPFrom(client.Addr(), ep)
@@ -520,7 +521,7 @@ func (s *udpSession) relay() (frozen bool) {
 // recvBatch reads up to a batch of datagrams from fd (the service port's socket when listener is
 // set, else a session's) into a pooled batch. It returns a nil batch when fd is empty (a nil
 // error) or reading failed.
-func (p *UDPProxy) recvBatch(fd int, listener bool) (*udpBatch, int, error) {
+func (p *Proxy) recvBatch(fd int, listener bool) (*udpBatch, int, error) {
 	if p.testHookRecv != nil {
 		p.testHookRecv(fd, listener)
 	}

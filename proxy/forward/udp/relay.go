@@ -1,4 +1,4 @@
-package forward
+package udp
 
 import (
 	"errors"
@@ -11,22 +11,23 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward/internal/backpressure"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward/internal/sys"
 )
 
-// udpRelay is the portable UDP engine of a UDPProxy, for systems without recvmmsg, conntrack
+// udpRelay is the portable UDP engine of a Proxy, for systems without recvmmsg, conntrack
 // and IP_PKTINFO (relay_other.go selects it; on Linux its tests run it too): one datagram per
 // system call, a session per client address with a connected socket to its endpoint and one
 // goroutine that relays the replies, ended after Timeout without a datagram either way. Its
-// rules are UDPProxy's: Choose for a new session (reset=true after the endpoint refused the
+// rules are Proxy's: Choose for a new session (reset=true after the endpoint refused the
 // flow), MaxSessions and the Budget with the longest-idle session evicted to make room, a
 // datagram dropped when there is no endpoint. It knows no original destination (Choose gets the
 // zero AddrPort) and ignores Target.Transparent.
 type udpRelay struct {
-	p       *UDPProxy
+	p       *Proxy
 	timeout time.Duration
-	metrics Metrics
+	metrics forward.Metrics
 	stop    chan struct{} // closed by close: a paused read loop stops waiting
 	wg      sync.WaitGroup
 
@@ -49,12 +50,12 @@ type relaySession struct {
 }
 
 // newUDPRelay returns the relay of p and sets p.relay.
-func newUDPRelay(p *UDPProxy) *udpRelay {
+func newUDPRelay(p *Proxy) *udpRelay {
 	timeout := p.Timeout
 	if timeout <= 0 {
-		timeout = DefaultUDPTimeout
+		timeout = DefaultTimeout
 	}
-	p.relay = &udpRelay{p: p, timeout: timeout, metrics: metricsOrNone(p.Metrics), stop: make(chan struct{}),
+	p.relay = &udpRelay{p: p, timeout: timeout, metrics: p.sink(), stop: make(chan struct{}),
 		done: make(chan struct{}), sessions: map[netip.AddrPort]*relaySession{}}
 	return p.relay
 }
@@ -159,7 +160,7 @@ func (r *udpRelay) session(client netip.AddrPort) *relaySession {
 
 	clientAddr := sys.UnmapAddrPort(client)
 	dst := netip.AddrPort{} // unknown: no conntrack here
-	target, backend, ok := p.dialSession(clientAddr, dst, reset, r.admit, func(t Target) (*net.UDPConn, error) {
+	target, backend, ok := p.dialSession(clientAddr, dst, reset, r.admit, func(t forward.Target) (*net.UDPConn, error) {
 		ep := t.Endpoint
 		return net.DialUDP("udp", nil, net.UDPAddrFromAddrPort(netip.AddrPortFrom(ep.Addr().Unmap(), ep.Port())))
 	})
@@ -217,7 +218,7 @@ func (r *udpRelay) evictIdlest() bool {
 func (r *udpRelay) release(s *relaySession) {
 	if s.released.CompareAndSwap(false, true) {
 		_ = s.backend.Close()
-		r.p.Budget.give(udpSessionFDs)
+		r.p.Budget.Give(udpSessionFDs)
 	}
 }
 

@@ -1,4 +1,4 @@
-package forward
+package udp
 
 import (
 	"context"
@@ -9,6 +9,7 @@ import (
 	"os"
 	"time"
 
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward/internal/runstate"
 )
 
@@ -21,9 +22,9 @@ import (
 // After Freeze the proxy serves nothing and holds its own descriptors until Release (or Close,
 // which releases a frozen proxy). Freeze fails on a closed or frozen proxy; when duplicating a
 // socket fails, it returns the error and the proxy stays frozen.
-func (p *UDPProxy) Freeze(_ context.Context) (UDPState, error) {
+func (p *Proxy) Freeze(_ context.Context) (forward.UDPState, error) {
 	if err := p.run.Freeze("UDP proxy", p.wakeReadLoop); err != nil {
-		return UDPState{}, err
+		return forward.UDPState{}, err
 	}
 	p.closeStartCT() // the loop is over; Thaw and Start open another
 	p.freezeSessions()
@@ -32,13 +33,13 @@ func (p *UDPProxy) Freeze(_ context.Context) (UDPState, error) {
 }
 
 // wakeReadLoop makes a pending read of Conn return, leaving the socket open.
-func (p *UDPProxy) wakeReadLoop() {
+func (p *Proxy) wakeReadLoop() {
 	_ = p.Conn.SetReadDeadline(freezeDeadline)
 }
 
 // freezeSessions sets the frozen flag and wakes every session's goroutine with a read deadline
 // in the past; Adopt admits no more sessions.
-func (p *UDPProxy) freezeSessions() {
+func (p *Proxy) freezeSessions() {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	p.frozen.Store(true)
@@ -58,7 +59,7 @@ func (s *udpSession) park() {
 // on its own sockets, every parked session relays on where it stopped, and no descriptor is
 // needed. Call Serve again. What Freeze exported is the caller's to close. Thaw fails on a
 // proxy that is not frozen or was released.
-func (p *UDPProxy) Thaw() error {
+func (p *Proxy) Thaw() error {
 	if !p.run.Thaw() {
 		return errors.New("thaw UDP proxy: not frozen, or released")
 	}
@@ -83,12 +84,12 @@ func (p *UDPProxy) Thaw() error {
 }
 
 // export duplicates Conn and the socket of every parked session.
-func (p *UDPProxy) export() (UDPState, error) {
-	var st UDPState
+func (p *Proxy) export() (forward.UDPState, error) {
+	var st forward.UDPState
 	if p.Conn != nil {
 		f, err := p.Conn.File()
 		if err != nil {
-			return UDPState{}, fmt.Errorf("freeze UDP proxy: duplicate the socket: %w", err)
+			return forward.UDPState{}, fmt.Errorf("freeze UDP proxy: duplicate the socket: %w", err)
 		}
 		st.Conn = f
 	}
@@ -102,9 +103,9 @@ func (p *UDPProxy) export() (UDPState, error) {
 		f, err := s.backend.File()
 		if err != nil {
 			_ = st.Close()
-			return UDPState{}, fmt.Errorf("freeze UDP proxy: duplicate the socket of the session of %s: %w", s.client, err)
+			return forward.UDPState{}, fmt.Errorf("freeze UDP proxy: duplicate the socket of the session of %s: %w", s.client, err)
 		}
-		st.Sessions = append(st.Sessions, UDPSessionState{Backend: f, Client: s.client, Endpoint: s.endpoint,
+		st.Sessions = append(st.Sessions, forward.UDPSessionState{Backend: f, Client: s.client, Endpoint: s.endpoint,
 			ReplyFrom: s.replyFrom, Idle: time.Duration(max(now-s.lastActive.Load(), 0)), Refused: s.refused.Load()})
 	}
 	return st, nil
@@ -114,7 +115,7 @@ func (p *UDPProxy) export() (UDPState, error) {
 // touches no socket since the exported duplicates keep them open, returns their descriptors to
 // the Budget and reports nothing closed (see HandoverMetrics). It does nothing on a proxy that
 // is not frozen, or was released before.
-func (p *UDPProxy) Release() {
+func (p *Proxy) Release() {
 	if !p.run.Release() {
 		return
 	}
@@ -126,7 +127,7 @@ func (p *UDPProxy) Release() {
 	sessions := p.sessions
 	p.sessions = map[netip.AddrPort]*udpSession{}
 	p.mu.Unlock()
-	hm, _ := p.metrics.(HandoverMetrics)
+	hm, _ := p.metrics.(forward.HandoverMetrics)
 	for _, s := range sessions {
 		s.release()
 		if hm != nil {
@@ -144,7 +145,7 @@ func (p *UDPProxy) Release() {
 // Adopt owns the files from the call on: it closes them, or keeps the sockets as sessions. A
 // session that cannot be adopted is closed and reported in the joined error; the others go on.
 // It fails for all of them on a closed or frozen proxy.
-func (p *UDPProxy) Adopt(sessions []UDPSessionState) error {
+func (p *Proxy) Adopt(sessions []forward.UDPSessionState) error {
 	closed, frozen := p.run.Status()
 	var err error
 	switch {
@@ -154,9 +155,7 @@ func (p *UDPProxy) Adopt(sessions []UDPSessionState) error {
 		err = errors.New("the Conn field is required")
 	}
 	if err != nil {
-		for _, ss := range sessions {
-			_ = closeFile(ss.Backend)
-		}
+		_ = forward.UDPState{Sessions: sessions}.Close()
 		return fmt.Errorf("adopt UDP sessions: %w", err)
 	}
 	p.prepare()
@@ -170,7 +169,7 @@ func (p *UDPProxy) Adopt(sessions []UDPSessionState) error {
 }
 
 // adoptSession starts one adopted session.
-func (p *UDPProxy) adoptSession(ss UDPSessionState) error {
+func (p *Proxy) adoptSession(ss forward.UDPSessionState) error {
 	backend, err := udpConnFromFile(ss.Backend, true)
 	if err != nil {
 		return fmt.Errorf("session socket: %w", err)
@@ -188,7 +187,7 @@ func (p *UDPProxy) adoptSession(ss UDPSessionState) error {
 }
 
 // admitAdopted registers an adopted session, counting it in the Budget even above its limit.
-func (p *UDPProxy) admitAdopted(s *udpSession) error {
+func (p *Proxy) admitAdopted(s *udpSession) error {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if closed, frozen := p.run.Status(); closed || frozen || p.frozen.Load() {
@@ -198,15 +197,15 @@ func (p *UDPProxy) admitAdopted(s *udpSession) error {
 		return errors.New("the client has a session already")
 	}
 	p.sessions[s.client] = s
-	p.Budget.force(udpSessionFDs)
+	p.Budget.Force(udpSessionFDs)
 	p.sessionWG.Add(1)
 	return nil
 }
 
-// UDPConnFromFile turns a received service port socket (UDPState.Conn) back into what
-// UDPProxy.Conn needs, taking ownership of f. The options the proxy needs on it
+// ConnFromFile turns a received service port socket (UDPState.Conn) back into what
+// Proxy.Conn needs, taking ownership of f. The options the proxy needs on it
 // (IP_RECVORIGDSTADDR) are kernel state that came with the socket, and Serve sets them anyway.
-func UDPConnFromFile(f *os.File) (*net.UDPConn, error) {
+func ConnFromFile(f *os.File) (*net.UDPConn, error) {
 	c, err := udpConnFromFile(f, false)
 	if err != nil {
 		return nil, fmt.Errorf("UDP socket from file: %w", err)

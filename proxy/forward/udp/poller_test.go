@@ -1,6 +1,6 @@
 //go:build linux
 
-package forward
+package udp
 
 import (
 	"context"
@@ -92,7 +92,7 @@ func newTestPoller(t *testing.T) *Poller {
 }
 
 // readLoops counts the goroutines in a UDP proxy's read loop.
-func readLoops() int { return goroutinesIn("forward.(*UDPProxy).readLoop") }
+func readLoops() int { return goroutinesIn("udp.(*Proxy).readLoop") }
 
 // goroutinesIn counts the receivers (proxies) that have a goroutine in the method frame: a
 // proxy whose loop is on its way out while its next one starts counts once. Lines naming the
@@ -120,18 +120,18 @@ func goroutinesIn(frame string) int {
 // per port.
 func TestUDPStartParksIdleSockets(t *testing.T) {
 	checkNoLeaks(t)
-	checkNoFDLeaks(t)
+	forwardtest.CheckNoFDLeaks(t)
 	poller := newTestPoller(t)
 	backend := forwardtest.StartUDPEcho(t, forwardtest.Loopback("4"), "echo:")
 	const n = 5
-	proxies := make([]*UDPProxy, n)
+	proxies := make([]*Proxy, n)
 	addrs := make([]netip.AddrPort, n)
 	for i := range proxies {
 		conn, err := net.ListenUDP("udp", net.UDPAddrFromAddrPort(netip.AddrPortFrom(forwardtest.Loopback("4"), 0)))
 		if err != nil {
 			t.Fatal(err)
 		}
-		p := &UDPProxy{Conn: conn, Chooser: &fakeChooser{Endpoints: []netip.AddrPort{backend}}, Log: new(forwardtest.Logger(t))}
+		p := &Proxy{Conn: conn, Chooser: &fakeChooser{Endpoints: []netip.AddrPort{backend}}, Log: new(forwardtest.Logger(t))}
 		if err := p.Start(poller); err != nil {
 			t.Fatalf("Start: %v", err)
 		}

@@ -1,4 +1,4 @@
-package forward
+package udp
 
 import (
 	"net/netip"
@@ -41,7 +41,7 @@ type udpBatch struct {
 	send   sendState
 	sendFn func(fd uintptr) bool // b.send.sendSome
 
-	gso    [1]mmsghdr // a segmented send (udp_gso_linux.go)
+	gso    [1]mmsghdr // a segmented send (gso_linux.go)
 	gsoIov [udpBatchLen]unix.Iovec
 	gsoOOB []byte
 }

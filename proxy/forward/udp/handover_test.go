@@ -1,6 +1,6 @@
 //go:build linux
 
-package forward
+package udp
 
 import (
 	"context"
@@ -10,6 +10,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward/internal/forwardtest"
 )
 
@@ -19,11 +20,11 @@ import (
 // sockets are connected to it and accept nothing else), a datagram sent during the freeze is
 // served, a new client gets B's choice, and the sessions keep their idle clocks.
 func TestUDPHandOver(t *testing.T) {
-	checkNoFDLeaks(t)
+	forwardtest.CheckNoFDLeaks(t)
 	checkNoLeaks(t)
 	e1, e2, e3 := forwardtest.StartUDPEcho(t, forwardtest.Loopback("4"), "e1:"), forwardtest.StartUDPEcho(t, forwardtest.Loopback("4"), "e2:"), forwardtest.StartUDPEcho(t, forwardtest.Loopback("4"), "e3:")
 	ma, mb := &forwardtest.Metrics{}, &forwardtest.Metrics{}
-	a := startUDPProxy(t, "4", &fakeChooser{Endpoints: []netip.AddrPort{e1, e2}}, func(p *UDPProxy) { p.Metrics = ma })
+	a := startUDPProxy(t, "4", &fakeChooser{Endpoints: []netip.AddrPort{e1, e2}}, func(p *Proxy) { p.Metrics = ma })
 	c1, c2 := forwardtest.DialUDP(t, a.addr), forwardtest.DialUDP(t, a.addr)
 	for _, x := range []struct {
 		c    *net.UDPConn
@@ -55,11 +56,11 @@ func TestUDPHandOver(t *testing.T) {
 		t.Fatal(err)
 	}
 	st = passUDPState(t, st)
-	conn, err := UDPConnFromFile(st.Conn)
+	conn, err := ConnFromFile(st.Conn)
 	if err != nil {
 		t.Fatal(err)
 	}
-	b := &UDPProxy{Conn: conn, Chooser: &fakeChooser{Endpoints: []netip.AddrPort{e3}}, Metrics: mb, Log: new(forwardtest.Logger(t))}
+	b := &Proxy{Conn: conn, Chooser: &fakeChooser{Endpoints: []netip.AddrPort{e3}}, Metrics: mb, Log: new(forwardtest.Logger(t))}
 	if err := b.Adopt(st.Sessions); err != nil {
 		t.Fatalf("Adopt: %v", err)
 	}
@@ -96,7 +97,7 @@ func TestUDPHandOver(t *testing.T) {
 // TestUDPHandOverKeepsIdleClock: an adopted session is as idle as it was when frozen, and
 // expires in the adopter after its Timeout.
 func TestUDPHandOverKeepsIdleClock(t *testing.T) {
-	checkNoFDLeaks(t)
+	forwardtest.CheckNoFDLeaks(t)
 	checkNoLeaks(t)
 	echo := forwardtest.StartUDPEcho(t, forwardtest.Loopback("4"), "")
 	a := startUDPProxy(t, "4", &fakeChooser{Endpoints: []netip.AddrPort{echo}}, nil)
@@ -113,11 +114,11 @@ func TestUDPHandOverKeepsIdleClock(t *testing.T) {
 	}
 	frozenIdle := st.Sessions[0].Idle
 	st = passUDPState(t, st)
-	conn, err := UDPConnFromFile(st.Conn)
+	conn, err := ConnFromFile(st.Conn)
 	if err != nil {
 		t.Fatal(err)
 	}
-	b := &UDPProxy{Conn: conn, Chooser: &fakeChooser{}, Timeout: 300 * time.Millisecond, Log: new(forwardtest.Logger(t))}
+	b := &Proxy{Conn: conn, Chooser: &fakeChooser{}, Timeout: 300 * time.Millisecond, Log: new(forwardtest.Logger(t))}
 	if err := b.Adopt(st.Sessions); err != nil {
 		t.Fatal(err)
 	}
@@ -137,7 +138,7 @@ func TestUDPHandOverKeepsIdleClock(t *testing.T) {
 
 // TestUDPFreezeMisuse: Freeze and Adopt out of turn fail clearly and close what they were given.
 func TestUDPFreezeMisuse(t *testing.T) {
-	checkNoFDLeaks(t)
+	forwardtest.CheckNoFDLeaks(t)
 	checkNoLeaks(t)
 	ctx := context.Background()
 	r := startUDPProxy(t, "4", &fakeChooser{Endpoints: []netip.AddrPort{forwardtest.StartUDPEcho(t, forwardtest.Loopback("4"), "")}}, nil)
@@ -149,24 +150,24 @@ func TestUDPFreezeMisuse(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer st.Close()
-	if _, err := r.Freeze(ctx); !errors.Is(err, ErrFrozen) {
+	if _, err := r.Freeze(ctx); !errors.Is(err, forward.ErrFrozen) {
 		t.Errorf("second Freeze: %v, want ErrFrozen", err)
 	}
-	f := socketFile(t)
-	if err := r.Adopt([]UDPSessionState{{Backend: f}}); !errors.Is(err, ErrFrozen) {
+	f := forwardtest.SocketFile(t)
+	if err := r.Adopt([]forward.UDPSessionState{{Backend: f}}); !errors.Is(err, forward.ErrFrozen) {
 		t.Errorf("Adopt on a frozen proxy: %v, want ErrFrozen", err)
 	}
 	r.Release()
-	if _, err := r.Freeze(ctx); !errors.Is(err, ErrClosed) {
+	if _, err := r.Freeze(ctx); !errors.Is(err, forward.ErrClosed) {
 		t.Errorf("Freeze after Release: %v, want ErrClosed", err)
 	}
-	if _, err := UDPConnFromFile(nil); err == nil {
-		t.Error("UDPConnFromFile(nil) succeeded")
+	if _, err := ConnFromFile(nil); err == nil {
+		t.Error("ConnFromFile(nil) succeeded")
 	}
-	if _, err := UDPConnFromFile(socketFile(t)); err == nil {
-		t.Error("UDPConnFromFile of a TCP socket succeeded")
+	if _, err := ConnFromFile(forwardtest.SocketFile(t)); err == nil {
+		t.Error("ConnFromFile of a TCP socket succeeded")
 	}
-	if err := (&UDPProxy{}).Adopt(nil); err == nil {
+	if err := (&Proxy{}).Adopt(nil); err == nil {
 		t.Error("Adopt without Conn succeeded")
 	}
 }
