@@ -22,6 +22,7 @@ import (
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/iptables"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/iptables/netnstest"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward/tcp"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward/udp"
 )
 
@@ -228,13 +229,13 @@ func proxyChild() int {
 		return 2
 	}
 	log := zerolog.New(os.Stderr).Level(zerolog.DebugLevel)
-	loops, err := forward.NewLoops(1)
+	loops, err := tcp.NewLoops(1)
 	if err != nil {
 		fmt.Fprintln(os.Stderr, err)
 		return 2
 	}
 	defer loops.Close()
-	tp := &forward.TCPProxy{Listener: ln, Loops: loops, Chooser: chooser{ep}, Log: &log, DialTimeouts: []time.Duration{time.Second}}
+	tp := &tcp.Proxy{Listener: ln, Loops: loops, Chooser: chooser{ep}, Log: &log, DialTimeouts: []time.Duration{time.Second}}
 	up := &udp.Proxy{Conn: uc, Chooser: chooser{ep}, Log: &log}
 	var wg sync.WaitGroup
 	wg.Add(2)

@@ -1,7 +1,7 @@
 package forward
 
 import (
-	"errors"
+	"sync"
 	"sync/atomic"
 )
 
@@ -12,22 +12,47 @@ import (
 // iptables-restore and conntrack, the API watch, the health server): a flood against the data
 // path slows no sync and silences no probe.
 //
-// The idle splice pipes of every port sharing a budget are pooled in it, so that idle pipes are
-// bounded per node rather than per port, and are given up before new work is refused.
+// Idle descriptors of every port sharing a budget (the TCP engine's splice pipes) are pooled in
+// it (Idle), so that they are bounded per node rather than per port, and are given up before new
+// work is refused.
 //
 // A nil *Budget is unlimited. All methods are safe for concurrent use.
 type Budget struct {
 	limit atomic.Int64
 	used  atomic.Int64
-	pipes pipePool // idle splice pipes, taken from this budget
+
+	idle   atomic.Pointer[IdleHolder] // set once, by the first Idle
+	idleMu sync.Mutex                 // serialises the first Idle calls
+}
+
+// IdleHolder holds descriptors of a Budget that no work uses now and that can be closed at once
+// (the TCP engine's pool of idle splice pipes): DropIdle closes them, gives them back to the
+// budget and returns how many it closed.
+type IdleHolder interface {
+	DropIdle() int
 }
 
 // NewBudget returns a budget of limit descriptors (see SetLimit).
 func NewBudget(limit int) *Budget {
 	b := &Budget{}
-	b.pipes.budget = b
 	b.SetLimit(limit)
 	return b
+}
+
+// Idle returns the budget's IdleHolder, made by newHolder at the first call: every port sharing
+// the budget pools its idle descriptors there, and Take drops them before refusing work.
+func (b *Budget) Idle(newHolder func() IdleHolder) IdleHolder {
+	if h := b.idle.Load(); h != nil {
+		return *h
+	}
+	b.idleMu.Lock()
+	defer b.idleMu.Unlock()
+	if h := b.idle.Load(); h != nil {
+		return *h
+	}
+	h := newHolder()
+	b.idle.Store(&h)
+	return h
 }
 
 // SetLimit changes how many descriptors the data path may hold. Lowering it below what is in use
@@ -51,7 +76,7 @@ func (b *Budget) InUse() int {
 }
 
 // Take reserves n descriptors and reports whether they were within the limit. When they were
-// not, it closes the idle pipes and tries once more.
+// not, it drops the idle descriptors (see Idle) and tries once more.
 func (b *Budget) Take(n int64) bool {
 	if b == nil {
 		return true
@@ -61,7 +86,7 @@ func (b *Budget) Take(n int64) bool {
 			return true
 		}
 		b.used.Add(-n)
-		if b.pipes.dropIdle() == 0 {
+		if h := b.idle.Load(); h == nil || (*h).DropIdle() == 0 {
 			break
 		}
 	}
@@ -82,15 +107,3 @@ func (b *Budget) Give(n int64) {
 		b.used.Add(-n)
 	}
 }
-
-// Descriptors each piece of the data path holds.
-const (
-	tcpConnFDs = 2 // the accepted client socket and the socket to the endpoint
-	pipeFDs    = 2 // a splice pipe's two ends
-)
-
-// errBudgetSpent: the data path's descriptor budget is spent.
-var errBudgetSpent = errors.New("descriptor budget of the data path spent")
-
-// errIdle: the connection moved no byte for the idle timeout.
-var errIdle = errors.New("idle timeout: no data either way")

@@ -1,48 +1,20 @@
-// Package forward is the proxy's data path: given the listening socket of one service port, it
-// forwards every TCP connection (TCPProxy; UDP flows: package proxy/forward/udp) to an endpoint
-// picked by a Chooser. It knows nothing about Kubernetes objects or iptables; the proxier
-// creates the listening sockets, hands each one to a TCPProxy or a udp.Proxy and runs its Serve
-// method in a goroutine it owns.
+// Package forward is what the proxy's data path shares and what its users name: given the
+// listening socket of one service port, the TCP proxy (package proxy/forward/tcp) or the UDP
+// proxy (package proxy/forward/udp) forwards every connection or flow to an endpoint picked by
+// a Chooser. It knows nothing about Kubernetes objects or iptables; the proxier creates the
+// listening sockets, hands each one to a tcp.Proxy or a udp.Proxy and runs its Serve method in
+// a goroutine it owns.
 //
-// What both engines share is here: the Chooser and its Target, the Metrics they report to, the
-// LogScope of their log lines, the descriptor Budget, and the hand-over's records (TCPState,
-// UDPState) and errors. Below it: proxyproto (the PROXY protocol header), and, internal to the
-// data path, sys (raw system calls, socket addresses, SO_ORIGINAL_DST, transparent dialing),
-// ctnetlink (the original destination of a UDP flow), runstate (the Serve/Close/freeze life
-// cycle), backpressure (pausing on EMFILE), logscope (scoped log events) and forwardtest (what
-// the tests share).
+// Here: the Chooser and the Target it answers with (OriginalDstChooser to skip the original
+// destination), the Metrics both engines report to (HandoverMetrics for hand-overs), the
+// LogScope of their log lines, the descriptor Budget every port shares (RaiseFileLimit sizes
+// it), and the hand-over's records (TCPState, UDPState: plain data and descriptors, handover.go)
+// with its errors (ErrClosed, ErrFrozen, ErrNotSupported).
 //
-// TCP (TCPProxy, on Loops; loop_linux.go): a few event loops (one per processor), each a
-// goroutine waiting in Go's poller for its epoll descriptor, serve every listener and
-// connection. A proxy's listener is on two of them, each accepting for itself, and a connection
-// lives on the loop that accepted it: ~0.3 KiB of state indexed by descriptor, no goroutine of
-// its own. Accepting never waits on a dial: the endpoint is dialled with a non-blocking connect
-// (retrying other endpoints with growing timeouts), and a client that reaches no endpoint is
-// reset. A direction copies through the loop's buffer until a read fills it, then with splice(2)
-// through a pipe held only while data flows (HAProxy's splice-auto; pipe_linux.go), so bulk
-// bytes never enter user space and an idle connection costs its two sockets. Half-closes are
-// passed on; timeouts are checked by a coarse sweep rather than a timer per connection. The
-// client side's TCP keepalive and TCP_NODELAY are inherited from the listening socket
-// (ListenTCP), so accepting sets no options. Running out of file descriptors on accept pauses
-// accepting with a growing sleep instead of failing.
-//
-// The TCP proxy reports the original destination of a connection (before the portal's
-// REDIRECT/DNAT) to the Chooser, read from conntrack with getsockopt SO_ORIGINAL_DST (skipped
-// when the Chooser says it does not need it: OriginalDstChooser).
-//
-// Both TCP engines follow one connection policy (policy.go): admission within MaxConns and the
-// Budget, Choose, failover from one dial attempt to the next with DialTimeouts and the same log
-// lines, the PROXY protocol header, the end's metrics.
-//
-// Hand-over (handover.go, handover_linux.go, loop_proxy_linux.go): Freeze stops a proxy at a
-// safe point and exports its listening socket and every connection as plain data plus
-// duplicated descriptors, including the bytes a connection had read but not yet written (its
-// pending buffer's, or drained from its splice pipe); Adopt, on a fresh proxy of this process or
-// another, carries on from there, and Release lets the frozen proxy close its own descriptors
-// without touching the sockets.
-//
-// The event loops are Linux's (_linux files: epoll, splice, SO_ORIGINAL_DST). On other systems
-// (relay_other.go) a TCPProxy serves with the portable relay (relay_tcp.go; its tests run on
-// Linux too): goroutines with net.Conn, io.Copy each way with half-close, no original
-// destination, no transparent dialing, and Freeze and Adopt fail with ErrNotSupported.
+// Below it: tcp and udp (the engines, each with its Linux engine and a portable relay for other
+// systems, behind one connection policy), proxyproto (the PROXY protocol header) and, internal
+// to the data path, sys (raw system calls, socket addresses, SO_ORIGINAL_DST, transparent
+// dialing), ctnetlink (the original destination of a UDP flow), runstate (the
+// Serve/Close/freeze life cycle), backpressure (pausing on EMFILE), logscope (scoped log
+// events) and forwardtest (what the tests share).
 package forward

@@ -107,11 +107,3 @@ func (NopMetrics) BytesCopied(to, from int64) {}
 func (NopMetrics) UDPSessionOpened()          {}
 func (NopMetrics) UDPSessionClosed()          {}
 func (NopMetrics) DatagramDropped()           {}
-
-// metricsOrNone returns m, or a Metrics that discards everything when m is nil.
-func metricsOrNone(m Metrics) Metrics {
-	if m == nil {
-		return NopMetrics{}
-	}
-	return m
-}

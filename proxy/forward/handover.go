@@ -73,12 +73,14 @@ type TCPConnState struct {
 func (s TCPState) Close() error {
 	errs := []error{closeFile(s.Listener)}
 	for _, c := range s.Conns {
-		errs = append(errs, c.close())
+		errs = append(errs, c.Close())
 	}
 	return errors.Join(errs...)
 }
 
-func (c TCPConnState) close() error {
+// Close closes the connection's files (for a connection nobody adopts) and returns the first
+// error.
+func (c TCPConnState) Close() error {
 	return errors.Join(closeFile(c.Client), closeFile(c.Backend))
 }
 

@@ -6,7 +6,8 @@
 // sync, which drains the coalesced changes and then, top to bottom:
 //
 //  1. for every changed service port, opens (or keeps, or closes) its listener on a proxy port,
-//     served by package proxy/forward, and hands its endpoints to the load balancer;
+//     served by package proxy/forward/tcp or proxy/forward/udp, and hands its endpoints to the
+//     load balancer;
 //  2. takes one snapshot of the node's addresses (proxy.NodeAddrs);
 //  3. asks the balancer which traffic of each port has a usable endpoint and turns that into
 //     the portals' actions (proxy.PortState);
@@ -20,10 +21,10 @@
 // (Options.OnEndpointsProgrammed); only a change that alters a port's state (its first or last
 // usable endpoint, its local endpoints) asks for a sync, which writes the rules.
 //
-// A connection's walk: a portal rule redirects it to a listener; the listener's forward.TCPProxy
+// A connection's walk: a portal rule redirects it to a listener; the listener's tcp.Proxy
 // accepts it and asks the listener's chooser for an endpoint (the chooser asks the balancer,
-// with the traffic class the original destination implies); the TCPProxy dials, then splices
-// both ways (package proxy/forward, tcp.go, one function per connection).
+// with the traffic class the original destination implies); the proxy's event loop dials, then
+// copies and splices both ways (package proxy/forward/tcp).
 //
 // Data flows one way: sources → tracker → sync → (balancer, listeners, portals) → result. The
 // package knows nothing of iptables (the Portals interface hides it) nor of HTTP (health

@@ -12,6 +12,7 @@ import (
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/loadbalancer"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward/tcp"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward/udp"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/handover"
 )
@@ -442,7 +443,7 @@ func (l *listener) openInherited(cfg *listenConfig, in *inherited, metrics forwa
 		l.proxyPort = in.proxyPort
 		return nil
 	}
-	ln, err := forward.TCPListenerFromFile(in.sock)
+	ln, err := tcp.ListenerFromFile(in.sock)
 	if err != nil {
 		in.close()
 		return err

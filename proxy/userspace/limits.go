@@ -5,6 +5,7 @@ import (
 	"time"
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward/tcp"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward/udp"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/portalloc"
 )
@@ -88,9 +89,9 @@ type listenConfig struct {
 	// keeps a goroutine. The proxier creates it with its first listener and closes it with the
 	// last (closeListeners).
 	poller *udp.Poller
-	// loops relay TCP (forward.TCPProxy.Loops); the proxier closes them at the end of Shutdown.
+	// loops relay TCP (tcp.Proxy.Loops); the proxier closes them at the end of Shutdown.
 	// Nil if they could not be created.
-	loops *forward.Loops
+	loops *tcp.Loops
 	// testHookServe, when set, is called as a listener starts serving (tests).
 	testHookServe func(*listener)
 }

@@ -16,6 +16,7 @@ import (
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward/proxyproto"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward/tcp"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward/udp"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/portalloc"
 )
@@ -64,7 +65,7 @@ type listener struct {
 	proxyPort int // 0 while not open
 	// inherit is what a predecessor handed over for this listener, taken by the next open.
 	inherit *inherited
-	tcp     *forward.TCPProxy
+	tcp     *tcp.Proxy
 	udp     *udp.Proxy
 	// adopt holds the handed-over connections (conns) and sessions (sessions) of a listener
 	// open yet not started: start adopts them. (One pointer: most listeners never have any.)
@@ -223,7 +224,7 @@ func (l *listener) listen(proto v1.Protocol, cfg *listenConfig, port int, metric
 		l.udp = l.newUDP(cfg, conn, metrics)
 		return nil
 	}
-	ln, err := forward.ListenTCP(network("tcp", bind), net.TCPAddrFromAddrPort(addr))
+	ln, err := tcp.Listen(network("tcp", bind), net.TCPAddrFromAddrPort(addr))
 	if err != nil {
 		return err
 	}
@@ -272,8 +273,8 @@ func (l *listener) newUDP(cfg *listenConfig, conn *net.UDPConn, metrics forward.
 		Budget: cfg.budget, MaxSessions: cfg.maxSessions}
 }
 
-func (l *listener) newTCP(cfg *listenConfig, ln *net.TCPListener, metrics forward.Metrics) *forward.TCPProxy {
-	return &forward.TCPProxy{Listener: ln, Chooser: &l.choose, Log: l.log, LogScope: l, Metrics: metrics,
+func (l *listener) newTCP(cfg *listenConfig, ln *net.TCPListener, metrics forward.Metrics) *tcp.Proxy {
+	return &tcp.Proxy{Listener: ln, Chooser: &l.choose, Log: l.log, LogScope: l, Metrics: metrics,
 		Budget: cfg.budget, MaxConns: cfg.maxConns, IdleTimeout: cfg.idleTimeout, Loops: cfg.loops}
 }
 

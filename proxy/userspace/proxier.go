@@ -20,6 +20,7 @@ import (
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/loadbalancer"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward/tcp"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward/udp"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/portalloc"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/syncrunner"
@@ -97,8 +98,8 @@ type Options struct {
 // newLoops returns the event loops that relay TCP: one per processor the runtime uses. Nil
 // when they cannot be created (no descriptor left): TCP service ports are then not served,
 // each saying so in the log.
-func newLoops(opts Options) *forward.Loops {
-	loops, err := forward.NewLoops(runtime.GOMAXPROCS(0))
+func newLoops(opts Options) *tcp.Loops {
+	loops, err := tcp.NewLoops(runtime.GOMAXPROCS(0))
 	if err != nil {
 		opts.Log.Error().Err(err).Msg("TCP event loops not available; TCP service ports will not be served")
 		return nil

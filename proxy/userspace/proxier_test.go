@@ -22,7 +22,7 @@ import (
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/loadbalancer"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy"
-	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward/tcp"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/portalloc"
 )
 
@@ -279,7 +279,7 @@ func TestTCPAndUDPThroughProxy(t *testing.T) {
 	}
 }
 
-func servedBy(loops *forward.Loops) uint64 {
+func servedBy(loops *tcp.Loops) uint64 {
 	if loops == nil {
 		return 0
 	}
