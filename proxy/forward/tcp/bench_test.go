@@ -27,7 +27,7 @@ func tcpTarget(b *testing.B, proxied bool, backend netip.AddrPort) netip.AddrPor
 	if !proxied {
 		return backend
 	}
-	return startTCPProxy(b, "4", &fakeChooser{Endpoints: []netip.AddrPort{backend}}, func(p *Proxy) {
+	return startTCPProxy(b, "4", &forwardtest.Chooser{Endpoints: []netip.AddrPort{backend}}, func(p *Proxy) {
 		p.Log = new(zerolog.Nop())
 	}).addr
 }

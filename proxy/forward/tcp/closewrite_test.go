@@ -39,7 +39,7 @@ func TestSecondEOFLeftToClose(t *testing.T) {
 			testHookCloseWriteSkipped = func() { skipped.Add(1) }
 			t.Cleanup(func() { testHookCloseWriteSkipped = nil }) // after the proxy's cleanup: registered first
 			backend := forwardtest.StartTCPServer(t, forwardtest.Loopback("4"), tc.server)
-			r := startTCPProxy(t, "4", &fakeChooser{Endpoints: []netip.AddrPort{backend}}, nil)
+			r := startTCPProxy(t, "4", &forwardtest.Chooser{Endpoints: []netip.AddrPort{backend}}, nil)
 			const conns = 5
 			for range conns {
 				c := forwardtest.DialTCP(t, r.addr)

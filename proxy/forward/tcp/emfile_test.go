@@ -60,7 +60,7 @@ func emfileChild() int {
 	}
 	p := &Proxy{
 		Listener: ln,
-		Chooser:  &fakeChooser{Endpoints: []netip.AddrPort{backend}},
+		Chooser:  &forwardtest.Chooser{Endpoints: []netip.AddrPort{backend}},
 		Log:      new(zerolog.New(os.Stderr).Level(zerolog.DebugLevel)),
 		testHookAcceptPause: func(attempt int, delay time.Duration) {
 			say("PAUSE %d", attempt)

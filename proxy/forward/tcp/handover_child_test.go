@@ -54,7 +54,7 @@ func adoptChild() int {
 	}
 	defer loops.Close()
 	m := &forwardtest.Metrics{}
-	p := &Proxy{Listener: ln, Chooser: &fakeChooser{Endpoints: []netip.AddrPort{backend}}, Metrics: m,
+	p := &Proxy{Listener: ln, Chooser: &forwardtest.Chooser{Endpoints: []netip.AddrPort{backend}}, Metrics: m,
 		Log: new(zerolog.New(os.Stderr).Level(zerolog.DebugLevel)), Loops: loops}
 	if err := p.Adopt(st.Conns); err != nil {
 		return fail("adopt", err)

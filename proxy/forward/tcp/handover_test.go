@@ -201,7 +201,7 @@ type midStream struct {
 	n                      int64
 	a                      *proxyRun
 	backend                netip.AddrPort
-	chooser                *fakeChooser
+	chooser                *forwardtest.Chooser
 	metrics                *forwardtest.Metrics
 	gate                   chan struct{}
 	clientErr, endpointErr chan error
@@ -218,7 +218,7 @@ func startMidStream(t *testing.T) *midStream {
 		c.SetReadBuffer(64 << 10)
 		ms.endpointErr <- streamPeer(c, 2, 1, ms.n, ms.gate)
 	})
-	ms.chooser = &fakeChooser{Endpoints: []netip.AddrPort{ms.backend}}
+	ms.chooser = &forwardtest.Chooser{Endpoints: []netip.AddrPort{ms.backend}}
 	// The proxy's sockets to the client (inherited from the listener) and to the endpoint get
 	// fixed send buffers: one that grows (the kernel's autotuning) could drain the pipe toward
 	// its peer between the check below and the freeze.
@@ -360,7 +360,7 @@ func TestTCPHandOverHalfClosed(t *testing.T) {
 			backend := forwardtest.StartTCPServer(t, forwardtest.Loopback("4"), func(c *net.TCPConn) {
 				endpointErr <- tc.endpoint(c, freeze, gate)
 			})
-			chooser := &fakeChooser{Endpoints: []netip.AddrPort{backend}}
+			chooser := &forwardtest.Chooser{Endpoints: []netip.AddrPort{backend}}
 			a := startTCPProxy(t, "4", chooser, nil)
 			c := forwardtest.DialTCP(t, a.addr)
 			clientErr := make(chan error, 1)
@@ -426,7 +426,7 @@ func TestTCPHandOverWhileDialling(t *testing.T) {
 			checkNoLeaks(t)
 			good, conns, headers := startPPEcho(t)
 			hole := blackholeEndpoint(t)
-			chooserA := &fakeChooser{Endpoints: []netip.AddrPort{hole, good}, ProxyProtocol: proxyproto.V1}
+			chooserA := &forwardtest.Chooser{Endpoints: []netip.AddrPort{hole, good}, ProxyProtocol: proxyproto.V1}
 			timeouts := []time.Duration{250 * time.Millisecond, forwardtest.WaitTimeout}
 			if tc.giveUp {
 				chooserA.Endpoints = []netip.AddrPort{hole}
@@ -456,7 +456,7 @@ func TestTCPHandOverWhileDialling(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			chooserB := &fakeChooser{Endpoints: []netip.AddrPort{good}, ProxyProtocol: proxyproto.V1}
+			chooserB := &forwardtest.Chooser{Endpoints: []netip.AddrPort{good}, ProxyProtocol: proxyproto.V1}
 			serveAdopted(t, ln, chooserB, nil, st.Conns)
 			a.Release()
 			got := make([]byte, 4)
@@ -482,7 +482,7 @@ func TestTCPHandOverBacklog(t *testing.T) {
 	forwardtest.CheckNoFDLeaks(t)
 	checkNoLeaks(t)
 	backend := forwardtest.StartTCPEcho(t, forwardtest.Loopback("4"))
-	chooser := &fakeChooser{Endpoints: []netip.AddrPort{backend}}
+	chooser := &forwardtest.Chooser{Endpoints: []netip.AddrPort{backend}}
 	a := startTCPProxy(t, "4", chooser, nil)
 	c1 := forwardtest.DialTCP(t, a.addr)
 	if got, err := forwardtest.RoundTrip(c1, []byte("before")); err != nil || string(got) != "before" {
@@ -518,7 +518,7 @@ func TestTCPFreezeMisuse(t *testing.T) {
 	forwardtest.CheckNoFDLeaks(t)
 	checkNoLeaks(t)
 	ctx := context.Background()
-	chooser := &fakeChooser{Endpoints: []netip.AddrPort{forwardtest.StartTCPEcho(t, forwardtest.Loopback("4"))}}
+	chooser := &forwardtest.Chooser{Endpoints: []netip.AddrPort{forwardtest.StartTCPEcho(t, forwardtest.Loopback("4"))}}
 
 	closed := &Proxy{Listener: forwardtest.ListenTCP(t, forwardtest.Loopback("4")), Chooser: chooser, Loops: newTestLoops(t, 1)}
 	closed.Close()
@@ -637,7 +637,7 @@ func TestTCPHandOverEndpointGone(t *testing.T) {
 	clientSide.Close()
 	endpoint.Close()
 	mb := &forwardtest.Metrics{}
-	serveAdopted(t, forwardtest.ListenTCP(t, forwardtest.Loopback("4")), &fakeChooser{}, func(p *Proxy) { p.Metrics = mb }, []forward.TCPConnState{{
+	serveAdopted(t, forwardtest.ListenTCP(t, forwardtest.Loopback("4")), &forwardtest.Chooser{}, func(p *Proxy) { p.Metrics = mb }, []forward.TCPConnState{{
 		Client: cf, Backend: ef, ClientAddr: forwardtest.TCPAddrPort(client.LocalAddr()), Endpoint: backend, ToEndpointDone: true,
 	}})
 	client.SetReadDeadline(time.Now().Add(forwardtest.WaitTimeout))

@@ -2,74 +2,14 @@ package tcp
 
 import (
 	"context"
-	"errors"
 	"net"
 	"net/netip"
 	"strings"
-	"sync"
 	"testing"
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward/internal/forwardtest"
-	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward/proxyproto"
 )
-
-// chooseCall is one recorded Chooser.Choose call.
-type chooseCall struct {
-	Client, Dst netip.AddrPort
-	Reset       bool
-}
-
-// fakeChooser returns its endpoints in turn (round robin), or err, and records every call.
-type fakeChooser struct {
-	mu        sync.Mutex
-	Endpoints []netip.AddrPort
-	Err       error
-	next      int
-	calls     []chooseCall
-	// Returned in every Target.
-	Transparent   bool
-	ProxyProtocol proxyproto.Version
-}
-
-var _ forward.Chooser = (*fakeChooser)(nil)
-
-func (c *fakeChooser) Choose(client, dst netip.AddrPort, reset bool) (forward.Target, error) {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	c.calls = append(c.calls, chooseCall{Client: client, Dst: dst, Reset: reset})
-	if c.Err != nil {
-		return forward.Target{}, c.Err
-	}
-	if len(c.Endpoints) == 0 {
-		return forward.Target{}, errors.New("no endpoints")
-	}
-	ep := c.Endpoints[c.next%len(c.Endpoints)]
-	c.next++
-	return forward.Target{Endpoint: ep, Transparent: c.Transparent, ProxyProtocol: c.ProxyProtocol}, nil
-}
-
-func (c *fakeChooser) Set(endpoints ...netip.AddrPort) {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	c.Endpoints, c.next = endpoints, 0
-}
-
-func (c *fakeChooser) Recorded() []chooseCall {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	return append([]chooseCall(nil), c.calls...)
-}
-
-func (c *fakeChooser) Resets() []bool {
-	var out []bool
-	for _, call := range c.Recorded() {
-		out = append(out, call.Reset)
-	}
-	return out
-}
-
-var _ forward.Metrics = (*forwardtest.Metrics)(nil)
 
 // proxyMarkers name the functions of this package's proxies in goroutine stacks.
 var proxyMarkers = []string{"tcp.(*Proxy)", "tcp.(*loop)", "tcp.(*tcpRelay)"}
@@ -144,7 +84,7 @@ func TestLeakCheckSeesProxies(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	p := &Proxy{Listener: forwardtest.ListenTCP(t, forwardtest.Loopback("4")), Chooser: &fakeChooser{}, Loops: loops}
+	p := &Proxy{Listener: forwardtest.ListenTCP(t, forwardtest.Loopback("4")), Chooser: &forwardtest.Chooser{}, Loops: loops}
 	served := make(chan error, 1)
 	go func() { served <- p.Serve() }()
 	forwardtest.Eventually(t, "Serve and the loop to show in goroutine stacks", func() bool {

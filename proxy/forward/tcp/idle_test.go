@@ -48,7 +48,7 @@ func TestTCPIdleConnectionsHoldNoGoroutine(t *testing.T) {
 	forwardtest.CheckNoFDLeaks(t)
 	backend := forwardtest.StartTCPEcho(t, forwardtest.Loopback("4"))
 	metrics := &forwardtest.Metrics{}
-	p := startTCPProxy(t, "4", &fakeChooser{Endpoints: []netip.AddrPort{backend}}, func(p *Proxy) {
+	p := startTCPProxy(t, "4", &forwardtest.Chooser{Endpoints: []netip.AddrPort{backend}}, func(p *Proxy) {
 		p.Metrics = metrics
 	})
 	goroutines := runtime.NumGoroutine()
@@ -96,7 +96,7 @@ func TestTCPIdleTimeoutRenewedByData(t *testing.T) {
 	const idle = 300 * time.Millisecond
 	backend := forwardtest.StartTCPEcho(t, forwardtest.Loopback("4"))
 	metrics := &forwardtest.Metrics{}
-	p := startTCPProxy(t, "4", &fakeChooser{Endpoints: []netip.AddrPort{backend}}, func(p *Proxy) {
+	p := startTCPProxy(t, "4", &forwardtest.Chooser{Endpoints: []netip.AddrPort{backend}}, func(p *Proxy) {
 		p.Metrics, p.IdleTimeout = metrics, idle
 	})
 	c := idleConns(t, p.addr, 1)[0]
@@ -125,7 +125,7 @@ func TestTCPShutdownCutsIdle(t *testing.T) {
 	forwardtest.CheckNoFDLeaks(t)
 	const n = 10
 	backend := forwardtest.StartTCPEcho(t, forwardtest.Loopback("4"))
-	p := startTCPProxy(t, "4", &fakeChooser{Endpoints: []netip.AddrPort{backend}}, nil)
+	p := startTCPProxy(t, "4", &forwardtest.Chooser{Endpoints: []netip.AddrPort{backend}}, nil)
 	conns := idleConns(t, p.addr, n)
 	ctx, cancel := context.WithTimeout(context.Background(), 200*time.Millisecond)
 	defer cancel()
@@ -158,7 +158,7 @@ func TestTCPIdlePeerReset(t *testing.T) {
 		forwardtest.ResetConn(c)
 	})
 	metrics := &forwardtest.Metrics{}
-	p := startTCPProxy(t, "4", &fakeChooser{Endpoints: []netip.AddrPort{backend}}, func(p *Proxy) {
+	p := startTCPProxy(t, "4", &forwardtest.Chooser{Endpoints: []netip.AddrPort{backend}}, func(p *Proxy) {
 		p.Metrics = metrics
 	})
 	c := forwardtest.DialTCP(t, p.addr)
@@ -182,7 +182,7 @@ func TestTCPHandOverIdle(t *testing.T) {
 			forwardtest.CheckNoFDLeaks(t)
 			const n = 5
 			backend := forwardtest.StartTCPEcho(t, forwardtest.Loopback("4"))
-			chooser := &fakeChooser{Endpoints: []netip.AddrPort{backend}}
+			chooser := &forwardtest.Chooser{Endpoints: []netip.AddrPort{backend}}
 			a := startTCPProxy(t, "4", chooser, nil)
 			conns := idleConns(t, a.addr, n)
 			settle()
@@ -234,7 +234,7 @@ func TestTCPAdoptBeforeStart(t *testing.T) {
 			forwardtest.CheckNoFDLeaks(t)
 			const n = 4
 			backend := forwardtest.StartTCPEcho(t, forwardtest.Loopback("4"))
-			chooser := &fakeChooser{Endpoints: []netip.AddrPort{backend}}
+			chooser := &forwardtest.Chooser{Endpoints: []netip.AddrPort{backend}}
 			a := startTCPProxy(t, "4", chooser, nil)
 			conns := idleConns(t, a.addr, n)
 			st, err := a.Freeze(context.Background())
@@ -285,7 +285,7 @@ func TestTCPIdleChurn(t *testing.T) {
 	forwardtest.CheckNoFDLeaks(t)
 	backend := forwardtest.StartTCPEcho(t, forwardtest.Loopback("4"))
 	metrics := &forwardtest.Metrics{}
-	p := startTCPProxy(t, "4", &fakeChooser{Endpoints: []netip.AddrPort{backend}}, func(p *Proxy) {
+	p := startTCPProxy(t, "4", &forwardtest.Chooser{Endpoints: []netip.AddrPort{backend}}, func(p *Proxy) {
 		p.Metrics = metrics
 	})
 	var live []*net.TCPConn

@@ -16,7 +16,7 @@ import (
 func TestTCPKeepAlive(t *testing.T) {
 	checkNoLeaks(t)
 	backend := forwardtest.StartTCPEcho(t, forwardtest.Loopback("4"))
-	p := startTCPProxy(t, "4", &fakeChooser{Endpoints: []netip.AddrPort{backend}}, nil)
+	p := startTCPProxy(t, "4", &forwardtest.Chooser{Endpoints: []netip.AddrPort{backend}}, nil)
 	c := forwardtest.DialTCP(t, p.addr)
 	if _, err := forwardtest.RoundTrip(c, []byte("ping")); err != nil {
 		t.Fatalf("round trip: %v", err)

@@ -44,7 +44,7 @@ func TestTCPMaxConns(t *testing.T) {
 	backend := forwardtest.StartTCPEcho(t, forwardtest.Loopback("4"))
 	metrics := &forwardtest.Metrics{}
 	budget := forward.NewBudget(1000)
-	p := startTCPProxy(t, "4", &fakeChooser{Endpoints: []netip.AddrPort{backend}}, func(p *Proxy) {
+	p := startTCPProxy(t, "4", &forwardtest.Chooser{Endpoints: []netip.AddrPort{backend}}, func(p *Proxy) {
 		p.MaxConns, p.Budget, p.Metrics = 3, budget, metrics
 	})
 	var open []*net.TCPConn
@@ -84,10 +84,10 @@ func TestTCPFloodOnOnePortSparesAnother(t *testing.T) {
 	checkNoLeaks(t)
 	backend := forwardtest.StartTCPEcho(t, forwardtest.Loopback("4"))
 	budget := forward.NewBudget(12 * tcpConnFDs)
-	flooded := startTCPProxy(t, "4", &fakeChooser{Endpoints: []netip.AddrPort{backend}}, func(p *Proxy) {
+	flooded := startTCPProxy(t, "4", &forwardtest.Chooser{Endpoints: []netip.AddrPort{backend}}, func(p *Proxy) {
 		p.MaxConns, p.Budget = 6, budget
 	})
-	other := startTCPProxy(t, "4", &fakeChooser{Endpoints: []netip.AddrPort{backend}}, func(p *Proxy) {
+	other := startTCPProxy(t, "4", &forwardtest.Chooser{Endpoints: []netip.AddrPort{backend}}, func(p *Proxy) {
 		p.MaxConns, p.Budget = 6, budget
 	})
 	served := 0
@@ -112,7 +112,7 @@ func TestTCPBudgetSpentRefuses(t *testing.T) {
 	backend := forwardtest.StartTCPEcho(t, forwardtest.Loopback("4"))
 	budget := forward.NewBudget(2 * tcpConnFDs) // two connections, no pipe
 	metrics := &forwardtest.Metrics{}
-	p := startTCPProxy(t, "4", &fakeChooser{Endpoints: []netip.AddrPort{backend}}, func(p *Proxy) {
+	p := startTCPProxy(t, "4", &forwardtest.Chooser{Endpoints: []netip.AddrPort{backend}}, func(p *Proxy) {
 		p.Budget, p.Metrics = budget, metrics
 	})
 	for i := range 2 {
@@ -144,7 +144,7 @@ func TestTCPIdleTimeout(t *testing.T) {
 	checkNoLeaks(t)
 	backend := forwardtest.StartTCPEcho(t, forwardtest.Loopback("4"))
 	const idle = time.Second // well above a loaded machine's scheduling stalls
-	p := startTCPProxy(t, "4", &fakeChooser{Endpoints: []netip.AddrPort{backend}}, func(p *Proxy) {
+	p := startTCPProxy(t, "4", &forwardtest.Chooser{Endpoints: []netip.AddrPort{backend}}, func(p *Proxy) {
 		p.IdleTimeout = idle
 	})
 	quiet, busy := forwardtest.DialTCP(t, p.addr), forwardtest.DialTCP(t, p.addr)

@@ -78,10 +78,10 @@ func TestLoopThawedDialStaysOnItsLoop(t *testing.T) {
 	loops := newTestLoops(t, 2)
 	hole := blackholeEndpoint(t)
 	timeouts := []time.Duration{200 * time.Millisecond, 200 * time.Millisecond}
-	a := startTCPProxy(t, "4", &fakeChooser{Endpoints: []netip.AddrPort{hole}}, func(p *Proxy) {
+	a := startTCPProxy(t, "4", &forwardtest.Chooser{Endpoints: []netip.AddrPort{hole}}, func(p *Proxy) {
 		p.Loops, p.DialTimeouts = loops, timeouts
 	})
-	other := startTCPProxy(t, "4", &fakeChooser{Endpoints: []netip.AddrPort{hole}}, func(p *Proxy) {
+	other := startTCPProxy(t, "4", &forwardtest.Chooser{Endpoints: []netip.AddrPort{hole}}, func(p *Proxy) {
 		p.Loops, p.DialTimeouts = loops, []time.Duration{forwardtest.WaitTimeout}
 	})
 	away := a.loopState().set[1] // not a's home loop

@@ -29,7 +29,7 @@ import (
 func TestLoopServesWithoutGoroutines(t *testing.T) {
 	echo := forwardtest.StartTCPEcho(t, forwardtest.Loopback("4"))
 	loops := newTestLoops(t, 2)
-	r := startTCPProxy(t, "4", &fakeChooser{Endpoints: []netip.AddrPort{echo}}, func(p *Proxy) { p.Loops = loops })
+	r := startTCPProxy(t, "4", &forwardtest.Chooser{Endpoints: []netip.AddrPort{echo}}, func(p *Proxy) { p.Loops = loops })
 	before := runtime.NumGoroutine()
 	const n = 50
 	conns := make([]*net.TCPConn, n)
@@ -69,7 +69,7 @@ func TestLoopPendingAndBackPressure(t *testing.T) {
 		read <- result{got, err}
 	})
 	loops := newTestLoops(t, 1)
-	r := startTCPProxy(t, "4", &fakeChooser{Endpoints: []netip.AddrPort{ep}}, func(p *Proxy) { p.Loops = loops })
+	r := startTCPProxy(t, "4", &forwardtest.Chooser{Endpoints: []netip.AddrPort{ep}}, func(p *Proxy) { p.Loops = loops })
 	proxy.Store(r.Proxy)
 	data := bytes.Repeat([]byte("0123456789abcdef"), (8<<20)/16)
 	client := forwardtest.DialTCP(t, r.addr)
@@ -159,7 +159,7 @@ func TestLoopShutdownCutsAndLeaksNothing(t *testing.T) {
 	}
 	goroutines := runtime.NumGoroutine()
 	metrics := &forwardtest.Metrics{}
-	p := &Proxy{Listener: forwardtest.ListenTCP(t, forwardtest.Loopback("4")), Chooser: &fakeChooser{Endpoints: []netip.AddrPort{echo}},
+	p := &Proxy{Listener: forwardtest.ListenTCP(t, forwardtest.Loopback("4")), Chooser: &forwardtest.Chooser{Endpoints: []netip.AddrPort{echo}},
 		Log: new(forwardtest.Logger(t)), Metrics: metrics, Loops: loops}
 	if err := p.Start(); err != nil {
 		t.Fatal(err)
@@ -196,7 +196,7 @@ func TestTCPTransparentDial(t *testing.T) {
 		seen <- forwardtest.TCPAddrPort(c.RemoteAddr()).Addr()
 		forwardtest.EchoTCP(c)
 	})
-	r := startTCPProxy(t, "4", &fakeChooser{Endpoints: []netip.AddrPort{ep}, Transparent: true}, nil)
+	r := startTCPProxy(t, "4", &forwardtest.Chooser{Endpoints: []netip.AddrPort{ep}, Transparent: true}, nil)
 	c, err := net.DialTCP("tcp", net.TCPAddrFromAddrPort(netip.AddrPortFrom(client, 0)), net.TCPAddrFromAddrPort(r.addr))
 	if err != nil {
 		t.Fatalf("dial from %s: %v", client, err)
@@ -218,7 +218,7 @@ func TestTCPTransparentDial(t *testing.T) {
 func TestLoopDrainsABurstOfRefusals(t *testing.T) {
 	echo := forwardtest.StartTCPEcho(t, forwardtest.Loopback("4"))
 	metrics := &forwardtest.Metrics{}
-	r := startTCPProxy(t, "4", &fakeChooser{Endpoints: []netip.AddrPort{echo}}, func(p *Proxy) {
+	r := startTCPProxy(t, "4", &forwardtest.Chooser{Endpoints: []netip.AddrPort{echo}}, func(p *Proxy) {
 		p.Loops, p.MaxConns, p.Metrics = newTestLoops(t, 1), 1, metrics
 	})
 	held := forwardtest.DialTCP(t, r.addr)
@@ -260,7 +260,7 @@ func TestLoopDrainsABurstOfRefusals(t *testing.T) {
 // does — not with the closed descriptor's error (seen once in CI, in a hand-over test's cleanup).
 func TestLoopServeClosedWhileStarting(t *testing.T) {
 	echo := forwardtest.StartTCPEcho(t, forwardtest.Loopback("4"))
-	p := &Proxy{Listener: forwardtest.ListenTCP(t, forwardtest.Loopback("4")), Chooser: &fakeChooser{Endpoints: []netip.AddrPort{echo}},
+	p := &Proxy{Listener: forwardtest.ListenTCP(t, forwardtest.Loopback("4")), Chooser: &forwardtest.Chooser{Endpoints: []netip.AddrPort{echo}},
 		Log: new(forwardtest.Logger(t)), Loops: newTestLoops(t, 1)}
 	closed := make(chan error, 1)
 	p.testHookLoopStarting = func() {
@@ -285,7 +285,7 @@ func TestLoopAcceptedSocketsHaveNoDelay(t *testing.T) {
 	echo := forwardtest.StartTCPEcho(t, forwardtest.Loopback("4"))
 	const queued, later = 3, 3
 	var early []*net.TCPConn
-	r := startTCPProxy(t, "4", &fakeChooser{Endpoints: []netip.AddrPort{echo}}, func(p *Proxy) {
+	r := startTCPProxy(t, "4", &forwardtest.Chooser{Endpoints: []netip.AddrPort{echo}}, func(p *Proxy) {
 		p.Loops = newTestLoops(t, 1)
 		p.Listener.Close()
 		p.Listener = forwardtest.ListenTCP(t, forwardtest.Loopback("4")) // without TCP_NODELAY, as an older process's
@@ -341,7 +341,7 @@ func TestLoopAcceptedSocketsHaveNoDelay(t *testing.T) {
 func TestLoopListenerOnTwoLoops(t *testing.T) {
 	echo := forwardtest.StartTCPEcho(t, forwardtest.Loopback("4"))
 	loops := newTestLoops(t, 2)
-	r := startTCPProxy(t, "4", &fakeChooser{Endpoints: []netip.AddrPort{echo}}, func(p *Proxy) {
+	r := startTCPProxy(t, "4", &forwardtest.Chooser{Endpoints: []netip.AddrPort{echo}}, func(p *Proxy) {
 		p.Loops = loops
 	})
 	warm := forwardtest.DialTCP(t, r.addr) // Serve has attached the listener once a connection is served

@@ -14,9 +14,9 @@ import (
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward/proxyproto"
 )
 
-// dstChooser is a fakeChooser that says whether it needs the original destination.
+// dstChooser is a forwardtest.Chooser that says whether it needs the original destination.
 type dstChooser struct {
-	fakeChooser
+	forwardtest.Chooser
 	needs bool
 }
 
@@ -35,16 +35,16 @@ func TestOriginalDstAskedOnlyWhenNeeded(t *testing.T) {
 		want    int32 // asks per connection
 	}{
 		{"chooser does not need it", func(b netip.AddrPort) forward.Chooser {
-			return &dstChooser{fakeChooser: fakeChooser{Endpoints: []netip.AddrPort{b}}}
+			return &dstChooser{Chooser: forwardtest.Chooser{Endpoints: []netip.AddrPort{b}}}
 		}, 0},
 		{"chooser needs it", func(b netip.AddrPort) forward.Chooser {
-			return &dstChooser{fakeChooser: fakeChooser{Endpoints: []netip.AddrPort{b}}, needs: true}
+			return &dstChooser{Chooser: forwardtest.Chooser{Endpoints: []netip.AddrPort{b}}, needs: true}
 		}, 1},
 		{"chooser does not say", func(b netip.AddrPort) forward.Chooser {
-			return &fakeChooser{Endpoints: []netip.AddrPort{b}}
+			return &forwardtest.Chooser{Endpoints: []netip.AddrPort{b}}
 		}, 1},
 		{"PROXY protocol header", func(b netip.AddrPort) forward.Chooser {
-			return &dstChooser{fakeChooser: fakeChooser{Endpoints: []netip.AddrPort{b}, ProxyProtocol: proxyproto.V1}}
+			return &dstChooser{Chooser: forwardtest.Chooser{Endpoints: []netip.AddrPort{b}, ProxyProtocol: proxyproto.V1}}
 		}, 1},
 	}
 	for _, tc := range cases {

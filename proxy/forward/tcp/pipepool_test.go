@@ -65,7 +65,7 @@ func TestIdleConnectionsHoldNoPipe(t *testing.T) {
 					}
 				}
 			})
-			r := startTCPProxy(t, "4", &fakeChooser{Endpoints: []netip.AddrPort{backend}}, nil)
+			r := startTCPProxy(t, "4", &forwardtest.Chooser{Endpoints: []netip.AddrPort{backend}}, nil)
 			before := openPipeFDs(t)
 			for range tc.conns {
 				c := forwardtest.DialTCP(t, r.addr)
@@ -97,7 +97,7 @@ func TestCopyWithoutPipes(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			checkNoLeaks(t)
 			backend := forwardtest.StartTCPEcho(t, forwardtest.Loopback("4"))
-			r := startTCPProxy(t, "4", &fakeChooser{Endpoints: []netip.AddrPort{backend}}, func(p *Proxy) {
+			r := startTCPProxy(t, "4", &forwardtest.Chooser{Endpoints: []netip.AddrPort{backend}}, func(p *Proxy) {
 				p.pipes.testHookNewPipe = func() (*pipe, error) { return nil, syscall.EMFILE }
 			})
 			c := forwardtest.DialTCP(t, r.addr)
@@ -125,7 +125,7 @@ func TestTCPCopyThenSplice(t *testing.T) {
 	testHookSpliced = func(n int64) { spliced.Add(n) }
 	t.Cleanup(func() { testHookCopied, testHookSpliced = nil, nil }) // after the proxy's cleanup: registered first
 	backend := forwardtest.StartTCPEcho(t, forwardtest.Loopback("4"))
-	r := startTCPProxy(t, "4", &fakeChooser{Endpoints: []netip.AddrPort{backend}}, func(p *Proxy) {
+	r := startTCPProxy(t, "4", &forwardtest.Chooser{Endpoints: []netip.AddrPort{backend}}, func(p *Proxy) {
 		p.pipes.testHookNewPipe = func() (*pipe, error) {
 			pipes.Add(1)
 			return newPipe()

@@ -35,7 +35,7 @@ func TestTCPProxyProtocolHeader(t *testing.T) {
 				b, _ := io.ReadAll(c)
 				got <- b
 			})
-			chooser := &fakeChooser{Endpoints: []netip.AddrPort{backend}, ProxyProtocol: tt.v}
+			chooser := &forwardtest.Chooser{Endpoints: []netip.AddrPort{backend}, ProxyProtocol: tt.v}
 			p := startTCPProxy(t, tt.family, chooser, nil)
 			c := forwardtest.DialTCP(t, p.addr)
 			client := netip.MustParseAddrPort(c.LocalAddr().String())

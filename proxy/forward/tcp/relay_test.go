@@ -52,7 +52,7 @@ func TestRelayTCPRoundRobin(t *testing.T) {
 	checkNoLeaks(t)
 	a := forwardtest.StartTCPServer(t, forwardtest.Loopback("4"), answerTCP("a"))
 	b := forwardtest.StartTCPServer(t, forwardtest.Loopback("4"), answerTCP("b"))
-	ch := &fakeChooser{}
+	ch := &forwardtest.Chooser{}
 	ch.Set(a, b)
 	addr, p := startRelayTCP(t, ch, nil)
 	var got []string
@@ -84,7 +84,7 @@ func TestRelayTCPFailover(t *testing.T) {
 	checkNoLeaks(t)
 	closed := forwardtest.ClosedTCPPort(t, forwardtest.Loopback("4"))
 	echo := forwardtest.StartTCPEcho(t, forwardtest.Loopback("4"))
-	ch := &fakeChooser{}
+	ch := &forwardtest.Chooser{}
 	ch.Set(closed, echo)
 	addr, p := startRelayTCP(t, ch, nil)
 	c := forwardtest.DialTCP(t, addr)
@@ -102,7 +102,7 @@ func TestRelayTCPFailover(t *testing.T) {
 func TestRelayTCPNoEndpointReached(t *testing.T) {
 	checkNoLeaks(t)
 	closed := forwardtest.ClosedTCPPort(t, forwardtest.Loopback("4"))
-	ch := &fakeChooser{}
+	ch := &forwardtest.Chooser{}
 	ch.Set(closed)
 	addr, p := startRelayTCP(t, ch, func(p *Proxy) { p.DialTimeouts = []time.Duration{time.Second, time.Second} })
 	if err := dialAndRead(addr); !isConnReset(err) {
@@ -118,7 +118,7 @@ func TestRelayTCPNoEndpointReached(t *testing.T) {
 func TestRelayTCPHalfClose(t *testing.T) {
 	checkNoLeaks(t)
 	echo := forwardtest.StartTCPEcho(t, forwardtest.Loopback("4"))
-	ch := &fakeChooser{}
+	ch := &forwardtest.Chooser{}
 	ch.Set(echo)
 	addr, _ := startRelayTCP(t, ch, nil)
 	c := forwardtest.DialTCP(t, addr)
@@ -143,7 +143,7 @@ func TestRelayTCPProxyHeader(t *testing.T) {
 		line, _ := bufio.NewReader(c).ReadString('\n')
 		lines <- line
 	})
-	ch := &fakeChooser{ProxyProtocol: proxyproto.V1}
+	ch := &forwardtest.Chooser{ProxyProtocol: proxyproto.V1}
 	ch.Set(srv)
 	addr, _ := startRelayTCP(t, ch, nil)
 	c := forwardtest.DialTCP(t, addr)
@@ -157,7 +157,7 @@ func TestRelayTCPProxyHeader(t *testing.T) {
 func TestRelayTCPMaxConns(t *testing.T) {
 	checkNoLeaks(t)
 	echo := forwardtest.StartTCPEcho(t, forwardtest.Loopback("4"))
-	ch := &fakeChooser{}
+	ch := &forwardtest.Chooser{}
 	ch.Set(echo)
 	addr, p := startRelayTCP(t, ch, func(p *Proxy) { p.MaxConns = 1 })
 	first := forwardtest.DialTCP(t, addr)
@@ -182,7 +182,7 @@ func TestRelayTCPMaxConns(t *testing.T) {
 func TestRelayTCPIdleTimeout(t *testing.T) {
 	checkNoLeaks(t)
 	echo := forwardtest.StartTCPEcho(t, forwardtest.Loopback("4"))
-	ch := &fakeChooser{}
+	ch := &forwardtest.Chooser{}
 	ch.Set(echo)
 	addr, _ := startRelayTCP(t, ch, func(p *Proxy) { p.IdleTimeout = 50 * time.Millisecond })
 	c := forwardtest.DialTCP(t, addr)

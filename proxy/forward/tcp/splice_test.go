@@ -45,7 +45,7 @@ func spliceChild() int {
 		fmt.Fprintln(os.Stderr, "listen:", err)
 		return 2
 	}
-	chooser := &fakeChooser{Endpoints: []netip.AddrPort{backend}}
+	chooser := &forwardtest.Chooser{Endpoints: []netip.AddrPort{backend}}
 	if os.Getenv(spliceModeEnv) == "transparent-v2" {
 		chooser.Transparent, chooser.ProxyProtocol = true, proxyproto.V2
 	}

@@ -36,7 +36,7 @@ func TestTCPEcho(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			checkNoLeaks(t)
 			backend := forwardtest.StartTCPEcho(t, forwardtest.Loopback(tc.family))
-			chooser := &fakeChooser{Endpoints: []netip.AddrPort{backend}}
+			chooser := &forwardtest.Chooser{Endpoints: []netip.AddrPort{backend}}
 			metrics := &forwardtest.Metrics{}
 			p := startTCPProxy(t, tc.family, chooser, func(p *Proxy) { p.Metrics = metrics })
 
@@ -76,7 +76,7 @@ func TestTCPManyConcurrentConnections(t *testing.T) {
 	checkNoLeaks(t)
 	b1, b2 := forwardtest.StartTCPEcho(t, forwardtest.Loopback("4")), forwardtest.StartTCPEcho(t, forwardtest.Loopback("4"))
 	metrics := &forwardtest.Metrics{}
-	p := startTCPProxy(t, "4", &fakeChooser{Endpoints: []netip.AddrPort{b1, b2}}, func(p *Proxy) { p.Metrics = metrics })
+	p := startTCPProxy(t, "4", &forwardtest.Chooser{Endpoints: []netip.AddrPort{b1, b2}}, func(p *Proxy) { p.Metrics = metrics })
 
 	const conns = 200
 	var wg sync.WaitGroup
@@ -205,7 +205,7 @@ func TestTCPDialFailures(t *testing.T) {
 			for _, mk := range tc.endpoints {
 				eps = append(eps, mk(t))
 			}
-			chooser := &fakeChooser{Endpoints: eps}
+			chooser := &forwardtest.Chooser{Endpoints: eps}
 			if tc.noEPs {
 				chooser.Err = errors.New("service has no endpoints")
 			}
@@ -256,7 +256,7 @@ func TestTCPDialFailures(t *testing.T) {
 func TestTCPSlowDialDoesNotBlockAccept(t *testing.T) {
 	checkNoLeaks(t)
 	dead, echo := blackholeEndpoint(t), forwardtest.StartTCPEcho(t, forwardtest.Loopback("4"))
-	chooser := &fakeChooser{Endpoints: []netip.AddrPort{dead}}
+	chooser := &forwardtest.Chooser{Endpoints: []netip.AddrPort{dead}}
 	p := startTCPProxy(t, "4", chooser, func(p *Proxy) { p.DialTimeouts = []time.Duration{time.Hour} })
 
 	stuck := forwardtest.DialTCP(t, p.addr)
@@ -341,7 +341,7 @@ func TestTCPHalfClose(t *testing.T) {
 				serverErr <- tc.server(c)
 			})
 			metrics := &forwardtest.Metrics{}
-			p := startTCPProxy(t, "4", &fakeChooser{Endpoints: []netip.AddrPort{backend}}, func(p *Proxy) { p.Metrics = metrics })
+			p := startTCPProxy(t, "4", &forwardtest.Chooser{Endpoints: []netip.AddrPort{backend}}, func(p *Proxy) { p.Metrics = metrics })
 			c := forwardtest.DialTCP(t, p.addr)
 			if err := tc.client(c); err != nil {
 				t.Errorf("client: %v", err)
@@ -365,7 +365,7 @@ func TestTCPEndpointResetReachesClient(t *testing.T) {
 		c.Write([]byte("partial"))
 		forwardtest.ResetConn(c)
 	})
-	p := startTCPProxy(t, "4", &fakeChooser{Endpoints: []netip.AddrPort{backend}}, nil)
+	p := startTCPProxy(t, "4", &forwardtest.Chooser{Endpoints: []netip.AddrPort{backend}}, nil)
 	c := forwardtest.DialTCP(t, p.addr)
 	c.Write([]byte("hello"))
 	_, err := io.ReadAll(c)
@@ -378,7 +378,7 @@ func TestTCPLargeTransferIntegrity(t *testing.T) {
 	checkNoLeaks(t)
 	const size = 64 << 20
 	backend := forwardtest.StartTCPEcho(t, forwardtest.Loopback("4"))
-	p := startTCPProxy(t, "4", &fakeChooser{Endpoints: []netip.AddrPort{backend}}, nil)
+	p := startTCPProxy(t, "4", &forwardtest.Chooser{Endpoints: []netip.AddrPort{backend}}, nil)
 	c := forwardtest.DialTCP(t, p.addr)
 	c.SetDeadline(time.Now().Add(5 * time.Minute))
 
@@ -411,7 +411,7 @@ func TestTCPLargeTransferIntegrity(t *testing.T) {
 func TestTCPCloseStopsAcceptingButKeepsConnections(t *testing.T) {
 	checkNoLeaks(t)
 	backend := forwardtest.StartTCPEcho(t, forwardtest.Loopback("4"))
-	p := startTCPProxy(t, "4", &fakeChooser{Endpoints: []netip.AddrPort{backend}}, nil)
+	p := startTCPProxy(t, "4", &forwardtest.Chooser{Endpoints: []netip.AddrPort{backend}}, nil)
 	c := forwardtest.DialTCP(t, p.addr)
 	if _, err := forwardtest.RoundTrip(c, []byte("before")); err != nil {
 		t.Fatal(err)
@@ -448,7 +448,7 @@ func TestTCPShutdown(t *testing.T) {
 			checkNoLeaks(t)
 			backend := forwardtest.StartTCPEcho(t, forwardtest.Loopback("4"))
 			metrics := &forwardtest.Metrics{}
-			p := startTCPProxy(t, "4", &fakeChooser{Endpoints: []netip.AddrPort{backend}}, func(p *Proxy) { p.Metrics = metrics })
+			p := startTCPProxy(t, "4", &forwardtest.Chooser{Endpoints: []netip.AddrPort{backend}}, func(p *Proxy) { p.Metrics = metrics })
 			c := forwardtest.DialTCP(t, p.addr)
 			if _, err := forwardtest.RoundTrip(c, []byte("x")); err != nil {
 				t.Fatal(err)
@@ -496,7 +496,7 @@ func TestTCPShutdown(t *testing.T) {
 func TestTCPSocketOptions(t *testing.T) {
 	checkNoLeaks(t)
 	backend := forwardtest.StartTCPEcho(t, forwardtest.Loopback("4"))
-	p := startTCPProxy(t, "4", &fakeChooser{Endpoints: []netip.AddrPort{backend}}, nil)
+	p := startTCPProxy(t, "4", &forwardtest.Chooser{Endpoints: []netip.AddrPort{backend}}, nil)
 	c := forwardtest.DialTCP(t, p.addr)
 	if _, err := forwardtest.RoundTrip(c, []byte("x")); err != nil {
 		t.Fatal(err)
@@ -533,9 +533,9 @@ func TestTCPServeValidation(t *testing.T) {
 		name string
 		p    *Proxy
 	}{
-		{"no listener", &Proxy{Chooser: &fakeChooser{}, Loops: newTestLoops(t, 1)}},
+		{"no listener", &Proxy{Chooser: &forwardtest.Chooser{}, Loops: newTestLoops(t, 1)}},
 		{"no chooser", &Proxy{Listener: forwardtest.ListenTCP(t, forwardtest.Loopback("4")), Loops: newTestLoops(t, 1)}},
-		{"no loops", &Proxy{Listener: forwardtest.ListenTCP(t, forwardtest.Loopback("4")), Chooser: &fakeChooser{}}},
+		{"no loops", &Proxy{Listener: forwardtest.ListenTCP(t, forwardtest.Loopback("4")), Chooser: &forwardtest.Chooser{}}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			if err := tc.p.Serve(); err == nil {
@@ -548,7 +548,7 @@ func TestTCPServeValidation(t *testing.T) {
 
 func TestTCPCloseBeforeServe(t *testing.T) {
 	checkNoLeaks(t)
-	p := &Proxy{Listener: forwardtest.ListenTCP(t, forwardtest.Loopback("4")), Chooser: &fakeChooser{}, Loops: newTestLoops(t, 1)}
+	p := &Proxy{Listener: forwardtest.ListenTCP(t, forwardtest.Loopback("4")), Chooser: &forwardtest.Chooser{}, Loops: newTestLoops(t, 1)}
 	if err := p.Close(); err != nil {
 		t.Fatalf("Close: %v", err)
 	}

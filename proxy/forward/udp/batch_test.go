@@ -127,7 +127,7 @@ func TestUDPBatchMixedSources(t *testing.T) {
 		t.Fatal(err)
 	}
 	metrics := &forwardtest.Metrics{}
-	p := &Proxy{Conn: conn, Chooser: &fakeChooser{Endpoints: []netip.AddrPort{backend}}, Log: new(forwardtest.Logger(t)),
+	p := &Proxy{Conn: conn, Chooser: &forwardtest.Chooser{Endpoints: []netip.AddrPort{backend}}, Log: new(forwardtest.Logger(t)),
 		Metrics: metrics, testHookRecv: gate.hook}
 	served := make(chan error, 1)
 	go func() { served <- p.Serve() }()
@@ -188,7 +188,7 @@ func TestUDPBatchLargeDatagrams(t *testing.T) {
 	backend := forwardtest.StartUDPEcho(t, forwardtest.Loopback("4"), "")
 	gate := newRecvGate(true)
 	metrics := &forwardtest.Metrics{}
-	p := startUDPProxy(t, "4", &fakeChooser{Endpoints: []netip.AddrPort{backend}}, func(p *Proxy) {
+	p := startUDPProxy(t, "4", &forwardtest.Chooser{Endpoints: []netip.AddrPort{backend}}, func(p *Proxy) {
 		p.Metrics = metrics
 		p.testHookRecv = gate.hook
 	})
@@ -262,7 +262,7 @@ func TestUDPBatchReplies(t *testing.T) {
 	backend, answered := startUDPBurst(t, forwardtest.Loopback("4"), burst)
 	gate := newRecvGate(false)
 	metrics := &forwardtest.Metrics{}
-	p := startUDPProxy(t, "4", &fakeChooser{Endpoints: []netip.AddrPort{backend}}, func(p *Proxy) {
+	p := startUDPProxy(t, "4", &forwardtest.Chooser{Endpoints: []netip.AddrPort{backend}}, func(p *Proxy) {
 		p.Metrics = metrics
 		p.testHookRecv = gate.hook
 	})
@@ -303,7 +303,7 @@ func TestUDPBatchFloodEvicts(t *testing.T) {
 	gate := newRecvGate(true)
 	metrics := &forwardtest.Metrics{}
 	budget := forward.NewBudget(100)
-	p := startUDPProxy(t, "4", &fakeChooser{Endpoints: []netip.AddrPort{backend}}, func(p *Proxy) {
+	p := startUDPProxy(t, "4", &forwardtest.Chooser{Endpoints: []netip.AddrPort{backend}}, func(p *Proxy) {
 		p.Metrics = metrics
 		p.MaxSessions = maxSessions
 		p.Budget = budget
@@ -374,7 +374,7 @@ func TestUDPBatchSegmented(t *testing.T) {
 	checkNoLeaks(t)
 	backend := forwardtest.StartUDPEcho(t, forwardtest.Loopback("4"), "")
 	gate := newRecvGate(true)
-	p := startUDPProxy(t, "4", &fakeChooser{Endpoints: []netip.AddrPort{backend}}, func(p *Proxy) {
+	p := startUDPProxy(t, "4", &forwardtest.Chooser{Endpoints: []netip.AddrPort{backend}}, func(p *Proxy) {
 		p.testHookRecv = gate.hook
 	})
 	fd := gate.waitEntered(t)

@@ -42,7 +42,7 @@ func startedUDPProxy(b *testing.B, backend netip.AddrPort) netip.AddrPort {
 	if err != nil {
 		b.Fatal(err)
 	}
-	p := &Proxy{Conn: conn, Chooser: &fakeChooser{Endpoints: []netip.AddrPort{backend}}, Log: new(zerolog.Nop())}
+	p := &Proxy{Conn: conn, Chooser: &forwardtest.Chooser{Endpoints: []netip.AddrPort{backend}}, Log: new(zerolog.Nop())}
 	if err := p.Start(poller); err != nil {
 		b.Fatal(err)
 	}
@@ -57,7 +57,7 @@ func udpTarget(b *testing.B, proxied bool, backend netip.AddrPort) netip.AddrPor
 	if !proxied {
 		return backend
 	}
-	return startUDPProxy(b, "4", &fakeChooser{Endpoints: []netip.AddrPort{backend}}, func(p *Proxy) {
+	return startUDPProxy(b, "4", &forwardtest.Chooser{Endpoints: []netip.AddrPort{backend}}, func(p *Proxy) {
 		p.Log = new(zerolog.Nop())
 	}).addr
 }

@@ -24,7 +24,7 @@ func TestUDPHandOver(t *testing.T) {
 	checkNoLeaks(t)
 	e1, e2, e3 := forwardtest.StartUDPEcho(t, forwardtest.Loopback("4"), "e1:"), forwardtest.StartUDPEcho(t, forwardtest.Loopback("4"), "e2:"), forwardtest.StartUDPEcho(t, forwardtest.Loopback("4"), "e3:")
 	ma, mb := &forwardtest.Metrics{}, &forwardtest.Metrics{}
-	a := startUDPProxy(t, "4", &fakeChooser{Endpoints: []netip.AddrPort{e1, e2}}, func(p *Proxy) { p.Metrics = ma })
+	a := startUDPProxy(t, "4", &forwardtest.Chooser{Endpoints: []netip.AddrPort{e1, e2}}, func(p *Proxy) { p.Metrics = ma })
 	c1, c2 := forwardtest.DialUDP(t, a.addr), forwardtest.DialUDP(t, a.addr)
 	for _, x := range []struct {
 		c    *net.UDPConn
@@ -60,7 +60,7 @@ func TestUDPHandOver(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	b := &Proxy{Conn: conn, Chooser: &fakeChooser{Endpoints: []netip.AddrPort{e3}}, Metrics: mb, Log: new(forwardtest.Logger(t))}
+	b := &Proxy{Conn: conn, Chooser: &forwardtest.Chooser{Endpoints: []netip.AddrPort{e3}}, Metrics: mb, Log: new(forwardtest.Logger(t))}
 	if err := b.Adopt(st.Sessions); err != nil {
 		t.Fatalf("Adopt: %v", err)
 	}
@@ -100,7 +100,7 @@ func TestUDPHandOverKeepsIdleClock(t *testing.T) {
 	forwardtest.CheckNoFDLeaks(t)
 	checkNoLeaks(t)
 	echo := forwardtest.StartUDPEcho(t, forwardtest.Loopback("4"), "")
-	a := startUDPProxy(t, "4", &fakeChooser{Endpoints: []netip.AddrPort{echo}}, nil)
+	a := startUDPProxy(t, "4", &forwardtest.Chooser{Endpoints: []netip.AddrPort{echo}}, nil)
 	c := forwardtest.DialUDP(t, a.addr)
 	if _, err := forwardtest.UDPExchange(c, []byte("x"), 3, time.Second); err != nil {
 		t.Fatal(err)
@@ -118,7 +118,7 @@ func TestUDPHandOverKeepsIdleClock(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	b := &Proxy{Conn: conn, Chooser: &fakeChooser{}, Timeout: 300 * time.Millisecond, Log: new(forwardtest.Logger(t))}
+	b := &Proxy{Conn: conn, Chooser: &forwardtest.Chooser{}, Timeout: 300 * time.Millisecond, Log: new(forwardtest.Logger(t))}
 	if err := b.Adopt(st.Sessions); err != nil {
 		t.Fatal(err)
 	}
@@ -141,7 +141,7 @@ func TestUDPFreezeMisuse(t *testing.T) {
 	forwardtest.CheckNoFDLeaks(t)
 	checkNoLeaks(t)
 	ctx := context.Background()
-	r := startUDPProxy(t, "4", &fakeChooser{Endpoints: []netip.AddrPort{forwardtest.StartUDPEcho(t, forwardtest.Loopback("4"), "")}}, nil)
+	r := startUDPProxy(t, "4", &forwardtest.Chooser{Endpoints: []netip.AddrPort{forwardtest.StartUDPEcho(t, forwardtest.Loopback("4"), "")}}, nil)
 	if _, err := forwardtest.UDPExchange(forwardtest.DialUDP(t, r.addr), []byte("x"), 3, time.Second); err != nil {
 		t.Fatal(err) // Serve runs
 	}

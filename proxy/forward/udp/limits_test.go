@@ -19,7 +19,7 @@ func TestUDPMaxSessions(t *testing.T) {
 	backend := forwardtest.StartUDPEcho(t, forwardtest.Loopback("4"), "")
 	metrics := &forwardtest.Metrics{}
 	budget := forward.NewBudget(1000)
-	p := startUDPProxy(t, "4", &fakeChooser{Endpoints: []netip.AddrPort{backend}}, func(p *Proxy) {
+	p := startUDPProxy(t, "4", &forwardtest.Chooser{Endpoints: []netip.AddrPort{backend}}, func(p *Proxy) {
 		p.MaxSessions, p.Budget, p.Metrics = 3, budget, metrics
 	})
 	var clients []*net.UDPConn
@@ -59,10 +59,10 @@ func TestUDPFloodOnOnePortSparesAnother(t *testing.T) {
 	checkNoLeaks(t)
 	backend := forwardtest.StartUDPEcho(t, forwardtest.Loopback("4"), "")
 	budget := forward.NewBudget(8)
-	flooded := startUDPProxy(t, "4", &fakeChooser{Endpoints: []netip.AddrPort{backend}}, func(p *Proxy) {
+	flooded := startUDPProxy(t, "4", &forwardtest.Chooser{Endpoints: []netip.AddrPort{backend}}, func(p *Proxy) {
 		p.MaxSessions, p.Budget = 4, budget
 	})
-	other := startUDPProxy(t, "4", &fakeChooser{Endpoints: []netip.AddrPort{backend}}, func(p *Proxy) {
+	other := startUDPProxy(t, "4", &forwardtest.Chooser{Endpoints: []netip.AddrPort{backend}}, func(p *Proxy) {
 		p.MaxSessions, p.Budget = 4, budget
 	})
 	for i := range 30 {

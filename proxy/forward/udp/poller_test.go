@@ -131,7 +131,7 @@ func TestUDPStartParksIdleSockets(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		p := &Proxy{Conn: conn, Chooser: &fakeChooser{Endpoints: []netip.AddrPort{backend}}, Log: new(forwardtest.Logger(t))}
+		p := &Proxy{Conn: conn, Chooser: &forwardtest.Chooser{Endpoints: []netip.AddrPort{backend}}, Log: new(forwardtest.Logger(t))}
 		if err := p.Start(poller); err != nil {
 			t.Fatalf("Start: %v", err)
 		}

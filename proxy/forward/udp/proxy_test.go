@@ -36,7 +36,7 @@ func TestUDPEcho(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			checkNoLeaks(t)
 			backend := forwardtest.StartUDPEcho(t, forwardtest.Loopback(tc.family), "")
-			chooser := &fakeChooser{Endpoints: []netip.AddrPort{backend}}
+			chooser := &forwardtest.Chooser{Endpoints: []netip.AddrPort{backend}}
 			metrics := &forwardtest.Metrics{}
 			p := startUDPProxy(t, tc.family, chooser, func(p *Proxy) { p.Metrics = metrics })
 			c := forwardtest.DialUDP(t, p.addr)
@@ -69,7 +69,7 @@ func TestUDPEcho(t *testing.T) {
 func TestUDPIdleTimeoutEndsSession(t *testing.T) {
 	checkNoLeaks(t)
 	backend := forwardtest.StartUDPEcho(t, forwardtest.Loopback("4"), "")
-	chooser := &fakeChooser{Endpoints: []netip.AddrPort{backend}}
+	chooser := &forwardtest.Chooser{Endpoints: []netip.AddrPort{backend}}
 	metrics := &forwardtest.Metrics{}
 	p := startUDPProxy(t, "4", chooser, func(p *Proxy) {
 		p.Timeout = 50 * time.Millisecond
@@ -122,7 +122,7 @@ func TestUDPExpire(t *testing.T) {
 func TestUDPDropSessions(t *testing.T) {
 	checkNoLeaks(t)
 	a, b := forwardtest.StartUDPEcho(t, forwardtest.Loopback("4"), "A:"), forwardtest.StartUDPEcho(t, forwardtest.Loopback("4"), "B:")
-	chooser := &fakeChooser{Endpoints: []netip.AddrPort{a}}
+	chooser := &forwardtest.Chooser{Endpoints: []netip.AddrPort{a}}
 	metrics := &forwardtest.Metrics{}
 	p := startUDPProxy(t, "4", chooser, func(p *Proxy) { p.Metrics = metrics })
 	c := forwardtest.DialUDP(t, p.addr)
@@ -145,7 +145,7 @@ func TestUDPDropSessions(t *testing.T) {
 func TestUDPClientsAreIsolated(t *testing.T) {
 	checkNoLeaks(t)
 	a, b := forwardtest.StartUDPEcho(t, forwardtest.Loopback("4"), ""), forwardtest.StartUDPEcho(t, forwardtest.Loopback("4"), "")
-	p := startUDPProxy(t, "4", &fakeChooser{Endpoints: []netip.AddrPort{a, b}}, nil)
+	p := startUDPProxy(t, "4", &forwardtest.Chooser{Endpoints: []netip.AddrPort{a, b}}, nil)
 	const clients, perClient = 20, 50
 	var wg sync.WaitGroup
 	errs := make(chan error, clients)
@@ -186,7 +186,7 @@ func TestUDPClientsAreIsolated(t *testing.T) {
 func TestUDPNoEndpointDropsDatagram(t *testing.T) {
 	checkNoLeaks(t)
 	metrics := &forwardtest.Metrics{}
-	chooser := &fakeChooser{Err: errors.New("service has no endpoints")}
+	chooser := &forwardtest.Chooser{Err: errors.New("service has no endpoints")}
 	p := startUDPProxy(t, "4", chooser, func(p *Proxy) { p.Metrics = metrics })
 	c := forwardtest.DialUDP(t, p.addr)
 	if _, err := c.Write([]byte("anyone?")); err != nil {
@@ -209,7 +209,7 @@ func TestUDPRefusedEndpoint(t *testing.T) {
 	closed := conn.LocalAddr().(*net.UDPAddr).AddrPort()
 	conn.Close()
 	live := forwardtest.StartUDPEcho(t, forwardtest.Loopback("4"), "")
-	chooser := &fakeChooser{Endpoints: []netip.AddrPort{closed, live}}
+	chooser := &forwardtest.Chooser{Endpoints: []netip.AddrPort{closed, live}}
 	metrics := &forwardtest.Metrics{}
 	p := startUDPProxy(t, "4", chooser, func(p *Proxy) { p.Metrics = metrics })
 	c := forwardtest.DialUDP(t, p.addr)
@@ -229,7 +229,7 @@ func TestUDPCloseEndsSessions(t *testing.T) {
 	checkNoLeaks(t)
 	backend := forwardtest.StartUDPEcho(t, forwardtest.Loopback("4"), "")
 	metrics := &forwardtest.Metrics{}
-	p := startUDPProxy(t, "4", &fakeChooser{Endpoints: []netip.AddrPort{backend}}, func(p *Proxy) { p.Metrics = metrics })
+	p := startUDPProxy(t, "4", &forwardtest.Chooser{Endpoints: []netip.AddrPort{backend}}, func(p *Proxy) { p.Metrics = metrics })
 	for range 3 {
 		if _, err := forwardtest.UDPExchange(forwardtest.DialUDP(t, p.addr), []byte("x"), 1, forwardtest.WaitTimeout); err != nil {
 			t.Fatal(err)
@@ -253,7 +253,7 @@ func TestUDPConnReceiveBuffer(t *testing.T) {
 		t.Skip("needs CAP_NET_ADMIN for SO_RCVBUFFORCE")
 	}
 	backend := forwardtest.StartUDPEcho(t, forwardtest.Loopback("4"), "")
-	r := startUDPProxy(t, "4", &fakeChooser{Endpoints: []netip.AddrPort{backend}}, nil)
+	r := startUDPProxy(t, "4", &forwardtest.Chooser{Endpoints: []netip.AddrPort{backend}}, nil)
 	c := forwardtest.DialUDP(t, r.addr)
 	if _, err := forwardtest.UDPExchange(c, []byte("ping"), 1, forwardtest.WaitTimeout); err != nil { // Serve has prepared
 		t.Fatal(err)

@@ -44,7 +44,7 @@ func TestRelayUDPSessions(t *testing.T) {
 	checkNoLeaks(t)
 	a := forwardtest.StartUDPEcho(t, forwardtest.Loopback("4"), "a:")
 	b := forwardtest.StartUDPEcho(t, forwardtest.Loopback("4"), "b:")
-	ch := &fakeChooser{}
+	ch := &forwardtest.Chooser{}
 	ch.Set(a, b)
 	addr, _, m := startRelayUDP(t, ch, func(p *Proxy) { p.Timeout = 50 * time.Millisecond })
 	c1, c2 := forwardtest.DialUDP(t, addr), forwardtest.DialUDP(t, addr)
@@ -81,7 +81,7 @@ func TestRelayUDPRefusedEndpoint(t *testing.T) {
 	deadAddr := dead.LocalAddr().(*net.UDPAddr).AddrPort()
 	dead.Close() // nothing listens: the kernel answers with ICMP port unreachable
 	echo := forwardtest.StartUDPEcho(t, forwardtest.Loopback("4"), "e:")
-	ch := &fakeChooser{}
+	ch := &forwardtest.Chooser{}
 	ch.Set(deadAddr, echo)
 	addr, _, m := startRelayUDP(t, ch, nil)
 	c := forwardtest.DialUDP(t, addr)
@@ -100,7 +100,7 @@ func TestRelayUDPRefusedEndpoint(t *testing.T) {
 func TestRelayUDPMaxSessionsEvicts(t *testing.T) {
 	checkNoLeaks(t)
 	echo := forwardtest.StartUDPEcho(t, forwardtest.Loopback("4"), "e:")
-	ch := &fakeChooser{}
+	ch := &forwardtest.Chooser{}
 	ch.Set(echo)
 	addr, r, m := startRelayUDP(t, ch, func(p *Proxy) { p.MaxSessions = 1 })
 	c1, c2 := forwardtest.DialUDP(t, addr), forwardtest.DialUDP(t, addr)
@@ -124,7 +124,7 @@ func TestRelayUDPDropSessions(t *testing.T) {
 	checkNoLeaks(t)
 	a := forwardtest.StartUDPEcho(t, forwardtest.Loopback("4"), "a:")
 	b := forwardtest.StartUDPEcho(t, forwardtest.Loopback("4"), "b:")
-	ch := &fakeChooser{}
+	ch := &forwardtest.Chooser{}
 	ch.Set(a, b)
 	addr, r, m := startRelayUDP(t, ch, nil)
 	c1, c2 := forwardtest.DialUDP(t, addr), forwardtest.DialUDP(t, addr)

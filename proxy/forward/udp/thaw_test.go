@@ -15,7 +15,7 @@ func TestUDPThaw(t *testing.T) {
 	forwardtest.CheckNoFDLeaks(t)
 	checkNoLeaks(t)
 	e1, e2 := forwardtest.StartUDPEcho(t, forwardtest.Loopback("4"), "e1:"), forwardtest.StartUDPEcho(t, forwardtest.Loopback("4"), "e2:")
-	chooser := &fakeChooser{Endpoints: []netip.AddrPort{e1, e2}}
+	chooser := &forwardtest.Chooser{Endpoints: []netip.AddrPort{e1, e2}}
 	a := startUDPProxy(t, "4", chooser, nil)
 	c1 := forwardtest.DialUDP(t, a.addr)
 	if got, err := forwardtest.UDPExchange(c1, []byte("one"), 3, time.Second); err != nil || string(got) != "e1:one" {

@@ -3,9 +3,11 @@ package forwardtest
 import (
 	"net/netip"
 	"sync"
+
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward"
 )
 
-// MetricsSnapshot holds the counts of a fakeMetrics.
+// MetricsSnapshot holds the counts of a Metrics.
 type MetricsSnapshot struct {
 	Accepted, Closed, Failed                int
 	DialFailed                              []netip.AddrPort
@@ -14,11 +16,13 @@ type MetricsSnapshot struct {
 	Refused, Evicted                        int
 }
 
-// Metrics counts the events it receives.
+// Metrics is a forward.Metrics that counts the events it receives (Snapshot).
 type Metrics struct {
 	mu sync.Mutex
 	s  MetricsSnapshot
 }
+
+var _ forward.Metrics = (*Metrics)(nil)
 
 func (m *Metrics) update(f func(*MetricsSnapshot)) {
 	m.mu.Lock()

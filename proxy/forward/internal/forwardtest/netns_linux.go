@@ -110,3 +110,28 @@ func (tc NATCase) Dest(t *testing.T, proto string, port uint16) (target, service
 	t.Cleanup(func() { Run(t, tc.Iptbl, append([]string{"-t", "nat", "-D"}, rule...)...) })
 	return service, service
 }
+
+// RunNATCases runs each of NATCases(proto, servicePort) as a subtest inside InNATNetns: serve
+// starts a proxy listening on the case's address with chooser (whose endpoint it sets) and
+// returns its port; exchange sends through the case's target and checks the answer. The
+// chooser must then have been asked once, with the case's service address as the original
+// destination (none when the client sent to the proxy directly).
+func RunNATCases(t *testing.T, proto string, servicePort uint16,
+	serve func(t *testing.T, listen netip.AddrPort, chooser *Chooser) uint16,
+	exchange func(t *testing.T, target netip.AddrPort)) {
+	InNATNetns(t, func(t *testing.T) {
+		for _, tc := range NATCases(proto, servicePort) {
+			t.Run(tc.Name, func(t *testing.T) {
+				chooser := &Chooser{}
+				port := serve(t, netip.MustParseAddrPort(tc.Listen), chooser)
+				target, service := tc.Dest(t, proto, port)
+				exchange(t, target)
+				calls := chooser.Recorded()
+				if len(calls) != 1 || calls[0].Dst != service {
+					t.Fatalf("Choose calls %+v, want one with dst %v", calls, service)
+				}
+				t.Logf("client %v, dst %v", calls[0].Client, calls[0].Dst)
+			})
+		}
+	})
+}
