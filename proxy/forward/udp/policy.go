@@ -3,6 +3,7 @@ package udp
 import (
 	"net"
 	"net/netip"
+	"sync"
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward"
 )
@@ -54,6 +55,33 @@ func (p *Proxy) admitSessionWithin(count func() int, evictIdlest func() bool) bo
 			Msg("UDP datagram dropped: no room for a new session (logged once)")
 	}
 	return false
+}
+
+// evictIdlestOf ends the session of *sessions (guarded by mu) that has been idle longest, the
+// one whose lastActive is least, with release and a count of UDPSessionEvicted, and reports
+// whether there was one: the eviction of both engines (proxy_linux.go, relay.go). It scans the
+// sessions: eviction happens only at a limit, and the limit bounds the scan.
+func evictIdlestOf[S any](mu *sync.Mutex, sessions *map[netip.AddrPort]S, lastActive func(S) int64,
+	release func(S), metrics forward.Metrics) bool {
+	mu.Lock()
+	var idlest S
+	var client netip.AddrPort
+	found := false
+	for c, s := range *sessions {
+		if !found || lastActive(s) < lastActive(idlest) {
+			idlest, client, found = s, c, true
+		}
+	}
+	if found {
+		delete(*sessions, client)
+	}
+	mu.Unlock()
+	if !found {
+		return false
+	}
+	release(idlest)
+	metrics.UDPSessionEvicted()
+	return true
 }
 
 // sessionOpened counts and logs a new session.

@@ -399,23 +399,8 @@ func (p *Proxy) admitSession() bool {
 // evictIdlest ends the session that has been idle longest and reports whether there was one.
 // It scans the port's sessions: eviction happens only at a limit, and the limit bounds the scan.
 func (p *Proxy) evictIdlest() bool {
-	p.mu.Lock()
-	var idlest *udpSession
-	for _, s := range p.sessions {
-		if idlest == nil || s.lastActive.Load() < idlest.lastActive.Load() {
-			idlest = s
-		}
-	}
-	if idlest != nil {
-		delete(p.sessions, idlest.client)
-	}
-	p.mu.Unlock()
-	if idlest == nil {
-		return false
-	}
-	idlest.release()
-	p.metrics.UDPSessionEvicted()
-	return true
+	return evictIdlestOf(&p.mu, &p.sessions, func(s *udpSession) int64 { return s.lastActive.Load() },
+		(*udpSession).release, p.metrics)
 }
 
 // release closes the session's socket and returns its descriptor to the budget, once.

@@ -195,23 +195,7 @@ func (r *udpRelay) admit() bool {
 
 // evictIdlest ends the longest-idle session; false when there is none.
 func (r *udpRelay) evictIdlest() bool {
-	r.mu.Lock()
-	var idlest *relaySession
-	for _, s := range r.sessions {
-		if idlest == nil || s.last.Load() < idlest.last.Load() {
-			idlest = s
-		}
-	}
-	if idlest != nil {
-		delete(r.sessions, idlest.client)
-	}
-	r.mu.Unlock()
-	if idlest == nil {
-		return false
-	}
-	r.release(idlest)
-	r.metrics.UDPSessionEvicted()
-	return true
+	return evictIdlestOf(&r.mu, &r.sessions, func(s *relaySession) int64 { return s.last.Load() }, r.release, r.metrics)
 }
 
 // release closes a session's socket and returns its descriptor to the Budget, once.
