@@ -1161,7 +1161,7 @@ func runHandover(t *testing.T, rep *Report, cfg settings, scale int, tg target, 
 		retry := max((fdLimit-2*fds)/4-100, 1)
 		why := fmt.Sprintf("%d held: hand-over refused (%s); again with %d", res.held, firstLine(res.err.Error(), 200), retry)
 		rep.Notes = append(rep.Notes, fmt.Sprintf("Hand-over at %d services with %d connections held refused: %s. "+
-			"The predecessor duplicates every listening and connection socket before it sends them (proxy/forward/handover.go export), so it needs twice "+
+			"The predecessor duplicates every listening and connection socket before it sends them (proxy/forward/tcp, handover_linux.go: export), so it needs twice "+
 			"the descriptors its data path holds; it checks for that room before freezing anything and refuses otherwise (open-files limit %d, %d open before the connections): "+
 			"measured again with %d connections, the most for which (limit − 2 × open) / 4 leaves room, after a restart of the old proxy. After the refusal, the old proxy: %s.",
 			scale, res.held, firstLine(res.err.Error(), 300), fdLimit, fds, retry, firstLine(res.after, 2000)))

@@ -54,8 +54,8 @@ report deadcode "$out"
 
 step builds and vets for macOS and Windows
 # Every package builds there, and vets (which compiles the tests too): Linux-only features sit
-# in _linux files beside portable ones (proxy/forward's relay, iptables' tool, app's options);
-# tests that need Linux (namespaces, iptables, the event loops) are tagged linux.
+# in _linux files beside portable ones (the relays of proxy/forward/tcp and udp, iptables' tool,
+# app's options); tests that need Linux (namespaces, iptables, the event loops) are tagged linux.
 for goos in darwin windows; do
 	GOOS=$goos "$GO" build ./... || fail=1
 	GOOS=$goos "$GO" vet ./... || fail=1

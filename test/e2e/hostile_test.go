@@ -46,7 +46,7 @@ const (
 	// fdSlack is how far from its baseline the proxy's descriptor count may settle after an
 	// attack: the API watch and the runtime may hold a few more or fewer.
 	fdSlack = 6
-	// idlePipesMax is how many idle splice pipes the proxy keeps (proxy/forward's pipePoolMax).
+	// idlePipesMax is how many idle splice pipes the proxy keeps (proxy/forward/tcp's pipePoolMax).
 	idlePipesMax = 32
 	// Flood sizes.
 	healthFloodConns = 3000
