@@ -7,6 +7,6 @@
 // client's address (IP_TRANSPARENT: DialUDPFrom, ErrTransparentSetup), and the descriptors of
 // sockets and files (FD, DupFile, FDFromFile).
 //
-// Everything but FD and UnmapAddrPort is Linux's; the engines of package proxy/forward use it
-// from their _linux files only.
+// Everything but FD and UnmapAddrPort is Linux's; the engines (packages proxy/forward/tcp and
+// udp) use it from their _linux files only.
 package sys
