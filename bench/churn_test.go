@@ -448,6 +448,27 @@ func runChurn(t *testing.T, quick bool, outDir string) {
 			last[p] = append(last[p], lastAt)
 		}
 	}
+	// The client's pacing: a new endpoint is reached by the first connection that begins after
+	// it is programmed and that the proxy sends to it, so the client-side figures include up to
+	// one interval of waiting for the next connection, plus the connections the rotation sends
+	// to the other endpoints first (up to 2 with the probe's 3 ready pods, under round robin).
+	interval := map[string][]float64{}
+	for _, p := range ChurnPaths {
+		for k := 1; k < len(conns[p]); k++ {
+			interval[p] = append(interval[p], float64(conns[p][k].at.Sub(conns[p][k-1].at).Microseconds())/1e3)
+		}
+	}
+	for _, q := range []struct {
+		name string
+		pct  float64
+	}{{"p50", 50}, {"p99", 99}} {
+		m := rep.Metric("client probe interval "+q.name+" (between answered connections' starts)", "ms", false)
+		for _, p := range ChurnPaths {
+			if len(interval[p]) > 0 {
+				m.Add(p, percentile(interval[p], q.pct))
+			}
+		}
+	}
 	for _, q := range []struct {
 		name string
 		pct  float64
