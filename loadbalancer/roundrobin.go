@@ -125,7 +125,7 @@ const (
 	numClasses
 )
 
-// port is the balancer's state for one service port. It is kept to 96 bytes: there is one per
+// port is the balancer's state for one service port. It is kept to 80 bytes: there is one per
 // service port.
 type port struct {
 	// snap is what Next reads; replaced (never modified) by SetServicePort, SetZone and
@@ -173,16 +173,18 @@ func (s *snapshot) timeout() time.Duration {
 // given to SetServicePort, kept as it is (it may hold endpoints outside the rotation), and perm
 // the rotation as indexes into it; a nil perm is all of eps in its own order. An index costs 4
 // bytes per endpoint where a copy of the endpoint cost 88 (and a port's two rules, its address
-// families and its rotation order would each have had one).
+// families and its rotation order would each have had one). perm is a pointer so that a
+// rotation of a list in its own order (a port of one endpoint, the most common at scale) costs
+// 8 bytes more than the list, not 24, in the port and in each pool.
 type rotation struct {
 	eps  []proxy.Endpoint
-	perm []uint32
+	perm *[]uint32
 }
 
 // len returns the number of endpoints in the rotation.
 func (r *rotation) len() int {
 	if r.perm != nil {
-		return len(r.perm)
+		return len(*r.perm)
 	}
 	return len(r.eps)
 }
@@ -190,7 +192,7 @@ func (r *rotation) len() int {
 // at returns the endpoint at position i of the rotation.
 func (r *rotation) at(i int) *proxy.Endpoint {
 	if r.perm != nil {
-		return &r.eps[r.perm[i]]
+		return &r.eps[(*r.perm)[i]]
 	}
 	return &r.eps[i]
 }
@@ -198,7 +200,7 @@ func (r *rotation) at(i int) *proxy.Endpoint {
 // indexOf returns the index into eps of position i of the rotation.
 func (r *rotation) indexOf(i int) uint32 {
 	if r.perm != nil {
-		return r.perm[i]
+		return (*r.perm)[i]
 	}
 	return uint32(i)
 }
@@ -236,14 +238,28 @@ func (r *rotation) sameEndpoints(o *rotation) bool {
 // the same single endpoint (a rotation of one needs no counter of its own), and an empty list is
 // the shared emptyPool.
 type pool struct {
-	rotation                        // usable endpoints, in rotation order; may be port.order
-	index    map[netip.AddrPort]int // position of each endpoint in the rotation; nil up to indexedPool endpoints
-	next     atomic.Uint64          // rotation counter: the next pick is at(next % len())
-	// families, when eps holds endpoints of both address families, is this pool narrowed to
-	// each family (familyIPv4, familyIPv6), each with its own rotation: traffic keeps its address
+	rotation               // usable endpoints, in rotation order; may be port.order
+	next     atomic.Uint64 // rotation counter: the next pick is at(next % len())
+	// extra holds what few pools need (nil for the others, so a pool is 48 bytes).
+	extra *poolExtra
+}
+
+// poolExtra is what a pool has only when it is long or dual-stack.
+type poolExtra struct {
+	index map[netip.AddrPort]int // position of each endpoint in the rotation; nil up to indexedPool endpoints
+	// families, when the pool holds endpoints of both address families, is it narrowed to each
+	// family (familyIPv4, familyIPv6), each with its own rotation: traffic keeps its address
 	// family, as with kube-proxy's per-family proxiers. Nil otherwise; a client then gets
-	// whatever family eps has (a userspace proxy can bridge them).
+	// whatever family the pool has (a userspace proxy can bridge them).
 	families *[2]*pool
+}
+
+// families returns the pool narrowed to each address family, nil when it is not dual-stack.
+func (pl *pool) families() *[2]*pool {
+	if pl.extra == nil {
+		return nil
+	}
+	return pl.extra.families
 }
 
 // emptyPool is every pool without endpoints. Its counter is never used.
@@ -263,9 +279,9 @@ func newPool(r rotation) *pool {
 	}
 	pl := &pool{rotation: r}
 	if n > indexedPool {
-		pl.index = make(map[netip.AddrPort]int, n)
+		pl.extra = &poolExtra{index: make(map[netip.AddrPort]int, n)}
 		for i := range n {
-			pl.index[r.at(i).Addr] = i
+			pl.extra.index[r.at(i).Addr] = i
 		}
 	}
 	return pl
@@ -273,8 +289,8 @@ func newPool(r rotation) *pool {
 
 // find returns the position of the endpoint a in the rotation.
 func (pl *pool) find(a netip.AddrPort) (int, bool) {
-	if pl.index != nil {
-		i, ok := pl.index[a]
+	if pl.extra != nil && pl.extra.index != nil {
+		i, ok := pl.extra.index[a]
 		return i, ok
 	}
 	for i := range pl.len() {
@@ -301,13 +317,14 @@ func familyOf(a netip.Addr) int {
 // forClient returns the pool that traffic from client picks from: the one of client's address
 // family when pl has both families, pl itself otherwise (or when client is unknown).
 func (pl *pool) forClient(client netip.Addr) *pool {
-	if pl.families == nil || !client.IsValid() {
+	fs := pl.families()
+	if fs == nil || !client.IsValid() {
 		return pl
 	}
-	return pl.families[familyOf(client)]
+	return fs[familyOf(client)]
 }
 
-// splitFamilies sets pl.families when pl has endpoints of both families, carrying each family's
+// splitFamilies sets pl's families when pl has endpoints of both families, carrying each family's
 // rotation over from old (the same rule's previous pool; nil for a new port).
 func (pl *pool) splitFamilies(old *pool) {
 	var byFamily [2][]uint32
@@ -318,25 +335,29 @@ func (pl *pool) splitFamilies(old *pool) {
 	if len(byFamily[familyIPv4]) == 0 || len(byFamily[familyIPv6]) == 0 {
 		return
 	}
-	pl.families = new([2]*pool)
+	if pl.extra == nil {
+		pl.extra = &poolExtra{}
+	}
+	pl.extra.families = new([2]*pool)
 	for f, perm := range byFamily {
-		sub := newPool(rotation{eps: pl.eps, perm: perm})
+		sub := newPool(rotation{eps: pl.eps, perm: &perm})
 		if old != nil {
 			prev := old
-			if old.families != nil {
-				prev = old.families[f]
+			if fs := old.families(); fs != nil {
+				prev = fs[f]
 			}
 			sub.next.Store(carryPosition(prev, sub))
 		}
-		pl.families[f] = sub
+		pl.extra.families[f] = sub
 	}
 }
 
 // pick returns the next endpoint in rotation. The pool must not be empty.
 func (pl *pool) pick() proxy.Endpoint {
 	i := pl.next.Add(1) - 1
-	if pl.perm != nil {
-		return pl.eps[pl.perm[i%uint64(len(pl.perm))]]
+	if pm := pl.perm; pm != nil {
+		perm := *pm
+		return pl.eps[perm[i%uint64(len(perm))]]
 	}
 	return pl.eps[i%uint64(len(pl.eps))]
 }
@@ -729,7 +750,7 @@ func usableOf(order *rotation, node Node, local bool, mode topologyMode) rotatio
 			if len(perm) == 0 {
 				return rotation{}
 			}
-			return rotation{eps: order.eps, perm: perm}
+			return rotation{eps: order.eps, perm: &perm}
 		}
 	}
 	return *order
@@ -802,13 +823,13 @@ func (lb *RoundRobin) mergeOrder(prev *rotation, eps []proxy.Endpoint) (order ro
 
 // identityOrNil returns nil when perm is 0, 1, … n-1 (all of a list of n in its own order: a
 // port of one endpoint, the most common at scale, keeps no index), perm otherwise.
-func identityOrNil(perm []uint32, n int) []uint32 {
+func identityOrNil(perm []uint32, n int) *[]uint32 {
 	if len(perm) != n {
-		return perm
+		return &perm
 	}
 	for i, v := range perm {
 		if v != uint32(i) {
-			return perm
+			return &perm
 		}
 	}
 	return nil

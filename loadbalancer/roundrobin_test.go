@@ -887,8 +887,8 @@ func TestPoolsShareTheEndpointList(t *testing.T) {
 		var pools []*pool
 		for _, pl := range lb.ports[sp.Name].snap.Load().pools {
 			pools = append(pools, pl)
-			if pl.families != nil {
-				pools = append(pools, pl.families[0], pl.families[1])
+			if fs := pl.families(); fs != nil {
+				pools = append(pools, fs[0], fs[1])
 			}
 		}
 		for i, pl := range pools {
