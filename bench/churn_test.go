@@ -23,6 +23,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	discoveryv1 "k8s.io/api/discovery/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/watch"
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/test/cluster"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/test/e2e/harness"
@@ -285,6 +286,7 @@ func runChurn(t *testing.T, quick bool, outDir string) {
 		before[p] = scrape(p)
 	}
 	stopProbes := probeAll(ctx, nodes, probeSvc)
+	stopWatch := watchDelivery(ctx, t, c)
 	ticks := map[string]float64{}
 	for _, p := range ChurnPaths {
 		ticks[p] = cpuTicks(pids[p])
@@ -375,6 +377,7 @@ func runChurn(t *testing.T, quick bool, outDir string) {
 	}
 	time.Sleep(2 * time.Second) // the last changes are programmed
 	conns := stopProbes()
+	delivery := stopWatch()
 	t.Logf("churn: %d slice updates in %v (%.1f/s)", updates, took.Round(time.Millisecond), float64(updates)/took.Seconds())
 
 	mean := rep.Metric("programming latency, mean (metric)", "ms", false)
@@ -484,6 +487,10 @@ func runChurn(t *testing.T, quick bool, outDir string) {
 			}
 		}
 	}
+	if len(delivery) > 0 {
+		rep.Notes = append(rep.Notes, fmt.Sprintf("Watch delivery alone (the bench's own watch of every EndpointSlice, from each slice's trigger time to the event's arrival, no proxy): p50 %s ms, p99 %s ms, max %s ms over %d events; the rest of a proxy's metric is its own work (decoding, the handler, programming).",
+			num(percentile(delivery, 50)), num(percentile(delivery, 99)), num(percentile(delivery, 100)), len(delivery)))
+	}
 	rep.Notes = append(rep.Notes,
 		fmt.Sprintf("One control plane (etcd + kube-apiserver) and one node namespace per path, all watching it: upstream kube-proxy v1.36.3 --proxy-mode=iptables, the same with --proxy-mode=nftables, kube-userspace-proxy; every proxy with its default minimum sync period (1 s). The bulk: %d ClusterIP services of %d endpoints each (one slice per service; addresses nowhere: no traffic goes to them), created through the API server after the proxies started; RSS grown from none once every proxy had programmed every slice; then kube-userspace-proxy restarted with the bulk present, and RSS and rules 10 s after it served again (the churn runs on the restarted proxy); the kube-proxies are not restarted (kube-proxy in iptables mode did not finish its first sync after a restart at 100,000 endpoints within 15 minutes here), so their RSS row is the grown process's.", cfg.services, cfg.endpoints),
 		fmt.Sprintf("Churn: %.0f EndpointSlice updates/s for %v, each one step of a rolling update of a random service (oldest endpoint terminating; a new one not ready; ready; the terminating one removed), every slice written with endpoints.kubernetes.io/last-change-trigger-time = now, as the EndpointSlice controller does. CPU: utime+stime of each proxy over the churn (kube-userspace-proxy's includes relaying the probe client's connections, which the kernel does for kube-proxy); RSS peak sampled every second.", cfg.rate, cfg.duration),
@@ -498,6 +505,46 @@ const (
 	bigOldRange = "10.210.0.0/28"
 	bigNewRange = "10.210.4.0/22"
 )
+
+// watchDelivery watches every EndpointSlice with the bench's own client until the returned
+// function is called; that function stops the watch, waits for its reader, and returns for each
+// added or modified slice with a trigger time how long after it the event arrived (ms): what the
+// API server's write and watch take, without any proxy's work.
+func watchDelivery(ctx context.Context, t *testing.T, c *cluster.Cluster) (stop func() []float64) {
+	ctx, cancel := context.WithCancel(ctx)
+	api := c.Client.DiscoveryV1().EndpointSlices("")
+	list, err := api.List(ctx, metav1.ListOptions{Limit: 1})
+	var w watch.Interface
+	if err == nil {
+		w, err = api.Watch(ctx, metav1.ListOptions{ResourceVersion: list.ResourceVersion})
+	}
+	if err != nil {
+		cancel()
+		t.Logf("watch delivery: %v", err)
+		return func() []float64 { return nil }
+	}
+	var took []float64
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		for ev := range w.ResultChan() {
+			at := time.Now()
+			s, ok := ev.Object.(*discoveryv1.EndpointSlice)
+			if !ok || ev.Type == watch.Deleted {
+				continue
+			}
+			if tt, err := time.Parse(time.RFC3339Nano, s.Annotations[corev1.EndpointsLastChangeTriggerTime]); err == nil {
+				took = append(took, float64(at.Sub(tt).Microseconds())/1e3)
+			}
+		}
+	}()
+	return func() []float64 {
+		w.Stop()
+		cancel()
+		<-done
+		return took
+	}
+}
 
 // probeConn is one answered connection of probeAll: when it began, and the backend that answered.
 type probeConn struct {
