@@ -327,6 +327,15 @@ func (pl *pool) forClient(client netip.Addr) *pool {
 // splitFamilies sets pl's families when pl has endpoints of both families, carrying each family's
 // rotation over from old (the same rule's previous pool; nil for a new port).
 func (pl *pool) splitFamilies(old *pool) {
+	// Most pools are of one family: find out without allocating.
+	first := familyOf(pl.at(0).Addr.Addr())
+	mixed := false
+	for i := 1; i < pl.len() && !mixed; i++ {
+		mixed = familyOf(pl.at(i).Addr.Addr()) != first
+	}
+	if !mixed {
+		return
+	}
 	var byFamily [2][]uint32
 	for i := range pl.len() {
 		f := familyOf(pl.at(i).Addr.Addr())

@@ -919,3 +919,24 @@ func TestPoolsShareTheEndpointList(t *testing.T) {
 		}
 	}
 }
+
+// TestSplitFamiliesOfOneFamilyAllocatesNothing: a pool of one address family (almost every pool)
+// is not split, and finding that out allocates nothing: it runs for each pool of each update.
+func TestSplitFamiliesOfOneFamilyAllocatesNothing(t *testing.T) {
+	var eps []proxy.Endpoint
+	for i := range 10 {
+		eps = append(eps, ready(fmt.Sprintf("10.0.0.%d", i+1), "n2"))
+	}
+	pl := newPool(rotation{eps: eps})
+	if n := testing.AllocsPerRun(100, func() { pl.splitFamilies(nil) }); n != 0 {
+		t.Errorf("splitFamilies of a pool of one family: %v allocations, want 0", n)
+	}
+	if pl.families() != nil {
+		t.Errorf("a pool of one family was split")
+	}
+	dual := newPool(rotation{eps: append(slices.Clone(eps), ready("[fd00::1]:8080", "n2"))})
+	dual.splitFamilies(nil)
+	if fs := dual.families(); fs == nil || fs[familyIPv4].len() != 10 || fs[familyIPv6].len() != 1 {
+		t.Errorf("a dual-stack pool was not split 10 + 1: %v", fs)
+	}
+}
