@@ -23,6 +23,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	discoveryv1 "k8s.io/api/discovery/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/watch"
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/test/cluster"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/test/e2e/harness"
@@ -68,6 +69,10 @@ const (
 	npCount = `kubeproxy_network_programming_duration_seconds_count{ip_family="IPv4"}`
 	npSum   = `kubeproxy_network_programming_duration_seconds_sum{ip_family="IPv4"}`
 	npLE025 = `kubeproxy_network_programming_duration_seconds_bucket{ip_family="IPv4",le="0.25"}`
+	// The histograms histQuantile reads: kube-proxy's (buckets from 0.25 s), and
+	// kube-userspace-proxy's fine one of the same observations (buckets from 1 ms).
+	npHist     = "kubeproxy_network_programming_duration_seconds"
+	npFineHist = "kube_userspace_proxy_network_programming_duration_seconds"
 )
 
 // churnPod is the fake address of endpoint k of bulk service i (10.200.0.0/14, never routed:
@@ -281,6 +286,7 @@ func runChurn(t *testing.T, quick bool, outDir string) {
 		before[p] = scrape(p)
 	}
 	stopProbes := probeAll(ctx, nodes, probeSvc)
+	stopWatch := watchDelivery(ctx, t, c)
 	ticks := map[string]float64{}
 	for _, p := range ChurnPaths {
 		ticks[p] = cpuTicks(pids[p])
@@ -371,6 +377,7 @@ func runChurn(t *testing.T, quick bool, outDir string) {
 	}
 	time.Sleep(2 * time.Second) // the last changes are programmed
 	conns := stopProbes()
+	delivery := stopWatch()
 	t.Logf("churn: %d slice updates in %v (%.1f/s)", updates, took.Round(time.Millisecond), float64(updates)/took.Seconds())
 
 	mean := rep.Metric("programming latency, mean (metric)", "ms", false)
@@ -385,14 +392,27 @@ func runChurn(t *testing.T, quick bool, outDir string) {
 		mean.Add(p, (after[npSum]-before[p][npSum])/n*1000)
 		within.Add(p, (after[npLE025]-before[p][npLE025])/n*100)
 	}
+	// The quantiles: kube-userspace-proxy's from its fine histogram (the same observations in
+	// buckets from 1 ms), the kube-proxies' from theirs (from 0.25 s).
+	afterAll := map[string]map[string]float64{}
+	for _, p := range ChurnPaths {
+		afterAll[p] = scrape(p)
+	}
 	for _, q := range []struct {
 		name string
 		q    float64
 	}{{"p50", 0.5}, {"p99", 0.99}, {"max", 1}} {
 		m := rep.Metric("programming latency "+q.name+" (metric, histogram_quantile)", "ms", false)
 		for _, p := range ChurnPaths {
-			if v, ok := histQuantile(before[p], scrape(p), q.q); ok {
+			hist := npHist
+			if p == PathKUP {
+				hist = npFineHist
+			}
+			if v, ok := histQuantile(hist, before[p], afterAll[p], q.q); ok {
 				m.Add(p, v*1000)
+			}
+			if p == PathKUP {
+				m.Note(p, "fine histogram")
 			}
 		}
 	}
@@ -431,6 +451,27 @@ func runChurn(t *testing.T, quick bool, outDir string) {
 			last[p] = append(last[p], lastAt)
 		}
 	}
+	// The client's pacing: a new endpoint is reached by the first connection that begins after
+	// it is programmed and that the proxy sends to it, so the client-side figures include up to
+	// one interval of waiting for the next connection, plus the connections the rotation sends
+	// to the other endpoints first (up to 2 with the probe's 3 ready pods, under round robin).
+	interval := map[string][]float64{}
+	for _, p := range ChurnPaths {
+		for k := 1; k < len(conns[p]); k++ {
+			interval[p] = append(interval[p], float64(conns[p][k].at.Sub(conns[p][k-1].at).Microseconds())/1e3)
+		}
+	}
+	for _, q := range []struct {
+		name string
+		pct  float64
+	}{{"p50", 50}, {"p99", 99}} {
+		m := rep.Metric("client probe interval "+q.name+" (between answered connections' starts)", "ms", false)
+		for _, p := range ChurnPaths {
+			if len(interval[p]) > 0 {
+				m.Add(p, percentile(interval[p], q.pct))
+			}
+		}
+	}
 	for _, q := range []struct {
 		name string
 		pct  float64
@@ -446,10 +487,14 @@ func runChurn(t *testing.T, quick bool, outDir string) {
 			}
 		}
 	}
+	if len(delivery) > 0 {
+		rep.Notes = append(rep.Notes, fmt.Sprintf("Watch delivery alone (the bench's own watch of every EndpointSlice, from each slice's trigger time to the event's arrival, no proxy): p50 %s ms, p99 %s ms, max %s ms over %d events; the rest of a proxy's metric is its own work (decoding, the handler, programming).",
+			num(percentile(delivery, 50)), num(percentile(delivery, 99)), num(percentile(delivery, 100)), len(delivery)))
+	}
 	rep.Notes = append(rep.Notes,
 		fmt.Sprintf("One control plane (etcd + kube-apiserver) and one node namespace per path, all watching it: upstream kube-proxy v1.36.3 --proxy-mode=iptables, the same with --proxy-mode=nftables, kube-userspace-proxy; every proxy with its default minimum sync period (1 s). The bulk: %d ClusterIP services of %d endpoints each (one slice per service; addresses nowhere: no traffic goes to them), created through the API server after the proxies started; RSS grown from none once every proxy had programmed every slice; then kube-userspace-proxy restarted with the bulk present, and RSS and rules 10 s after it served again (the churn runs on the restarted proxy); the kube-proxies are not restarted (kube-proxy in iptables mode did not finish its first sync after a restart at 100,000 endpoints within 15 minutes here), so their RSS row is the grown process's.", cfg.services, cfg.endpoints),
 		fmt.Sprintf("Churn: %.0f EndpointSlice updates/s for %v, each one step of a rolling update of a random service (oldest endpoint terminating; a new one not ready; ready; the terminating one removed), every slice written with endpoints.kubernetes.io/last-change-trigger-time = now, as the EndpointSlice controller does. CPU: utime+stime of each proxy over the churn (kube-userspace-proxy's includes relaying the probe client's connections, which the kernel does for kube-proxy); RSS peak sampled every second.", cfg.rate, cfg.duration),
-		"Metric: kubeproxy_network_programming_duration_seconds over the churn (from each slice's trigger time to the end of the programming); kube-proxy's buckets start at 0.25 s, so the metric gives the mean (sum/count), the share within 0.25 s, and histogram_quantile's estimates (linear within a bucket: any p99 in the first bucket reads about 0.25 s; max is the upper bound of the highest bucket reached). Client: a probe service of 6 real pods (kup-echo) is rolled every few seconds (its updates count in the rate); a client on each node connects to its ClusterIP without pause; first connection = the first that reached the new pod after its ready slice was written; last connection = the last that reached the pod after the slice making it terminating was written (0 when none did).",
+		"Metric: kubeproxy_network_programming_duration_seconds over the churn (from each slice's trigger time to the end of the programming); kube-proxy's buckets start at 0.25 s, so the metric gives the mean (sum/count), the share within 0.25 s, and histogram_quantile's estimates (linear within a bucket: any p99 in the first bucket reads about 0.25 s; max is the upper bound of the highest bucket reached). kube-userspace-proxy's p50/p99/max rows (noted \"fine histogram\") come from kube_userspace_proxy_network_programming_duration_seconds, the same observations in buckets from 1 ms, each about √2 times the last; the kube-proxies' from kubeproxy_network_programming_duration_seconds. Client: a probe service of 6 real pods (kup-echo) is rolled every few seconds (its updates count in the rate); a client on each node connects to its ClusterIP without pause; first connection = the first that reached the new pod after its ready slice was written; last connection = the last that reached the pod after the slice making it terminating was written (0 when none did).",
 	)
 }
 
@@ -460,6 +505,46 @@ const (
 	bigOldRange = "10.210.0.0/28"
 	bigNewRange = "10.210.4.0/22"
 )
+
+// watchDelivery watches every EndpointSlice with the bench's own client until the returned
+// function is called; that function stops the watch, waits for its reader, and returns for each
+// added or modified slice with a trigger time how long after it the event arrived (ms): what the
+// API server's write and watch take, without any proxy's work.
+func watchDelivery(ctx context.Context, t *testing.T, c *cluster.Cluster) (stop func() []float64) {
+	ctx, cancel := context.WithCancel(ctx)
+	api := c.Client.DiscoveryV1().EndpointSlices("")
+	list, err := api.List(ctx, metav1.ListOptions{Limit: 1})
+	var w watch.Interface
+	if err == nil {
+		w, err = api.Watch(ctx, metav1.ListOptions{ResourceVersion: list.ResourceVersion})
+	}
+	if err != nil {
+		cancel()
+		t.Logf("watch delivery: %v", err)
+		return func() []float64 { return nil }
+	}
+	var took []float64
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		for ev := range w.ResultChan() {
+			at := time.Now()
+			s, ok := ev.Object.(*discoveryv1.EndpointSlice)
+			if !ok || ev.Type == watch.Deleted {
+				continue
+			}
+			if tt, err := time.Parse(time.RFC3339Nano, s.Annotations[corev1.EndpointsLastChangeTriggerTime]); err == nil {
+				took = append(took, float64(at.Sub(tt).Microseconds())/1e3)
+			}
+		}
+	}()
+	return func() []float64 {
+		w.Stop()
+		cancel()
+		<-done
+		return took
+	}
+}
 
 // probeConn is one answered connection of probeAll: when it began, and the backend that answered.
 type probeConn struct {
@@ -561,11 +646,11 @@ func scaleOnce(t *testing.T, c *cluster.Cluster, nodes map[string]*netns.Node, s
 	}
 }
 
-// histQuantile returns the q-quantile of the network programming observations made between
+// histQuantile returns the q-quantile of the IPv4 observations of histogram hist made between
 // the scrapes before and after, as Prometheus's histogram_quantile estimates it from the buckets
 // (linear within a bucket); q = 1 gives the upper bound of the highest bucket that got one.
-func histQuantile(before, after map[string]float64, q float64) (float64, bool) {
-	const prefix = `kubeproxy_network_programming_duration_seconds_bucket{ip_family="IPv4",le="`
+func histQuantile(hist string, before, after map[string]float64, q float64) (float64, bool) {
+	prefix := hist + `_bucket{ip_family="IPv4",le="`
 	type bucket struct{ le, n float64 }
 	var bs []bucket
 	for k, v := range after {

@@ -168,3 +168,90 @@ func BenchmarkMemoryPerPort(b *testing.B) {
 		})
 	}
 }
+
+// BenchmarkMemoryPerEndpoint reports the live heap the balancer holds per endpoint ("B/endpoint",
+// runtime.MemStats.HeapAlloc after a collection) at 1,000 ports of 10 endpoints each, all ready
+// or one of each port's terminating (a rolling update's step, which narrows the usable list). The
+// endpoint lists, which the caller owns, are built before the first reading.
+func BenchmarkMemoryPerEndpoint(b *testing.B) {
+	const ports, perPort = 1000, 10
+	sps := make([]*proxy.ServicePort, ports)
+	for i := range ports {
+		sps[i] = svcPort(name(fmt.Sprintf("svc-%05d", i), ""))
+	}
+	for _, terminating := range []bool{false, true} {
+		eps := make([][]proxy.Endpoint, ports)
+		for i := range ports {
+			for k := range perPort {
+				e := ready(netip.AddrFrom4([4]byte{10, byte(i >> 8), byte(i), byte(k)}).String()+":8080", "n2")
+				if terminating && k == 0 {
+					e.Ready, e.Terminating = false, true
+				}
+				eps[i] = append(eps[i], e)
+			}
+		}
+		b.Run(fmt.Sprintf("terminating=%v", terminating), func(b *testing.B) {
+			var perEndpoint float64
+			for b.Loop() {
+				var before, after runtime.MemStats
+				runtime.GC()
+				runtime.ReadMemStats(&before)
+				lb := New(Options{NodeName: thisNode, Rand: rand.New(rand.NewPCG(1, 2))})
+				for i := range ports {
+					lb.SetServicePort(sps[i], eps[i])
+				}
+				runtime.GC()
+				runtime.ReadMemStats(&after)
+				runtime.KeepAlive(lb)
+				perEndpoint = float64(int64(after.HeapAlloc)-int64(before.HeapAlloc)) / (ports * perPort)
+			}
+			b.ReportMetric(perEndpoint, "B/endpoint")
+		})
+	}
+}
+
+// BenchmarkRollingUpdate measures SetServicePort for the steps of a rolling update of a port of
+// 10 endpoints, as the endpoint churn makes them (the oldest endpoint terminating; a new one not
+// ready; ready; the terminating one gone), each step a new list as the proxy's are: allocs/op is
+// per update.
+func BenchmarkRollingUpdate(b *testing.B) {
+	lb := New(Options{NodeName: thisNode, Rand: rand.New(rand.NewPCG(1, 2))})
+	sp := svcPort(name("bench", "http"))
+	ep := func(k int) proxy.Endpoint {
+		return ready(netip.AddrFrom4([4]byte{10, 1, byte(k >> 8), byte(k)}).String()+":8080", "n2")
+	}
+	// steps[s] is step s of the update that begins with endpoints first..first+9 (mod 256).
+	const cycle = 64
+	var steps [][]proxy.Endpoint
+	for first := range cycle {
+		for step := range 4 {
+			var eps []proxy.Endpoint
+			n := 10
+			if step == 1 || step == 2 {
+				n = 11
+			}
+			lo := first
+			if step == 3 {
+				lo++
+			}
+			for k := lo; k < lo+n; k++ {
+				e := ep(k % cycle)
+				switch {
+				case step < 3 && k == first:
+					e.Ready, e.Terminating = false, true
+				case step == 1 && k == first+10:
+					e.Ready, e.Serving = false, false
+				}
+				eps = append(eps, e)
+			}
+			steps = append(steps, eps)
+		}
+	}
+	lb.SetServicePort(sp, steps[len(steps)-1])
+	b.ReportAllocs()
+	i := 0
+	for b.Loop() {
+		lb.SetServicePort(sp, steps[i%len(steps)])
+		i++
+	}
+}

@@ -125,7 +125,7 @@ const (
 	numClasses
 )
 
-// port is the balancer's state for one service port. It is kept to 64 bytes: there is one per
+// port is the balancer's state for one service port. It is kept to 80 bytes: there is one per
 // service port.
 type port struct {
 	// snap is what Next reads; replaced (never modified) by SetServicePort, SetZone and
@@ -135,7 +135,7 @@ type port struct {
 	// order is every endpoint in rotation order, and topologyNote the last topology decision
 	// logged (nil for none, as for most ports). Guarded by RoundRobin.writeMu, as is the choice
 	// of snapshot (the port's current configuration is snap's sp).
-	order        []proxy.Endpoint
+	order        rotation
 	topologyNote *string
 
 	// errs holds Next's errors for this port, built by its first failing pick (rare: most ports
@@ -169,19 +169,97 @@ func (s *snapshot) timeout() time.Duration {
 	return s.sp.AffinityTimeout
 }
 
+// rotation is endpoints in rotation order without a copy of them: eps is the endpoint list
+// given to SetServicePort, kept as it is (it may hold endpoints outside the rotation), and perm
+// the rotation as indexes into it; a nil perm is all of eps in its own order. An index costs 4
+// bytes per endpoint where a copy of the endpoint cost 88 (and a port's two rules, its address
+// families and its rotation order would each have had one). perm is a pointer so that a
+// rotation of a list in its own order (a port of one endpoint, the most common at scale) costs
+// 8 bytes more than the list, not 24, in the port and in each pool.
+type rotation struct {
+	eps  []proxy.Endpoint
+	perm *[]uint32
+}
+
+// len returns the number of endpoints in the rotation.
+func (r *rotation) len() int {
+	if r.perm != nil {
+		return len(*r.perm)
+	}
+	return len(r.eps)
+}
+
+// at returns the endpoint at position i of the rotation.
+func (r *rotation) at(i int) *proxy.Endpoint {
+	if r.perm != nil {
+		return &r.eps[(*r.perm)[i]]
+	}
+	return &r.eps[i]
+}
+
+// indexOf returns the index into eps of position i of the rotation.
+func (r *rotation) indexOf(i int) uint32 {
+	if r.perm != nil {
+		return (*r.perm)[i]
+	}
+	return uint32(i)
+}
+
+// equal reports whether r and o are the same positions of the same list.
+func (r *rotation) equal(o *rotation) bool {
+	n := r.len()
+	if n != o.len() || n > 0 && &r.eps[0] != &o.eps[0] {
+		return false
+	}
+	for i := range n {
+		if r.indexOf(i) != o.indexOf(i) {
+			return false
+		}
+	}
+	return true
+}
+
+// sameEndpoints reports whether r and o hold equal endpoints in the same order (of any lists).
+func (r *rotation) sameEndpoints(o *rotation) bool {
+	n := r.len()
+	if n != o.len() {
+		return false
+	}
+	for i := range n {
+		if *r.at(i) != *o.at(i) {
+			return false
+		}
+	}
+	return true
+}
+
 // pool is the usable endpoint list of one selection rule, with its rotation. Everything but next
 // is immutable once published. The pools of a port's two rules are one pool when both lists are
 // the same single endpoint (a rotation of one needs no counter of its own), and an empty list is
 // the shared emptyPool.
 type pool struct {
-	eps   []proxy.Endpoint       // usable endpoints, in rotation order; may alias port.order
-	index map[netip.AddrPort]int // position of each endpoint in eps; nil up to indexedPool endpoints
-	next  atomic.Uint64          // rotation counter: the next pick is eps[next % len(eps)]
-	// families, when eps holds endpoints of both address families, is this pool narrowed to
-	// each family (familyIPv4, familyIPv6), each with its own rotation: traffic keeps its address
+	rotation               // usable endpoints, in rotation order; may be port.order
+	next     atomic.Uint64 // rotation counter: the next pick is at(next % len())
+	// extra holds what few pools need (nil for the others, so a pool is 48 bytes).
+	extra *poolExtra
+}
+
+// poolExtra is what a pool has only when it is long or dual-stack.
+type poolExtra struct {
+	index map[netip.AddrPort]int // position of each endpoint in the rotation; nil up to indexedPool endpoints
+	// families, when the pool holds endpoints of both address families, is it narrowed to each
+	// family (familyIPv4, familyIPv6), each with its own rotation: traffic keeps its address
 	// family, as with kube-proxy's per-family proxiers. Nil otherwise; a client then gets
-	// whatever family eps has (a userspace proxy can bridge them).
+	// whatever family the pool has (a userspace proxy can bridge them).
 	families *[2]*pool
+}
+
+// families returns the pool narrowed to each address family, nil when it is not dual-stack.
+func (pl *pool) families() *[2]*pool {
+	if pl.extra == nil {
+		return nil
+	}
+	return pl.extra.families
 }
 
 // emptyPool is every pool without endpoints. Its counter is never used.
@@ -192,30 +270,31 @@ var emptyPool = new(pool)
 // and up to ~20 endpoints a scan is as fast as a map lookup (~5 ns for a few, ~12 for 16).
 const indexedPool = 16
 
-// newPool returns a pool of eps (rotation at 0) with its index when it needs one; emptyPool
-// when eps is empty.
-func newPool(eps []proxy.Endpoint) *pool {
-	if len(eps) == 0 {
+// newPool returns a pool of r (rotation at 0) with its index when it needs one; emptyPool when
+// r is empty.
+func newPool(r rotation) *pool {
+	n := r.len()
+	if n == 0 {
 		return emptyPool
 	}
-	pl := &pool{eps: eps}
-	if len(eps) > indexedPool {
-		pl.index = make(map[netip.AddrPort]int, len(eps))
-		for i, e := range eps {
-			pl.index[e.Addr] = i
+	pl := &pool{rotation: r}
+	if n > indexedPool {
+		pl.extra = &poolExtra{index: make(map[netip.AddrPort]int, n)}
+		for i := range n {
+			pl.extra.index[r.at(i).Addr] = i
 		}
 	}
 	return pl
 }
 
-// find returns the position of the endpoint a in eps.
+// find returns the position of the endpoint a in the rotation.
 func (pl *pool) find(a netip.AddrPort) (int, bool) {
-	if pl.index != nil {
-		i, ok := pl.index[a]
+	if pl.extra != nil && pl.extra.index != nil {
+		i, ok := pl.extra.index[a]
 		return i, ok
 	}
-	for i := range pl.eps {
-		if pl.eps[i].Addr == a {
+	for i := range pl.len() {
+		if pl.at(i).Addr == a {
 			return i, true
 		}
 	}
@@ -238,40 +317,57 @@ func familyOf(a netip.Addr) int {
 // forClient returns the pool that traffic from client picks from: the one of client's address
 // family when pl has both families, pl itself otherwise (or when client is unknown).
 func (pl *pool) forClient(client netip.Addr) *pool {
-	if pl.families == nil || !client.IsValid() {
+	fs := pl.families()
+	if fs == nil || !client.IsValid() {
 		return pl
 	}
-	return pl.families[familyOf(client)]
+	return fs[familyOf(client)]
 }
 
-// splitFamilies sets pl.families when pl has endpoints of both families, carrying each family's
+// splitFamilies sets pl's families when pl has endpoints of both families, carrying each family's
 // rotation over from old (the same rule's previous pool; nil for a new port).
 func (pl *pool) splitFamilies(old *pool) {
-	var byFamily [2][]proxy.Endpoint
-	for _, e := range pl.eps {
-		f := familyOf(e.Addr.Addr())
-		byFamily[f] = append(byFamily[f], e)
+	// Most pools are of one family: find out without allocating.
+	first := familyOf(pl.at(0).Addr.Addr())
+	mixed := false
+	for i := 1; i < pl.len() && !mixed; i++ {
+		mixed = familyOf(pl.at(i).Addr.Addr()) != first
+	}
+	if !mixed {
+		return
+	}
+	var byFamily [2][]uint32
+	for i := range pl.len() {
+		f := familyOf(pl.at(i).Addr.Addr())
+		byFamily[f] = append(byFamily[f], pl.indexOf(i))
 	}
 	if len(byFamily[familyIPv4]) == 0 || len(byFamily[familyIPv6]) == 0 {
 		return
 	}
-	pl.families = new([2]*pool)
-	for f, eps := range byFamily {
-		sub := newPool(eps)
+	if pl.extra == nil {
+		pl.extra = &poolExtra{}
+	}
+	pl.extra.families = new([2]*pool)
+	for f, perm := range byFamily {
+		sub := newPool(rotation{eps: pl.eps, perm: &perm})
 		if old != nil {
 			prev := old
-			if old.families != nil {
-				prev = old.families[f]
+			if fs := old.families(); fs != nil {
+				prev = fs[f]
 			}
 			sub.next.Store(carryPosition(prev, sub))
 		}
-		pl.families[f] = sub
+		pl.extra.families[f] = sub
 	}
 }
 
-// pick returns the next endpoint in rotation. eps must not be empty.
+// pick returns the next endpoint in rotation. The pool must not be empty.
 func (pl *pool) pick() proxy.Endpoint {
 	i := pl.next.Add(1) - 1
+	if pm := pl.perm; pm != nil {
+		perm := *pm
+		return pl.eps[perm[i%uint64(len(perm))]]
+	}
 	return pl.eps[i%uint64(len(pl.eps))]
 }
 
@@ -300,14 +396,16 @@ func (lb *RoundRobin) SetServicePort(sp *proxy.ServicePort, eps []proxy.Endpoint
 	}
 
 	old := p.snap.Load()
-	order, present, added, changed := lb.mergeOrder(p.order, eps)
+	order, present, added, changed := lb.mergeOrder(&p.order, eps)
 	s := &snapshot{sp: sp, affinity: sp.SessionAffinity}
 	var choice topologyChoice
-	if old != nil && !changed {
+	if old != nil && !changed && order.equal(&p.order) {
 		s.pools = old.pools
-		choice = topologyFor(order, lb.node) // what buildPools found for the same order
+		choice = topologyFor(&order, lb.node) // what buildPools found for the same order
 	} else {
-		s.pools, choice = buildPools(order, lb.node, old)
+		// Also when only the list changed (equal endpoints in a new list): the pools then move
+		// to it, continuing their rotations, and the old list is not kept alive by them.
+		s.pools, choice = buildPools(&order, lb.node, old)
 	}
 	s.class[classInternal] = uint8(poolFor(sp.InternalPolicyLocal))
 	s.class[classExternal] = uint8(poolFor(sp.ExternalPolicyLocal))
@@ -318,7 +416,7 @@ func (lb *RoundRobin) SetServicePort(sp *proxy.ServicePort, eps []proxy.Endpoint
 	case p.affinity == nil:
 	case !s.affinity:
 		p.affinity = nil
-	case len(order) < len(p.order)+added: // some endpoint left
+	case order.len() < p.order.len()+added: // some endpoint left
 		p.affinity.removeFunc(func(e *affinityEntry) bool {
 			_, ok := present.index(e.ep)
 			return !ok
@@ -357,13 +455,13 @@ func (lb *RoundRobin) SetZone(zone string) {
 	}
 	lb.mu.RUnlock()
 	for _, p := range ports {
-		if !slices.ContainsFunc(p.order, func(e proxy.Endpoint) bool { return !e.ZoneHints.Empty() }) {
+		if !slices.ContainsFunc(p.order.eps, func(e proxy.Endpoint) bool { return !e.ZoneHints.Empty() }) {
 			continue // the zone cannot change what this port uses
 		}
 		old := p.snap.Load()
 		s := *old
 		var choice topologyChoice
-		s.pools, choice = buildPools(p.order, lb.node, old)
+		s.pools, choice = buildPools(&p.order, lb.node, old)
 		p.mu.Lock()
 		p.snap.Store(&s)
 		p.mu.Unlock()
@@ -434,10 +532,10 @@ func (lb *RoundRobin) Availability(name proxy.Name) Availability {
 	}
 	s := p.snap.Load()
 	return Availability{
-		Any:            len(s.pools[poolCluster].eps) > 0,
-		Internal:       len(s.pools[s.class[classInternal]].eps) > 0,
-		External:       len(s.pools[s.class[classExternal]].eps) > 0,
-		LocalEndpoints: len(s.pools[poolLocal].eps),
+		Any:            s.pools[poolCluster].len() > 0,
+		Internal:       s.pools[s.class[classInternal]].len() > 0,
+		External:       s.pools[s.class[classExternal]].len() > 0,
+		LocalEndpoints: s.pools[poolLocal].len(),
 	}
 }
 
@@ -491,7 +589,7 @@ func (lb *RoundRobin) Next(name proxy.Name, client netip.Addr, external, resetAf
 	}
 	s := p.snap.Load()
 	pl := s.pools[s.class[class]].forClient(client)
-	if len(pl.eps) == 0 {
+	if pl.len() == 0 {
 		return proxy.Endpoint{}, p.errNoEndpoints(s, class)
 	}
 	if !s.affinity || !client.IsValid() {
@@ -521,7 +619,7 @@ func (p *port) errNoEndpoints(s *snapshot, class int) error {
 			errs = p.errs.Load()
 		}
 	}
-	if s.class[class] == poolLocal && len(s.pools[poolCluster].eps) > 0 {
+	if s.class[class] == poolLocal && s.pools[poolCluster].len() > 0 {
 		return errs.noLocal
 	}
 	return errs.noEndpoints
@@ -535,7 +633,7 @@ func (lb *RoundRobin) nextAffine(p *port, class int, client netip.Addr, reset bo
 	s := p.snap.Load()
 	id := s.class[class]
 	pl := s.pools[id].forClient(client)
-	if len(pl.eps) == 0 {
+	if pl.len() == 0 {
 		return proxy.Endpoint{}, p.errNoEndpoints(s, class)
 	}
 	if !s.affinity {
@@ -558,12 +656,12 @@ func (lb *RoundRobin) nextAffine(p *port, class int, client netip.Addr, reset bo
 		} else if now-e.used < s.timeout() {
 			if i, usable := pl.find(e.ep); usable {
 				t.use(at, e.ep, now)
-				return pl.eps[i], nil
+				return *pl.at(i), nil
 			}
 		}
 	}
 	ep := pl.pick()
-	if ep.Addr == failed && len(pl.eps) > 1 {
+	if ep.Addr == failed && pl.len() > 1 {
 		ep = pl.pick()
 	}
 	switch {
@@ -623,20 +721,21 @@ func poolFor(local bool) int {
 // decision for the cluster-wide rule: it follows the topology hints of order for node; the local
 // rule never does. A list that is all of order is order itself, and the local list is the
 // cluster-wide one when they are equal.
-func buildPools(order []proxy.Endpoint, node Node, old *snapshot) ([numPools]*pool, topologyChoice) {
+func buildPools(order *rotation, node Node, old *snapshot) ([numPools]*pool, topologyChoice) {
 	choice := topologyFor(order, node)
 	cluster := usableOf(order, node, false, choice.mode)
 	local := usableOf(order, node, true, topologyNone)
-	if slices.Equal(local, cluster) {
+	same := local.equal(&cluster)
+	if same {
 		local = cluster
 	}
 	var pools [numPools]*pool
-	for id, eps := range [numPools][]proxy.Endpoint{cluster, local} {
-		if id == poolLocal && len(eps) == 1 && len(cluster) == 1 && &eps[0] == &cluster[0] {
+	for id, r := range [numPools]rotation{cluster, local} {
+		if id == poolLocal && same && r.len() == 1 {
 			pools[id] = pools[poolCluster] // the same single endpoint: no rotation to keep apart
 			continue
 		}
-		pl := newPool(eps)
+		pl := newPool(r)
 		if pl != emptyPool {
 			var prev *pool
 			if old != nil {
@@ -650,29 +749,33 @@ func buildPools(order []proxy.Endpoint, node Node, old *snapshot) ([numPools]*po
 	return pools, choice
 }
 
-// usableOf returns filter(nil, order, node, local, mode), or order itself when every endpoint
-// of it is usable.
-func usableOf(order []proxy.Endpoint, node Node, local bool, mode topologyMode) []proxy.Endpoint {
-	for i := range order {
-		e := &order[i]
+// usableOf returns the rotation of filter(nil, order, node, local, mode), or order itself when
+// every endpoint of it is usable.
+func usableOf(order *rotation, node Node, local bool, mode topologyMode) rotation {
+	for i := range order.len() {
+		e := order.at(i)
 		if !e.Ready || (local && !isLocal(e, node.Name)) || !availableForTopology(e, mode, node) {
-			return filter(nil, order, node, local, mode)
+			perm := filter(nil, order, node, local, mode)
+			if len(perm) == 0 {
+				return rotation{}
+			}
+			return rotation{eps: order.eps, perm: &perm}
 		}
 	}
-	return order
+	return *order
 }
 
 // carryPosition returns the rotation counter for pl that continues old's rotation: the next pick
 // is the endpoint old would have picked next, or if that one is gone, the first one after it in
 // old's order that is still usable; 0 when none is.
 func carryPosition(old, pl *pool) uint64 {
-	n := uint64(len(old.eps))
-	if n == 0 || len(pl.eps) == 0 {
+	n := uint64(old.len())
+	if n == 0 || pl.len() == 0 {
 		return 0
 	}
 	at := old.next.Load() % n
 	for k := range n {
-		if i, ok := pl.find(old.eps[(at+k)%n].Addr); ok {
+		if i, ok := pl.find(old.at(int((at + k) % n)).Addr); ok {
 			return uint64(i)
 		}
 	}
@@ -681,12 +784,13 @@ func carryPosition(old, pl *pool) uint64 {
 
 // mergeOrder returns the rotation order for eps given the previous one: endpoints still present
 // keep their relative order (with their current conditions) and new endpoints are interleaved at
-// uniformly random positions, so the first order is a uniform shuffle. present holds the
-// addresses in eps, nAdded how many of them are new; changed reports whether order differs from
-// prev (addresses, order or conditions).
-func (lb *RoundRobin) mergeOrder(prev, eps []proxy.Endpoint) (order []proxy.Endpoint, present endpointSet, nAdded int, changed bool) {
+// uniformly random positions, so the first order is a uniform shuffle. The order is a rotation of
+// eps itself (indexes, no copy of an endpoint). present holds the addresses in eps, nAdded how
+// many of them are new; changed reports whether order differs from prev (addresses, order or
+// conditions).
+func (lb *RoundRobin) mergeOrder(prev *rotation, eps []proxy.Endpoint) (order rotation, present endpointSet, nAdded int, changed bool) {
 	present = newEndpointSet(eps)
-	kept := make([]proxy.Endpoint, 0, len(eps))
+	kept := make([]uint32, 0, len(eps))
 	var takenSmall [indexedPool]bool
 	var taken []bool
 	if len(eps) > indexedPool {
@@ -694,43 +798,50 @@ func (lb *RoundRobin) mergeOrder(prev, eps []proxy.Endpoint) (order []proxy.Endp
 	} else {
 		taken = takenSmall[:len(eps)]
 	}
-	for _, e := range prev {
-		if i, ok := present.index(e.Addr); ok {
-			kept = append(kept, eps[i])
+	for k := range prev.len() {
+		if i, ok := present.index(prev.at(k).Addr); ok {
+			kept = append(kept, uint32(i))
 			taken[i] = true
 		}
 	}
-	var added []proxy.Endpoint
+	var added []uint32
 	for i, e := range eps {
 		if first, _ := present.index(e.Addr); !taken[i] && first == i {
-			added = append(added, e)
+			added = append(added, uint32(i))
 		}
 	}
 	if len(added) == 0 {
-		if slices.Equal(kept, eps) {
-			kept = eps // eps itself, not a copy (kept is garbage)
-		}
-		return kept, present, 0, !slices.Equal(kept, prev)
+		order = rotation{eps: eps, perm: identityOrNil(kept, len(eps))}
+		return order, present, 0, !order.sameEndpoints(prev)
 	}
 	lb.rand.Shuffle(len(added), func(i, j int) { added[i], added[j] = added[j], added[i] })
 	// A uniformly random interleaving: take from kept with probability (kept left)/(total left).
-	order = make([]proxy.Endpoint, 0, len(kept)+len(added))
+	perm := make([]uint32, 0, len(kept)+len(added))
 	k, a := 0, 0
 	for k < len(kept) || a < len(added) {
 		if lb.rand.IntN(len(kept)-k+len(added)-a) < len(kept)-k {
-			order = append(order, kept[k])
+			perm = append(perm, kept[k])
 			k++
 		} else {
-			order = append(order, added[a])
+			perm = append(perm, added[a])
 			a++
 		}
 	}
-	if slices.Equal(order, eps) {
-		// eps itself, not a copy: a port of one endpoint (most of them, at scale) keeps no
-		// second list of ~100 bytes per endpoint.
-		order = eps
+	return rotation{eps: eps, perm: identityOrNil(perm, len(eps))}, present, len(added), true
+}
+
+// identityOrNil returns nil when perm is 0, 1, … n-1 (all of a list of n in its own order: a
+// port of one endpoint, the most common at scale, keeps no index), perm otherwise.
+func identityOrNil(perm []uint32, n int) *[]uint32 {
+	if len(perm) != n {
+		return &perm
 	}
-	return order, present, len(added), true
+	for i, v := range perm {
+		if v != uint32(i) {
+			return &perm
+		}
+	}
+	return nil
 }
 
 // endpointSet finds the first position of an address in a list of endpoints: by scanning for

@@ -862,3 +862,81 @@ func TestOrderSharesTheEndpointList(t *testing.T) {
 		t.Fatalf("Next: %v, %v", got, err)
 	}
 }
+
+// TestPoolsShareTheEndpointList: however a port's endpoints are shuffled and narrowed (a
+// terminating endpoint, two address families, a Local policy), every pool holds the list given to
+// SetServicePort, not copies of its endpoints; a new list of equal endpoints (as each slice update
+// brings) takes the old one's place in every pool, and the rotation carries on as if the list
+// had not changed.
+func TestPoolsShareTheEndpointList(t *testing.T) {
+	var eps []proxy.Endpoint
+	for i := range 12 {
+		eps = append(eps, ready(fmt.Sprintf("10.0.0.%d", i+1), []string{thisNode, "n2"}[i%2]))
+	}
+	eps = append(eps, ready("[fd00::1]:8080", "n2"), ready("[fd00::2]:8080", thisNode))
+	eps[0] = terminating("10.0.0.1", thisNode)
+	sp := svcPort(name("web", "http"), internalLocal)
+	client := netip.MustParseAddr("192.168.0.1")
+
+	lb := New(Options{NodeName: thisNode, Rand: rand.New(rand.NewPCG(1, 1))})
+	twin := New(Options{NodeName: thisNode, Rand: rand.New(rand.NewPCG(1, 1))})
+	lb.SetServicePort(sp, eps)
+	twin.SetServicePort(sp, eps)
+	checkPools := func(list []proxy.Endpoint) {
+		t.Helper()
+		var pools []*pool
+		for _, pl := range lb.ports[sp.Name].snap.Load().pools {
+			pools = append(pools, pl)
+			if fs := pl.families(); fs != nil {
+				pools = append(pools, fs[0], fs[1])
+			}
+		}
+		for i, pl := range pools {
+			if pl.len() == 0 {
+				t.Fatalf("pool %d is empty", i)
+			}
+			if &pl.eps[0] != &list[0] {
+				t.Errorf("pool %d holds a copy of the endpoints, not the list given", i)
+			}
+		}
+	}
+	checkPools(eps)
+	for range 5 {
+		a, errA := lb.Next(sp.Name, client, true, false)
+		b, errB := twin.Next(sp.Name, client, true, false)
+		if errA != nil || errB != nil || a != b {
+			t.Fatalf("Next: %v, %v and %v, %v", a, errA, b, errB)
+		}
+	}
+	again := slices.Clone(eps)
+	lb.SetServicePort(sp, again)
+	checkPools(again)
+	for _, external := range []bool{true, false, true, false, false} {
+		a, errA := lb.Next(sp.Name, client, external, false)
+		b, errB := twin.Next(sp.Name, client, external, false)
+		if errA != nil || errB != nil || a != b {
+			t.Fatalf("Next after a new list of the same endpoints: %v, %v; unchanged: %v, %v", a, errA, b, errB)
+		}
+	}
+}
+
+// TestSplitFamiliesOfOneFamilyAllocatesNothing: a pool of one address family (almost every pool)
+// is not split, and finding that out allocates nothing: it runs for each pool of each update.
+func TestSplitFamiliesOfOneFamilyAllocatesNothing(t *testing.T) {
+	var eps []proxy.Endpoint
+	for i := range 10 {
+		eps = append(eps, ready(fmt.Sprintf("10.0.0.%d", i+1), "n2"))
+	}
+	pl := newPool(rotation{eps: eps})
+	if n := testing.AllocsPerRun(100, func() { pl.splitFamilies(nil) }); n != 0 {
+		t.Errorf("splitFamilies of a pool of one family: %v allocations, want 0", n)
+	}
+	if pl.families() != nil {
+		t.Errorf("a pool of one family was split")
+	}
+	dual := newPool(rotation{eps: append(slices.Clone(eps), ready("[fd00::1]:8080", "n2"))})
+	dual.splitFamilies(nil)
+	if fs := dual.families(); fs == nil || fs[familyIPv4].len() != 10 || fs[familyIPv6].len() != 1 {
+		t.Errorf("a dual-stack pool was not split 10 + 1: %v", fs)
+	}
+}

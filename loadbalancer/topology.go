@@ -54,12 +54,12 @@ type topologyChoice struct {
 //
 // With no ready endpoint, no hints are used: the serving-and-terminating fallback ignores
 // topology. The service's own request (ServicePort.Topology) plays no part, as in kube-proxy.
-func topologyFor(eps []proxy.Endpoint, node Node) topologyChoice {
+func topologyFor(order *rotation, node Node) topologyChoice {
 	anyReady := false
 	allNode, forNode, anyNode := true, false, false
 	allZone, forZone, anyZone := true, false, false
-	for i := range eps {
-		e := &eps[i]
+	for i := range order.len() {
+		e := order.at(i)
 		if !e.Ready {
 			continue
 		}

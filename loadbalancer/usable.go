@@ -7,25 +7,26 @@ func isLocal(e *proxy.Endpoint, nodeName string) bool {
 	return nodeName != "" && e.NodeName == nodeName
 }
 
-// filter appends to dst the endpoints of eps usable under the selection rule (local restricts
-// them to node.Name; mode restricts the ready ones to those available for topology) and returns
-// it. mode must leave at least one ready endpoint when any is ready (topologyFor guarantees it),
-// so the fallback to serving and terminating endpoints happens only when none is ready.
-func filter(dst, eps []proxy.Endpoint, node Node, local bool, mode topologyMode) []proxy.Endpoint {
+// filter appends to dst the endpoints of order usable under the selection rule (local restricts
+// them to node.Name; mode restricts the ready ones to those available for topology), as indexes
+// into order.eps in rotation order, and returns it. mode must leave at least one ready endpoint
+// when any is ready (topologyFor guarantees it), so the fallback to serving and terminating
+// endpoints happens only when none is ready.
+func filter(dst []uint32, order *rotation, node Node, local bool, mode topologyMode) []uint32 {
 	start := len(dst)
-	for i := range eps {
-		e := &eps[i]
+	for i := range order.len() {
+		e := order.at(i)
 		if e.Ready && (!local || isLocal(e, node.Name)) && availableForTopology(e, mode, node) {
-			dst = append(dst, *e)
+			dst = append(dst, order.indexOf(i))
 		}
 	}
 	if len(dst) > start {
 		return dst
 	}
-	for i := range eps {
-		e := &eps[i]
+	for i := range order.len() {
+		e := order.at(i)
 		if e.Serving && e.Terminating && (!local || isLocal(e, node.Name)) {
-			dst = append(dst, *e)
+			dst = append(dst, order.indexOf(i))
 		}
 	}
 	return dst

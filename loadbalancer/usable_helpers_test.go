@@ -15,10 +15,18 @@ import "github.com/kube-userspace-proxy/kube-userspace-proxy/proxy"
 // sp is treated as a service with no Local policy. The result is nil when nothing is usable; it
 // never aliases eps.
 func Usable(sp *proxy.ServicePort, eps []proxy.Endpoint, node Node, external bool) []proxy.Endpoint {
+	r := rotation{eps: eps}
+	var perm []uint32
 	if localClass(sp, external) {
-		return filter(nil, eps, node, true, topologyNone)
+		perm = filter(nil, &r, node, true, topologyNone)
+	} else {
+		perm = filter(nil, &r, node, false, topologyFor(&r, node).mode)
 	}
-	return filter(nil, eps, node, false, topologyFor(eps, node).mode)
+	var out []proxy.Endpoint
+	for _, i := range perm {
+		out = append(out, eps[i])
+	}
+	return out
 }
 
 // localClass reports whether the traffic class (external or ClusterIP) of sp is subject to a

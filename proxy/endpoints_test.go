@@ -159,3 +159,24 @@ func endpointsFromSlices(svc types.NamespacedName, slices []*discovery.EndpointS
 	_ = svc
 	return out, err
 }
+
+// TestFromSliceAllocations: reading a valid slice of one port (the common case, once per
+// EndpointSlice update) allocates its endpoint list and its list of ports, nothing more.
+func TestFromSliceAllocations(t *testing.T) {
+	s := &discovery.EndpointSlice{
+		ObjectMeta:  metav1.ObjectMeta{Namespace: "default", Name: "web-1", Labels: map[string]string{discovery.LabelServiceName: "web"}},
+		AddressType: discovery.AddressTypeIPv4,
+		Ports:       []discovery.EndpointPort{{Name: ptr.To("http"), Port: ptr.To[int32](8080)}},
+	}
+	for i := range 10 {
+		s.Endpoints = append(s.Endpoints, discovery.Endpoint{Addresses: []string{fmt.Sprintf("10.0.0.%d", 10-i)},
+			Conditions: discovery.EndpointConditions{Ready: ptr.To(i != 3), Terminating: ptr.To(i == 3)}})
+	}
+	se := FromSlice(s)
+	if se.Err != nil || len(se.Ports) != 1 || len(se.Ports[0].Endpoints) != 10 {
+		t.Fatalf("FromSlice: %+v", se)
+	}
+	if n := testing.AllocsPerRun(50, func() { FromSlice(s) }); n > 2 {
+		t.Errorf("FromSlice of one port: %v allocations, want at most 2 (the endpoints, the ports)", n)
+	}
+}

@@ -2,7 +2,6 @@ package proxy
 
 import (
 	"fmt"
-	"maps"
 	"slices"
 	"strings"
 	"sync"
@@ -49,20 +48,6 @@ func (eps EndpointsByPort) Get(port string) []Endpoint {
 		}
 	}
 	return nil
-}
-
-// endpointsByPort returns m's lists as an EndpointsByPort (nil when m has none).
-func endpointsByPort(m map[string][]Endpoint) EndpointsByPort {
-	var out EndpointsByPort
-	for _, port := range slices.Sorted(maps.Keys(m)) {
-		if len(m[port]) > 0 {
-			if out == nil {
-				out = make(EndpointsByPort, 0, len(m))
-			}
-			out = append(out, PortEndpoints{Port: port, Endpoints: m[port]})
-		}
-	}
-	return out
 }
 
 // Change is the change of one service's ports (ServicePorts) or endpoints (EndpointsByPort)

@@ -23,9 +23,11 @@
 package metrics
 
 import (
+	"math"
 	"net/http"
 	"net/netip"
 	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -50,6 +52,10 @@ const (
 	ServiceChangesTotal        = "kubeproxy_sync_proxy_rules_service_changes_total"
 	EndpointChangesTotal       = "kubeproxy_sync_proxy_rules_endpoint_changes_total"
 	NetworkProgrammingDuration = "kubeproxy_network_programming_duration_seconds"
+	// NetworkProgrammingFine is NetworkProgrammingDuration's observations in fine buckets
+	// (NetworkProgrammingFineBuckets): kube-proxy's first bucket is 0.25 s, above most of this
+	// proxy's latencies.
+	NetworkProgrammingFine     = "kube_userspace_proxy_network_programming_duration_seconds"
 	SyncFailuresTotal          = "kubeproxy_sync_proxy_rules_iptables_restore_failures_total"
 	ConnectionsAcceptedTotal   = "kube_userspace_proxy_connections_accepted_total"
 	ConnectionsActive          = "kube_userspace_proxy_connections_active"
@@ -106,6 +112,7 @@ type Metrics struct {
 	serviceChanges  prometheus.Counter
 	endpointChanges prometheus.Counter
 	netProg         *prometheus.HistogramVec
+	netProgFine     *prometheus.HistogramVec
 	syncFailures    prometheus.Counter
 	ports           prometheus.Gauge
 
@@ -156,6 +163,11 @@ func New(opts Options) *Metrics {
 		Help:    "In Cluster Network Programming Latency in seconds",
 		Buckets: NetworkProgrammingBuckets(),
 	}, []string{"ip_family"})
+	m.netProgFine = prometheus.NewHistogramVec(prometheus.HistogramOpts{
+		Name:    NetworkProgrammingFine,
+		Help:    "In Cluster Network Programming Latency in seconds, as " + NetworkProgrammingDuration + " in fine buckets (1 ms to 300 s, each about 1.41 times the last)",
+		Buckets: NetworkProgrammingFineBuckets(),
+	}, []string{"ip_family"})
 	m.syncFailures = prometheus.NewCounter(prometheus.CounterOpts{
 		Name: SyncFailuresTotal,
 		Help: "Cumulative proxy rules restore failures",
@@ -197,7 +209,7 @@ func New(opts Options) *Metrics {
 		Help: "What completed hand-overs moved, by role and kind (listener, tcp-conn, udp-session, held-port, affinity, server)"}, []string{"role", "kind"})
 
 	m.reg.MustRegister(m.syncDuration, m.syncFull, m.syncPartial, m.syncLast, m.queuedLast, m.serviceChanges, m.endpointChanges,
-		m.netProg, m.syncFailures, m.ports, m.unservable,
+		m.netProg, m.netProgFine, m.syncFailures, m.ports, m.unservable,
 		m.accepted, m.active, m.failed, m.bytesTo, m.bytesFrom, m.dialFailures, m.udpOpened, m.udpActive,
 		m.dropped, m.refused, m.evicted, m.localEndpointsGauge, m.affinityEvicted,
 		m.handovers, m.handoverDuration, m.handoverRecords)
@@ -212,6 +224,22 @@ func New(opts Options) *Metrics {
 func NetworkProgrammingBuckets() []float64 {
 	return slices.Concat(prometheus.LinearBuckets(0.25, 0.25, 2), prometheus.LinearBuckets(1, 1, 59),
 		prometheus.LinearBuckets(60, 5, 12), prometheus.LinearBuckets(120, 30, 7))
+}
+
+// NetworkProgrammingFineBuckets returns the buckets of NetworkProgrammingFine: from 1 ms, each
+// √2 times the last (rounded to three significant digits: 1 ms, 1.41 ms, 2 ms, 2.83 ms, 4 ms, …)
+// up to 262 s, then kube-proxy's top bucket, 300 s.
+func NetworkProgrammingFineBuckets() []float64 {
+	var b []float64
+	for k := 0.0; ; k++ {
+		v := 0.001 * math.Pow(2, k/2)
+		if v >= 300 {
+			break
+		}
+		v, _ = strconv.ParseFloat(strconv.FormatFloat(v, 'g', 3, 64), 64)
+		b = append(b, v)
+	}
+	return append(b, 300)
 }
 
 // Handover records a hand-over this process took part in: its role (HandoverSuccessor or
@@ -307,10 +335,13 @@ func (m *Metrics) EndpointsProgrammed(r proxy.EndpointsResult) {
 // observation per trigger time, from it to at, labelled with its IP family, as kube-proxy does
 // (from the EndpointSlice's last-change-trigger-time annotation to the end of the sync that
 // programmed the change; a change whose slice has no such annotation, a deleted slice, and
-// Service changes give none).
+// Service changes give none). Each observation goes to both NetworkProgrammingDuration and
+// NetworkProgrammingFine.
 func (m *Metrics) Programmed(triggers []proxy.TriggerTime, at time.Time) {
 	for _, tr := range triggers {
-		m.netProg.WithLabelValues(string(tr.Family)).Observe(at.Sub(tr.At).Seconds())
+		d := at.Sub(tr.At).Seconds()
+		m.netProg.WithLabelValues(string(tr.Family)).Observe(d)
+		m.netProgFine.WithLabelValues(string(tr.Family)).Observe(d)
 	}
 }
 

@@ -434,3 +434,67 @@ func TestNetworkProgrammingAsKubeProxy(t *testing.T) {
 	check("IPv4", 2, 2.04, 1)
 	check("IPv6", 1, 0.3, 1)
 }
+
+// TestNetworkProgrammingFineAgrees checks that every network programming observation goes to the
+// fine histogram as to kube-proxy's, with the same value and label, and that the fine buckets
+// rise from 1 ms by about √2 each up to kube-proxy's top bucket.
+func TestNetworkProgrammingFineAgrees(t *testing.T) {
+	b := NetworkProgrammingFineBuckets()
+	if b[0] != 0.001 || b[len(b)-1] != NetworkProgrammingBuckets()[len(NetworkProgrammingBuckets())-1] {
+		t.Errorf("fine buckets %v..%v, want 0.001..300", b[0], b[len(b)-1])
+	}
+	for i := 1; i < len(b); i++ {
+		if r := b[i] / b[i-1]; r <= 1 || r > 1.43 {
+			t.Errorf("bucket %v after %v: ratio %.3f, want (1, 1.43]", b[i], b[i-1], r)
+		}
+	}
+
+	m := New(Options{NoRuntimeCollectors: true})
+	done := time.Date(2026, 11, 27, 12, 0, 0, 0, time.UTC)
+	ago := []time.Duration{700 * time.Microsecond, 3 * time.Millisecond, 17 * time.Millisecond, 95 * time.Millisecond, 240 * time.Millisecond, 2 * time.Second}
+	var triggers []proxy.TriggerTime
+	for _, d := range ago {
+		triggers = append(triggers, proxy.TriggerTime{Family: v1.IPv4Protocol, At: done.Add(-d)})
+	}
+	m.Programmed(triggers, done)
+	m.EndpointsProgrammed(proxy.EndpointsResult{Start: done, Took: 5 * time.Millisecond,
+		Triggers: []proxy.TriggerTime{{Family: v1.IPv6Protocol, At: done.Add(-time.Millisecond)}}})
+	fams := scrape(t, m)
+	series := func(name string) map[string]*dto.Histogram {
+		out := map[string]*dto.Histogram{}
+		for _, s := range fams[name].GetMetric() {
+			for _, l := range s.GetLabel() {
+				if l.GetName() == "ip_family" {
+					out[l.GetValue()] = s.GetHistogram()
+				}
+			}
+		}
+		return out
+	}
+	kp, fine := series(NetworkProgrammingDuration), series(NetworkProgrammingFine)
+	if len(kp) != 2 || len(fine) != 2 {
+		t.Fatalf("%d kube-proxy series, %d fine ones; want 2 each (IPv4, IPv6)", len(kp), len(fine))
+	}
+	for family, h := range kp {
+		f := fine[family]
+		if f == nil {
+			t.Fatalf("no fine %s series", family)
+		}
+		if f.GetSampleCount() != h.GetSampleCount() || f.GetSampleSum() != h.GetSampleSum() {
+			t.Errorf("%s: fine count %d sum %v, kube-proxy's %d and %v", family, f.GetSampleCount(), f.GetSampleSum(), h.GetSampleCount(), h.GetSampleSum())
+		}
+	}
+	// Each observation in its fine bucket: the cumulative count at each bound is the number of
+	// observations at or below it.
+	for _, bk := range fine["IPv4"].GetBucket() {
+		want := 0
+		for _, d := range ago {
+			if d.Seconds() <= bk.GetUpperBound() {
+				want++
+			}
+		}
+		if int(bk.GetCumulativeCount()) != want {
+			t.Errorf("IPv4 fine le=%v: %d, want %d", bk.GetUpperBound(), bk.GetCumulativeCount(), want)
+		}
+	}
+}

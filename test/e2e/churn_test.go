@@ -23,6 +23,9 @@ const churnMetricsAddr = "127.0.0.1:10249"
 const (
 	netProgCount = `kubeproxy_network_programming_duration_seconds_count{ip_family="IPv4"}`
 	netProgSum   = `kubeproxy_network_programming_duration_seconds_sum{ip_family="IPv4"}`
+	// The same observations in the proxy's fine buckets.
+	netProgFineCount = `kube_userspace_proxy_network_programming_duration_seconds_count{ip_family="IPv4"}`
+	netProgFineSum   = `kube_userspace_proxy_network_programming_duration_seconds_sum{ip_family="IPv4"}`
 )
 
 // TestNetworkProgrammingLatency checks kubeproxy_network_programming_duration_seconds against
@@ -106,8 +109,13 @@ func TestNetworkProgrammingLatency(t *testing.T) {
 	apply(px.Started.Add(-time.Minute).UTC().Format(time.RFC3339Nano), ep(0))
 	answers("npl1")
 	time.Sleep(200 * time.Millisecond) // the observation, if any, follows the balancer's update
-	if got := scrape()[netProgCount]; got != 1 {
+	m = scrape()
+	if got := m[netProgCount]; got != 1 {
 		t.Errorf("%v observations after changes without a valid trigger time, want still 1", got)
+	}
+	// The fine histogram has the same observations.
+	if m[netProgFineCount] != m[netProgCount] || m[netProgFineSum] != m[netProgSum] {
+		t.Errorf("fine histogram: count %v sum %v; kube-proxy's: %v and %v", m[netProgFineCount], m[netProgFineSum], m[netProgCount], m[netProgSum])
 	}
 }
 
