@@ -380,6 +380,13 @@ func (t *Tracker) HasPendingService(name types.NamespacedName) bool {
 	return ok
 }
 
+// HasPendingEndpoints reports whether an endpoint change is pending (not yet drained).
+func (t *Tracker) HasPendingEndpoints() bool {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	return len(t.pendingEndpoints) > 0
+}
+
 // awaitMax is the most pending Service changes AwaitsFirstSlices looks at.
 const awaitMax = 8
 

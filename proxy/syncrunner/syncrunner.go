@@ -110,7 +110,11 @@ func (r *Runner) Run(ctx context.Context) {
 		case <-periodic.C:
 			isPeriodic = true
 		case <-r.soft:
-			deferred.Reset(time.Until(r.takeDue(false)))
+			// A run since the request (one whose trigger this select took first) has
+			// served it and cleared the deadline: nothing is due then.
+			if due := r.takeDue(false); !due.IsZero() {
+				deferred.Reset(time.Until(due))
+			}
 			continue
 		case <-deferred.C:
 		}

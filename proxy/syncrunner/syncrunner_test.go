@@ -182,6 +182,29 @@ func TestTriggerWithin(t *testing.T) {
 		case <-time.After(2 * wait):
 		}
 	})
+	t.Run("both-pending-at-start", func(t *testing.T) {
+		// A Trigger and a TriggerWithin both made before Run starts: the first run serves
+		// both, whichever of the two Run's select takes first. (Ten rounds: the select picks
+		// at random.)
+		const wait = 100 * time.Millisecond
+		for range 10 {
+			rec := &runs{ch: make(chan struct{}, 100)}
+			r := New(rec.fn, 0, time.Hour, 1)
+			r.TriggerWithin(wait)
+			r.Trigger()
+			ctx, cancel := context.WithCancel(context.Background())
+			done := make(chan struct{})
+			go func() { r.Run(ctx); close(done) }()
+			firstRun(t, rec)
+			select {
+			case <-rec.ch:
+				t.Error("a second run for a deadline that the first run already served")
+			case <-time.After(2 * wait):
+			}
+			cancel()
+			<-done
+		}
+	})
 	t.Run("earlier-wins", func(t *testing.T) {
 		r, rec := start(t, 0, time.Hour)
 		asked := time.Now()

@@ -347,8 +347,16 @@ func (p *Proxier) programEndpoints() {
 	// under it.
 	p.mu.Lock()
 	if p.closed || p.frozen || p.self == nil || p.stale {
+		// The sync applies them. Before the first sync has drained anything (self is set
+		// under mu as it drains) that sync is on its way (the source's initial state
+		// triggered it) and takes these too; later, a sync that has drained them since they
+		// were signalled has applied them. A trigger in either case would be a sync for
+		// nothing that spends the rate limit's burst.
+		trigger := p.self != nil && p.tracker.HasPendingEndpoints()
 		p.mu.Unlock()
-		p.runner.Trigger() // the sync applies them
+		if trigger {
+			p.runner.Trigger()
+		}
 		return
 	}
 	start := time.Now()
