@@ -152,17 +152,7 @@ func BenchmarkMemoryPerPort(b *testing.B) {
 		b.Run("endpoint="+label, func(b *testing.B) {
 			var perPort float64
 			for b.Loop() {
-				var before, after runtime.MemStats
-				runtime.GC()
-				runtime.ReadMemStats(&before)
-				lb := New(Options{NodeName: thisNode, Rand: rand.New(rand.NewPCG(1, 2))})
-				for i := range ports {
-					lb.SetServicePort(sps[i], eps[i])
-				}
-				runtime.GC()
-				runtime.ReadMemStats(&after)
-				runtime.KeepAlive(lb)
-				perPort = float64(int64(after.HeapAlloc)-int64(before.HeapAlloc)) / ports
+				perPort = float64(balancerHeap(sps, eps)) / ports
 			}
 			b.ReportMetric(perPort, "B/port")
 		})
@@ -193,17 +183,7 @@ func BenchmarkMemoryPerEndpoint(b *testing.B) {
 		b.Run(fmt.Sprintf("terminating=%v", terminating), func(b *testing.B) {
 			var perEndpoint float64
 			for b.Loop() {
-				var before, after runtime.MemStats
-				runtime.GC()
-				runtime.ReadMemStats(&before)
-				lb := New(Options{NodeName: thisNode, Rand: rand.New(rand.NewPCG(1, 2))})
-				for i := range ports {
-					lb.SetServicePort(sps[i], eps[i])
-				}
-				runtime.GC()
-				runtime.ReadMemStats(&after)
-				runtime.KeepAlive(lb)
-				perEndpoint = float64(int64(after.HeapAlloc)-int64(before.HeapAlloc)) / (ports * perPort)
+				perEndpoint = float64(balancerHeap(sps, eps)) / (ports * perPort)
 			}
 			b.ReportMetric(perEndpoint, "B/endpoint")
 		})
@@ -254,4 +234,21 @@ func BenchmarkRollingUpdate(b *testing.B) {
 		lb.SetServicePort(sp, steps[i%len(steps)])
 		i++
 	}
+}
+
+// balancerHeap returns the live heap (runtime.MemStats.HeapAlloc after a collection) of a
+// balancer given the service ports sps with the endpoint lists eps, which the caller owns and
+// which are not counted.
+func balancerHeap(sps []*proxy.ServicePort, eps [][]proxy.Endpoint) int64 {
+	var before, after runtime.MemStats
+	runtime.GC()
+	runtime.ReadMemStats(&before)
+	lb := New(Options{NodeName: thisNode, Rand: rand.New(rand.NewPCG(1, 2))})
+	for i := range sps {
+		lb.SetServicePort(sps[i], eps[i])
+	}
+	runtime.GC()
+	runtime.ReadMemStats(&after)
+	runtime.KeepAlive(lb)
+	return int64(after.HeapAlloc) - int64(before.HeapAlloc)
 }
