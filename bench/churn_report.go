@@ -1,7 +1,6 @@
 package bench
 
 import (
-	"encoding/json"
 	"fmt"
 	"io"
 	"slices"
@@ -57,17 +56,10 @@ func (r *ChurnReport) WriteMarkdown(w io.Writer) error {
 	b.WriteString("|---|---|" + strings.Repeat("---|", len(ChurnPaths)) + "\n")
 	for _, m := range r.Metrics {
 		fmt.Fprintf(&b, "| %s | %s (%s) |", m.Workload, m.Unit, m.direction())
-		for _, p := range ChurnPaths {
-			b.WriteString(" " + cell(m, p) + " |")
-		}
+		writeCells(&b, m, ChurnPaths)
 		b.WriteString("\n")
 	}
-	if len(r.Notes) > 0 {
-		b.WriteString("\nNotes:\n\n")
-		for _, n := range r.Notes {
-			b.WriteString("- " + n + "\n")
-		}
-	}
+	writeNotes(&b, r.Notes)
 	if _, err := io.WriteString(w, b.String()); err != nil {
 		return fmt.Errorf("write churn markdown: %w", err)
 	}
@@ -83,12 +75,7 @@ func (r *ChurnReport) WriteJSON(w io.Writer) error {
 	for _, m := range r.Metrics {
 		out.Metrics = append(out.Metrics, summarizeJSON(m, ChurnPaths))
 	}
-	enc := json.NewEncoder(w)
-	enc.SetIndent("", "  ")
-	if err := enc.Encode(out); err != nil {
-		return fmt.Errorf("write churn JSON: %w", err)
-	}
-	return nil
+	return encodeJSON(w, out, "churn JSON")
 }
 
 // percentile returns the p-th percentile (0–100, nearest rank) of v; 0 for none.

@@ -208,12 +208,35 @@ func (r *Report) WriteJSON(w io.Writer) error {
 		}
 		out.Outside = append(out.Outside, jm)
 	}
+	return encodeJSON(w, out, "JSON report")
+}
+
+// encodeJSON writes v to w as indented JSON; what names it in the error.
+func encodeJSON(w io.Writer, v any, what string) error {
 	enc := json.NewEncoder(w)
 	enc.SetIndent("", "  ")
-	if err := enc.Encode(out); err != nil {
-		return fmt.Errorf("write JSON report: %w", err)
+	if err := enc.Encode(v); err != nil {
+		return fmt.Errorf("write %s: %w", what, err)
 	}
 	return nil
+}
+
+// writeCells writes m's cell for each of paths, each followed by the column's closing " |".
+func writeCells(b *strings.Builder, m *Metric, paths []string) {
+	for _, p := range paths {
+		b.WriteString(" " + cell(m, p) + " |")
+	}
+}
+
+// writeNotes writes the notes under a "Notes:" heading, one bullet each; nothing for none.
+func writeNotes(b *strings.Builder, notes []string) {
+	if len(notes) == 0 {
+		return
+	}
+	b.WriteString("\nNotes:\n\n")
+	for _, n := range notes {
+		b.WriteString("- " + n + "\n")
+	}
 }
 
 // WriteMarkdown writes the table: one row per metric, one column per path, each cell
@@ -233,17 +256,10 @@ func (r *Report) WriteMarkdown(w io.Writer) error {
 	b.WriteString("|---|---|---|" + strings.Repeat("---|", len(Paths)) + "\n")
 	for _, m := range r.Metrics {
 		fmt.Fprintf(&b, "| %s | %s | %s (%s) |", m.Workload, m.Source, m.Unit, m.direction())
-		for _, p := range Paths {
-			b.WriteString(" " + cell(m, p) + " |")
-		}
+		writeCells(&b, m, Paths)
 		b.WriteString("\n")
 	}
-	if len(r.Notes) > 0 {
-		b.WriteString("\nNotes:\n\n")
-		for _, n := range r.Notes {
-			b.WriteString("- " + n + "\n")
-		}
-	}
+	writeNotes(&b, r.Notes)
 	r.writeOutside(&b)
 	_, err := io.WriteString(w, b.String())
 	if err != nil {
@@ -271,9 +287,7 @@ func (r *Report) writeOutside(b *strings.Builder) {
 	b.WriteString("|---|---|" + strings.Repeat("---|", len(OutsidePaths)) + "---|\n")
 	for _, m := range r.Outside {
 		fmt.Fprintf(b, "| %s | %s (%s) |", m.Workload, m.Unit, m.direction())
-		for _, p := range OutsidePaths {
-			b.WriteString(" " + cell(m, p) + " |")
-		}
+		writeCells(b, m, OutsidePaths)
 		if q, ok := m.RatioTo(PathTransparent, PathPlain); ok {
 			fmt.Fprintf(b, " ×%.2f |\n", q)
 		} else {
