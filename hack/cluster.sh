@@ -18,9 +18,11 @@
 #   hack/cluster.sh deploy           kubectl apply -k hack/cluster/deploy (deploy/ with the
 #                                    cluster's image and API server)
 #
-# Environment: KUP_CLUSTER_DIR (state, logs, kubeconfig; default
-# $XDG_CACHE_HOME/kube-userspace-proxy/cluster), KUP_CLUSTER_PORT (the API server on the
-# machine's 127.0.0.1; default 16443), KUP_K8S_BIN (the binaries, as make test-bins).
+# Environment: KUP_CLUSTER_NAME (the prefix of its namespaces and cgroups, default kupc: clusters
+# of different names run side by side), KUP_CLUSTER_DIR (state, logs, kubeconfig; default
+# $XDG_CACHE_HOME/kube-userspace-proxy/cluster, or cluster-NAME for another name),
+# KUP_CLUSTER_PORT (the API server on the machine's 127.0.0.1; default 16443),
+# KUP_K8S_BIN (the binaries, as make test-bins).
 #
 # Addresses: bridge 10.77.0.0/24 (control plane .2, node-N .1N, client .100), pods of node-N
 # 10.244.N.0/24, services 10.96.0.0/16, load-balancer IPs 10.77.1.0/24 (the client routes them
@@ -29,15 +31,21 @@ set -euo pipefail
 exec 9>&- # make test-cluster's lock: the cluster's long-lived processes must not hold it
 root=$(cd "$(dirname "$0")/.." && pwd)
 here=$root/hack/cluster
-state=${KUP_CLUSTER_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/kube-userspace-proxy/cluster}
+name=${KUP_CLUSTER_NAME:-kupc}
+[[ $name =~ ^[a-z][a-z0-9]{0,7}$ ]] || { echo "cluster.sh: KUP_CLUSTER_NAME must be 1-8 lower-case letters and digits" >&2; exit 2; }
+if [ "$name" = kupc ]; then
+	state=${KUP_CLUSTER_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/kube-userspace-proxy/cluster}
+else
+	state=${KUP_CLUSTER_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/kube-userspace-proxy/cluster-$name}
+fi
 port=${KUP_CLUSTER_PORT:-16443}
 # The pins: test/cluster.mk's, the one place they are set.
 k8sversion=$(sed -n 's/^KUP_K8S_VERSION *:= *//p' "$root/test/cluster.mk")
 etcdversion=$(sed -n 's/^KUP_ETCD_VERSION *:= *//p' "$root/test/cluster.mk")
 export KUP_K8S_BIN=${KUP_K8S_BIN:-${XDG_CACHE_HOME:-$HOME/.cache}/kube-userspace-proxy/bin/k8s-$k8sversion-etcd-$etcdversion}
 nodes=(node-1 node-2 node-3)
-cpns=kupc-cp
-clientns=kupc-client
+cpns=$name-cp
+clientns=$name-client
 cpip=10.77.0.2
 clientip=10.77.0.100
 lbrange=10.77.1.0/24
@@ -48,7 +56,7 @@ die() { echo "cluster.sh: $*" >&2; exit 1; }
 
 nodeidx() { echo "${1#node-}"; }
 nodeip() { echo "10.77.0.1$(nodeidx "$1")"; }
-nodens() { echo "kupc-$1"; }
+nodens() { echo "$name-$1"; }
 nsexists() { [ -e "/run/netns/$1" ]; }
 
 usage() { sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; exit 2; }
@@ -69,7 +77,7 @@ pids_under() {
 cgroup_pids() {
 	local n f
 	for n in "${nodes[@]}"; do
-		for f in /sys/fs/cgroup/*/"kupc-$n"; do
+		for f in /sys/fs/cgroup/*/"$name-$n"; do
 			[ -d "$f" ] && find "$f" -name cgroup.procs -exec cat {} + 2>/dev/null
 		done
 	done
@@ -84,7 +92,7 @@ killall_ours() {
 			cgroup_pids
 			[ -d "$state" ] && pids_under "$state"
 			for n in "${nodes[@]}" cp client; do
-				nsexists "kupc-$n" && ip netns pids "kupc-$n" 2>/dev/null
+				nsexists "$name-$n" && ip netns pids "$name-$n" 2>/dev/null
 			done
 		) | sort -u | grep -vx "$$" || true)
 		[ -z "$pids" ] && return 0
@@ -118,13 +126,13 @@ down() {
 		done
 	fi
 	for n in "${nodes[@]}"; do
-		for f in /sys/fs/cgroup/*/"kupc-$n"; do
+		for f in /sys/fs/cgroup/*/"$name-$n"; do
 			[ -d "$f" ] && find "$f" -depth -type d -exec rmdir {} + 2>/dev/null
 			[ -d "$f" ] && { echo "cluster.sh: cgroup $f left" >&2; rc=1; }
 		done
 	done
 	for n in "${nodes[@]}" cp client; do
-		nsexists "kupc-$n" && { ip netns del "kupc-$n" || rc=1; }
+		nsexists "$name-$n" && { ip netns del "$name-$n" || rc=1; }
 	done
 	rm -rf "$state" || rc=1
 	step "down: done"
@@ -203,7 +211,7 @@ network() {
 	ip -n "$cpns" link set br0 up
 	local n ns m
 	for n in "${nodes[@]}" client; do
-		ns=kupc-$n
+		ns=$name-$n
 		ip netns add "$ns"
 		ip -n "$ns" link set lo up
 		# Created inside the control plane's namespace, never in the machine's.
@@ -212,7 +220,7 @@ network() {
 		ip -n "$ns" link set eth0 up
 	done
 	for n in "${nodes[@]}"; do
-		ns=kupc-$n
+		ns=$name-$n
 		ip -n "$ns" addr add "$(nodeip "$n")/24" dev eth0
 		ip netns exec "$ns" sysctl -qw net.ipv4.ip_forward=1
 		# Locally generated packets to a ClusterIP are routed before OUTPUT's DNAT: they need a route.
@@ -323,7 +331,7 @@ kind: KubeletConfiguration
 # cgroup v1 here; the node's own cgroup subtree (hack/cluster/node.sh creates it).
 failCgroupV1: false
 cgroupDriver: cgroupfs
-cgroupRoot: /kupc-$n
+cgroupRoot: /$name-$n
 containerRuntimeEndpoint: unix://$d/containerd.sock
 # No CAP_SYS_RESOURCE: the kubelet cannot give itself -999.
 oomScoreAdj: 0
@@ -353,7 +361,7 @@ EOF
 start_node() {
 	local n=$1
 	rm -f "$state/$n/started"
-	ip netns exec "$(nodens "$n")" setsid "$here/node.sh" "$state" "$n" >"$state/$n/node.log" 2>&1 </dev/null &
+	ip netns exec "$(nodens "$n")" setsid "$here/node.sh" "$state" "$n" "$name" >"$state/$n/node.log" 2>&1 </dev/null &
 }
 
 up() {

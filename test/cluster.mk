@@ -44,8 +44,9 @@ cluster: test-bins
 cluster-down:
 	$(KUP_CLUSTER_SH) down
 
-# One test-cluster at a time on a machine (a second waits): they share the cluster's names.
-KUP_CLUSTER_LOCK ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/kube-userspace-proxy/cluster.lock
+# One test-cluster at a time per cluster name (a second waits): they share the cluster's names.
+# KUP_CLUSTER_NAME=NAME KUP_CLUSTER_PORT=PORT runs a cluster beside the default one.
+KUP_CLUSTER_LOCK ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/kube-userspace-proxy/cluster$(if $(KUP_CLUSTER_NAME),-$(KUP_CLUSTER_NAME)).lock
 
 test-cluster: test-bins
 	@set -e; mkdir -p "$$(dirname "$(KUP_CLUSTER_LOCK)")"; exec 9>"$(KUP_CLUSTER_LOCK)"; flock 9; was_up=; $(KUP_CLUSTER_SH) kubeconfig >/dev/null 2>&1 && was_up=1; \

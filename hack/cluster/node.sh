@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# node.sh STATE NODE: one node of the local cluster (hack/cluster.sh), run by `hack/cluster.sh up`
-# as `ip netns exec kupc-NODE node.sh ...`, so it starts in the node's network namespace and in a
+# node.sh STATE NODE [CLUSTER]: one node of the local cluster (hack/cluster.sh), run by `hack/cluster.sh up`
+# as `ip netns exec CLUSTER-NODE node.sh ...`, so it starts in the node's network namespace and in a
 # mount namespace of its own that receives the machine's mounts but sends none back.
 #
 # In that mount namespace it mounts what containerd and the kubelet need to see as their own:
@@ -16,7 +16,7 @@ set -euo pipefail
 state=${1:?usage: node.sh STATE NODE}
 node=${2:?usage: node.sh STATE NODE}
 dir=$state/$node
-cgroot=kupc-$node
+cgroot=${3:-kupc}-$node
 
 echo $$ >"$dir/node.pid"
 mount -n --make-rslave /

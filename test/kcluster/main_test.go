@@ -115,6 +115,14 @@ func kubectlApply(t testing.TB, yaml string) {
 	}
 }
 
+// clusterName is the prefix of the cluster's namespaces (hack/cluster.sh's KUP_CLUSTER_NAME).
+func clusterName() string {
+	if n := os.Getenv("KUP_CLUSTER_NAME"); n != "" {
+		return n
+	}
+	return "kupc"
+}
+
 // clusterSh runs hack/cluster.sh.
 func clusterSh(ctx context.Context, args ...string) (string, error) {
 	return run(ctx, nil, filepath.Join(env.root, "hack", "cluster.sh"), args...)

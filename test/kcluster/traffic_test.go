@@ -36,7 +36,7 @@ func (w where) dial(ctx context.Context, network, address string) (net.Conn, err
 	done := make(chan result, 1)
 	go func() {
 		runtime.LockOSThread() // never unlocked: the thread ends with this goroutine
-		f, err := os.Open("/run/netns/kupc-" + string(w))
+		f, err := os.Open("/run/netns/" + clusterName() + "-" + string(w))
 		if err != nil {
 			done <- result{err: fmt.Errorf("namespace of %s: %w", w, err)}
 			return
