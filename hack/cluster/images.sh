@@ -11,6 +11,12 @@ set -euo pipefail
 out=${1:?usage: images.sh ARCHIVE}
 root=$(cd "$(dirname "$0")/../.." && pwd)
 GO=${GO:-go}
+# The tags are the machine's docker's: one build-and-save at a time (clusters of other names, other
+# checkouts), so the archive holds the images this checkout built.
+lock=${XDG_CACHE_HOME:-$HOME/.cache}/kube-userspace-proxy/images.lock
+mkdir -p "$(dirname "$lock")"
+exec 8>"$lock"
+flock 8
 base=${KUP_BASE_IMAGE:-}
 if [ -z "$base" ]; then
 	base=kup-base:bookworm
