@@ -184,6 +184,11 @@ func Run(ctx context.Context, opts *Options, v *Validated, log zerolog.Logger) e
 	if err != nil {
 		return err
 	}
+	// The API client's requests, as kube-proxy exposes them (rest_client_*): client-go takes
+	// one set of request metrics per process.
+	if err := srv.metrics.RegisterRESTClient(); err != nil {
+		log.Warn().Err(err).Msg("the API client's request metrics are not on /metrics")
+	}
 	firstSync := make(chan struct{})
 	var firstSyncOnce sync.Once
 	pOpts.OnQueued, pOpts.Metrics, pOpts.OnEndpointsProgrammed = srv.queued, srv.metrics, srv.metrics.EndpointsProgrammed
