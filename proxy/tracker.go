@@ -97,6 +97,10 @@ type TrackerOptions struct {
 	OnEndpointsChange func()
 	// OnSynced, if set, is called when the source reports its initial state complete.
 	OnSynced func()
+	// OnProblem, if set, receives the invalid fields of a Service (ReasonInvalidField) when they
+	// are first reported (as the log reports them: once per distinct error of an object, again
+	// only when it changes). It is called on the source's goroutine and must not block.
+	OnProblem func(Problem)
 	// Now returns the current time; nil means time.Now. Trigger times before the Tracker was
 	// created are not reported (they describe changes made before the proxy started).
 	Now func() time.Time
@@ -165,7 +169,11 @@ func (t *Tracker) OnServiceUpdate(prev, cur *v1.Service) {
 	var ports ServicePorts
 	if cur != nil {
 		list, err := FromService(cur)
-		t.report("Service", name, err)
+		if t.report("Service", name, err) && t.opts.OnProblem != nil {
+			for _, pr := range FieldProblems(name, cur.UID, err) {
+				t.opts.OnProblem(pr)
+			}
+		}
 		if len(list) > 0 {
 			slices.SortFunc(list, func(a, b *ServicePort) int { return strings.Compare(a.Name.Port, b.Name.Port) })
 			ports = slices.Clip(ServicePorts(list))
@@ -475,23 +483,24 @@ func (t *Tracker) takeTriggersLocked() []TriggerTime {
 
 // report logs err for the object kind name unless the same error was the last one reported for
 // it; a nil err forgets its last error. The object's name is only formatted when there is an
-// error to log or to forget.
-func (t *Tracker) report(kind string, name types.NamespacedName, err error) {
+// error to log or to forget. It reports whether it logged err.
+func (t *Tracker) report(kind string, name types.NamespacedName, err error) bool {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	if err == nil && len(t.lastErr) == 0 {
-		return
+		return false
 	}
 	obj := kind + " " + name.String()
 	if err == nil {
 		delete(t.lastErr, obj)
-		return
+		return false
 	}
 	if t.lastErr[obj] == err.Error() {
-		return
+		return false
 	}
 	t.lastErr[obj] = err.Error()
 	t.opts.Log.Error().Err(err).Str("object", obj).Msg("invalid fields ignored; serving the rest")
+	return true
 }
 
 func portsEqual(a, b ServicePorts) bool {

@@ -60,6 +60,9 @@ type listener struct {
 	// when it is periodic (see Proxier.portStatesLocked).
 	state   proxy.PortState
 	stateOK bool
+	// problem is the reason of the Problem last reported for the listener's failure to open
+	// ("" when it opened); set by Proxier.openLocked, which runs for distinct listeners at once.
+	problem string
 
 	// The following fields are set by open and cleared by close, under Proxier.mu.
 	proxyPort int // 0 while not open

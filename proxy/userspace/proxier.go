@@ -93,6 +93,12 @@ type Options struct {
 	// (after a crash, those the surviving rules name); a port that is taken or out of the range
 	// falls back to allocation. Nil: every port is allocated.
 	PreferredPorts PreferredPorts
+	// OnProblem, if set, receives what keeps a Service from being served as it asks (see
+	// proxy.Problem): its invalid fields (from the Tracker), a service port whose listener cannot
+	// be opened, endpoints refused as the proxy itself. Each is reported when it begins, not at
+	// every sync while it lasts. It is called with the proxier's lock held, from the sync's
+	// goroutines: it must not block (the proxy queues them for the Events it writes).
+	OnProblem func(proxy.Problem)
 }
 
 // newLoops returns the event loops that relay TCP: one per processor the runtime uses. Nil
@@ -266,7 +272,8 @@ func New(opts Options) *Proxier {
 	}
 	p.runner = syncrunner.New(p.sync, opts.MinSyncPeriod, opts.SyncPeriod, syncBurst)
 	p.tracker = proxy.NewTracker(proxy.TrackerOptions{
-		Log: opts.Log,
+		Log:       opts.Log,
+		OnProblem: opts.OnProblem,
 		OnChange: func() {
 			if opts.OnQueued != nil {
 				opts.OnQueued(time.Now())
@@ -777,6 +784,7 @@ func (p *Proxier) noteUnservableLocked(over []*listener) {
 		if !p.unservable[name] {
 			l.logError().Int("openFilesLimit", p.opts.Limits.FileLimit).
 				Msg("service port not served: the open-files limit leaves no descriptor for its listener (its portals reject); raise the limit (RLIMIT_NOFILE) or lower --fd-reserve")
+			p.problem(l, proxy.ReasonDescriptorLimit, fmt.Sprintf("the open-files limit (%d) leaves no descriptor for its listener: its traffic is rejected until descriptors free up (raise RLIMIT_NOFILE or lower --fd-reserve)", p.opts.Limits.FileLimit))
 		}
 	}
 	for name := range p.unservable {
@@ -839,6 +847,9 @@ func (p *Proxier) noteRefusedLocked(name proxy.Name, err error) {
 	case err != nil && (!had || prev != err.Error()):
 		p.refused[name] = err.Error()
 		p.log.Error().Err(err).Msg("endpoints that point back at the proxy refused; the service port's other endpoints are used")
+		if l := p.ports[name]; l != nil {
+			p.problem(l, proxy.ReasonEndpointRefused, err.Error()+"; they are left out, the port's other endpoints are used")
+		}
 	}
 }
 
@@ -851,10 +862,32 @@ func (p *Proxier) openLocked(l *listener) bool {
 	}
 	if err := l.open(&p.listen); err != nil {
 		l.logError().Err(err).Msg("cannot open the proxy listener; retrying at the next sync")
+		reason, msg := proxy.ReasonListenFailed, "cannot open its listener: "+err.Error()
+		if errors.Is(err, portalloc.ErrExhausted) {
+			reason, msg = proxy.ReasonProxyPortExhausted, "no port of --proxy-port-range "+p.alloc.Range().String()+" is free for its listener"
+		}
+		if l.problem != reason {
+			l.problem = reason
+			p.problem(l, reason, msg+": its traffic is rejected; retried at each sync")
+		}
 		return false
 	}
+	l.problem = ""
 	l.logDebug().Int("proxyPort", l.proxyPort).Msg("opened proxy listener")
 	return true
+}
+
+// problem reports a Problem of l's service port to Options.OnProblem.
+func (p *Proxier) problem(l *listener, reason, msg string) {
+	if p.opts.OnProblem == nil {
+		return
+	}
+	sp := l.choose.sp.Load()
+	p.opts.OnProblem(proxy.Problem{
+		Service: types.NamespacedName{Namespace: sp.Name.Namespace, Name: sp.Name.Name},
+		Reason:  reason,
+		Message: fmt.Sprintf("port %q (%s %d): %s", sp.Name.Port, sp.Protocol, sp.Port, msg),
+	})
 }
 
 // portStatesLocked returns every port's state, in the order of their names: recomputed for

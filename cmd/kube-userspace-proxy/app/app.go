@@ -18,6 +18,7 @@ import (
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/portal"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/events"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/handover"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/healthcheck"
@@ -125,10 +126,15 @@ func Run(ctx context.Context, opts *Options, v *Validated, log zerolog.Logger) e
 		log.Warn().Err(err).Msg("conntrack sysctl left alone")
 	}
 
-	src, status, err := newSource(opts, v, log)
+	src, status, rec, err := newSource(opts, v, log)
 	if err != nil {
 		return err
 	}
+	// Events are written from their own goroutine, never waited for by a sync.
+	eventsCtx, stopEvents := context.WithCancel(context.Background())
+	eventsDone := make(chan struct{})
+	go func() { defer close(eventsDone); rec.Run(eventsCtx) }()
+	defer func() { stopEvents(); <-eventsDone }()
 
 	pOpts := userspace.Options{
 		Log:           log.With().Str("component", "proxier").Logger(),
@@ -140,6 +146,9 @@ func Run(ctx context.Context, opts *Options, v *Validated, log zerolog.Logger) e
 		SyncPeriod:    opts.SyncPeriod,
 		ClusterCIDRs:  v.ClusterCIDRs,
 		Limits:        limits,
+	}
+	if rec != nil {
+		pOpts.OnProblem = rec.Problem
 	}
 	var portals *portal.Set
 	var lock *instanceLock // held while this proxy programs the portals
@@ -226,6 +235,7 @@ func Run(ctx context.Context, opts *Options, v *Validated, log zerolog.Logger) e
 	if err != nil {
 		return err
 	}
+	rec.NodeStarted(v.NodeName) // as kube-proxy, once its servers are up
 
 	proxyCtx, stopProxy := context.WithCancel(context.Background())
 	defer stopProxy()
@@ -388,25 +398,30 @@ type runner interface {
 	Run(ctx context.Context, h source.Handler) error
 }
 
-// newSource builds the source the options name, and what /healthz reports of it (nil for a
-// manifests directory, which has no API server to lose).
-func newSource(opts *Options, v *Validated, log zerolog.Logger) (runner, healthcheck.SourceStatus, error) {
+// newSource builds the source the options name, what /healthz reports of it, and the recorder
+// of the proxy's Events (both nil for a manifests directory, which has no API server).
+func newSource(opts *Options, v *Validated, log zerolog.Logger) (runner, healthcheck.SourceStatus, *events.Recorder, error) {
 	if opts.Manifests != "" {
 		return manifests.New(opts.Manifests, manifests.Options{
 			ServiceCIDRs: v.ServiceCIDRs,
 			Log:          log.With().Str("component", "manifests").Logger(),
-		}), nil, nil
+		}), nil, nil, nil
 	}
 	cfg, err := kubeapi.BuildConfig(opts.Kubeconfig, opts.Master)
 	if err != nil {
-		return nil, nil, fmt.Errorf("API server configuration: %w", err)
+		return nil, nil, nil, fmt.Errorf("API server configuration: %w", err)
 	}
 	client, err := kubeapi.NewClient(cfg)
 	if err != nil {
-		return nil, nil, err
+		return nil, nil, nil, err
 	}
+	sink, err := events.NewRESTSink(cfg)
+	if err != nil {
+		return nil, nil, nil, err
+	}
+	rec := events.New(events.Options{Sink: sink, Log: log.With().Str("component", "events").Logger()})
 	src := kubeapi.New(client, kubeapi.Options{Log: log.With().Str("component", "kubeapi").Logger(), NodeName: v.NodeName})
-	return src, src, nil
+	return src, src, rec, nil
 }
 
 func parseLevel(s string) (zerolog.Level, error) {
