@@ -14,9 +14,12 @@ import (
 	"testing"
 	"time"
 
+	eventsv1 "k8s.io/api/events/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/deploy"
+	kup "github.com/kube-userspace-proxy/kube-userspace-proxy/proxy"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/events"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/test/cluster"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/test/e2e/harness"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/test/netns"
@@ -25,7 +28,7 @@ import (
 // TestDeploy applies every manifest of deploy/ to a real API server (server-side dry run, which
 // runs admission and validation), then creates the RBAC objects for real and runs the proxy with
 // the ServiceAccount's token and the ConfigMap's configuration: it must serve a ClusterIP
-// service end to end with exactly those permissions, and log no "forbidden".
+// service end to end with exactly those permissions, write its Events, and log no "forbidden".
 func TestDeploy(t *testing.T) {
 	n := netns.NewNetwork(t, "dep")
 	c := cluster.Start(t, cluster.Options{Network: n})
@@ -137,6 +140,15 @@ func TestDeploy(t *testing.T) {
 			return nil
 		})
 	}
+
+	// Its Events, with exactly those permissions: the start event on its Node, and a Warning
+	// on a Service it cannot serve as asked.
+	waitEvent(ctx, t, c.Client, "default", func(e *eventsv1.Event) bool {
+		return e.Regarding.Kind == "Node" && e.Regarding.Name == depNode && e.Reason == events.ReasonStarting
+	})
+	bad := harness.ClusterIPService("deployed-bad", harness.TCPPort("tcp", 80, echoPort))
+	bad.Annotations = map[string]string{kup.ProxyProtocolAnnotation: "v9"}
+	waitServiceEvent(ctx, t, c.Client, harness.CreateService(ctx, t, c.Client, bad), kup.ReasonInvalidField)
 
 	if log := proxy.Log(); strings.Contains(strings.ToLower(log), "forbidden") {
 		t.Errorf("the proxy's log mentions forbidden (RBAC not enough):\n%s", log)
