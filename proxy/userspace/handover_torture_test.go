@@ -31,21 +31,32 @@ import (
 
 // The hand-over torture test: hand-overs to a fresh proxier through the hand-over socket, failed
 // hand-overs that thaw, and freezes that fail halfway (some listeners frozen, others still
-// serving, then thawed), at random (seeded) moments while clients keep connections in every
-// state on the event-loop data path: dialling an endpoint that drops SYNs (two service ports),
-// dials refused, idle, mid-bulk transfer (pausing at random), half closed at the end of each
-// transfer, with a PROXY protocol header, and UDP sessions mid exchange. Transparent dialling
-// needs a node's network namespace and is left to the end-to-end tests. Every TCP stream is checked end to end against the bytes its client generated
-// from a seed of its own (a byte of another connection fails it), every PROXY header must name
-// its own client's port, every UDP reply its own client and sequence number.
+// serving, then thawed), at random (seeded) moments — two in three of those that follow a thaw
+// or an adoption come at once, while the loops are still taking the connections back — while
+// clients keep connections in every state on the event-loop data path: dialling an endpoint
+// that drops SYNs (two service ports), dials refused, idle, mid-bulk transfer (pausing at
+// random), half closed at the end of each transfer, with a PROXY protocol header, and UDP
+// sessions mid exchange. Transparent dialling needs a node's network namespace and is left to
+// the end-to-end tests. Every TCP stream is checked end to end against the bytes its client
+// generated from a seed of its own (a byte of another connection fails it), every PROXY header
+// must name its own client's port, every UDP reply its own client and sequence number.
 //
-// Knobs: KUP_TORTURE_DURATION (default 20s), KUP_TORTURE_SEED (default: the time), and
-// KUP_TORTURE_SCALE (client goroutines per kind, multiplied; default 1).
+// Knobs: KUP_TORTURE_RUNS (runs one after another, each with fresh proxiers, clients and
+// endpoints and a seed of its own: the first seed, then the next ones; default 4),
+// KUP_TORTURE_DURATION (of each run; default 6s), KUP_TORTURE_SEED (the first run's; default: the
+// time), and KUP_TORTURE_SCALE (client goroutines per kind, multiplied; default 1). A failed
+// run names its seed: KUP_TORTURE_SEED=<it> KUP_TORTURE_RUNS=1 runs it again.
 
 // tortureKnobs reads the environment's knobs.
-func tortureKnobs(t *testing.T) (time.Duration, uint64, int) {
+func tortureKnobs(t *testing.T) (runs int, d time.Duration, seed uint64, scale int) {
 	t.Helper()
-	d, seed, scale := 20*time.Second, uint64(time.Now().UnixNano()), 1
+	runs, d, seed, scale = 4, 6*time.Second, uint64(time.Now().UnixNano()), 1
+	if v := os.Getenv("KUP_TORTURE_RUNS"); v != "" {
+		var err error
+		if runs, err = strconv.Atoi(v); err != nil || runs < 1 {
+			t.Fatalf("KUP_TORTURE_RUNS: %q, want a number of runs from 1", v)
+		}
+	}
 	if v := os.Getenv("KUP_TORTURE_DURATION"); v != "" {
 		var err error
 		if d, err = time.ParseDuration(v); err != nil {
@@ -64,7 +75,7 @@ func tortureKnobs(t *testing.T) (time.Duration, uint64, int) {
 			t.Fatalf("KUP_TORTURE_SCALE: %q", v)
 		}
 	}
-	return d, seed, scale
+	return runs, d, seed, scale
 }
 
 // torture is one run's shared state.
@@ -388,8 +399,15 @@ func (r *torture) udp(id, port int) {
 
 // TestHandOverTorture: see the comment at the top of the file.
 func TestHandOverTorture(t *testing.T) {
-	duration, seed, scale := tortureKnobs(t)
-	t.Logf("seed %d (KUP_TORTURE_SEED), duration %v, scale %d", seed, duration, scale)
+	runs, duration, seed, scale := tortureKnobs(t)
+	t.Logf("%d runs of %v from seed %d (KUP_TORTURE_RUNS, KUP_TORTURE_DURATION, KUP_TORTURE_SEED), scale %d", runs, duration, seed, scale)
+	for i := range uint64(runs) {
+		t.Run(fmt.Sprintf("seed=%d", seed+i), func(t *testing.T) { tortureRun(t, seed+i, duration, scale) })
+	}
+}
+
+// tortureRun is one run of the torture test, with its own proxiers, clients and endpoints.
+func tortureRun(t *testing.T, seed uint64, duration time.Duration, scale int) {
 	rng := rand.New(rand.NewPCG(seed, 0))
 	echo, ppEcho := tortureEcho(t, "echo", false), tortureEcho(t, "pp", true)
 	hole := startBlackHole(t, "hole")
@@ -427,6 +445,12 @@ func TestHandOverTorture(t *testing.T) {
 
 	r := &torture{t: t, seed: seed, stop: make(chan struct{})}
 	var clients sync.WaitGroup
+	var stopOnce sync.Once
+	stopClients := func() {
+		stopOnce.Do(func() { close(r.stop) })
+		clients.Wait()
+	}
+	t.Cleanup(stopClients) // a run that fails halfway stops its clients before their endpoints
 	for i := range 12 * scale {
 		clients.Go(func() { r.bulk(kindBulk, i, bulkPort) })
 	}
@@ -448,9 +472,28 @@ func TestHandOverTorture(t *testing.T) {
 	}
 
 	handovers, failed, halfway := 0, 0, 0
+	// A freeze that comes at once after a thaw or an adoption (no pause, no sync between)
+	// meets connections on their way back to the loops: two in three of them do.
+	refreezes := map[string]int{}
+	var gaveBack string // what the last step did, when it gave connections back: "thaw", "adoption"
+	atOnce := func(what string) bool {
+		if rng.IntN(3) != 0 {
+			gaveBack = what
+			return true
+		}
+		return false
+	}
 	sock := filepath.Join(t.TempDir(), "h.sock")
-	for end := time.Now().Add(duration); time.Now().Before(end); {
-		time.Sleep(time.Duration(50+rng.IntN(400)) * time.Millisecond)
+	// A short run goes on past its duration until it has done each kind of step (up to three
+	// times its duration): a hand-over, a failed one, a freeze at once after giving back.
+	covered := func() bool { return handovers > 0 && failed > 0 && refreezes["thaw"]+refreezes["adoption"] > 0 }
+	for start := time.Now(); time.Since(start) < duration || (!covered() && time.Since(start) < 3*duration); {
+		if gaveBack != "" {
+			refreezes[gaveBack]++
+			gaveBack = ""
+		} else {
+			time.Sleep(time.Duration(50+rng.IntN(400)) * time.Millisecond)
+		}
 		freezeFor := time.Duration(rng.IntN(600)) * time.Millisecond
 		switch rng.IntN(6) {
 		case 0: // a freeze that fails halfway (out of descriptors, say): what froze thaws
@@ -471,7 +514,9 @@ func TestHandOverTorture(t *testing.T) {
 			} else {
 				halfway++
 			}
-			cur.Sync()
+			if !atOnce("thaw") {
+				cur.Sync()
+			}
 			continue
 		case 1, 2: // a hand-over that fails after the freeze: the proxier thaws
 			ctx, cancel := context.WithTimeout(context.Background(), freezeFor)
@@ -482,8 +527,10 @@ func TestHandOverTorture(t *testing.T) {
 			}
 			time.Sleep(time.Duration(rng.IntN(100)) * time.Millisecond)
 			cur.Resume(recs)
-			cur.Sync()
 			failed++
+			if !atOnce("thaw") {
+				cur.Sync()
+			}
 			continue
 		}
 		ln, err := handover.Listen(sock, zerolog.Nop())
@@ -502,26 +549,38 @@ func TestHandOverTorture(t *testing.T) {
 		}
 		next.Adopt(pkg.Records)
 		pkg.Close()
-		if !<-handed || !g.released {
-			t.Fatalf("hand-over %d: the old proxier did not hand over", handovers+1)
+		select {
+		case ok := <-handed:
+			if !ok || !g.released {
+				t.Fatalf("hand-over %d: the old proxier did not hand over", handovers+1)
+			}
+		case <-time.After(30 * time.Second):
+			t.Errorf("hand-over %d: the old proxier's release has not ended after 30s (connections still relay on it)", handovers+1)
+			next.Sync()   // relays what was handed over, so that its clients can end
+			stopClients() // those relaying on the old proxier end too: its release returns
+			<-handed
+			shutdown(next)
+			shutdown(cur)
+			return
 		}
 		_ = ln.CloseHandedOver()
-		next.Sync()
-		shutdown(cur)
+		shutdown(cur) // released: it holds nothing any more
+		next.Sync()   // adopts the connections
 		cur = next
 		handovers++
+		atOnce("adoption")
 	}
-	close(r.stop)
-	clients.Wait()
+	stopClients()
 	shutdown(cur)
 
-	t.Logf("%d hand-overs, %d failed ones thawed, %d freezes failed halfway; %d TCP connections relayed (%d bytes checked), %d to a black hole, %d refused; %d UDP exchanges",
-		handovers, failed, halfway, r.conns.Load(), r.bytes.Load(), r.holeConns.Load(), r.refusedConns.Load(), r.udpExchanges.Load())
+	t.Logf("%d hand-overs, %d failed ones thawed, %d freezes failed halfway; freezes at once after a thaw %d, after an adoption %d; %d TCP connections relayed (%d bytes checked), %d to a black hole, %d refused; %d UDP exchanges",
+		handovers, failed, halfway, refreezes["thaw"], refreezes["adoption"], r.conns.Load(), r.bytes.Load(), r.holeConns.Load(), r.refusedConns.Load(), r.udpExchanges.Load())
 	for _, f := range r.failures {
 		t.Error(f)
 	}
-	if handovers == 0 || failed == 0 {
-		t.Errorf("%d hand-overs and %d failed ones: the run proves little", handovers, failed)
+	if !covered() {
+		t.Errorf("%d hand-overs, %d failed ones and %d freezes at once after a thaw or an adoption: the run proves little",
+			handovers, failed, refreezes["thaw"]+refreezes["adoption"])
 	}
 	deadline := time.Now().Add(10 * time.Second)
 	for {

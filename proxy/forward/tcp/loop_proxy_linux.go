@@ -31,6 +31,11 @@ type loopProxy struct {
 	frozen []*lconn        // connections stopped by Freeze, until Release or Thaw
 	err    error           // the accept error that stopped the listener, for Serve
 	dials  *freezeWait     // the dials a Freeze waits for
+	// resuming counts the connections that Thaw and Adopt handed to a loop (posted) and that
+	// are not back on it yet: they are on no loop's descriptors, where Freeze and Shutdown look
+	// for them, so those wait until resumed is closed (when resuming drops to 0; nil while 0).
+	resuming int
+	resumed  chan struct{}
 }
 
 // errCut is the reason of connections cut by Shutdown.
@@ -218,6 +223,7 @@ func (p *Proxy) cutLoopConns() int {
 	if p.loopIdle() {
 		return 0
 	}
+	p.awaitResumes() // a closed proxy adopts no more, nor thaws
 	n := 0
 	p.eachLoopConn(func(l *loop, c *lconn) {
 		l.finish(c, true, errCut)
@@ -249,6 +255,9 @@ func (p *Proxy) freezeLoopConns(ctx context.Context) {
 		return
 	}
 	lp := p.onLoop
+	// Connections that a Thaw or Adopt just handed to their loops are not there yet: the loops
+	// put them back first (nothing adds more: the proxy is frozen, and Adopt refuses).
+	p.awaitResumes()
 	// The wait holds one count itself until every loop has been visited, so that a dial that
 	// ends on one loop while another is visited cannot end it early.
 	w := &freezeWait{left: 1, done: make(chan struct{})}
@@ -286,6 +295,38 @@ func (p *Proxy) dialFrozen(w *freezeWait) {
 		if p.onLoop.dials == w {
 			p.onLoop.dials = nil
 		}
+	}
+}
+
+// resumingLocked counts n connections handed to their loops by Thaw or Adopt (see
+// loopProxy.resuming); p.mu must be held.
+func (lp *loopProxy) resumingLocked(n int) {
+	if lp.resuming == 0 {
+		lp.resumed = make(chan struct{})
+	}
+	lp.resuming += n
+}
+
+// resumedOnLoop counts n connections of those as back on their loop (or ended).
+func (p *Proxy) resumedOnLoop(n int) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	lp := p.onLoop
+	if lp.resuming -= n; lp.resuming == 0 {
+		close(lp.resumed)
+		lp.resumed = nil
+	}
+}
+
+// awaitResumes returns once every connection that Thaw or Adopt handed to a loop is on it (or
+// ended): the loops run what is posted to them in order, promptly. The caller holds neither
+// p.mu nor a loop's turn.
+func (p *Proxy) awaitResumes() {
+	p.mu.Lock()
+	resumed := p.onLoop.resumed
+	p.mu.Unlock()
+	if resumed != nil {
+		<-resumed
 	}
 }
 
@@ -422,6 +463,9 @@ func (p *Proxy) thawLoopConns() {
 	var lp *loopProxy
 	if lp = p.onLoop; lp != nil {
 		frozen, lp.frozen = lp.frozen, nil
+		if len(frozen) > 0 {
+			lp.resumingLocked(len(frozen))
+		}
 	}
 	p.mu.Unlock()
 	if len(frozen) == 0 {
@@ -439,6 +483,7 @@ func (p *Proxy) thawLoopConns() {
 				c.closed = false
 				l.resume(c)
 			}
+			p.resumedOnLoop(len(cs))
 		}) {
 			continue
 		}
@@ -447,6 +492,7 @@ func (p *Proxy) thawLoopConns() {
 			c.connected = false
 			l.finish(c, true, errors.New("the event loops are closed"))
 		}
+		p.resumedOnLoop(len(cs))
 	}
 }
 
@@ -505,8 +551,9 @@ func (p *Proxy) adoptOnLoop(cs forward.TCPConnState) error {
 		return err
 	}
 	p.sink().ConnAccepted()
-	if !lp.l.post(func() { lp.l.served.Add(1); lp.l.resume(c) }) {
+	if !lp.l.post(func() { lp.l.served.Add(1); lp.l.resume(c); p.resumedOnLoop(1) }) {
 		lp.l.finish(c, true, errors.New("the event loops are closed"))
+		p.resumedOnLoop(1)
 		return errors.New("the event loops are closed")
 	}
 	return nil
@@ -520,6 +567,7 @@ func (p *Proxy) admitAdoptedOnLoop(lp *loopProxy) error {
 		return runstate.Err(closed, true)
 	}
 	lp.live++
+	lp.resumingLocked(1)
 	p.Budget.Force(tcpConnFDs)
 	p.connWG.Add(1)
 	return nil
