@@ -44,9 +44,27 @@ func TestRelayUDPSessions(t *testing.T) {
 	checkNoLeaks(t)
 	a := forwardtest.StartUDPEcho(t, forwardtest.Loopback("4"), "a:")
 	b := forwardtest.StartUDPEcho(t, forwardtest.Loopback("4"), "b:")
+	// The session timeout is short so that the idle-out below comes soon; the exchanges before it
+	// must all fall within it. On a loaded machine they may not: then the scenario runs again
+	// with a longer timeout (a session that idled out early is seen in the metrics, not guessed).
+	for timeout := 50 * time.Millisecond; ; timeout *= 4 {
+		if relayUDPSessions(t, a, b, timeout) {
+			return
+		}
+		if timeout > 5*time.Second {
+			t.Fatalf("a session idled out between exchanges even with a %v timeout", timeout)
+		}
+		t.Logf("a session idled out between exchanges with a %v timeout: again with a longer one", timeout)
+	}
+}
+
+// relayUDPSessions runs TestRelayUDPSessions' scenario on a relay of its own with the given
+// session timeout. It reports false, having checked nothing, when a session idled out before the
+// scenario meant it to.
+func relayUDPSessions(t *testing.T, a, b netip.AddrPort, timeout time.Duration) bool {
 	ch := &forwardtest.Chooser{}
 	ch.Set(a, b)
-	addr, _, m := startRelayUDP(t, ch, func(p *Proxy) { p.Timeout = 50 * time.Millisecond })
+	addr, _, m := startRelayUDP(t, ch, func(p *Proxy) { p.Timeout = timeout })
 	c1, c2 := forwardtest.DialUDP(t, addr), forwardtest.DialUDP(t, addr)
 	var got []string
 	for _, c := range []*net.UDPConn{c1, c2, c1, c2} {
@@ -55,6 +73,9 @@ func TestRelayUDPSessions(t *testing.T) {
 			t.Fatalf("exchange: %v", err)
 		}
 		got = append(got, string(reply))
+	}
+	if m.Snapshot().SessionsClosed != 0 {
+		return false
 	}
 	if want := "[a:hi b:hi a:hi b:hi]"; fmt.Sprint(got) != want {
 		t.Errorf("replies %v, want %s: a session per client, each staying on its endpoint", got, want)
@@ -70,6 +91,7 @@ func TestRelayUDPSessions(t *testing.T) {
 	if s := m.Snapshot(); s.SessionsOpened != 3 || len(ch.Recorded()) != 3 {
 		t.Errorf("after the timeout: %d sessions opened, %d choices; want 3 and 3", s.SessionsOpened, len(ch.Recorded()))
 	}
+	return true
 }
 
 func TestRelayUDPRefusedEndpoint(t *testing.T) {
