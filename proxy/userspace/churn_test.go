@@ -182,7 +182,9 @@ func TestRunProgramsEndpointsAtOnce(t *testing.T) {
 	// a leaves, b comes: no rule changes, so no sync is needed.
 	tr.OnEndpointSliceUpdate(sa, nil)
 	tr.OnEndpointSliceUpdate(nil, slice("echo", "echo-b", "tcp", v1.ProtocolTCP, b))
-	waitFor(t, func() bool { return len(p.lb.Affinity()) == 0 })
+	// The two slice events may be programmed one at a time: wait for the port to have b (a's
+	// affinity gone with it), not only for a to be gone.
+	waitFor(t, func() bool { return len(p.lb.Affinity()) == 0 && p.lb.Availability(echoTCP).Internal })
 	if got := mustAsk(t, "tcp", port); got != "b" {
 		t.Errorf("answered by %q after a left, want b", got)
 	}
