@@ -176,6 +176,7 @@ scheduler system:kube-scheduler -
 node-1 system:node:node-1 system:nodes
 node-2 system:node:node-2 system:nodes
 node-3 system:node:node-3 system:nodes
+lbctl system:kup-lbctl -
 EOF
 	# The machine's kubeconfig: the admin through the loopback forwarder.
 	kubeconfig "$state/kubeconfig" "https://127.0.0.1:$port" "$(awk -F, '$2 == "admin" {print $1}' "$pki/tokens.csv")"
@@ -280,6 +281,19 @@ control_plane() {
 	ip netns exec "$cpns" setsid "$KUP_K8S_BIN/kube-scheduler" --kubeconfig="$state/scheduler.kubeconfig" \
 		--leader-elect=false --bind-address=127.0.0.1 >"$cp/kube-scheduler.log" 2>&1 </dev/null &
 	echo $! >"$cp/kube-scheduler.pid"
+}
+
+# lb_controller: lbctl (hack/cluster/lbctl) gives every LoadBalancer Service an address of
+# $lbrange in its status, as a cloud's controller does; it runs in the control plane's namespace
+# as the user system:kup-lbctl (its token from certs, its RBAC hack/cluster/lbctl/rbac.yaml).
+# down kills it with the control plane (cp/lbctl.pid).
+lb_controller() {
+	local cp=$state/cp
+	(cd "$root" && "${GO:-go}" build -o "$cp/lbctl" ./hack/cluster/lbctl) || die "building hack/cluster/lbctl failed"
+	KUBECONFIG=$state/kubeconfig kubectl apply -f "$here/lbctl/rbac.yaml" >/dev/null
+	ip netns exec "$cpns" setsid "$cp/lbctl" --kubeconfig="$state/lbctl.kubeconfig" --pool="$lbrange" \
+		>"$cp/lbctl.log" 2>&1 </dev/null &
+	echo $! >"$cp/lbctl.pid"
 }
 
 node_config() {
@@ -394,6 +408,8 @@ up() {
 	network
 	step "control plane"
 	control_plane
+	step "load-balancer addresses (lbctl)"
+	lb_controller
 	step "nodes"
 	for n in "${nodes[@]}"; do
 		node_config "$n"

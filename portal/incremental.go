@@ -11,12 +11,12 @@ import (
 
 // Partial updates by portal.
 //
-// Update used to render every portal and compare every rule of both tables with what was
-// written: at 10,000 service ports ~23 ms of CPU per partial sync, for a change of one portal.
-// The Manager now also remembers what each portal of the last write contributed (layout: a
-// digest of the portal and its number of rules in each of our chains, in render's order, ~20
-// bytes a portal); a partial update digests the portals it is given, renders only those whose
-// digest it has not written, and deletes the rules of the written portals whose digest is gone.
+// The Manager remembers what each portal of the last write contributed (layout: a digest of
+// the portal and its number of rules in each of our chains, in render's order, ~20 bytes a
+// portal); a partial update digests the portals it is given, renders only those whose digest
+// it has not written, and deletes the rules of the written portals whose digest is gone. So a
+// change of one portal costs its own rules, not a render of every portal and a comparison of
+// every rule of both tables (at 10,000 service ports ~23 ms of CPU per partial sync).
 // Two portals with the same digest render the same rules (appendPortal encodes every field, and
 // the layout is only used with the host it was made with), so the rules it writes are those a
 // full render would. It appends them to the recent chains, not to the long chains render

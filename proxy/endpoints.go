@@ -49,7 +49,7 @@ func FromSlice(s *discovery.EndpointSlice) SliceEndpoints {
 		errs = append(errs, &FieldError{Object: obj, Field: field, Detail: fmt.Sprintf(format, args...)})
 	}
 	// byPort is built in place, a port name found by scanning (a slice has few ports): a map
-	// of one port, the common case, cost ~500 bytes and three allocations more per update.
+	// would cost ~500 bytes and three allocations more per update for one port, the common case.
 	var byPort EndpointsByPort
 	var index map[string]map[netip.AddrPort]int
 	addresses := 0
@@ -131,7 +131,7 @@ func FromSlice(s *discovery.EndpointSlice) SliceEndpoints {
 				}
 				if list == nil {
 					// Sized for every address at once: the list is kept (by the Tracker and the
-					// balancer), and grown by doubling it held up to twice its endpoints.
+					// balancer), and one grown by doubling would hold up to twice its endpoints.
 					list = make([]Endpoint, 0, addresses)
 				}
 				byPort[at].Endpoints = append(list, ep)

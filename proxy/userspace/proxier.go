@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/rs/zerolog"
+	"golang.org/x/sync/errgroup"
 	v1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/types"
 
@@ -738,28 +739,24 @@ func (p *Proxier) listenerRoomLocked() int {
 	return max(room, 0)
 }
 
-// openAllLocked opens ls, on a few goroutines (the socket calls of 10,000 listeners take about
-// half a second on one core), and returns those it opened.
+// openAllLocked opens ls, in chunks of 64 on up to GOMAXPROCS goroutines at a time (the socket
+// calls of 10,000 listeners take about half a second on one core), and returns those it opened.
 func (p *Proxier) openAllLocked(ls []*listener) []*listener {
 	p.takeInheritedLocked(ls)
 	var opened atomic.Int64
-	workers := min(runtime.GOMAXPROCS(0), (len(ls)+63)/64)
-	next := atomic.Int64{}
-	var wg sync.WaitGroup
-	for range workers {
-		wg.Go(func() {
-			for {
-				i := int(next.Add(1)) - 1
-				if i >= len(ls) {
-					return
-				}
-				if p.openLocked(ls[i]) {
+	var g errgroup.Group
+	g.SetLimit(runtime.GOMAXPROCS(0))
+	for chunk := range slices.Chunk(ls, 64) {
+		g.Go(func() error {
+			for _, l := range chunk {
+				if p.openLocked(l) {
 					opened.Add(1)
 				}
 			}
+			return nil
 		})
 	}
-	wg.Wait()
+	_ = g.Wait() // the chunks return no error
 	if n := opened.Load(); n > 0 {
 		p.gen++
 		p.log.Info().Int64("listeners", n).Int("servicePorts", len(p.ports)).Msg("opened proxy listeners")

@@ -121,6 +121,11 @@ func TestManifests(t *testing.T) {
 		}
 	}
 	t.Run("ClusterIP and NodePort", func(t *testing.T) { check(t, "p1") })
+	localNodePort := netip.AddrPortFrom(netip.MustParseAddr("127.0.0.1"), 30080).String()
+	t.Run("NodePort on 127.0.0.1 from the node (--iptables-localhost-nodeports default true)", func(t *testing.T) {
+		waitAnswer(t, node.NS, "tcp", localNodePort)
+		expectBackends(ctx, t, node.NS, "tcp", localNodePort, 3, "p1")
+	})
 	t.Run("a second instance without hand-over leaves the first serving", func(t *testing.T) {
 		// What a DaemonSet rolling update with maxSurge, or an operator by mistake, does: it
 		// used to remove the running proxy's rules, then exit on the health port in use.
@@ -160,5 +165,26 @@ func TestManifests(t *testing.T) {
 		})
 		t.Logf("manifest change applied within %v", time.Since(changed).Round(time.Millisecond))
 		check(t, "p2")
+	})
+	t.Run("--iptables-localhost-nodeports=false: 127.0.0.1 refused, the node's address served", func(t *testing.T) {
+		if err := first.Terminate(30 * time.Second); err != nil {
+			t.Fatalf("stopping the first proxy: %v", err)
+		}
+		harness.StartProxy(t, node.NS, harness.ProxyConfig{
+			NodeName:  nodeName,
+			Manifests: dir,
+			Args:      append(first.Config.Args, "--iptables-localhost-nodeports=false"),
+			Ready: func(ctx context.Context) error {
+				_, err := harness.Ask(ctx, client.NS, "tcp", nodePort)
+				return err
+			},
+		})
+		expectBackends(ctx, t, node.NS, "tcp", nodePort, 3, "p2")
+		// Not redirected, the connection meets the socket the proxy holds on [::]:30080,
+		// bound without listening: refused, as the flag's help says.
+		a, err := harness.AskTimeout(ctx, node.NS, "tcp", localNodePort, 5*time.Second)
+		if k := harness.KindOf(err); k != harness.Refused {
+			t.Errorf("tcp %s from the node = %q, %v (%v); want refused", localNodePort, a.Backend, err, k)
+		}
 	})
 }

@@ -7,6 +7,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"net"
+	"net/netip"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -20,6 +21,7 @@ import (
 	v1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/apimachinery/pkg/util/intstr"
 )
 
 const (
@@ -159,6 +161,7 @@ var wl struct {
 	clusterIP               string // ClusterIP:80
 	nodePort, localNodePort int
 	healthCheckNodePort     int
+	lbLocal                 string // the Local-policy LoadBalancer's IP, as the cluster's lbctl assigned it
 }
 
 const echoYAML = `
@@ -215,6 +218,7 @@ kind: Service
 metadata: {name: echo-lb, namespace: kup-e2e}
 spec:
   type: LoadBalancer
+  loadBalancerIP: 10.77.1.10
   selector: {app: echo}
   ports: [{name: tcp, port: 80, targetPort: 8080}]
 ---
@@ -228,9 +232,9 @@ spec:
   ports: [{name: tcp, port: 80, targetPort: 8080}]
 `
 
-// workload applies the kup-echo Deployment (3 replicas, one per node) and its services, sets the
-// load balancers' IPs through the Service status (as a cloud's controller would), and waits
-// until every node's proxy answers for them.
+// workload applies the kup-echo Deployment (3 replicas, one per node) and its services, waits
+// for the load balancers' IPs (assigned by the cluster's lbctl, echo-lb's as its spec asks), and
+// waits until every node's proxy answers for them.
 func workload(t *testing.T) {
 	t.Helper()
 	deployProxy(t)
@@ -263,11 +267,12 @@ func workload(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	svcs := env.client.CoreV1().Services(echoNS)
-	for name, ip := range map[string]string{"echo-lb": lbIP, "echo-local": lbLocal} {
-		patch := fmt.Sprintf(`{"status":{"loadBalancer":{"ingress":[{"ip":%q}]}}}`, ip)
-		if _, err := svcs.Patch(ctx, name, types.MergePatchType, []byte(patch), metav1.PatchOptions{}, "status"); err != nil {
-			t.Fatalf("set %s's load-balancer IP: %v", name, err)
-		}
+	if got := waitLBIP(t, "echo-lb"); got != lbIP {
+		t.Fatalf("echo-lb: load-balancer IP %s, want the %s its spec.loadBalancerIP asks for", got, lbIP)
+	}
+	wl.lbLocal = waitLBIP(t, "echo-local")
+	if wl.lbLocal == lbIP {
+		t.Fatalf("echo-local got echo-lb's load-balancer IP %s", lbIP)
 	}
 	get := func(name string) *v1.Service {
 		s, err := svcs.Get(ctx, name, metav1.GetOptions{})
@@ -310,9 +315,9 @@ func workload(t *testing.T) {
 			return nil
 		})
 	}
-	// The load-balancer IPs were set a moment ago: node-1 (where the client routes them) has
+	// The load-balancer IPs were assigned a moment ago: node-1 (where the client routes them) has
 	// them once they answer.
-	for _, addr := range []string{net.JoinHostPort(lbIP, "80"), net.JoinHostPort(lbLocal, "80")} {
+	for _, addr := range []string{net.JoinHostPort(lbIP, "80"), net.JoinHostPort(wl.lbLocal, "80")} {
 		waitFor(t, 30*time.Second, 200*time.Millisecond, "the load-balancer IP "+addr, func() error {
 			_, _, err := where("client").ask(addr, 2*time.Second)
 			return err
@@ -320,6 +325,33 @@ func workload(t *testing.T) {
 	}
 	t.Logf("every backend answered through every node, and the load-balancer IPs, %v after the Deployment's rollout", time.Since(waitStart).Round(10*time.Millisecond))
 	wl.done = true
+}
+
+// waitLBIP waits for the cluster's lbctl to give the Service name (of echoNS) an address of
+// lbPool in its status, and returns it.
+func waitLBIP(t testing.TB, name string) string {
+	t.Helper()
+	pool := netip.MustParsePrefix(lbPool)
+	var ip string
+	waitFor(t, 30*time.Second, 200*time.Millisecond, "a load-balancer IP for "+name+" (hack/cluster/lbctl; its log: cp/lbctl.log)", func() error {
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		svc, err := env.client.CoreV1().Services(echoNS).Get(ctx, name, metav1.GetOptions{})
+		if err != nil {
+			return err
+		}
+		ing := svc.Status.LoadBalancer.Ingress
+		if len(ing) != 1 {
+			return fmt.Errorf("status.loadBalancer.ingress %+v, want one address", ing)
+		}
+		a, err := netip.ParseAddr(ing[0].IP)
+		if err != nil || !pool.Contains(a) {
+			return fmt.Errorf("status.loadBalancer.ingress %+v, want an address of %s", ing, pool)
+		}
+		ip = a.String()
+		return nil
+	})
+	return ip
 }
 
 // echoPods returns the Ready kup-echo pods' names by node.
@@ -420,7 +452,7 @@ func TestServices(t *testing.T) {
 			}
 		}
 		// The client routes load-balancer IPs to node-1.
-		check("Local LB IP", net.JoinHostPort(lbLocal, "80"), "node-1")
+		check("Local LB IP", net.JoinHostPort(wl.lbLocal, "80"), "node-1")
 		check("Local NodePort of node-2", net.JoinHostPort(nodeIP("node-2"), strconv.Itoa(wl.localNodePort)), "node-2")
 	})
 	t.Run("healthCheckNodePort", func(t *testing.T) {
@@ -434,6 +466,96 @@ func TestServices(t *testing.T) {
 			if jerr := json.Unmarshal([]byte(body), &h); code != 200 || jerr != nil || h.LocalEndpoints != len(backends[node]) {
 				t.Errorf("%s: %s: %d %s, want 200 with localEndpoints %d", node, url, code, body, len(backends[node]))
 			}
+		}
+	})
+}
+
+// TestLoadBalancerAddresses: the cluster's lbctl gives a new LoadBalancer Service an address of
+// lbPool, through which the client reaches every backend; a Service asking for an address that
+// another has gets none; an address is freed when its Service stops being a LoadBalancer, and a
+// Service that asks for it then gets it.
+func TestLoadBalancerAddresses(t *testing.T) {
+	workload(t)
+	svcs := env.client.CoreV1().Services(echoNS)
+	create := func(name, requested string) {
+		t.Helper()
+		svc := &v1.Service{
+			ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: echoNS},
+			Spec: v1.ServiceSpec{Type: v1.ServiceTypeLoadBalancer, Selector: map[string]string{"app": "echo"},
+				LoadBalancerIP: requested, Ports: []v1.ServicePort{{Name: "tcp", Port: 80, TargetPort: intstr.FromInt32(8080)}}},
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		defer cancel()
+		if _, err := svcs.Create(ctx, svc, metav1.CreateOptions{}); err != nil {
+			t.Fatalf("create Service %s: %v", name, err)
+		}
+		t.Cleanup(func() {
+			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+			defer cancel()
+			if err := svcs.Delete(ctx, name, metav1.DeleteOptions{}); err != nil {
+				t.Errorf("delete Service %s: %v", name, err)
+			}
+		})
+	}
+	status := func(name string) []v1.LoadBalancerIngress {
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		svc, err := svcs.Get(ctx, name, metav1.GetOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return svc.Status.LoadBalancer.Ingress
+	}
+
+	create("echo-lb-new", "")
+	ip := waitLBIP(t, "echo-lb-new")
+	if ip == lbIP || ip == wl.lbLocal {
+		t.Fatalf("echo-lb-new got %s, the address of another Service (echo-lb %s, echo-local %s)", ip, lbIP, wl.lbLocal)
+	}
+	addr := net.JoinHostPort(ip, "80")
+	waitFor(t, 30*time.Second, 200*time.Millisecond, "echo-lb-new through "+addr+" from the client", func() error {
+		_, _, err := where("client").ask(addr, 2*time.Second)
+		return err
+	})
+	wantAll(t, "echo-lb-new's address from the client", where("client").answers(t, addr, 30), echoPods(t))
+
+	t.Run("an address that is another Service's is not given", func(t *testing.T) {
+		create("echo-lb-dup", ip)
+		logFile := filepath.Join(env.state, "cp", "lbctl.log")
+		waitFor(t, 30*time.Second, 200*time.Millisecond, "lbctl's refusal of echo-lb-dup's request", func() error {
+			data, err := os.ReadFile(logFile)
+			if err != nil {
+				return err
+			}
+			for _, line := range strings.Split(string(data), "\n") {
+				if strings.Contains(line, "no address") && strings.Contains(line, echoNS+"/echo-lb-dup") {
+					return nil
+				}
+			}
+			return fmt.Errorf("no such line in %s", logFile)
+		})
+		if ing := status("echo-lb-dup"); len(ing) != 0 {
+			t.Errorf("echo-lb-dup asked for echo-lb-new's %s and got %+v", ip, ing)
+		}
+		if ing := status("echo-lb-new"); len(ing) != 1 || ing[0].IP != ip {
+			t.Errorf("echo-lb-new's status %+v after echo-lb-dup asked for its address, want %s", ing, ip)
+		}
+	})
+	t.Run("released when the Service stops being a LoadBalancer", func(t *testing.T) {
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		defer cancel()
+		if _, err := svcs.Patch(ctx, "echo-lb-new", types.MergePatchType, []byte(`{"spec":{"type":"ClusterIP"}}`), metav1.PatchOptions{}); err != nil {
+			t.Fatalf("echo-lb-new to ClusterIP: %v", err)
+		}
+		waitFor(t, 30*time.Second, 200*time.Millisecond, "echo-lb-new's status cleared", func() error {
+			if ing := status("echo-lb-new"); len(ing) != 0 {
+				return fmt.Errorf("status.loadBalancer.ingress %+v", ing)
+			}
+			return nil
+		})
+		// echo-lb-dup was waiting for that address: it has it now.
+		if got := waitLBIP(t, "echo-lb-dup"); got != ip {
+			t.Errorf("echo-lb-dup got %s, want the %s it asks for, freed", got, ip)
 		}
 	})
 }

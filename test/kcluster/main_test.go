@@ -31,8 +31,10 @@ import (
 // The cluster's fixed addresses (hack/cluster.sh).
 const (
 	clientIP = "10.77.0.100"
-	lbIP     = "10.77.1.10" // the Cluster-policy LoadBalancer's IP, routed by the client to node-1
-	lbLocal  = "10.77.1.11" // the Local-policy one
+	// lbIP is the Cluster-policy LoadBalancer's IP, requested by its spec.loadBalancerIP and
+	// assigned by the cluster's lbctl; the client routes 10.77.1.0/24 (lbPool) to node-1.
+	lbIP   = "10.77.1.10"
+	lbPool = "10.77.1.0/24"
 )
 
 var nodes = []string{"node-1", "node-2", "node-3"}

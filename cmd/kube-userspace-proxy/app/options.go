@@ -51,6 +51,7 @@ type Options struct {
 	HandoverExit bool
 	// LocalhostNodePorts: the node's own traffic to a NodePort on 127.0.0.1 (any 127.0.0.0/8
 	// address) is served, as kube-proxy's iptables.localhostNodePorts; IPv6's ::1 never is.
+	// Unserved, it meets the socket the proxy holds on [::]:NodePort (refused, or dropped).
 	LocalhostNodePorts bool
 	// TransparentLocal: external traffic of externalTrafficPolicy: Local services reaches
 	// endpoints on this node from the client's own address (needs --portal-mode iptables).
@@ -174,7 +175,7 @@ func (o *Options) FlagGroups() []FlagGroup {
 			fs.DurationVar(&o.UDPTimeout, "udp-timeout", o.UDPTimeout, "How long an idle UDP session is kept (kube-proxy's 250ms broke DNS forwarders; default: conntrack's 30s).")
 			fs.DurationVar(&o.SyncPeriod, "iptables-sync-period", o.SyncPeriod, "The longest time between two syncs (rules repaired, state re-applied). [config: iptables.syncPeriod]")
 			fs.DurationVar(&o.MinSyncPeriod, "iptables-min-sync-period", o.MinSyncPeriod, "The shortest average time between two syncs (two may run back to back, as in kube-proxy); changes within it are applied together. [config: iptables.minSyncPeriod]")
-			fs.BoolVar(&o.LocalhostNodePorts, "iptables-localhost-nodeports", o.LocalhostNodePorts, "Serve NodePorts on 127.0.0.1 (all of 127.0.0.0/8) to the node's own clients, as kube-proxy's iptables mode does; false leaves those connections to whatever listens there. IPv6's ::1 never serves NodePorts. [config: iptables.localhostNodePorts]")
+			fs.BoolVar(&o.LocalhostNodePorts, "iptables-localhost-nodeports", o.LocalhostNodePorts, "Serve NodePorts on 127.0.0.1 (all of 127.0.0.0/8) to the node's own clients, as kube-proxy's iptables mode does; false leaves them unredirected: they meet the socket the proxy holds on the NodePort of every address, so TCP connections are refused and UDP datagrams dropped unread (no other process can bind the port there). IPv6's ::1 never serves NodePorts: the same happens there. [config: iptables.localhostNodePorts]")
 			fs.BoolVar(&o.TransparentLocal, "transparent-local", o.TransparentLocal, "Keep the client's address for externalTrafficPolicy: Local services: connect to endpoints on this node from the client's own IP (IP_TRANSPARENT, with a mangle rule, ip rule and route that deliver the replies; needs --portal-mode iptables). false: endpoints see the node's address.")
 		}),
 		group("Conntrack (sysctls left alone unless set; kube-proxy's defaults set them)", func(fs *pflag.FlagSet) {

@@ -1,6 +1,7 @@
 package app
 
 import (
+	"fmt"
 	"net"
 	"os"
 	"strconv"
@@ -8,6 +9,7 @@ import (
 
 	"github.com/rs/zerolog"
 
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/internal/testenv"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/healthcheck"
 )
 
@@ -21,7 +23,7 @@ func TestServersInheritTheirSockets(t *testing.T) {
 		t.Run(host, func(t *testing.T) {
 			old, err := net.Listen("tcp", net.JoinHostPort(host, "0"))
 			if err != nil {
-				t.Skipf("no %s listener here: %v", host, err) // an IPv6-less machine
+				testenv.Need(t, fmt.Sprintf("a %s listener (IPv6 for ::): %v", host, err))
 			}
 			defer old.Close()
 			addr := net.JoinHostPort(host, strconv.Itoa(old.Addr().(*net.TCPAddr).Port))

@@ -10,7 +10,6 @@ import (
 	"io"
 	"net"
 	"net/netip"
-	"os"
 	"runtime"
 	"strings"
 	"sync"
@@ -19,6 +18,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/internal/testenv"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward/internal/forwardtest"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward/internal/sys"
 )
@@ -187,9 +187,7 @@ func TestLoopShutdownCutsAndLeaksNothing(t *testing.T) {
 // (127.0.0.2 here, while the proxy listens on 127.0.0.1, so a plain dial would come from
 // 127.0.0.1). It needs CAP_NET_ADMIN; without it the proxy falls back to a plain dial.
 func TestTCPTransparentDial(t *testing.T) {
-	if os.Geteuid() != 0 {
-		t.Skip("needs CAP_NET_ADMIN for IP_TRANSPARENT")
-	}
+	testenv.Privileged(t) // CAP_NET_ADMIN for IP_TRANSPARENT
 	client := netip.MustParseAddr("127.0.0.2")
 	seen := make(chan netip.Addr, 1)
 	ep := forwardtest.StartTCPServer(t, forwardtest.Loopback("4"), func(c *net.TCPConn) {

@@ -179,17 +179,23 @@ func (p *Proxy) Shutdown(ctx context.Context) error {
 		p.Release()
 		return nil
 	}
-	err := p.Close()
+	return p.drain(ctx, p.Close(), p.cutLoopConns)
+}
+
+// drain is Shutdown once the proxy no longer accepts (closeErr is what closing it returned): it
+// waits for the connections to end, and when ctx ends first it cuts them with cut (the engine's:
+// the loops' or, off Linux, the relay's), waits for them and returns ctx's error.
+func (p *Proxy) drain(ctx context.Context, closeErr error, cut func() int) error {
 	drained := make(chan struct{})
 	go p.awaitConns(drained)
 	select {
 	case <-drained:
-		return err
+		return closeErr
 	case <-ctx.Done():
 	}
-	cut := p.cutLoopConns()
+	n := cut()
 	<-drained // cut connections end promptly: their sockets are closed and dials cancelled
-	return errors.Join(err, fmt.Errorf("shut down TCP proxy: cut %d connections: %w", cut, ctx.Err()))
+	return errors.Join(closeErr, fmt.Errorf("shut down TCP proxy: cut %d connections: %w", n, ctx.Err()))
 }
 
 // awaitConns closes drained once every connection has ended. Its owner is

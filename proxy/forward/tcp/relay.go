@@ -40,7 +40,9 @@ type tcpRelay struct {
 	live    map[*relayConn]struct{}
 }
 
-// The relay's connections are counted in p.connWG, which Shutdown waits for.
+// The relay's connections are counted in p.connWG, which Shutdown waits for (Proxy.drain): off
+// Linux, Shutdown closes the relay (loopListenerCloser) and, at the end of its grace period,
+// cuts the relay's connections (cutLoopConns).
 
 // relayConn is one connection of a tcpRelay; its goroutine (handle) owns it, cut may reset it.
 type relayConn struct {
@@ -150,22 +152,6 @@ func (r *tcpRelay) close() error {
 		<-r.done
 	}
 	return err
-}
-
-// shutdown is close, then a wait for the connections; when ctx ends first it cuts them (resets
-// both sides, stops dials), waits for them and returns ctx's error.
-func (r *tcpRelay) shutdown(ctx context.Context) error {
-	err := r.close()
-	drained := make(chan struct{})
-	go func() { r.p.connWG.Wait(); close(drained) }() // ends with the connections, which cut ends
-	select {
-	case <-drained:
-		return err
-	case <-ctx.Done():
-	}
-	n := r.cut()
-	<-drained
-	return errors.Join(err, fmt.Errorf("shut down TCP proxy: cut %d connections: %w", n, ctx.Err()))
 }
 
 // cut resets every live connection and stops dials; it returns how many there were.

@@ -3,6 +3,7 @@ package tcp
 import (
 	"bufio"
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"net"
@@ -33,7 +34,7 @@ func startRelayTCP(t *testing.T, chooser forward.Chooser, configure func(*Proxy)
 	t.Cleanup(func() {
 		ctx, cancel := context.WithTimeout(context.Background(), forwardtest.WaitTimeout)
 		defer cancel()
-		if err := r.shutdown(ctx); err != nil {
+		if err := p.drain(ctx, r.close(), r.cut); err != nil { // what Shutdown does off Linux
 			t.Errorf("shutdown: %v", err)
 		}
 		if err := <-served; err != nil {
@@ -77,6 +78,53 @@ func TestRelayTCPRoundRobin(t *testing.T) {
 	forwardtest.Eventually(t, "four connections closed", func() bool { s := m.Snapshot(); return s.Accepted == 4 && s.Closed == 4 })
 	if s := m.Snapshot(); s.FromEndpoint != 4 || s.Failed != 0 {
 		t.Errorf("metrics %+v: want 4 bytes from endpoints, no failure", s)
+	}
+}
+
+// TestRelayTCPShutdown runs what Shutdown does off Linux (drain with the relay's close and
+// cut): no new connection is accepted, an established one goes on until the grace period ends,
+// and is then cut.
+func TestRelayTCPShutdown(t *testing.T) {
+	checkNoLeaks(t)
+	echo := forwardtest.StartTCPEcho(t, forwardtest.Loopback("4"))
+	ch := &forwardtest.Chooser{}
+	ch.Set(echo)
+	ln := forwardtest.ListenTCP(t, forwardtest.Loopback("4"))
+	addr := forwardtest.ListenerAddr(ln)
+	p := &Proxy{Listener: ln, Chooser: ch, Log: new(forwardtest.Logger(t)), Metrics: &forwardtest.Metrics{}}
+	r := newTCPRelay(p)
+	served := make(chan error, 1)
+	go func() { served <- r.serve() }()
+	c := forwardtest.DialTCP(t, addr)
+	if got, err := forwardtest.RoundTrip(c, []byte("before")); err != nil || string(got) != "before" {
+		t.Fatalf("round trip before the shutdown: %q, %v", got, err)
+	}
+
+	grace, endGrace := context.WithCancel(context.Background())
+	defer endGrace()
+	shut := make(chan error, 1)
+	go func() { shut <- p.drain(grace, r.close(), r.cut) }()
+	if err := <-served; err != nil { // close returns once serve has
+		t.Fatalf("serve: %v", err)
+	}
+	if c2, err := net.DialTimeout("tcp", addr.String(), forwardtest.WaitTimeout); err == nil {
+		c2.Close()
+		t.Error("a new connection was accepted after the shutdown began")
+	}
+	if got, err := forwardtest.RoundTrip(c, []byte("during")); err != nil || string(got) != "during" {
+		t.Errorf("round trip while draining: %q, %v; want the connection served", got, err)
+	}
+	select {
+	case err := <-shut:
+		t.Fatalf("shutdown returned %v while a connection was open", err)
+	default:
+	}
+	endGrace()
+	if err := <-shut; !errors.Is(err, context.Canceled) || !strings.Contains(err.Error(), "cut 1 connections") {
+		t.Errorf("shutdown: %v; want the grace period's end, one connection cut", err)
+	}
+	if _, err := c.Read(make([]byte, 1)); err == nil {
+		t.Error("the cut connection still reads")
 	}
 }
 

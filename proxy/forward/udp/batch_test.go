@@ -14,6 +14,7 @@ import (
 	"time"
 	"unsafe"
 
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/internal/testenv"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward/internal/forwardtest"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward/internal/sys"
@@ -369,7 +370,7 @@ func TestRawSockaddr(t *testing.T) {
 // the same datagrams, boundaries kept.
 func TestUDPBatchSegmented(t *testing.T) {
 	if !gsoSupported() {
-		t.Skip("the kernel has no UDP_SEGMENT")
+		testenv.Need(t, "a kernel with UDP_SEGMENT (Linux 4.18 or later)")
 	}
 	checkNoLeaks(t)
 	backend := forwardtest.StartUDPEcho(t, forwardtest.Loopback("4"), "")

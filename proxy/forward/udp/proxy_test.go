@@ -9,12 +9,12 @@ import (
 	"math/rand/v2"
 	"net"
 	"net/netip"
-	"os"
 	"reflect"
 	"sync"
 	"testing"
 	"time"
 
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/internal/testenv"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward/internal/forwardtest"
 	"golang.org/x/sys/unix"
 )
@@ -249,9 +249,7 @@ func TestUDPCloseEndsSessions(t *testing.T) {
 // TestUDPConnReceiveBuffer checks that serving gives the service port's socket the large
 // receive buffer (udpConnRcvBuf) that absorbs bursts while the read loop waits for a core.
 func TestUDPConnReceiveBuffer(t *testing.T) {
-	if os.Geteuid() != 0 {
-		t.Skip("needs CAP_NET_ADMIN for SO_RCVBUFFORCE")
-	}
+	testenv.Privileged(t) // CAP_NET_ADMIN for SO_RCVBUFFORCE
 	backend := forwardtest.StartUDPEcho(t, forwardtest.Loopback("4"), "")
 	r := startUDPProxy(t, "4", &forwardtest.Chooser{Endpoints: []netip.AddrPort{backend}}, nil)
 	c := forwardtest.DialUDP(t, r.addr)

@@ -5,8 +5,8 @@ import (
 	"crypto/sha256"
 	"runtime"
 	"slices"
-	"sync"
-	"sync/atomic"
+
+	"golang.org/x/sync/errgroup"
 )
 
 // Parallel decoding.
@@ -14,10 +14,10 @@ import (
 // Decoding is most of the cost of a scan that reads files (YAML to JSON, then strict JSON into
 // the k8s.io/api types): about 100 µs per document. The files to read in one scan are cut into
 // spans of whole documents, at most spansPerWorker per worker and file and none smaller than
-// minSpanBytes, and the spans of all the files are decoded by up to GOMAXPROCS goroutines. Each
-// span has a result of its own, with at most maxErrorsKept errors; assemble joins a file's
-// spans in order into what decoding the file in one piece gives: the same objects, the same
-// errors in the same order (duplicates across spans are found there), the same counts.
+// minSpanBytes, and the spans of all the files are decoded on up to GOMAXPROCS goroutines at a
+// time. Each span has a result of its own, with at most maxErrorsKept errors; assemble joins a
+// file's spans in order into what decoding the file in one piece gives: the same objects, the
+// same errors in the same order (duplicates across spans are found there), the same counts.
 //
 // A file's documents that decoded into one object without errors are remembered by the hash of
 // their bytes (docCache); when the file changes, its unchanged documents are taken from there,
@@ -115,25 +115,15 @@ func (d *decoder) decodeFiles(jobs []*fileJob, workers int) []*fileResult {
 			units = append(units, unit{job: j, span: sp})
 		}
 	}
-	var next atomic.Int64
-	work := func() {
-		for {
-			i := int(next.Add(1)) - 1
-			if i >= len(units) {
-				return
-			}
+	var g errgroup.Group
+	g.SetLimit(workers)
+	for i := range units {
+		g.Go(func() error {
 			units[i].res = d.decodeSpan(jobs[units[i].job], units[i].span)
-		}
+			return nil
+		})
 	}
-	if n := min(workers, len(units)); n <= 1 {
-		work()
-	} else {
-		var wg sync.WaitGroup
-		for range n {
-			wg.Go(work)
-		}
-		wg.Wait()
-	}
+	_ = g.Wait() // the units return no error
 	out := make([]*fileResult, len(jobs))
 	for first := 0; first < len(units); {
 		last := first + 1
