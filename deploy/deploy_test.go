@@ -14,6 +14,10 @@ import (
 
 // TestManifests checks what the API server's dry run cannot: the ConfigMap's configuration is
 // one the proxy accepts, and the DaemonSet keeps the properties the README promises.
+// kubeletCriticalOOMScoreAdj is the OOM score the kubelet gives the containers of a
+// system-node-critical pod.
+const kubeletCriticalOOMScoreAdj = -997
+
 func TestManifests(t *testing.T) {
 	objs, err := Objects()
 	if err != nil {
@@ -65,6 +69,14 @@ func TestManifests(t *testing.T) {
 	caps, _, _ := unstructured.NestedStringSlice(c, "securityContext", "capabilities", "add")
 	if len(caps) != 2 || caps[0] != "NET_ADMIN" || caps[1] != "NET_RAW" {
 		t.Errorf("DaemonSet capabilities = %v, want [NET_ADMIN NET_RAW]", caps)
+	}
+	// The OOM score the configuration asks for is one the container can set: without
+	// CAP_SYS_RESOURCE, not below the kubelet's score for a system-node-critical pod.
+	if spec("priorityClassName") != "system-node-critical" {
+		t.Errorf("DaemonSet priorityClassName %v, want system-node-critical", spec("priorityClassName"))
+	}
+	if o.OOMScoreAdj < kubeletCriticalOOMScoreAdj {
+		t.Errorf("ConfigMap oomScoreAdj %d: below the kubelet's %d for a system-node-critical pod, which needs CAP_SYS_RESOURCE (capabilities %v)", o.OOMScoreAdj, kubeletCriticalOOMScoreAdj, caps)
 	}
 	mounts := map[string]bool{}
 	for _, m := range c["volumeMounts"].([]any) {
