@@ -134,8 +134,15 @@ func (k *keeper) adopt(ctx context.Context) {
 		Msg("took the listening sockets the holder kept; each serves once the first sync wants its service port")
 }
 
-// run keeps the holder up to date until ctx ends.
+// run keeps the holder up to date until ctx ends, from the first sync on: until then the
+// proxier has no listener (a holder told so would let go of the sockets a crash left it).
 func (k *keeper) run(ctx context.Context) {
+	select {
+	case <-ctx.Done():
+		return
+	case <-k.kick:
+	}
+	k.reconcile(ctx)
 	t := time.NewTicker(keeperCheck)
 	defer t.Stop()
 	for {
