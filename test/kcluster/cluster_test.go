@@ -776,8 +776,9 @@ func TestProxyKilled(t *testing.T) {
 	if served.IsZero() {
 		t.Errorf("no connection was made while no proxy ran (the kubelet restarted it %v after the kill): the test did not exercise the crash", begun.Sub(killed).Round(time.Millisecond))
 	} else {
-		t.Logf("killed %s; the kubelet started the new proxy +%v (restart delay); the first waiting connection answered +%v after the kill, %v after the new proxy's start (time to serve again)",
-			killed.Format("15:04:05.000"), begun.Sub(killed).Round(time.Millisecond), served.Sub(killed).Round(time.Millisecond), served.Sub(begun).Round(time.Millisecond))
+		t.Logf("killed %s (ctr returned +%v); the kubelet started the new proxy %v after that (restart delay); the first waiting connection answered %v after the new proxy's start (time to serve again), +%v after the kill",
+			killed.Format("15:04:05.000"), killReturned.Sub(killed).Round(time.Millisecond), begun.Sub(killReturned).Round(time.Millisecond),
+			served.Sub(begun).Round(time.Millisecond), served.Sub(killed).Round(time.Millisecond))
 	}
 	if len(refused) > 0 {
 		t.Errorf("%d connections refused across the crash; first: %v", len(refused), refused[:min(len(refused), 5)])
