@@ -14,6 +14,10 @@ import (
 
 // TestManifests checks what the API server's dry run cannot: the ConfigMap's configuration is
 // one the proxy accepts, and the DaemonSet keeps the properties the README promises.
+// kubeletCriticalOOMScoreAdj is the OOM score the kubelet gives the containers of a
+// system-node-critical pod.
+const kubeletCriticalOOMScoreAdj = -997
+
 func TestManifests(t *testing.T) {
 	objs, err := Objects()
 	if err != nil {
@@ -66,6 +70,14 @@ func TestManifests(t *testing.T) {
 	if len(caps) != 2 || caps[0] != "NET_ADMIN" || caps[1] != "NET_RAW" {
 		t.Errorf("DaemonSet capabilities = %v, want [NET_ADMIN NET_RAW]", caps)
 	}
+	// The OOM score the configuration asks for is one the container can set: without
+	// CAP_SYS_RESOURCE, not below the kubelet's score for a system-node-critical pod.
+	if spec("priorityClassName") != "system-node-critical" {
+		t.Errorf("DaemonSet priorityClassName %v, want system-node-critical", spec("priorityClassName"))
+	}
+	if o.OOMScoreAdj < kubeletCriticalOOMScoreAdj {
+		t.Errorf("ConfigMap oomScoreAdj %d: below the kubelet's %d for a system-node-critical pod, which needs CAP_SYS_RESOURCE (capabilities %v)", o.OOMScoreAdj, kubeletCriticalOOMScoreAdj, caps)
+	}
 	mounts := map[string]bool{}
 	for _, m := range c["volumeMounts"].([]any) {
 		mm := m.(map[string]any)
@@ -106,6 +118,51 @@ func TestManifests(t *testing.T) {
 	case flag(probe, "config") != flag(args, "config"):
 		t.Errorf("DaemonSet readinessProbe: --config %q, the proxy's %q (the probe finds /healthz there)", flag(probe, "config"), flag(args, "config"))
 	}
+	// The holder: a sidecar (started before the proxy, stopped after it) running `hold` on the
+	// socket the proxy's --holder-socket names, in a directory of the pod's own (an emptyDir
+	// both mount), with no capability.
+	var holder map[string]any
+	inits, _ := spec("initContainers").([]any)
+	for _, ic := range inits {
+		if m := ic.(map[string]any); m["name"] == "holder" {
+			holder = m
+		}
+	}
+	if holder == nil {
+		t.Fatal("DaemonSet: no holder init container")
+	}
+	hcmd, _, _ := unstructured.NestedStringSlice(holder, "command")
+	mountOf := func(c map[string]any, path string) string {
+		for _, m := range c["volumeMounts"].([]any) {
+			mm := m.(map[string]any)
+			if dir := mm["mountPath"].(string); strings.HasPrefix(path, dir+"/") {
+				return mm["name"].(string)
+			}
+		}
+		return ""
+	}
+	sock := flag(args, "holder-socket")
+	switch {
+	case holder["restartPolicy"] != "Always":
+		t.Errorf("DaemonSet holder: restartPolicy %v, want Always (a sidecar)", holder["restartPolicy"])
+	case len(hcmd) < 2 || hcmd[0] != args[0] || hcmd[1] != "hold":
+		t.Errorf("DaemonSet holder: command %v, want %s hold", hcmd, args[0])
+	case sock == "" || flag(hcmd, "socket") != sock:
+		t.Errorf("DaemonSet holder: --socket %q, the proxy's --holder-socket %q: want one path", flag(hcmd, "socket"), sock)
+	case mountOf(holder, sock) == "" || mountOf(holder, sock) != mountOf(c, sock):
+		t.Errorf("DaemonSet: the holder's socket %s is in volume %q for the holder, %q for the proxy", sock, mountOf(holder, sock), mountOf(c, sock))
+	}
+	for _, v := range spec("volumes").([]any) {
+		if vm := v.(map[string]any); vm["name"] == mountOf(c, sock) {
+			if _, ok := vm["emptyDir"]; !ok {
+				t.Errorf("DaemonSet: the holder's volume %v is not an emptyDir: its socket must be the pod's own", vm)
+			}
+		}
+	}
+	if hc, _, _ := unstructured.NestedStringSlice(holder, "securityContext", "capabilities", "add"); len(hc) > 0 {
+		t.Errorf("DaemonSet holder: capabilities %v, want none", hc)
+	}
+
 	if pre, ok, _ := unstructured.NestedFieldNoCopy(c, "lifecycle", "preStop"); ok {
 		t.Errorf("DaemonSet: preStop %v: the readiness probe makes a rolling update wait for the hand-over; a sleep would only delay the old pod's deletion", pre)
 	}

@@ -30,8 +30,22 @@ type conn struct {
 
 // send writes one message with files attached (at most maxFilesPerMessage).
 func (c *conn) send(msg any, files []*os.File) error {
-	if len(files) > maxFilesPerMessage {
-		return fmt.Errorf("hand-over: %d descriptors in one message (at most %d)", len(files), maxFilesPerMessage)
+	fds := make([]int, len(files))
+	for i, f := range files {
+		fd, err := rawFD(f)
+		if err != nil {
+			return fmt.Errorf("hand-over: send: %w", err)
+		}
+		fds[i] = fd
+	}
+	return c.sendFDs(msg, fds)
+}
+
+// sendFDs writes one message with raw descriptors attached (at most maxFilesPerMessage): the
+// holder keeps its sockets as plain descriptors, never registered with Go's network poller.
+func (c *conn) sendFDs(msg any, fds []int) error {
+	if len(fds) > maxFilesPerMessage {
+		return fmt.Errorf("hand-over: %d descriptors in one message (at most %d)", len(fds), maxFilesPerMessage)
 	}
 	body, err := json.Marshal(msg)
 	if err != nil {
@@ -44,15 +58,7 @@ func (c *conn) send(msg any, files []*os.File) error {
 	binary.BigEndian.PutUint32(frame, uint32(len(body)))
 	copy(frame[4:], body)
 	var oob []byte
-	if len(files) > 0 {
-		fds := make([]int, len(files))
-		for i, f := range files {
-			fd, err := rawFD(f)
-			if err != nil {
-				return fmt.Errorf("hand-over: send: %w", err)
-			}
-			fds[i] = fd
-		}
+	if len(fds) > 0 {
 		oob = unixRights(fds)
 	}
 	n, oobn, err := c.uc.WriteMsgUnix(frame, oob, nil)

@@ -4,7 +4,9 @@ package handover
 
 import (
 	"errors"
+	"net"
 	"os"
+	"syscall"
 )
 
 // errNotSupported is what every hand-over returns off Linux: the hand-over is built for the
@@ -21,3 +23,10 @@ func rightsSpace(int) int                    { return 0 }
 func truncated(int) bool                     { return false }
 func inode(os.FileInfo) uint64               { return 0 }
 func parseRights([]byte) ([]*os.File, error) { return nil, errNotSupported }
+
+func peerCred(*net.UnixConn) (int, int, error) { return 0, 0, errNotSupported }
+func selfNetNS() uint64                        { return 0 }
+func lockFile(string) (*os.File, error)        { return nil, errNotSupported }
+func detachSocket(f *os.File) (int, error)     { _ = f.Close(); return -1, errNotSupported }
+func dupConn(syscall.Conn) (int, error)        { return -1, errNotSupported }
+func closeFD(int)                              {}

@@ -7,6 +7,8 @@ import (
 	"io"
 	"net/netip"
 	"os"
+
+	v1 "k8s.io/api/core/v1"
 )
 
 // bindTCP fails off Linux: holding ports belongs to the portal rules (--portal-mode iptables),
@@ -20,4 +22,9 @@ func resetFile(f *os.File) {
 	if f != nil {
 		_ = f.Close()
 	}
+}
+
+// checkProxySocket fails off Linux: the listener store is Linux's, as hand-overs are.
+func checkProxySocket(_ *os.File, _ v1.Protocol, want netip.AddrPort) error {
+	return errors.New("listener of " + want.String() + " from the holder: not supported on this OS (Linux only)")
 }

@@ -30,6 +30,9 @@ import (
 
 // Main parses args and runs the proxy; it returns the process exit code.
 func Main(args []string, stdout, stderr io.Writer) int {
+	if len(args) > 0 && args[0] == HoldCommand {
+		return holdMain(args[1:], stderr)
+	}
 	opts := NewOptions()
 	fs := pflag.NewFlagSet("kube-userspace-proxy", pflag.ContinueOnError)
 	fs.SetOutput(stderr)
@@ -200,12 +203,19 @@ func Run(ctx context.Context, opts *Options, v *Validated, log zerolog.Logger) e
 	}
 	firstSync := make(chan struct{})
 	var firstSyncOnce sync.Once
+	var kp *keeper // set before the proxier runs
 	pOpts.OnQueued, pOpts.Metrics, pOpts.OnEndpointsProgrammed = srv.queued, srv.metrics, srv.metrics.EndpointsProgrammed
 	pOpts.OnSynced = func(r proxy.SyncResult) {
 		srv.synced(r)
 		firstSyncOnce.Do(func() { close(firstSync); ready.markSynced() })
+		if kp != nil {
+			kp.synced()
+		}
 	}
 	px := userspace.New(pOpts)
+	if opts.HolderSocket != "" {
+		kp = newKeeper(opts.HolderSocket, px, log.With().Str("component", "holder").Logger())
+	}
 	if b := px.Budget(); b != nil {
 		srv.metrics.WatchBudget(b)
 	}
@@ -229,6 +239,11 @@ func Run(ctx context.Context, opts *Options, v *Validated, log zerolog.Logger) e
 			return err
 		}
 		lock = l
+	}
+	if pkg == nil && kp != nil {
+		// Not a hand-over (which takes precedence): a crash may have left listening sockets
+		// in the holder, with connections queued on them.
+		kp.adopt(ctx)
 	}
 	err = srv.listen(inheritedServers(pkg))
 	pkg.Close() // what neither the proxier nor the servers took
@@ -283,6 +298,24 @@ func Run(ctx context.Context, opts *Options, v *Validated, log zerolog.Logger) e
 	go func() { srv.run(serversCtx); close(serversDone) }()
 	defer func() { stopServers(); <-serversDone }()
 
+	// The holder follows the proxier's listeners until the proxy hands over or stops; then it
+	// is emptied (the successor's holder keeps them, or the rules are gone).
+	keeperDone := make(chan struct{})
+	keeperCtx, stopKeeper := context.WithCancel(context.Background())
+	defer stopKeeper()
+	if kp != nil {
+		go func() { defer close(keeperDone); kp.run(keeperCtx) }()
+	} else {
+		close(keeperDone)
+	}
+	endKeeper := func() {
+		stopKeeper()
+		<-keeperDone
+		if kp != nil {
+			kp.clear()
+		}
+	}
+
 	handedOver := make(chan struct{})
 	var stopHandovers func() bool
 	if hoPath != "" {
@@ -318,6 +351,7 @@ func Run(ctx context.Context, opts *Options, v *Validated, log zerolog.Logger) e
 	if !handed && stopHandovers != nil {
 		handed = stopHandovers()
 	}
+	endKeeper()
 	if handed {
 		// The servers' sockets are the successor's now: stop accepting on them at once, and
 		// finish what they accepted.

@@ -358,6 +358,9 @@ func (o *Options) OwnFlags() []string {
 	if o.HandoverSocket != "" {
 		own["handover-socket"] = o.HandoverSocket
 	}
+	if o.HolderSocket != "" {
+		own["holder-socket"] = o.HolderSocket
+	}
 	if o.ReadyFile != "" {
 		own["ready-file"] = o.ReadyFile
 	}

@@ -283,7 +283,7 @@ func TestWriteConfigRoundTrip(t *testing.T) {
 		"conntrack-udp-timeout-stream": "3m0s", "healthz-bind-address": "127.0.0.1:20256", "metrics-bind-address": "0.0.0.0:20249",
 		"shutdown-grace-period": "7s", "oom-score-adj": "-10", "log-level": "debug",
 		"fd-reserve": "100", "max-connections-per-port": "-1", "max-udp-sessions-per-port": "50", "tcp-idle-timeout": "1h0m0s", "max-affinity-entries-per-port": "500",
-		"handover-socket": "/tmp/kup-test-handover.sock", "handover-exit": "false", "profiling": "true",
+		"handover-socket": "/tmp/kup-test-handover.sock", "holder-socket": "/tmp/kup-test-holder/holder.sock", "handover-exit": "false", "profiling": "true",
 		"ready-file": "/tmp/kup-test.ready",
 	}
 	tests := []struct {

@@ -49,6 +49,9 @@ type Options struct {
 	// SIGTERM, serving nothing (in a pod, an exit would make the kubelet restart the container,
 	// which would take everything back).
 	HandoverExit bool
+	// HolderSocket is the listener store's socket: a holder process there keeps duplicates of
+	// the proxy's listening sockets, so that they outlive a crash ("" for none).
+	HolderSocket string
 	// LocalhostNodePorts: the node's own traffic to a NodePort on 127.0.0.1 (any 127.0.0.0/8
 	// address) is served, as kube-proxy's iptables.localhostNodePorts; IPv6's ::1 never is.
 	// Unserved, it meets the socket the proxy holds on [::]:NodePort (refused, or dropped).
@@ -206,6 +209,7 @@ func (o *Options) FlagGroups() []FlagGroup {
 		group("Process", func(fs *pflag.FlagSet) {
 			fs.DurationVar(&o.ShutdownGracePeriod, "shutdown-grace-period", o.ShutdownGracePeriod, "On SIGTERM/SIGINT, how long established connections may continue before they are cut (a second signal exits at once).")
 			fs.BoolVar(&o.HandoverExit, "handover-exit", o.HandoverExit, "Exit once everything is handed over to a successor. false: wait for SIGTERM, holding and serving nothing (for pods: an exit would make the kubelet restart the container, which would take everything back).")
+			fs.StringVar(&o.HolderSocket, "holder-socket", o.HolderSocket, "Unix socket of a holder (kube-userspace-proxy hold) that keeps duplicates of the proxy's listening sockets, so that they outlive the proxy: after a crash, new connections wait in the kernel's queues and the next proxy serves them. The proxy tells the holder its listeners after each sync and takes them back at a start that is not a hand-over. Empty: no holder (Linux only).")
 			fs.StringVar(&o.HandoverSocket, "handover-socket", o.HandoverSocket, "Unix socket through which a proxy started while another runs on the node takes over its listeners, connections, UDP sessions and affinity (nothing is dropped; the old one exits). Empty: /run/kube-userspace-proxy/handover-netns-<inode>.sock (Linux; elsewhere no hand-over); 'none': no hand-over (a second proxy exits).")
 			fs.Int32Var(&o.OOMScoreAdj, "oom-score-adj", o.OOMScoreAdj, "The oom_score_adj of the process, in [-1000, 1000]; failing to set it is only a warning. [config: oomScoreAdj]")
 			fs.StringVar(&o.LogLevel, "log-level", o.LogLevel, "Log level: debug, info, warn or error.")

@@ -22,6 +22,9 @@ func validateOS(o *Options, bad func(flag, format string, args ...any)) {
 	if o.HandoverSocket != "" && o.HandoverSocket != HandoverNone {
 		bad("handover-socket", "%q: the hand-over is %s; leave it empty or use %q", o.HandoverSocket, notOnThisOS, HandoverNone)
 	}
+	if o.HolderSocket != "" {
+		bad("holder-socket", "%q: the holder is %s; leave it empty", o.HolderSocket, notOnThisOS)
+	}
 	if o.ConntrackMaxPerCore != 0 {
 		bad("conntrack-max-per-core", "%d: %s; use 0", o.ConntrackMaxPerCore, notOnThisOS)
 	}
