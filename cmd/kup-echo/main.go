@@ -18,12 +18,13 @@
 // sends N requests, one per new connection (TCP) or socket (UDP), and prints each answer's first
 // two fields ("NAME PEER"); it exits non-zero on the first failure. IP may be a name.
 //
-//	kup-echo resolve --udp|--tcp [--server IP:PORT] [--timeout D] NAME
+//	kup-echo resolve --udp|--tcp [--server IP:PORT] [--timeout D] NAME...
 //
-// looks NAME's IPv4 addresses up with Go's own resolver (the search list and nameservers of
+// looks each NAME's IPv4 addresses up with Go's own resolver (the search list and nameservers of
 // /etc/resolv.conf, as a pod's), every query over UDP alone or TCP alone, to --server if given,
-// and prints them, one a line, sorted. A DNS client for a pod whose image has nothing but this
-// binary.
+// and prints "NAME ADDRESS..." (sorted) for each; a name that does not resolve is reported on
+// standard error, and the exit status is non-zero if any did not. A DNS client for a pod whose
+// image has nothing but this binary.
 package main
 
 import (
@@ -278,28 +279,34 @@ func resolve(args []string, out io.Writer) error {
 	udp := fs.Bool("udp", false, "query over UDP only")
 	tcp := fs.Bool("tcp", false, "query over TCP only")
 	server := fs.String("server", "", "IP:PORT of the DNS server (default: the nameservers of /etc/resolv.conf)")
-	timeout := fs.Duration("timeout", 5*time.Second, "timeout of the whole lookup")
+	timeout := fs.Duration("timeout", 5*time.Second, "timeout of each name's lookup")
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
 	if *udp == *tcp {
 		return errors.New("resolve: one of --udp or --tcp is required")
 	}
-	if fs.NArg() != 1 {
-		return errors.New("resolve: one NAME is required")
+	if fs.NArg() == 0 {
+		return errors.New("resolve: a NAME is required")
 	}
 	network := "udp"
 	if *tcp {
 		network = "tcp"
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), *timeout)
-	defer cancel()
-	ips, err := Resolve(ctx, network, *server, fs.Arg(0))
-	if err != nil {
-		return err
+	failed := 0
+	for _, name := range fs.Args() {
+		ctx, cancel := context.WithTimeout(context.Background(), *timeout)
+		ips, err := Resolve(ctx, network, *server, name)
+		cancel()
+		if err != nil {
+			fmt.Fprintln(os.Stderr, "kup-echo:", err)
+			failed++
+			continue
+		}
+		fmt.Fprintln(out, name, strings.Join(ips, " "))
 	}
-	for _, ip := range ips {
-		fmt.Fprintln(out, ip)
+	if failed > 0 {
+		return fmt.Errorf("resolve: %d of %d names did not resolve", failed, fs.NArg())
 	}
 	return nil
 }
