@@ -541,6 +541,14 @@ proxy_ds() {
 	esac
 }
 
+# proxy_selector NAME: the label selector of service proxy NAME's pods.
+proxy_selector() {
+	case $1 in
+	kube-userspace-proxy) echo app.kubernetes.io/name=kube-userspace-proxy ;;
+	*) echo k8s-app=kube-proxy ;;
+	esac
+}
+
 # current_proxies: the service proxies whose DaemonSet is there, one a line.
 current_proxies() {
 	local ds mode
@@ -607,8 +615,9 @@ POD
 	done
 }
 
-# remove_proxy NAME: deletes service proxy NAME's DaemonSet and waits for its pods to go (ours
-# removes its rules when it stops), then runs NAME's own cleanup (kube-proxy --cleanup,
+# remove_proxy NAME: deletes service proxy NAME's DaemonSet, then its pods with a short grace
+# period (connections through it do not survive a switch anyway: ours removes its rules at once
+# on SIGTERM and would drain for 30 s), then runs NAME's own cleanup (kube-proxy --cleanup,
 # kube-userspace-proxy --cleanup) from its image on every node, so that none of its rules is
 # left, then deletes the rest of its objects.
 remove_proxy() {
@@ -616,8 +625,9 @@ remove_proxy() {
 	ds=$(proxy_ds "$name")
 	image=$(k -n kube-system get daemonset "$ds" -o jsonpath='{.spec.template.spec.containers[0].image}')
 	step "proxy: removing $name (DaemonSet $ds)"
-	k -n kube-system delete daemonset "$ds" --cascade=foreground --wait --timeout=120s >/dev/null ||
-		die "deleting the $ds DaemonSet failed"
+	k -n kube-system delete daemonset "$ds" --cascade=orphan >/dev/null || die "deleting the $ds DaemonSet failed"
+	k -n kube-system delete pods -l "$(proxy_selector "$name")" --grace-period=5 --timeout=120s >/dev/null ||
+		die "deleting the pods of $name failed"
 	case $name in
 	kube-userspace-proxy) cmd='["/usr/local/bin/kube-userspace-proxy", "--cleanup"]' ;;
 	*) cmd='["/usr/local/bin/kube-proxy", "--cleanup"]' ;;
