@@ -302,7 +302,7 @@ control_plane() {
 lb_controller() {
 	local cp=$state/cp
 	(cd "$root" && "${GO:-go}" build -o "$cp/lbctl" ./hack/cluster/lbctl) || die "building hack/cluster/lbctl failed"
-	KUBECONFIG=$state/kubeconfig kubectl apply -f "$here/lbctl/rbac.yaml" >/dev/null
+	k apply -f "$here/lbctl/rbac.yaml" >/dev/null
 	ip netns exec "$cpns" setsid "$cp/lbctl" --kubeconfig="$state/lbctl.kubeconfig" --pool="$lbrange" \
 		>"$cp/lbctl.log" 2>&1 </dev/null &
 	echo $! >"$cp/lbctl.pid"
