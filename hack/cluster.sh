@@ -369,14 +369,13 @@ start_node() {
 	ip netns exec "$(nodens "$n")" setsid "$here/node.sh" "$state" "$n" "$name" >"$state/$n/node.log" 2>&1 </dev/null &
 }
 
-# node_pids NODE: the PIDs of a node's processes (its cgroup subtree: node.sh, containerd, the
-# kubelet, shims, containers; and whatever names its state directory).
+# node_pids NODE: the PIDs of a node's processes: its cgroup subtree holds all of them (node.sh
+# put itself there, so containerd, the kubelet, the shims and the containers are its descendants).
 node_pids() {
 	local f
 	for f in /sys/fs/cgroup/*/"$name-$1"; do
 		[ -d "$f" ] && find "$f" -name cgroup.procs -exec cat {} + 2>/dev/null
 	done
-	pids_under "$state/$1"
 	return 0
 }
 
