@@ -24,6 +24,11 @@
 #                                    one's DaemonSet and rules removed first); print the current
 #                                    one without NAME
 #   hack/cluster.sh dns              apply CoreDNS (hack/cluster/dns) and wait until it is Ready
+#   hack/cluster.sh node-stop NODE   power NODE off: SIGKILL its kubelet, containerd and pods
+#                                    (its network namespace stays)
+#   hack/cluster.sh node-start NODE  boot NODE again: containerd and kubelet; wait until Ready
+#   hack/cluster.sh node-restart NODE  node-stop, then node-start
+#   hack/cluster.sh apiserver-restart  SIGKILL kube-apiserver, start it again, wait until ready
 #
 # Environment: KUP_CLUSTER_NAME (the prefix of its namespaces and cgroups, default kupc: clusters
 # of different names run side by side), KUP_CLUSTER_DIR (state, logs, kubeconfig; default
@@ -392,6 +397,76 @@ start_node() {
 	ip netns exec "$(nodens "$n")" setsid "$here/node.sh" "$state" "$n" "$name" >"$state/$n/node.log" 2>&1 </dev/null &
 }
 
+# node_pids NODE: the PIDs of a node's processes: its cgroup subtree holds all of them (node.sh
+# put itself there, so containerd, the kubelet, the shims and the containers are its descendants).
+node_pids() {
+	local f
+	for f in /sys/fs/cgroup/*/"$name-$1"; do
+		[ -d "$f" ] && find "$f" -name cgroup.procs -exec cat {} + 2>/dev/null
+	done
+	return 0
+}
+
+# node_stop NODE: the node's power goes off: SIGKILL to the kubelet, then to every process of the
+# node until none is left. Its network namespace (addresses, routes, the CNI bridge, iptables)
+# stays; its mount namespace, containers and their network namespaces go with their processes.
+node_stop() {
+	local n=$1 d=$state/$1 i pids
+	[ -d "$d" ] || die "no node $n (node-1 .. node-3)"
+	[ -s "$d/kubelet.pid" ] && kill -9 "$(cat "$d/kubelet.pid")" 2>/dev/null || true
+	for i in $(seq 50); do
+		pids=$(node_pids "$n" | sort -u | grep -vx "$$" || true)
+		[ -z "$pids" ] && break
+		# shellcheck disable=SC2086
+		kill -9 $pids 2>/dev/null || true
+		sleep 0.2
+	done
+	[ -z "$pids" ] || die "$n: processes left after SIGKILL: $pids"
+	rm -f "$d/node.pid" "$d/kubelet.pid" "$d/containerd.pid" "$d/started"
+	step "$n stopped"
+}
+
+# node_start NODE: the node boots: containerd and the kubelet again (hack/cluster/node.sh), in a
+# new mount namespace on the same /var; waits until the kubelet runs and the node is Ready.
+node_start() {
+	local n=$1 d=$state/$1 i
+	[ -d "$d" ] || die "no node $n (node-1 .. node-3)"
+	[ -s "$d/node.pid" ] && kill -0 "$(cat "$d/node.pid")" 2>/dev/null && die "$n is running (node-stop first)"
+	start_node "$n"
+	for i in $(seq 240); do
+		[ -e "$d/started" ] && [ "$(k get node "$n" --no-headers 2>/dev/null | awk '{print $2}')" = Ready ] && break
+		[ "$i" -gt 10 ] && { [ -s "$d/node.pid" ] && kill -0 "$(cat "$d/node.pid")" 2>/dev/null || die "$n stopped; see $d/node.log, kubelet.log, containerd.log"; }
+		[ "$i" = 240 ] && die "$n not Ready in 120 s; see $d/kubelet.log"
+		sleep 0.5
+	done
+	step "$n started and Ready"
+}
+
+# apiserver_restart: SIGKILL kube-apiserver, start it again with the same command line, wait
+# until it is ready.
+apiserver_restart() {
+	local cp=$state/cp pid i args=()
+	pid=$(cat "$cp/kube-apiserver.pid")
+	mapfile -d '' args <"/proc/$pid/cmdline" || die "kube-apiserver $pid is not running"
+	kill -9 "$pid" 2>/dev/null || true
+	for i in $(seq 100); do
+		kill -0 "$pid" 2>/dev/null || break
+		sleep 0.1
+	done
+	kill -0 "$pid" 2>/dev/null && die "kube-apiserver $pid did not exit"
+	step "kube-apiserver killed"
+	echo "-- restarted $(date -u +%FT%TZ)" >>"$cp/kube-apiserver.log"
+	ip netns exec "$cpns" setsid "${args[@]}" >>"$cp/kube-apiserver.log" 2>&1 </dev/null &
+	echo $! >"$cp/kube-apiserver.pid"
+	for i in $(seq 120); do
+		k --request-timeout=2s get --raw /readyz >/dev/null 2>&1 && break
+		kill -0 "$(cat "$cp/kube-apiserver.pid")" 2>/dev/null || die "kube-apiserver exited; see $cp/kube-apiserver.log"
+		[ "$i" = 120 ] && die "kube-apiserver not ready in 60 s; see $cp/kube-apiserver.log"
+		sleep 0.5
+	done
+	step "kube-apiserver ready"
+}
+
 # k ARGS...: the pinned kubectl with the cluster's kubeconfig.
 k() { KUBECONFIG=$state/kubeconfig "$kubectl" "$@"; }
 
@@ -724,5 +799,13 @@ proxy)
 	fi
 	;;
 dns) need_up; dns ;;
+node-stop) need_up; node_stop "${1:?usage: hack/cluster.sh node-stop NODE}" ;;
+node-start) need_up; node_start "${1:?usage: hack/cluster.sh node-start NODE}" ;;
+node-restart)
+	need_up
+	node_stop "${1:?usage: hack/cluster.sh node-restart NODE}"
+	node_start "$1"
+	;;
+apiserver-restart) need_up; apiserver_restart ;;
 *) usage ;;
 esac

@@ -63,6 +63,13 @@
 // allocates nothing; Sweep frees the expired entries, the least recently used ones, from the
 // list's tail.
 //
+// # Unreachable endpoints
+//
+// The proxy reports each endpoint a dial could not reach (Unreachable); the port's picks then pass
+// over it for a hold of 1 s, doubled for each failure that follows soon after the previous hold,
+// up to 16 s (unreachable.go). Affinity entries naming a held endpoint are not used. When every
+// usable endpoint of a pick is held, the holds are ignored. Ports without holds pay nothing.
+//
 // # Concurrency
 //
 // All methods of RoundRobin are safe for concurrent use. Next is the hot path: it finds the port

@@ -138,6 +138,10 @@ type port struct {
 	order        rotation
 	topologyNote *string
 
+	// held holds the endpoints that could not be reached lately (unreachable.go); nil when none
+	// is, as for most ports. Replaced (never modified) under mu.
+	held atomic.Pointer[holds]
+
 	// errs holds Next's errors for this port, built by its first failing pick (rare: most ports
 	// never need them) and then reused, so that later failing picks do not allocate.
 	errs atomic.Pointer[portErrors]
@@ -423,6 +427,9 @@ func (lb *RoundRobin) SetServicePort(sp *proxy.ServicePort, eps []proxy.Endpoint
 		})
 		p.affinity = p.affinity.compact()
 	}
+	if order.len() < p.order.len()+added {
+		p.keepHeldLocked(present)
+	}
 	if isNew {
 		lb.restoreAffinityLocked(p, s, present)
 	}
@@ -561,6 +568,7 @@ func (lb *RoundRobin) DeleteServicePort(name proxy.Name) {
 		p.snap.Store(&off)
 	}
 	p.affinity = nil
+	p.held.Store(nil)
 	p.mu.Unlock()
 }
 
@@ -593,6 +601,9 @@ func (lb *RoundRobin) Next(name proxy.Name, client netip.Addr, external, resetAf
 		return proxy.Endpoint{}, p.errNoEndpoints(s, class)
 	}
 	if !s.affinity || !client.IsValid() {
+		if h := p.held.Load(); h != nil {
+			return lb.pickAvailable(p, pl, h), nil
+		}
 		return pl.pick(), nil
 	}
 	return lb.nextAffine(p, class, client.Unmap(), resetAffinity)
@@ -636,7 +647,11 @@ func (lb *RoundRobin) nextAffine(p *port, class int, client netip.Addr, reset bo
 	if pl.len() == 0 {
 		return proxy.Endpoint{}, p.errNoEndpoints(s, class)
 	}
+	h := p.held.Load()
 	if !s.affinity {
+		if h != nil {
+			return lb.pickAvailable(p, pl, h), nil
+		}
 		return pl.pick(), nil
 	}
 	now := lb.now().Sub(lb.epoch)
@@ -653,16 +668,20 @@ func (lb *RoundRobin) nextAffine(p *port, class int, client netip.Addr, reset bo
 		e := &t.entries[at]
 		if reset {
 			failed = e.ep
-		} else if now-e.used < s.timeout() {
+		} else if now-e.used < s.timeout() && (h == nil || !h.held(e.ep, now)) {
 			if i, usable := pl.find(e.ep); usable {
 				t.use(at, e.ep, now)
 				return *pl.at(i), nil
 			}
 		}
 	}
-	ep := pl.pick()
+	pick := pl.pick
+	if h != nil {
+		pick = func() proxy.Endpoint { return lb.pickAvailable(p, pl, h) }
+	}
+	ep := pick()
 	if ep.Addr == failed && pl.len() > 1 {
-		ep = pl.pick()
+		ep = pick()
 	}
 	switch {
 	case found:

@@ -66,10 +66,12 @@ for _ in $(seq 100); do
 	sleep 0.1
 done
 
-# Images first (the caller leaves an archive of them), so no pod waits on a missing one.
-if [ -s "$state/images.tar" ]; then
+# Images first (the caller leaves an archive of them), so no pod waits on a missing one; a node
+# started again (hack/cluster.sh node-start) has them unless the archive is newer.
+if [ -s "$state/images.tar" ] && ! [ "$dir/imported" -nt "$state/images.tar" ]; then
 	ctr -a "$dir/containerd.sock" -n k8s.io images import "$state/images.tar" >"$dir/import.log" 2>&1 ||
 		{ echo "image import failed; see $dir/import.log" >&2; exit 1; }
+	touch "$dir/imported"
 fi
 
 "$KUP_K8S_BIN/kubelet" --config="$dir/kubelet.yaml" --kubeconfig="$dir/kubelet.kubeconfig" \

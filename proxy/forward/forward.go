@@ -24,6 +24,17 @@ type Chooser interface {
 	Choose(client, dst netip.AddrPort, reset bool) (Target, error)
 }
 
+// UnreachableChooser is a Chooser that hears of the endpoints that could not be reached: the TCP
+// proxy reports each dial attempt that the endpoint refused, that timed out or that found no
+// route, so that the Chooser can pass over that endpoint for other connections for a while (it
+// has not left the EndpointSlices yet, or never will: a node that stopped with its pods). Not
+// reported: attempts that failed for the proxy's own want of descriptors or memory. Unreachable
+// is called from many goroutines at once, only on failures.
+type UnreachableChooser interface {
+	Chooser
+	Unreachable(endpoint netip.AddrPort)
+}
+
 // OriginalDstChooser is a Chooser that can tell, before a TCP connection's Choose, whether it
 // will look at dst: when NeedsOriginalDst reports false, the TCP proxy does not ask the kernel
 // for the connection's original destination (a getsockopt(2) per connection) and passes the

@@ -96,6 +96,7 @@ func (l *listener) isOpen() bool { return l.proxyPort != 0 }
 // picker is what a chooser needs of the load balancer.
 type picker interface {
 	Next(name proxy.Name, client netip.Addr, external, resetAffinity bool) (proxy.Endpoint, error)
+	Unreachable(name proxy.Name, endpoint netip.AddrPort)
 }
 
 // chooser picks the endpoint of each new connection or flow of one service port
@@ -106,7 +107,10 @@ type chooser struct {
 	routing *routing
 }
 
-var _ forward.OriginalDstChooser = (*chooser)(nil)
+var (
+	_ forward.OriginalDstChooser = (*chooser)(nil)
+	_ forward.UnreachableChooser = (*chooser)(nil)
+)
 
 // Choose picks the endpoint for a new connection or flow (forward.Chooser). Traffic whose
 // original destination is not one of the ClusterIPs arrived on a NodePort, externalIP or LB IP
@@ -143,6 +147,12 @@ func (c *chooser) Choose(client, dst netip.AddrPort, reset bool) (forward.Target
 		ep.NodeName != "" && ep.NodeName == r.nodeName && !r.isNodeAddr(ep.Addr.Addr()) &&
 		!r.nodeAddrs().OnSameLink(client.Addr(), ep.Addr.Addr())
 	return forward.Target{Endpoint: ep.Addr, Transparent: transparent, ProxyProtocol: proxyProtocol(sp.ProxyProtocol)}, nil
+}
+
+// Unreachable tells the balancer that a dial to endpoint failed (forward.UnreachableChooser): it
+// passes over the endpoint for a while.
+func (c *chooser) Unreachable(endpoint netip.AddrPort) {
+	c.lb.Unreachable(c.sp.Load().Name, endpoint)
 }
 
 // NeedsOriginalDst reports whether Choose looks at dst (forward.OriginalDstChooser): only to tell

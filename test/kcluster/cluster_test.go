@@ -50,7 +50,7 @@ func deployProxy(t *testing.T) {
 	if deployOnce.done {
 		return
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute) // a switch from another proxy included
 	defer cancel()
 	if _, err := clusterSh(ctx, "deploy"); err != nil {
 		t.Fatal(err)

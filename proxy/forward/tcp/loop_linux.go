@@ -834,7 +834,7 @@ func (l *loop) dial(c *lconn) {
 		}
 		p.attemptFailed(&dl.plan, c.clientAddr, target.Endpoint, err)
 	}
-	l.finish(c, true, p.unreachable(c.clientAddr, dst))
+	l.finish(c, true, p.unreachable(&dl.plan, c.clientAddr, dst))
 }
 
 // connect opens a non-blocking socket to target's endpoint, with the endpoint options of

@@ -2,7 +2,10 @@ package tcp
 
 import (
 	"errors"
+	"net"
 	"net/netip"
+	"slices"
+	"syscall"
 	"time"
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/forward"
@@ -37,20 +40,34 @@ func (p *Proxy) wantsOriginalDst() bool {
 	return !ok || oc.NeedsOriginalDst()
 }
 
-// dialPlan is where a connection is in its dial attempts: attempt i is dialled with
-// dialTimeouts()[i], and every attempt after a failed one asks Choose with reset=true.
+// dialPlan is where a connection is in its dial attempts. An attempt that timed out spends its
+// timeout: the next one gets the next of dialTimeouts(), and the plan ends when they are spent.
+// An attempt the endpoint (or the network on its way) answered at once, with a refusal or an
+// unreachable error, spends no time and no timeout: the next endpoint is tried with the same
+// one, up to maxDialAttempts attempts in all, but never to an endpoint that already refused the
+// connection: when Choose offers one again, every endpoint it has to offer has failed. So when
+// many endpoints die at once (a scale-down whose pods stop before their EndpointSlices say so),
+// a connection tries one after the other within its client's patience instead of giving up
+// after a few refusals. Every attempt after a failed one asks Choose with reset=true.
 type dialPlan struct {
-	attempt uint8
-	reset   bool // the next Choose is a retry
+	attempt  uint8 // attempts made
+	timedOut uint8 // attempts that timed out
+	reset    bool  // the next Choose is a retry
+	// answered are the endpoints that refused (or had no route for) this connection; nil until
+	// one does.
+	answered []netip.AddrPort
 }
 
-// next returns the timeout of the next attempt, or false when every attempt is spent.
+// maxDialAttempts bounds the attempts of one connection, refused ones included.
+const maxDialAttempts = 16
+
+// next returns the timeout of the next attempt, or false when the plan is spent.
 func (d *dialPlan) next(p *Proxy) (time.Duration, bool) {
 	ts := p.dialTimeouts()
-	if int(d.attempt) >= len(ts) {
+	if int(d.timedOut) >= len(ts) || d.attempt >= maxDialAttempts {
 		return 0, false
 	}
-	return ts[d.attempt], true
+	return ts[d.timedOut], true
 }
 
 // choose asks the Chooser for the endpoint of the next attempt; on an error (logged) the engine
@@ -60,19 +77,56 @@ func (p *Proxy) choose(d *dialPlan, client, dst netip.AddrPort) (forward.Target,
 	if err != nil {
 		p.logDebug().Err(err).Stringer("client", client).Stringer("dst", dst).
 			Msg("no endpoint; resetting the client")
+		return target, err
 	}
-	return target, err
+	if slices.Contains(d.answered, target.Endpoint) {
+		return target, p.unreachable(d, client, dst)
+	}
+	return target, nil
 }
 
-// attemptFailed records a failed dial attempt to endpoint (metrics, log) and moves d on to the
-// next one.
+// attemptFailed records a failed dial attempt to endpoint (metrics, log), tells the Chooser
+// when the endpoint is to blame (forward.UnreachableChooser), and moves d on to the next attempt.
 func (p *Proxy) attemptFailed(d *dialPlan, client, endpoint netip.AddrPort, err error) {
 	p.sink().DialFailed(endpoint)
-	timeout, _ := d.next(p)
-	p.logDebug().Err(err).Stringer("client", client).Stringer("endpoint", endpoint).
-		Int("attempt", int(d.attempt)+1).Dur("timeout", timeout).Msg("dial endpoint failed")
+	kind := dialFailureOf(err)
+	if kind != dialFailedOther {
+		if uc, ok := p.Chooser.(forward.UnreachableChooser); ok {
+			uc.Unreachable(endpoint)
+		}
+	}
+	if kind == dialAnswered {
+		d.answered = append(d.answered, endpoint)
+	} else {
+		d.timedOut++
+	}
 	d.reset = true
 	d.attempt++
+	if e := p.logDebug(); e.Enabled() {
+		timeout, _ := d.next(p)
+		e.Err(err).Stringer("client", client).Stringer("endpoint", endpoint).
+			Int("attempt", int(d.attempt)).Dur("nextTimeout", timeout).Msg("dial endpoint failed")
+	}
+}
+
+// How a dial attempt failed.
+const (
+	dialAnswered    = iota // refused or unreachable, at once: it spent no time
+	dialTimedOut           // no answer within its timeout
+	dialFailedOther        // anything else (the proxy's side: an address, a socket option)
+)
+
+// dialFailureOf tells how a dial attempt failed from its error.
+func dialFailureOf(err error) int {
+	var ne net.Error
+	switch {
+	case errors.Is(err, syscall.ECONNREFUSED), errors.Is(err, syscall.EHOSTUNREACH),
+		errors.Is(err, syscall.ENETUNREACH), errors.Is(err, syscall.ECONNRESET):
+		return dialAnswered
+	case errors.Is(err, syscall.ETIMEDOUT), errors.As(err, &ne) && ne.Timeout():
+		return dialTimedOut
+	}
+	return dialFailedOther
 }
 
 // socketFailed logs a dial that could not even create its socket for want of descriptors or
@@ -84,8 +138,8 @@ func (p *Proxy) socketFailed(client, endpoint netip.AddrPort, err error) {
 }
 
 // unreachable logs that every attempt failed and returns the error the client is reset with.
-func (p *Proxy) unreachable(client, dst netip.AddrPort) error {
-	p.logWarn().Stringer("client", client).Stringer("dst", dst).Int("attempts", len(p.dialTimeouts())).
+func (p *Proxy) unreachable(d *dialPlan, client, dst netip.AddrPort) error {
+	p.logWarn().Stringer("client", client).Stringer("dst", dst).Int("attempts", int(d.attempt)).
 		Msg("no endpoint could be reached; resetting the client")
 	return errNoEndpointReached
 }

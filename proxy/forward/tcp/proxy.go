@@ -34,7 +34,9 @@ var sharedDialTimeouts = defaultDialTimeouts()
 //
 // A slow or dead endpoint never holds up accepting: dials are non-blocking connects the loop
 // times. A connection's endpoint is dialled with DialTimeouts[0]; when that fails, Choose is
-// asked again with reset=true and the next timeout is used, until the list is exhausted. A
+// asked again with reset=true, with the next timeout after a dial that timed out and the same
+// one after a refusal (see dialPlan), until the list is exhausted; a Chooser that is a
+// forward.UnreachableChooser hears of each failed dial. A
 // client whose connection cannot reach any endpoint is reset (RST), so it learns at once that
 // the service is unavailable instead of mistaking a FIN for an empty answer. Once connected, the
 // proxy copies bytes both ways (splicing bulk traffic), passes a half-close (EOF) from either

@@ -247,7 +247,7 @@ func (r *tcpRelay) dial(client netip.AddrPort) (net.Conn, forward.Target, error)
 	for {
 		timeout, ok := plan.next(p)
 		if !ok {
-			return nil, forward.Target{}, p.unreachable(client, dst)
+			return nil, forward.Target{}, p.unreachable(&plan, client, dst)
 		}
 		target, err := p.choose(&plan, client, dst)
 		if err != nil {

@@ -180,11 +180,29 @@ func TestTCPDialFailures(t *testing.T) {
 			wantDialFailed: []int{0, 1},
 		},
 		{
+			// Refusals spend no timeout: nine endpoints that refuse (nine of ten pods gone at
+			// once) are each tried once, then the tenth answers.
+			name:           "nine refuse, the tenth answers",
+			endpoints:      []func(*testing.T) netip.AddrPort{closed, closed, closed, closed, closed, closed, closed, closed, closed, echo},
+			wantEcho:       true,
+			wantResets:     []bool{false, true, true, true, true, true, true, true, true, true},
+			wantDialFailed: []int{0, 1, 2, 3, 4, 5, 6, 7, 8},
+		},
+		{
+			// Each is tried once: when the Chooser offers one that refused again, there is no
+			// other.
 			name:           "every endpoint refuses",
 			endpoints:      []func(*testing.T) netip.AddrPort{closed, closed},
 			timeouts:       []time.Duration{time.Second, time.Second, time.Second},
 			wantResets:     []bool{false, true, true},
-			wantDialFailed: []int{0, 1, 0},
+			wantDialFailed: []int{0, 1},
+		},
+		{
+			name:           "a refusal, then time-outs spend the timeouts",
+			endpoints:      []func(*testing.T) netip.AddrPort{closed, blackholeEndpoint, blackholeEndpoint},
+			timeouts:       []time.Duration{20 * time.Millisecond, 40 * time.Millisecond},
+			wantResets:     []bool{false, true, true},
+			wantDialFailed: []int{0, 1, 2},
 		},
 		{
 			name:           "every endpoint times out",
@@ -246,6 +264,9 @@ func TestTCPDialFailures(t *testing.T) {
 			}
 			if got := metrics.Snapshot().DialFailed; !reflect.DeepEqual(got, wantFailed) {
 				t.Errorf("DialFailed for %v, want %v", got, wantFailed)
+			}
+			if got := chooser.Unreachables(); !reflect.DeepEqual(got, wantFailed) {
+				t.Errorf("Unreachable reported %v, want %v", got, wantFailed)
 			}
 		})
 	}

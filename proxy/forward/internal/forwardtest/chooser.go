@@ -23,12 +23,27 @@ type Chooser struct {
 	Err       error
 	next      int
 	calls     []ChooseCall
+	failed    []netip.AddrPort // Unreachable's reports
 	// Returned in every forward.Target.
 	Transparent   bool
 	ProxyProtocol proxyproto.Version
 }
 
-var _ forward.Chooser = (*Chooser)(nil)
+var _ forward.UnreachableChooser = (*Chooser)(nil)
+
+// Unreachable records the report.
+func (c *Chooser) Unreachable(endpoint netip.AddrPort) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.failed = append(c.failed, endpoint)
+}
+
+// Unreachables returns the endpoints reported by Unreachable so far.
+func (c *Chooser) Unreachables() []netip.AddrPort {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return append([]netip.AddrPort(nil), c.failed...)
+}
 
 // Choose returns the next endpoint, or Err.
 func (c *Chooser) Choose(client, dst netip.AddrPort, reset bool) (forward.Target, error) {
