@@ -31,7 +31,7 @@ for p in "${proxies[@]}"; do
 		"$root/hack/cluster.sh" proxy "$p"
 	fi
 	(cd "$root" && KUP_DAY_PROXY=$p KUP_DAY_REPORT=$tsv KUP_DAY_MEASURE=1 \
-		${GO:-go} test -count=1 -tags cluster -run '^TestDay' -v -timeout 20m ./test/kcluster/) ||
+		${GO:-go} test -count=1 -tags cluster,clusterday -run '^TestDay' -v -timeout 20m ./test/kcluster/) ||
 		{ echo "cluster-day: scenarios failed for $p" >&2; rc=1; }
 done
 # The table: failed / connections per scenario (summed over its runs) and proxy.

@@ -1,4 +1,4 @@
-//go:build cluster
+//go:build cluster && clusterday
 
 package kcluster
 
@@ -15,7 +15,8 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 )
 
-// A node's day under traffic: scale-downs, pod deletions, a drain, a node's restart and the API
+// A node's day under traffic (build tags cluster and clusterday: bench/cluster-day.sh runs them,
+// per service proxy; they are not yet part of make test-cluster, see docs/operations.md): scale-downs, pod deletions, a drain, a node's restart and the API
 // server's restart, each while a client outside the cluster opens 50 new connections a second
 // through a NodePort, each with a 0.5 s timeout. Every connection must be answered: a service
 // proxy that dials the endpoints itself hides those that die.
