@@ -16,7 +16,14 @@
 //	kup-echo request --tcp|--udp IP:PORT [--count N] [--timeout D]
 //
 // sends N requests, one per new connection (TCP) or socket (UDP), and prints each answer's first
-// two fields ("NAME PEER"); it exits non-zero on the first failure.
+// two fields ("NAME PEER"); it exits non-zero on the first failure. IP may be a name.
+//
+//	kup-echo resolve --udp|--tcp [--server IP:PORT] [--timeout D] NAME
+//
+// looks NAME's IPv4 addresses up with Go's own resolver (the search list and nameservers of
+// /etc/resolv.conf, as a pod's), every query over UDP alone or TCP alone, to --server if given,
+// and prints them, one a line, sorted. A DNS client for a pod whose image has nothing but this
+// binary.
 package main
 
 import (
@@ -28,6 +35,7 @@ import (
 	"net"
 	"os"
 	"os/signal"
+	"slices"
 	"strings"
 	"sync"
 	"syscall"
@@ -38,7 +46,7 @@ import (
 
 func main() {
 	if len(os.Args) < 2 {
-		fmt.Fprintln(os.Stderr, "usage: kup-echo serve|request [flags]")
+		fmt.Fprintln(os.Stderr, "usage: kup-echo serve|request|resolve [flags]")
 		os.Exit(2)
 	}
 	var err error
@@ -47,8 +55,10 @@ func main() {
 		err = serve(os.Args[2:])
 	case "request":
 		err = request(os.Args[2:], os.Stdout)
+	case "resolve":
+		err = resolve(os.Args[2:], os.Stdout)
 	default:
-		err = fmt.Errorf("unknown command %q (want serve or request)", os.Args[1])
+		err = fmt.Errorf("unknown command %q (want serve, request or resolve)", os.Args[1])
 	}
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "kup-echo:", err)
@@ -261,4 +271,63 @@ func Ask(network, addr, payload string, timeout time.Duration) (string, error) {
 		return "", err
 	}
 	return strings.TrimSpace(line), nil
+}
+
+func resolve(args []string, out io.Writer) error {
+	fs := pflag.NewFlagSet("resolve", pflag.ContinueOnError)
+	udp := fs.Bool("udp", false, "query over UDP only")
+	tcp := fs.Bool("tcp", false, "query over TCP only")
+	server := fs.String("server", "", "IP:PORT of the DNS server (default: the nameservers of /etc/resolv.conf)")
+	timeout := fs.Duration("timeout", 5*time.Second, "timeout of the whole lookup")
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	if *udp == *tcp {
+		return errors.New("resolve: one of --udp or --tcp is required")
+	}
+	if fs.NArg() != 1 {
+		return errors.New("resolve: one NAME is required")
+	}
+	network := "udp"
+	if *tcp {
+		network = "tcp"
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), *timeout)
+	defer cancel()
+	ips, err := Resolve(ctx, network, *server, fs.Arg(0))
+	if err != nil {
+		return err
+	}
+	for _, ip := range ips {
+		fmt.Fprintln(out, ip)
+	}
+	return nil
+}
+
+// Resolve looks name's IPv4 addresses up with Go's resolver, every query over network ("udp" or
+// "tcp") to server, or to /etc/resolv.conf's nameservers when server is empty, and returns them
+// sorted.
+func Resolve(ctx context.Context, network, server, name string) ([]string, error) {
+	r := &net.Resolver{
+		PreferGo: true,
+		// The resolver dials "udp" first (TCP after a truncated answer): whatever it asks for,
+		// this network. It speaks DNS over TCP on any connection that is not a PacketConn.
+		Dial: func(ctx context.Context, _, address string) (net.Conn, error) {
+			if server != "" {
+				address = server
+			}
+			var d net.Dialer
+			return d.DialContext(ctx, network, address)
+		},
+	}
+	ips, err := r.LookupIP(ctx, "ip4", name)
+	if err != nil {
+		return nil, fmt.Errorf("resolve %s over %s: %w", name, network, err)
+	}
+	out := make([]string, 0, len(ips))
+	for _, ip := range ips {
+		out = append(out, ip.String())
+	}
+	slices.Sort(out)
+	return out, nil
 }

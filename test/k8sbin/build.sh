@@ -1,9 +1,9 @@
 #!/bin/sh
 # build.sh DIR KUBERNETES_VERSION ETCD_VERSION
 #
-# Builds kube-apiserver, kube-proxy, kubelet, kube-controller-manager, kube-scheduler and etcd
-# from this module (see go.mod, written by pin.sh)
-# into DIR, skipping every binary already there whose --version reports the pinned version.
+# Builds kube-apiserver, kube-proxy, kubelet, kube-controller-manager, kube-scheduler, kubectl and
+# etcd from this module (see go.mod, written by pin.sh) into DIR, skipping every binary already
+# there that reports the pinned version (--version; kubectl: version --client).
 # Binaries are built into a temporary directory and moved into place, so an interrupted build
 # never leaves a broken binary behind. Called by `make test-bins` (test/cluster.mk).
 set -eu
@@ -26,15 +26,24 @@ if [ "$have" != "$want" ]; then
 	exit 1
 fi
 
+# version NAME: what DIR/NAME says its version is.
+version() {
+	if [ "$1" = kubectl ]; then
+		"$dir/$1" version --client 2>/dev/null | head -1
+	else
+		"$dir/$1" --version 2>&1 | head -1
+	fi
+}
+
 # built NAME VERSION: whether DIR/NAME exists and reports VERSION.
 built() {
 	[ -x "$dir/$1" ] || return 1
-	"$dir/$1" --version 2>/dev/null | grep -qF "$2"
+	version "$1" | grep -qF "$2"
 }
 
-k8sv=$k8s            # the Kubernetes components print "Kubernetes v1.36.3"
+k8sv=$k8s            # the Kubernetes components print "Kubernetes v1.36.3", kubectl "Client Version: v1.36.3"
 etcdv="Version: ${etcd#v}" # etcd prints "etcd Version: 3.6.8"
-k8sbins="kube-apiserver kube-proxy kubelet kube-controller-manager kube-scheduler"
+k8sbins="kube-apiserver kube-proxy kubelet kube-controller-manager kube-scheduler kubectl"
 pkgs=
 for b in $k8sbins; do
 	built "$b" "$k8sv" || pkgs="$pkgs k8s.io/kubernetes/cmd/$b"
@@ -50,7 +59,12 @@ tmp=$(mktemp -d "$dir/.build.XXXXXX")
 trap 'rm -rf "$tmp"' EXIT
 minor=${k8s#v1.}
 minor=${minor%%.*}
-ldflags="-s -w -X k8s.io/component-base/version.gitVersion=$k8s -X k8s.io/component-base/version.gitMajor=1 -X k8s.io/component-base/version.gitMinor=$minor -X k8s.io/component-base/version.gitTreeState=clean"
+# The components read their version from component-base, kubectl from client-go: both, as
+# Kubernetes' own build stamps them.
+ldflags="-s -w"
+for p in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
+	ldflags="$ldflags -X $p.gitVersion=$k8s -X $p.gitMajor=1 -X $p.gitMinor=$minor -X $p.gitTreeState=clean"
+done
 echo "test-bins: building$pkgs into $dir (kube-apiserver takes minutes the first time)"
 start=$(date +%s)
 $GO build -trimpath -buildvcs=false -ldflags="$ldflags" -o "$tmp/" $pkgs
@@ -67,8 +81,8 @@ for name in $k8sbins etcd; do
 	[ "$name" != etcd ] || want=$etcdv
 	if ! built "$name" "$want"; then
 		echo "build.sh: $dir/$name does not run or does not report $want:" >&2
-		"$dir/$name" --version >&2 || true
+		version "$name" >&2 || true
 		exit 1
 	fi
-	echo "test-bins: $name: $("$dir/$name" --version 2>&1 | head -1) ($(du -h "$dir/$name" | cut -f1))"
+	echo "test-bins: $name: $(version "$name") ($(du -h "$dir/$name" | cut -f1))"
 done

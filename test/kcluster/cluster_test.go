@@ -776,8 +776,8 @@ func TestDrain(t *testing.T) {
 	defer func() {
 		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 		defer cancel()
-		_, _ = run(ctx, nil, "kubectl", "taint", "node", node, "ToBeDeletedByClusterAutoscaler-") // absent unless a step failed
-		if _, err := run(ctx, nil, "kubectl", "uncordon", node); err != nil {
+		_, _ = run(ctx, nil, env.kubectl, "taint", "node", node, "ToBeDeletedByClusterAutoscaler-") // absent unless a step failed
+		if _, err := run(ctx, nil, env.kubectl, "uncordon", node); err != nil {
 			t.Error(err)
 		}
 	}()

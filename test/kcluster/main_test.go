@@ -26,6 +26,8 @@ import (
 
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/clientcmd"
+
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/test/cluster"
 )
 
 // The cluster's fixed addresses (hack/cluster.sh).
@@ -39,10 +41,12 @@ var nodes = []string{"node-1", "node-2", "node-3"}
 
 func nodeIP(n string) string { return "10.77.0.1" + strings.TrimPrefix(n, "node-") }
 
-// env is what every test shares: the repository, the cluster's kubeconfig and a client.
+// env is what every test shares: the repository, the cluster's kubeconfig, the pinned kubectl
+// and a client.
 var env struct {
 	root       string
 	kubeconfig string
+	kubectl    string // the pinned kubectl (make test-bins), not one on PATH
 	state      string // the cluster's state directory (containerd sockets, logs)
 	client     *kubernetes.Clientset
 }
@@ -66,6 +70,14 @@ func setup() error {
 	}
 	env.kubeconfig = strings.TrimSpace(out)
 	env.state = filepath.Dir(env.kubeconfig)
+	bin, err := cluster.DefaultBinDir()
+	if err != nil {
+		return err
+	}
+	env.kubectl = filepath.Join(bin, "kubectl")
+	if _, err := os.Stat(env.kubectl); err != nil {
+		return fmt.Errorf("the pinned kubectl (make test-bins): %w", err)
+	}
 	cfg, err := clientcmd.BuildConfigFromFlags("", env.kubeconfig)
 	if err != nil {
 		return fmt.Errorf("kubeconfig %s: %w", env.kubeconfig, err)
@@ -98,7 +110,7 @@ func kubectl(t testing.TB, timeout time.Duration, args ...string) string {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), timeout)
 	defer cancel()
-	out, err := run(ctx, nil, "kubectl", args...)
+	out, err := run(ctx, nil, env.kubectl, args...)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -110,7 +122,7 @@ func kubectlApply(t testing.TB, yaml string) {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	if _, err := run(ctx, []byte(yaml), "kubectl", "apply", "-f", "-"); err != nil {
+	if _, err := run(ctx, []byte(yaml), env.kubectl, "apply", "-f", "-"); err != nil {
 		t.Fatal(err)
 	}
 }
