@@ -7,7 +7,9 @@
 # control-plane namespace. The machine's own network namespace and iptables are never touched;
 # the API server is reached from the machine through a loopback-only forwarder.
 #
-#   hack/cluster.sh up               build what is missing (binaries, images), start, wait Ready
+#   hack/cluster.sh up               check the dependencies, build what is missing (binaries,
+#                                    images), start, wait until the nodes are Ready, deploy the
+#                                    service proxy and CoreDNS and wait until they are Ready
 #   hack/cluster.sh down             stop and remove everything up made (also after a failed up)
 #   hack/cluster.sh status           the nodes and pods, or "down"
 #   hack/cluster.sh kubeconfig       print the kubeconfig's path
@@ -16,17 +18,24 @@
 #   hack/cluster.sh client CMD...    run CMD in the client namespace (reaches the nodes' IPs)
 #   hack/cluster.sh images           rebuild the images and import them into every node
 #   hack/cluster.sh deploy           kubectl apply -k hack/cluster/deploy (deploy/ with the
-#                                    cluster's image and API server)
+#                                    cluster's image and API server), replacing another proxy
+#   hack/cluster.sh proxy [NAME]     switch the service proxy to NAME: kube-userspace-proxy,
+#                                    kube-proxy-iptables or kube-proxy-nftables (the previous
+#                                    one's DaemonSet and rules removed first); print the current
+#                                    one without NAME
+#   hack/cluster.sh dns              apply CoreDNS (hack/cluster/dns) and wait until it is Ready
 #
 # Environment: KUP_CLUSTER_NAME (the prefix of its namespaces and cgroups, default kupc: clusters
 # of different names run side by side), KUP_CLUSTER_DIR (state, logs, kubeconfig; default
 # $XDG_CACHE_HOME/kube-userspace-proxy/cluster, or cluster-NAME for another name),
 # KUP_CLUSTER_PORT (the API server on the machine's 127.0.0.1; default 16443),
-# KUP_K8S_BIN (the binaries, as make test-bins).
+# KUP_K8S_BIN (the binaries, as make test-bins; kubectl is the one there), KUP_CLUSTER_PROXY (the
+# service proxy up deploys: kube-userspace-proxy, the default, kube-proxy-iptables or
+# kube-proxy-nftables).
 #
 # Addresses: bridge 10.77.0.0/24 (control plane .2, node-N .1N, client .100), pods of node-N
-# 10.244.N.0/24, services 10.96.0.0/16, load-balancer IPs 10.77.1.0/24 (the client routes them
-# to node-1).
+# 10.244.N.0/24, services 10.96.0.0/16 (cluster DNS 10.96.0.10, domain cluster.local),
+# load-balancer IPs 10.77.1.0/24 (the client routes them to node-1).
 set -euo pipefail
 exec 9>&- # make test-cluster's lock: the cluster's long-lived processes must not hold it
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -43,6 +52,8 @@ port=${KUP_CLUSTER_PORT:-16443}
 k8sversion=$(sed -n 's/^KUP_K8S_VERSION *:= *//p' "$root/test/cluster.mk")
 etcdversion=$(sed -n 's/^KUP_ETCD_VERSION *:= *//p' "$root/test/cluster.mk")
 export KUP_K8S_BIN=${KUP_K8S_BIN:-${XDG_CACHE_HOME:-$HOME/.cache}/kube-userspace-proxy/bin/k8s-$k8sversion-etcd-$etcdversion}
+# The pinned kubectl (make test-bins builds it), never another one on PATH: no version skew.
+kubectl=$KUP_K8S_BIN/kubectl
 nodes=(node-1 node-2 node-3)
 cpns=$name-cp
 clientns=$name-client
@@ -50,6 +61,7 @@ cpip=10.77.0.2
 clientip=10.77.0.100
 lbrange=10.77.1.0/24
 svcrange=10.96.0.0/16
+dnsip=10.96.0.10
 t0=$(date +%s)
 step() { echo "-- [$(($(date +%s) - t0))s] $*"; }
 die() { echo "cluster.sh: $*" >&2; exit 1; }
@@ -263,7 +275,7 @@ control_plane() {
 	echo $! >"$cp/forward.pid"
 	local i
 	for i in $(seq 120); do
-		KUBECONFIG=$state/kubeconfig kubectl --request-timeout=2s get --raw /readyz >/dev/null 2>&1 && break
+		KUBECONFIG=$state/kubeconfig "$kubectl" --request-timeout=2s get --raw /readyz >/dev/null 2>&1 && break
 		kill -0 "$(cat "$cp/kube-apiserver.pid")" 2>/dev/null || die "kube-apiserver exited; see $cp/kube-apiserver.log"
 		kill -0 "$(cat "$cp/forward.pid")" 2>/dev/null || die "the forwarder on 127.0.0.1:$port exited (port taken? set KUP_CLUSTER_PORT); see $cp/forward.log"
 		[ "$i" = 120 ] && die "kube-apiserver not ready in 60 s; see $cp/kube-apiserver.log"
@@ -338,6 +350,8 @@ oomScoreAdj: 0
 protectKernelDefaults: false
 failSwapOn: false
 resolvConf: ""
+clusterDNS: [$dnsip]
+clusterDomain: cluster.local
 address: $(nodeip "$n")
 readOnlyPort: 0
 healthzBindAddress: 127.0.0.1
@@ -364,16 +378,75 @@ start_node() {
 	ip netns exec "$(nodens "$n")" setsid "$here/node.sh" "$state" "$n" "$name" >"$state/$n/node.log" 2>&1 </dev/null &
 }
 
-up() {
-	[ "$(id -u)" = 0 ] || die "needs root (network and mount namespaces)"
-	for c in containerd runc ctr socat openssl kubectl docker; do
-		command -v "$c" >/dev/null || die "$c not found: run make deps (hack/install-deps.sh)"
+# k ARGS...: the pinned kubectl with the cluster's kubeconfig.
+k() { KUBECONFIG=$state/kubeconfig "$kubectl" "$@"; }
+
+# ---- phases of up -------------------------------------------------------------------------------
+
+phases=()
+phase_name=
+phase_t=
+# phase NAME: the next phase of up; its duration goes into the summary.
+phase() {
+	phase_end
+	phase_name=$1
+	phase_t=$(date +%s)
+	step "$1"
+}
+phase_end() {
+	[ -z "$phase_name" ] || phases+=("$(printf '%-12s %5ss' "$phase_name" $(($(date +%s) - phase_t)))")
+	phase_name=
+}
+
+# missing_deps: what up needs and does not find, one a line.
+missing_deps() {
+	local c
+	for c in containerd runc ctr socat openssl docker ip nsenter setsid flock iptables nft conntrack; do
+		command -v "$c" >/dev/null || echo "$c"
 	done
-	[ -x /usr/lib/cni/bridge ] || die "/usr/lib/cni/bridge not found: run make deps (containernetworking-plugins)"
+	[ -x /usr/lib/cni/bridge ] || echo "/usr/lib/cni/bridge (containernetworking-plugins)"
+	command -v "${GO:-go}" >/dev/null || echo "${GO:-go} (Go)"
+	return 0
+}
+
+# deps: everything up needs, checked before anything is built or started; what is missing is
+# installed by hack/install-deps.sh (Debian packages) or named.
+deps() {
+	[ "$(id -u)" = 0 ] || die "needs root (network and mount namespaces)"
+	local missing
+	missing=$(missing_deps | paste -sd' ')
+	if [ -n "$missing" ]; then
+		step "missing: $missing; installing (hack/install-deps.sh)"
+		"$root/hack/install-deps.sh" || die "hack/install-deps.sh failed; missing: $missing"
+		missing=$(missing_deps | paste -sd' ')
+		[ -z "$missing" ] || die "still missing after hack/install-deps.sh: $missing"
+	fi
+	docker info >/dev/null 2>&1 || die "docker does not answer (docker info): the cluster's images are built with it"
+	proxy_dir "$proxy" >/dev/null || die "KUP_CLUSTER_PROXY (make cluster PROXY=...) is $proxy: want one of $proxy_names"
+}
+
+# binaries: the pinned Kubernetes binaries, etcd and kubectl (make test-bins), and CoreDNS.
+binaries() {
+	GO=${GO:-go} "$root/test/k8sbin/build.sh" "$KUP_K8S_BIN" "$k8sversion" "$etcdversion"
+	local dir
+	dir=$("$here/coredns.sh" --dir)
+	KUP_COREDNS=$(GO=${GO:-go} "$here/coredns.sh" "$dir" | tail -n 1)
+	export KUP_COREDNS
+	echo "coredns: $KUP_COREDNS ($("$KUP_COREDNS" -version | head -1))"
+}
+
+up() {
+	proxy=${KUP_CLUSTER_PROXY:-kube-userspace-proxy}
+	phase dependencies
+	deps
 	if nsexists "$cpns" || [ -e "$state" ]; then
-		if [ -s "$state/up" ] && KUBECONFIG=$state/kubeconfig kubectl --request-timeout=3s get --raw /readyz >/dev/null 2>&1; then
-			step "already up"
-			usage_hint
+		if [ -s "$state/up" ] && [ -x "$kubectl" ] && k --request-timeout=3s get --raw /readyz >/dev/null 2>&1; then
+			step "the cluster is up already"
+			phase proxy
+			use_proxy "$proxy"
+			phase dns
+			dns
+			summary
 			return 0
 		fi
 		step "a previous cluster is left (failed or stopped): removing it"
@@ -382,12 +455,13 @@ up() {
 	if ss -Hltn "sport = :$port" 2>/dev/null | grep -q .; then
 		die "127.0.0.1:$port is taken: set KUP_CLUSTER_PORT"
 	fi
-	step "binaries (make test-bins)"
-	GO=${GO:-go} "$root/test/k8sbin/build.sh" "$KUP_K8S_BIN" "$k8sversion" "$etcdversion" | tail -n 1
+	phase binaries
+	binaries
 	mkdir -p "$state"
 	for n in "${nodes[@]}"; do mkdir -p "$state/$n"; done
-	step "images"
+	phase images
 	"$here/images.sh" "$state/images.tar"
+	phase cluster
 	step "certificates and tokens in $state/pki"
 	certs
 	step "network namespaces"
@@ -402,7 +476,7 @@ up() {
 	local i
 	for i in $(seq 240); do
 		local ready
-		ready=$(KUBECONFIG=$state/kubeconfig kubectl get nodes --no-headers 2>/dev/null | awk '$2 == "Ready"' | wc -l)
+		ready=$(k get nodes --no-headers 2>/dev/null | awk '$2 == "Ready"' | wc -l)
 		[ "$ready" = "${#nodes[@]}" ] && break
 		for c in etcd kube-apiserver kube-controller-manager kube-scheduler; do
 			kill -0 "$(cat "$state/cp/$c.pid")" 2>/dev/null || die "$c exited; see $state/cp/$c.log"
@@ -416,20 +490,167 @@ up() {
 	done
 	date +%s >"$state/up"
 	step "3 nodes Ready"
+	phase proxy
+	use_proxy "$proxy"
+	phase dns
+	dns
+	summary
+}
+
+summary() {
+	phase_end
+	echo
+	echo "The cluster is up, $(($(date +%s) - t0))s; service proxy $(current_proxies | paste -sd' '), CoreDNS at $dnsip:"
+	printf '  %s\n' "${phases[@]}"
 	usage_hint
 }
 
 usage_hint() {
-	cat <<EOF
+	cat <<HINT
 
-The cluster is up (state, logs: $state).
+State and logs: $state. kubectl: $kubectl (the pinned one).
   export KUBECONFIG=$state/kubeconfig
-  kubectl get nodes -o wide
-  hack/cluster.sh deploy                      # deploy/ with kube-userspace-proxy:dev
+  $kubectl get nodes -o wide
+  hack/cluster.sh kubectl get pods -A         # the same with the cluster's kubeconfig
+  hack/cluster.sh proxy kube-proxy-nftables   # switch the service proxy (or kube-proxy-iptables, kube-userspace-proxy)
   hack/cluster.sh exec node-1 ip route        # in a node's namespace
   hack/cluster.sh client curl ...             # from outside the cluster
   make cluster-down                           # remove everything
-EOF
+HINT
+}
+
+# ---- the service proxy and DNS ------------------------------------------------------------------
+
+proxy_names="kube-userspace-proxy kube-proxy-iptables kube-proxy-nftables"
+
+# proxy_dir NAME: the kustomization that deploys service proxy NAME.
+proxy_dir() {
+	case $1 in
+	kube-userspace-proxy) echo "$here/deploy" ;;
+	kube-proxy-iptables) echo "$here/kube-proxy/iptables" ;;
+	kube-proxy-nftables) echo "$here/kube-proxy/nftables" ;;
+	*) return 1 ;;
+	esac
+}
+
+# proxy_ds NAME: the DaemonSet of service proxy NAME.
+proxy_ds() {
+	case $1 in
+	kube-userspace-proxy) echo kube-userspace-proxy ;;
+	*) echo kube-proxy ;;
+	esac
+}
+
+# current_proxies: the service proxies whose DaemonSet is there, one a line.
+current_proxies() {
+	local ds mode
+	ds=$(k -n kube-system get daemonset kube-userspace-proxy --ignore-not-found -o name) || die "kubectl get daemonset failed"
+	[ -z "$ds" ] || echo kube-userspace-proxy
+	ds=$(k -n kube-system get daemonset kube-proxy --ignore-not-found -o name) || die "kubectl get daemonset failed"
+	if [ -n "$ds" ]; then
+		mode=$(k -n kube-system get configmap kube-proxy --ignore-not-found -o jsonpath='{.data.config\.conf}' | sed -n 's/^mode: *//p')
+		echo "kube-proxy-${mode:-iptables}"
+	fi
+}
+
+# use_proxy NAME: service proxy NAME on every node, and no other: the others' DaemonSets are
+# deleted (their pods stopped) and their rules removed on every node before NAME is applied.
+use_proxy() {
+	local want=$1 dir ds cur
+	dir=$(proxy_dir "$want") || die "no service proxy $want: want one of $proxy_names"
+	for cur in $(current_proxies); do
+		[ "$cur" = "$want" ] || remove_proxy "$cur"
+	done
+	ds=$(proxy_ds "$want")
+	step "proxy: $want (kubectl apply -k ${dir#"$root"/})"
+	k apply -k "$dir" >/dev/null
+	k -n kube-system rollout status "daemonset/$ds" --timeout=150s >/dev/null ||
+		die "the $ds DaemonSet did not roll out in 150 s: see hack/cluster.sh kubectl -n kube-system describe daemonset $ds"
+	local i ready
+	for i in $(seq 120); do
+		ready=$(k -n kube-system get daemonset "$ds" -o jsonpath='{.status.numberReady} {.status.desiredNumberScheduled} {.status.updatedNumberScheduled}')
+		[ "$ready" = "${#nodes[@]} ${#nodes[@]} ${#nodes[@]}" ] && break
+		[ "$i" = 120 ] && die "the $ds DaemonSet: ready, desired, updated $ready after 60 s"
+		sleep 0.5
+	done
+	step "proxy: $want Ready on ${#nodes[@]} nodes"
+}
+
+# cleanup_pods IMAGE COMMAND: a pod on every node that runs COMMAND (a JSON list) from IMAGE in
+# the node's network namespace, privileged, once.
+cleanup_pods() {
+	local n
+	for n in "${nodes[@]}"; do
+		cat <<POD
+---
+apiVersion: v1
+kind: Pod
+metadata:
+  name: proxy-cleanup-$n
+  namespace: kube-system
+  labels: {app.kubernetes.io/name: proxy-cleanup}
+spec:
+  nodeName: $n
+  hostNetwork: true
+  restartPolicy: Never
+  priorityClassName: system-node-critical
+  tolerations: [{operator: Exists}]
+  containers:
+  - name: cleanup
+    image: $1
+    imagePullPolicy: Never
+    command: $2
+    securityContext: {privileged: true}
+    volumeMounts: [{name: xtables-lock, mountPath: /run/xtables.lock}]
+  volumes: [{name: xtables-lock, hostPath: {path: /run/xtables.lock, type: FileOrCreate}}]
+POD
+	done
+}
+
+# remove_proxy NAME: deletes service proxy NAME's DaemonSet and waits for its pods to go (ours
+# removes its rules when it stops), then runs NAME's own cleanup (kube-proxy --cleanup,
+# kube-userspace-proxy --cleanup) from its image on every node, so that none of its rules is
+# left, then deletes the rest of its objects.
+remove_proxy() {
+	local name=$1 ds image cmd n i got want
+	ds=$(proxy_ds "$name")
+	image=$(k -n kube-system get daemonset "$ds" -o jsonpath='{.spec.template.spec.containers[0].image}')
+	step "proxy: removing $name (DaemonSet $ds)"
+	k -n kube-system delete daemonset "$ds" --cascade=foreground --wait --timeout=120s >/dev/null ||
+		die "deleting the $ds DaemonSet failed"
+	case $name in
+	kube-userspace-proxy) cmd='["/usr/local/bin/kube-userspace-proxy", "--cleanup"]' ;;
+	*) cmd='["/usr/local/bin/kube-proxy", "--cleanup"]' ;;
+	esac
+	k -n kube-system delete pods -l app.kubernetes.io/name=proxy-cleanup --ignore-not-found --timeout=60s >/dev/null
+	cleanup_pods "$image" "$cmd" | k apply -f - >/dev/null
+	want=$(for n in "${nodes[@]}"; do echo Succeeded; done | paste -sd' ')
+	for i in $(seq 240); do
+		got=$(k -n kube-system get pods -l app.kubernetes.io/name=proxy-cleanup -o jsonpath='{range .items[*]}{.status.phase}{"\n"}{end}' | paste -sd' ')
+		case $got in *Failed*) break ;; esac
+		[ "$got" = "$want" ] && break
+		sleep 0.5
+	done
+	if [ "$got" != "$want" ]; then
+		for n in "${nodes[@]}"; do
+			echo "== proxy-cleanup-$n:" >&2
+			k -n kube-system logs "proxy-cleanup-$n" >&2 || true
+		done
+		k -n kube-system delete pods -l app.kubernetes.io/name=proxy-cleanup --wait=false >/dev/null || true
+		die "the cleanup of $name did not succeed on every node (pods: $got)"
+	fi
+	k -n kube-system delete pods -l app.kubernetes.io/name=proxy-cleanup --timeout=60s >/dev/null
+	k delete -k "$(proxy_dir "$name")" --ignore-not-found >/dev/null
+	step "proxy: $name removed, its rules cleaned up on ${#nodes[@]} nodes"
+}
+
+# dns: CoreDNS (hack/cluster/dns) applied and Ready.
+dns() {
+	step "dns: CoreDNS (kubectl apply -f hack/cluster/dns/coredns.yaml)"
+	k apply -f "$here/dns/coredns.yaml" >/dev/null
+	k -n kube-system rollout status deployment/coredns --timeout=150s >/dev/null ||
+		die "CoreDNS did not roll out in 150 s: see hack/cluster.sh kubectl -n kube-system describe deployment coredns"
+	step "dns: CoreDNS Ready at $dnsip"
 }
 
 # ---- the rest -----------------------------------------------------------------------------------
@@ -443,13 +664,14 @@ up) up ;;
 down) down ;;
 status)
 	if [ -s "$state/up" ]; then
-		KUBECONFIG=$state/kubeconfig kubectl get nodes -o wide && KUBECONFIG=$state/kubeconfig kubectl get pods -A -o wide
+		k get nodes -o wide && k get pods -A -o wide
+		echo "service proxy: $(current_proxies | paste -sd' ')"
 	else
 		echo down
 	fi
 	;;
 kubeconfig) need_up; echo "$state/kubeconfig" ;;
-kubectl) need_up; KUBECONFIG=$state/kubeconfig exec kubectl "$@" ;;
+kubectl) need_up; KUBECONFIG=$state/kubeconfig exec "$kubectl" "$@" ;;
 exec)
 	need_up
 	n=${1:?usage: hack/cluster.sh exec NODE CMD...}
@@ -460,11 +682,21 @@ exec)
 client) need_up; exec ip netns exec "$clientns" "$@" ;;
 images)
 	need_up
+	binaries
 	"$here/images.sh" "$state/images.tar"
 	for n in "${nodes[@]}"; do
 		ctr -a "$state/$n/containerd.sock" -n k8s.io images import "$state/images.tar" >/dev/null
 	done
 	;;
-deploy) need_up; KUBECONFIG=$state/kubeconfig kubectl apply -k "$here/deploy" ;;
+deploy) need_up; use_proxy kube-userspace-proxy ;;
+proxy)
+	need_up
+	if [ $# = 0 ]; then
+		current_proxies
+	else
+		use_proxy "$1"
+	fi
+	;;
+dns) need_up; dns ;;
 *) usage ;;
 esac

@@ -1,11 +1,14 @@
 # Real Kubernetes components for the end-to-end tests (included by the top-level Makefile).
 #
 #   make test-bins          build kube-apiserver, kube-proxy, kubelet, kube-controller-manager,
-#                           kube-scheduler and etcd of the pinned versions into $(KUP_K8S_BIN);
-#                           skips those already built (minutes cold, ~1 s cached)
+#                           kube-scheduler, kubectl and etcd of the pinned versions into
+#                           $(KUP_K8S_BIN); skips those already built (minutes cold, ~1 s cached)
 #   make test-harness       run the harness's own tests (test/...), which need test-bins
 #   make cluster            a real three-node cluster on this machine (hack/cluster.sh up,
-#                           docs/cluster.md); prints how to use it
+#                           docs/cluster.md): dependencies checked first, then binaries, images,
+#                           the cluster, its service proxy and CoreDNS, each phase timed;
+#                           PROXY=kube-userspace-proxy (default), kube-proxy-iptables or
+#                           kube-proxy-nftables picks the service proxy
 #   make cluster-down       remove it (every process, mount, namespace and file)
 #   make test-cluster       the end-to-end tests on that cluster (test/kcluster, build tag
 #                           cluster): brings it up if it is not, and down again if it brought it
@@ -38,8 +41,10 @@ test-harness: test-bins
 KUP_CLUSTER_SH := $(KUP_TEST_MK_DIR)/../hack/cluster.sh
 KUP_CLUSTER_TEST_TIMEOUT ?= 14m
 
-cluster: test-bins
-	GO="$(GO)" $(KUP_CLUSTER_SH) up
+# Not after test-bins: up checks the dependencies before it builds anything, then builds.
+PROXY ?= kube-userspace-proxy
+cluster:
+	GO="$(GO)" KUP_CLUSTER_PROXY="$(PROXY)" $(KUP_CLUSTER_SH) up
 
 cluster-down:
 	$(KUP_CLUSTER_SH) down
@@ -50,7 +55,7 @@ KUP_CLUSTER_LOCK ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/kube-userspace-proxy/
 
 test-cluster: test-bins
 	@set -e; mkdir -p "$$(dirname "$(KUP_CLUSTER_LOCK)")"; exec 9>"$(KUP_CLUSTER_LOCK)"; flock 9; was_up=; $(KUP_CLUSTER_SH) kubeconfig >/dev/null 2>&1 && was_up=1; \
-	GO="$(GO)" $(KUP_CLUSTER_SH) up; rc=0; \
+	GO="$(GO)" KUP_CLUSTER_PROXY=kube-userspace-proxy $(KUP_CLUSTER_SH) up; rc=0; \
 	$(GO) test -race -count=1 -v -tags cluster -timeout $(KUP_CLUSTER_TEST_TIMEOUT) ./$(KUP_TEST_MK_DIR)/kcluster/ || rc=$$?; \
 	if [ -z "$$was_up" ] && [ -z "$(KUP_CLUSTER_KEEP)" ]; then $(KUP_CLUSTER_SH) down || rc=1; fi; \
 	exit $$rc

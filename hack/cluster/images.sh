@@ -6,17 +6,29 @@
 #                             (hack/prebuilt.sh), as demo/run.sh builds it
 #   kup-echo:dev              the Dockerfile's kup-echo stage: static, entrypoint kup-echo
 #   kup-pause:dev             the pod sandbox (hack/cluster/pause), named in containerd's config
+#   kup-coredns:dev           the cluster's DNS (hack/cluster/coredns, built by coredns.sh or
+#                             taken from $KUP_COREDNS), static, FROM scratch
+#   kube-proxy:VERSION        upstream kube-proxy ($KUP_K8S_BIN/kube-proxy, make test-bins) on the
+#                             same base with nftables added (iptables and conntrack are there)
 # Base images with registry access instead: KUP_BASE_IMAGE=debian:bookworm-slim.
 set -euo pipefail
 out=${1:?usage: images.sh ARCHIVE}
 root=$(cd "$(dirname "$0")/../.." && pwd)
 GO=${GO:-go}
+k8sversion=$(sed -n 's/^KUP_K8S_VERSION *:= *//p' "$root/test/cluster.mk")
+etcdversion=$(sed -n 's/^KUP_ETCD_VERSION *:= *//p' "$root/test/cluster.mk")
+k8sbin=${KUP_K8S_BIN:-${XDG_CACHE_HOME:-$HOME/.cache}/kube-userspace-proxy/bin/k8s-$k8sversion-etcd-$etcdversion}
+[ -x "$k8sbin/kube-proxy" ] || { echo "images.sh: $k8sbin/kube-proxy not found: run make test-bins" >&2; exit 1; }
+coredns=${KUP_COREDNS:-}
+if [ -z "$coredns" ]; then
+	coredns=$(GO="$GO" "$root/hack/cluster/coredns.sh" "$("$root/hack/cluster/coredns.sh" --dir)" | tail -n 1)
+fi
 # The tags are the machine's docker's: one build-and-save at a time (clusters of other names, other
 # checkouts), so the archive holds the images this checkout built.
 lock=${XDG_CACHE_HOME:-$HOME/.cache}/kube-userspace-proxy/images.lock
 mkdir -p "$(dirname "$lock")"
 exec 8>"$lock"
-flock 8
+flock -n 8 || { echo "images: waiting for another image build on this machine ($lock)"; flock 8; }
 base=${KUP_BASE_IMAGE:-}
 if [ -z "$base" ]; then
 	base=kup-base:bookworm
@@ -34,9 +46,25 @@ build() {
 build "${args[@]}" -t kube-userspace-proxy:dev "$root"
 build "${args[@]}" --target kup-echo -t kup-echo:dev "$root"
 
-(cd "$root" && CGO_ENABLED=0 "$GO" build -trimpath -ldflags "-s -w" -o "$ctx/pause" ./hack/cluster/pause)
-printf 'FROM scratch\nCOPY pause /pause\nENTRYPOINT ["/pause"]\n' >"$ctx/Dockerfile"
-build -t kup-pause:dev "$ctx"
-docker save kube-userspace-proxy:dev kup-echo:dev kup-pause:dev >"$out.tmp"
+mkdir "$ctx/pause" "$ctx/coredns" "$ctx/kube-proxy"
+(cd "$root" && CGO_ENABLED=0 "$GO" build -trimpath -ldflags "-s -w" -o "$ctx/pause/pause" ./hack/cluster/pause)
+printf 'FROM scratch\nCOPY pause /pause\nENTRYPOINT ["/pause"]\n' >"$ctx/pause/Dockerfile"
+build -t kup-pause:dev "$ctx/pause"
+
+cp "$coredns" "$ctx/coredns/coredns"
+printf 'FROM scratch\nCOPY coredns /coredns\nEXPOSE 53 53/udp\nENTRYPOINT ["/coredns"]\n' >"$ctx/coredns/Dockerfile"
+build -t kup-coredns:dev "$ctx/coredns"
+
+# nftables from the base's Debian release, in a layer of its own that docker's cache keeps.
+cp "$k8sbin/kube-proxy" "$ctx/kube-proxy/kube-proxy"
+cat >"$ctx/kube-proxy/Dockerfile" <<DOCKERFILE
+FROM $base
+RUN command -v nft >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends nftables && rm -rf /var/lib/apt/lists/*; }
+COPY kube-proxy /usr/local/bin/kube-proxy
+DOCKERFILE
+build -t "kube-proxy:$k8sversion" "$ctx/kube-proxy"
+
+images=(kube-userspace-proxy:dev kup-echo:dev kup-pause:dev kup-coredns:dev "kube-proxy:$k8sversion")
+docker save "${images[@]}" >"$out.tmp"
 mv "$out.tmp" "$out"
-echo "images: kube-userspace-proxy:dev kup-echo:dev kup-pause:dev ($(du -h "$out" | cut -f1))"
+echo "images: ${images[*]} ($(du -h "$out" | cut -f1))"
