@@ -16,6 +16,7 @@
 #                    and ginkgo's output stay in the cluster's state directory
 #   --check          exit non-zero when a spec failed (make test)
 #
+# KUP_CONFORMANCE_TIMEOUT bounds each ginkgo invocation (default 3h; ginkgo reports the specs cut short).
 # The cluster must be up (make cluster); its images are imported (hack/conformance/images.sh)
 # and the binaries built (make e2e-bins) by this script if missing.
 set -euo pipefail
@@ -87,7 +88,7 @@ e2e() {
 	local prefix=$1
 	shift
 	"$root/hack/cluster.sh" client env KUBERNETES_CONFORMANCE_TEST=y HOME="$raw" \
-		"$bin/ginkgo" --no-color --timeout=3h "$@" "$bin/e2e.test" -- \
+		"$bin/ginkgo" --no-color --timeout="${KUP_CONFORMANCE_TIMEOUT:-3h}" "$@" "$bin/e2e.test" -- \
 		--provider=skeleton --kubeconfig="$e2ekubeconfig" --kubectl-path="$bin/kubectl" \
 		--dns-domain=cluster.local --num-nodes=3 --disable-log-dump=true \
 		--report-dir="$raw" --report-prefix="$prefix"

@@ -17,14 +17,21 @@
 #
 # The Debian base is demo/base-image.sh's debootstrap with the packages above added
 # (kup-e2e-base:bookworm; built once, minutes cold). Needs root, Docker, ctr, the cluster up.
-#   hack/conformance/images.sh [--save-only ARCHIVE]
+#   hack/conformance/images.sh                        build, save, import (skipped when every node
+#                                                     has every image: --force rebuilds)
+#   hack/conformance/images.sh --save-only ARCHIVE    build and save them, import nothing
+#   hack/conformance/images.sh --import ARCHIVE       import a saved ARCHIVE into every node
 set -euo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 GO=${GO:-go}
-save_only=
-if [ "${1:-}" = --save-only ]; then
-	save_only=${2:?usage: images.sh [--save-only ARCHIVE]}
-fi
+save_only= import= force=
+case ${1:-} in
+--save-only) save_only=${2:?usage: images.sh --save-only ARCHIVE} ;;
+--import) import=${2:?usage: images.sh --import ARCHIVE} ;;
+--force) force=1 ;;
+'') ;;
+*) echo "usage: images.sh [--force | --save-only ARCHIVE | --import ARCHIVE]" >&2; exit 2 ;;
+esac
 t0=$(date +%s)
 step() { echo "-- images [$(($(date +%s) - t0))s] $*"; }
 die() { echo "images.sh: $*" >&2; exit 1; }
@@ -50,6 +57,35 @@ regression=$reg/regression-issue-74839:1.4
 iptables=registry.k8s.io/build-image/distroless-iptables:v0.9.6
 pause=registry.k8s.io/pause:3.10.2
 all=("$agnhost" "$glibcdns" "$busybox" "$nginx" "$regression" "$iptables" "$pause")
+
+nodes=(node-1 node-2 node-3)
+# import_into_nodes ARCHIVE: ctr import into every node's containerd (names kept).
+import_into_nodes() {
+	local n
+	for n in "${nodes[@]}"; do
+		step "importing into $n"
+		ctr -a "$state/$n/containerd.sock" -n k8s.io images import "$1" >/dev/null
+	done
+}
+if [ -n "$import" ]; then
+	import_into_nodes "$import"
+	step "done"
+	exit 0
+fi
+# every_node_has_them: whether every node's containerd holds every image.
+every_node_has_them() {
+	local n have i
+	for n in "${nodes[@]}"; do
+		have=$(ctr -a "$state/$n/containerd.sock" -n k8s.io images ls -q 2>/dev/null) || return 1
+		for i in "${all[@]}"; do
+			grep -qxF "$i" <<<"$have" || return 1
+		done
+	done
+}
+if [ -z "$save_only" ] && [ -z "$force" ] && every_node_has_them; then
+	step "every node has the suite's images (--force rebuilds them)"
+	exit 0
+fi
 
 # Docker's tags are the machine's: one build-and-save at a time (as hack/cluster/images.sh).
 lock=${XDG_CACHE_HOME:-$HOME/.cache}/kube-userspace-proxy/images.lock
@@ -146,8 +182,5 @@ docker save "${all[@]}" >"$out.tmp"
 mv "$out.tmp" "$out"
 exec 8>&-
 [ -n "$save_only" ] && { step "saved in $out ($(du -h "$out" | cut -f1))"; exit 0; }
-for n in node-1 node-2 node-3; do
-	step "importing into $n"
-	ctr -a "$state/$n/containerd.sock" -n k8s.io images import "$out" >/dev/null
-done
+import_into_nodes "$out"
 step "done ($(du -h "$out" | cut -f1))"
