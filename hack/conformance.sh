@@ -103,11 +103,9 @@ tail -n 5 "$raw/serial.log"
 ls "$raw"/junit_*.xml >/dev/null 2>&1 || die "no JUnit files in $raw (ginkgo exited $rc; see its logs)"
 
 step "report"
-suffix=
-[ -z "$subset" ] || suffix=-conformance-subset
 (cd "$root" && "$GO" run ./hack/conformance/report -run "$run" -started "$started" \
 	-kubernetes "$k8sversion" -focus "$focus" -skip "$skip" \
 	-skips hack/conformance/skips.txt -exceptions hack/conformance/exceptions.txt \
-	-json "$out/conformance$suffix.json" -md "$out/conformance$suffix.md" \
-	-trim "$out/conformance$suffix/$run" ${check:+-check} "$raw"/junit_*.xml)
+	-json "$out/conformance.json" -md "$out/conformance.md" \
+	-trim "$out/conformance/$run" ${check:+-check} "$raw"/junit_*.xml)
 step "done"
