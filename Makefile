@@ -47,10 +47,12 @@ fmt-check:
 # namespaces against a real kube-apiserver + etcd (built once by test-bins, then cached). Every
 # tier runs: KUP_TEST_ALL=1 turns what would skip a test (no root, a missing tool or binary) into
 # a failure, and hack/testcheck fails the run on any skipped test (plain `go test ./...` runs
-# the unit tier alone; see internal/testenv).
+# the unit tier alone; see internal/testenv). Then the local cluster's tests and the sig-network
+# [Conformance] specs of Kubernetes' own end-to-end suite against this proxy (test/conformance.mk).
 test: deps test-bins lint
 	KUP_TEST_ALL=1 $(GO) test -json -race -count=1 -timeout $(TEST_TIMEOUT) ./... 2>&1 | $(GO) run ./hack/testcheck
 	$(MAKE) test-cluster
+	$(MAKE) test-conformance
 	$(MAKE) fuzz
 
 # Every fuzz target for a bounded number of inputs (their seed corpora also run in every `go test`),
@@ -88,6 +90,7 @@ demo: test-bins
 	GO="$(GO)" ./demo/run.sh
 
 -include test/cluster.mk
+-include test/conformance.mk
 
 # The benchmark against upstream kube-proxy's iptables mode, HAProxy and direct pod access
 # (bench/README.md); results under bench/results/. BENCH_QUICK=1 runs a reduced version (< 1 min).

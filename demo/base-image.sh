@@ -5,6 +5,9 @@
 #
 #   demo/base-image.sh [IMAGE]      default IMAGE: kup-base:bookworm
 #
+# KUP_BASE_EXTRA=pkg,pkg,... adds Debian packages to the image (hack/conformance/images.sh builds
+# the upstream end-to-end suite's images on such a base).
+#
 # The mirror is the one apt uses on this machine (from /etc/apt/sources.list*), else debootstrap's
 # own default. Needs root and debootstrap (installed with apt-get when missing).
 set -euo pipefail
@@ -27,7 +30,7 @@ dir=$(mktemp -d /tmp/kup-base.XXXXXX)
 trap 'rm -rf "$dir"' EXIT
 echo "debootstrap bookworm from ${mirror:-the default mirror of debootstrap} into $dir (a few minutes cold)"
 start=$(date +%s)
-debootstrap --variant=minbase --include=iptables,iproute2,conntrack,ca-certificates bookworm "$dir" ${mirror:+"$mirror"} >"$dir.log" 2>&1 || {
+debootstrap --variant=minbase --include=iptables,iproute2,conntrack,ca-certificates${KUP_BASE_EXTRA:+,$KUP_BASE_EXTRA} bookworm "$dir" ${mirror:+"$mirror"} >"$dir.log" 2>&1 || {
   tail -n 30 "$dir.log" >&2; rm -f "$dir.log"; exit 1; }
 rm -f "$dir.log"
 # Keep the image small: no apt lists, no docs, no caches.

@@ -251,6 +251,10 @@ network() {
 	done
 	ip -n "$clientns" addr add "$clientip/24" dev eth0
 	ip -n "$clientns" route add "$lbrange" via "$(nodeip node-1)"
+	# The API server reaches pods (its proxy subresource, webhooks) as a node's kubelet would.
+	for n in "${nodes[@]}"; do
+		ip -n "$cpns" route add "10.244.$(nodeidx "$n").0/24" via "$(nodeip "$n")"
+	done
 }
 
 control_plane() {

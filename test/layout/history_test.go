@@ -14,6 +14,19 @@ import (
 // The product's files speak of the product; its history is git log.
 var historyRef = regexp.MustCompile(`(?i)\b(session|issue)s?[ #-]*[0-9]+`)
 
+// upstreamNames are names from other projects that historyRef would match, removed from a line
+// before it is checked: Kubernetes' end-to-end suite has an image (and a package) of this name.
+// One letter is an escape, as in TestHistoryRefPattern.
+var upstreamNames = []string{"regression-iss\x75e-74839"}
+
+// historyRefIn returns the first history reference in line outside upstreamNames, or "".
+func historyRefIn(line string) string {
+	for _, n := range upstreamNames {
+		line = strings.ReplaceAll(line, n, "")
+	}
+	return historyRef.FindString(line)
+}
+
 // TestNoHistoryReferences fails on any tracked text file that refers to development history by
 // number, naming each file:line.
 func TestNoHistoryReferences(t *testing.T) {
@@ -21,7 +34,7 @@ func TestNoHistoryReferences(t *testing.T) {
 	for _, f := range files {
 		var hits []string
 		lines(f.data, func(n int, line string) {
-			if m := historyRef.FindString(line); m != "" {
+			if m := historyRefIn(line); m != "" {
 				hits = append(hits, fmt.Sprintf("%s:%d: %q in %s", f.path, n, m, strings.TrimSpace(line)))
 			}
 		})
@@ -50,9 +63,11 @@ func TestHistoryRefPattern(t *testing.T) {
 		{"session affinity of 10800 s", false},
 		{"an issue with 2 endpoints", false},
 		{"no \"session N\" or \"issue N\" in code", false},
+		{"the image registry.k8s.io/e2e-test-images/regression-iss\x75e-74839:1.4", false},
+		{"regression-iss\x75e-74839 and iss\x75e 7", true},
 	} {
-		if got := historyRef.MatchString(tc.text); got != tc.want {
-			t.Errorf("historyRef.MatchString(%q) = %v, want %v", tc.text, got, tc.want)
+		if got := historyRefIn(tc.text) != ""; got != tc.want {
+			t.Errorf("historyRefIn(%q) = %v, want %v", tc.text, got, tc.want)
 		}
 	}
 }
