@@ -39,7 +39,7 @@ test-harness: test-bins
 	$(GO) test -race -count=1 -timeout 10m ./$(KUP_TEST_MK_DIR)/...
 
 KUP_CLUSTER_SH := $(KUP_TEST_MK_DIR)/../hack/cluster.sh
-KUP_CLUSTER_TEST_TIMEOUT ?= 14m
+KUP_CLUSTER_TEST_TIMEOUT ?= 25m
 
 # Not after test-bins: up checks the dependencies before it builds anything, then builds.
 PROXY ?= kube-userspace-proxy
