@@ -101,6 +101,10 @@ func Run(ctx context.Context, opts *Options, v *Validated, log zerolog.Logger) e
 		log.Info().Msg("removed every rule and chain of ours")
 		return nil
 	}
+	if opts.ConntrackOnly {
+		setConntrack(opts, log)
+		return nil
+	}
 	if opts.Profiling && runtime.MemProfileRate == 0 {
 		runtime.MemProfileRate = defaultMemProfileRate // main turned sampling off until now
 	}
@@ -124,10 +128,7 @@ func Run(ctx context.Context, opts *Options, v *Validated, log zerolog.Logger) e
 	} else if err := setOOMScoreAdj(oomScoreAdjPath, opts.OOMScoreAdj); err != nil {
 		log.Warn().Err(err).Msg("cannot set the OOM score adjustment")
 	}
-	ct := conntrackSysctls{procRoot: "/proc", sysRoot: "/sys", log: log.With().Str("component", "conntrack").Logger()}
-	for _, err := range ct.apply(opts.conntrackSettings(runtime.NumCPU())) {
-		log.Warn().Err(err).Msg("conntrack sysctl left alone")
-	}
+	setConntrack(opts, log)
 
 	src, status, rec, err := newSource(opts, v, log)
 	if err != nil {
