@@ -85,6 +85,18 @@ func Main(args []string, stdout, stderr io.Writer) int {
 	return 0
 }
 
+// portalSetOptions is what the portals take from the options; successor is portal.SetOptions'.
+func portalSetOptions(opts *Options, v *Validated, successor bool, log zerolog.Logger) portal.SetOptions {
+	return portal.SetOptions{
+		BindAddress:          v.BindAddress,
+		NodePortAddresses:    v.NodePortAddresses,
+		ClusterCIDRs:         v.ClusterCIDRs,
+		NoLocalhostNodePorts: !opts.LocalhostNodePorts,
+		Log:                  log,
+		Successor:            successor,
+	}
+}
+
 // logTimeFormat is the log's time stamp: RFC 3339 with milliseconds.
 const logTimeFormat = "2006-01-02T15:04:05.000Z07:00"
 
@@ -174,14 +186,7 @@ func Run(ctx context.Context, opts *Options, v *Validated, log zerolog.Logger) e
 			return err
 		}
 		defer func() { lock.release() }()
-		portals, err = portal.NewSet(ctx, portal.SetOptions{
-			BindAddress:          v.BindAddress,
-			NodePortAddresses:    v.NodePortAddresses,
-			ClusterCIDRs:         v.ClusterCIDRs,
-			NoLocalhostNodePorts: !opts.LocalhostNodePorts,
-			Log:                  log.With().Str("component", "portal").Logger(),
-			Successor:            successor,
-		})
+		portals, err = portal.NewSet(ctx, portalSetOptions(opts, v, successor, log.With().Str("component", "portal").Logger()))
 		if err != nil {
 			return err
 		}
