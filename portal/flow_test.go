@@ -29,7 +29,7 @@ type flowNet struct {
 	nodeIP, clientIP     netip.Addr
 	tcpPort, udpPort     int // the "proxy" listeners in the node namespace
 	clusterIP, lbIP      netip.Addr
-	extIP                netip.Addr
+	extIP, dropExtIP     netip.Addr // no address of either namespace
 	rejectIP, rejectUDP  netip.Addr
 	dropIP               netip.Addr
 	nodePort, rejectNP   int
@@ -46,11 +46,13 @@ func newFlowNet(t *testing.T, f iptables.Family) *flowNet {
 		n.hostPrefix, n.cliPrefx = pfx("fd00:200::1/64"), pfx("fd00:200::2/64")
 		n.clusterIP, n.lbIP, n.extIP = a("fd00:96::10"), a("2001:db8:1::10"), a("2001:db8::50")
 		n.rejectIP, n.rejectUDP, n.dropIP = a("fd00:96::20"), a("fd00:96::21"), a("fd00:96::30")
+		n.dropExtIP = a("2001:db8::51")
 	} else {
 		n.nodeIP, n.clientIP = a("10.200.0.1"), a("10.200.0.2")
 		n.hostPrefix, n.cliPrefx = pfx("10.200.0.1/24"), pfx("10.200.0.2/24")
 		n.clusterIP, n.lbIP, n.extIP = a("10.96.0.10"), a("203.0.113.10"), a("192.0.2.50")
 		n.rejectIP, n.rejectUDP, n.dropIP = a("10.96.0.20"), a("10.96.0.21"), a("10.96.0.30")
+		n.dropExtIP = a("192.0.2.51")
 	}
 	netnstest.Connect(t, n.node, "kupn0", []netip.Prefix{n.hostPrefix}, n.client, "kupc0", []netip.Prefix{n.cliPrefx})
 	ipFlag := "-4"
@@ -136,7 +138,8 @@ func (n *flowNet) portals() []Portal {
 		{Comment: "default/dns:dns", Protocol: "udp", Port: 53, ClusterIP: n.clusterIP, ProxyPort: n.udpPort},
 		{Comment: "default/empty:http", Protocol: "tcp", Port: 80, ClusterIP: n.rejectIP, NodePort: n.rejectNP, Internal: proxy.Reject, External: proxy.Reject},
 		{Comment: "default/empty-dns:dns", Protocol: "udp", Port: 53, ClusterIP: n.rejectUDP, Internal: proxy.Reject, External: proxy.Reject},
-		{Comment: "default/local:http", Protocol: "tcp", Port: 80, ClusterIP: n.dropIP, NodePort: n.dropNP, ProxyPort: n.tcpPort, External: proxy.Drop},
+		{Comment: "default/local:http", Protocol: "tcp", Port: 80, ClusterIP: n.dropIP, NodePort: n.dropNP, ProxyPort: n.tcpPort, External: proxy.Drop,
+			ExternalIPs: []netip.Addr{n.dropExtIP}},
 	}
 }
 
@@ -219,7 +222,9 @@ func TestPacketFlow(t *testing.T) {
 				{"ClusterIP from the node (HOST DNAT)", n.node, n.clusterIP, 80},
 				{"load-balancer IP from a client", n.client, n.lbIP, 80},
 				{"load-balancer IP from the node", n.node, n.lbIP, 80},
-				{"externalIP from a client (physdev)", n.client, n.extIP, 80},
+				{"externalIP from a client", n.client, n.extIP, 80},
+				{"externalIP from the node", n.node, n.extIP, 80},
+				{"externalIP of a Local-policy service from the node (short-circuit)", n.node, n.dropExtIP, 80},
 				{"NodePort from a client", n.client, n.nodeIP, n.nodePort},
 				{"NodePort from the node", n.node, n.nodeIP, n.nodePort},
 				{"ClusterIP of a Local-policy service from a client", n.client, n.dropIP, 80},

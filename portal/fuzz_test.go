@@ -161,7 +161,7 @@ func fuzzInput(data []byte) (Config, Host, []Portal) {
 		}
 	}
 	cfg.ClusterCIDRs = f.prefixes(fam, 2)
-	host := Host{NodeIPs: f.addrs(fam, 4), NoPhysdev: f.byte()%2 == 1}
+	host := Host{NodeIPs: f.addrs(fam, 4)}
 	var portals []Portal
 	for range f.n(6) {
 		ns, name := f.name(63), f.name(63)

@@ -112,7 +112,7 @@ func TestPlanByPortalMatchesRender(t *testing.T) {
 	}
 
 	// A layout is for the host it was made with.
-	host.NoPhysdev = !host.NoPhysdev
+	host.NodeIPs = append(slices.Clone(host.NodeIPs), a("192.0.2.250"))
 	if _, ok := m.planByPortal(host, renderOrder(ps)); ok {
 		t.Error("planned by portal for another host")
 	}

@@ -60,9 +60,6 @@ type Manager struct {
 	rewriteEvery time.Duration
 
 	mu sync.Mutex // guards the following fields
-	// physdevChecked and noPhysdev cache whether the kernel has the physdev match.
-	physdevChecked bool
-	noPhysdev      bool
 	// synced is true after a successful Sync: our chains existed then, and jumps found missing
 	// later were removed by someone else and are logged when put back.
 	synced bool
@@ -218,7 +215,7 @@ func (m *Manager) syncLocked(portals []Portal, nodeIPs []netip.Addr, full bool) 
 			invalid = append(invalid, err)
 		}
 	}
-	host := m.hostLocked(portals, nodeIPs)
+	host := Host{NodeIPs: nodeIPs}
 	// What Render was last given for the rules written: the same rules again, no need to render.
 	in := newSyncInput(portals, host)
 	same := m.synced && m.written != nil && m.input.same(in)
@@ -460,41 +457,6 @@ func (m *Manager) listJumpsLocked() map[string]bool {
 // targetKey is the key under which listJumpsLocked notes that a built-in chain holds some rule
 // jumping to target.
 func targetKey(table, from, target string) string { return "->" + table + "/" + from + "/" + target }
-
-// hostLocked gathers the Host facts rendering needs.
-func (m *Manager) hostLocked(portals []Portal, nodeIPs []netip.Addr) Host {
-	h := Host{NodeIPs: nodeIPs}
-	if !m.physdevChecked && hasExternalIPs(portals) {
-		m.noPhysdev = !m.probePhysdevLocked()
-		m.physdevChecked = true
-	}
-	h.NoPhysdev = m.noPhysdev
-	return h
-}
-
-func hasExternalIPs(portals []Portal) bool {
-	for i := range portals {
-		if len(portals[i].ExternalIPs) > 0 {
-			return true
-		}
-	}
-	return false
-}
-
-// probePhysdevLocked reports whether the kernel accepts a rule with the physdev match, by
-// loading one into a scratch chain and deleting the chain again.
-func (m *Manager) probePhysdevLocked() bool {
-	payload := []byte(":" + chainProbe + " - [0:0]\n-A " + chainProbe + " -m physdev ! --physdev-is-in -j RETURN\n")
-	err := m.run.Restore(tableNAT, payload)
-	if derr := m.run.DeleteChain(tableNAT, chainProbe); derr != nil {
-		m.log.Warn().Err(derr).Msg("could not delete the physdev probe chain")
-	}
-	if err != nil {
-		m.log.Info().Err(err).Msg("physdev match (xt_physdev) not available: externalIP rules for traffic from containers match on destination only")
-		return false
-	}
-	return true
-}
 
 // Cleanup removes every jump to our chains (from any built-in chain, whatever its matches, so
 // rules of older versions and of kube-proxy's userspace mode go too) and then the chains. It is

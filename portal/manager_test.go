@@ -255,9 +255,6 @@ func testManager(t *testing.T, b backend, ad addrs) {
 		t.Errorf("nodePortAddresses %v: want NodePort rules for %v only:\n%s", npCfg.NodePortAddresses, ad.node2, nat)
 	}
 
-	// The physdev probe chain never stays behind.
-	checkAbsent(t, b, "nat", chainProbe)
-
 	// Cleanup removes everything of ours, leaves the rest, and can run again.
 	for i := 0; i < 2; i++ {
 		if err := m.Cleanup(); err != nil {

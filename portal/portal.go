@@ -28,6 +28,12 @@
 // unless Config.NoLocalhostNodePorts (`! -d 127.0.0.0/8` in the NodePort rules), ::1 never
 // (`! -d ::1/128`). No route_localnet is needed: the rules DNAT to a local address.
 //
+// ExternalIPs follow kube-proxy's iptables mode too, not the userspace mode: one CONTAINER and one
+// HOST rule per address, matching the destination alone, so traffic from pods (bridged in or not)
+// and from the node itself is served whether or not the address is the node's. The userspace
+// mode matched only traffic not bridged in (physdev) or to a local address (addrtype), and a pod
+// behind a bridge reaching an externalIP of no node was routed to the real address instead.
+//
 // Update appends a changed portal's rules to its chain's recent chain (KUBE-PORTALS-CONTAINER-NEW,
 // …), not to the chain: iptables-nft-restore reads every rule of the chain it appends to (at
 // 10,000 service ports ~17 ms for the long chains, ~1.5 ms for a short one); the next full write
@@ -92,7 +98,8 @@ const (
 	ChainNodePortNonLocal  = "KUBE-NODEPORT-NON-LOCAL"
 	ChainPortalsFilter     = "KUBE-PORTALS-FILTER"
 	ChainProxyPorts        = "KUBE-PORTALS-PROXY-PORTS"
-	// chainProbe is a short-lived chain used to find out whether the kernel has the physdev match.
+	// chainProbe is the scratch chain in which older versions tried the physdev match; Cleanup
+	// and PruneStale still delete one left behind.
 	chainProbe = "KUBE-PORTALS-PROBE"
 )
 
@@ -192,9 +199,6 @@ type Host struct {
 	// NodeIPs are the node's addresses (any family; Render filters them by Config.Family and
 	// Config.NodePortAddresses). Unused when NodePortAddresses selects every address.
 	NodeIPs []netip.Addr
-	// NoPhysdev is true when the kernel lacks the physdev match: externalIP rules for traffic
-	// from containers then match on the destination alone.
-	NoPhysdev bool
 }
 
 // NodePortIPs returns the addresses NodePorts are served on: all is true when every local address

@@ -70,7 +70,7 @@ func render(cfg Config, host Host, order []*Portal, lay *layout) (nat, filter []
 	// Sizes from a count keep appends from copying (~170 bytes a rule).
 	var addrs, nodePorts int
 	for _, p := range order {
-		addrs += 1 + len(p.LoadBalancerIPs) + 2*len(p.ExternalIPs)
+		addrs += 1 + len(p.LoadBalancerIPs) + len(p.ExternalIPs)
 		if p.NodePort != 0 {
 			nodePorts++
 		}
@@ -431,24 +431,21 @@ func (r *renderer) portal(p *Portal) {
 		}
 	}
 
-	// External IPs: from containers, traffic not bridged in (physdev) and traffic to a local
-	// external IP; from the node, only to a local external IP (others reach the real address).
+	// External IPs: as in kube-proxy, traffic from containers and from the node itself is served
+	// whatever the address, whether it is one of the node's, routed to it, or neither (no
+	// physdev or addrtype match): a pod's packets to an external IP of no node reach the proxy
+	// instead of the network.
 	for _, ip := range r.addrs(p.ExternalIPs) {
 		if p.External != proxy.Redirect {
 			r.pf = r.rule(r.pf, ChainPortalsFilter, ip, p, p.Port, "", r.deny(p.External, p.Protocol))
 			if hostShortCircuit {
-				r.ph = r.rule(r.ph, ChainPortalsHost, ip, p, p.Port, "-m addrtype --dst-type LOCAL", r.hostTg)
+				r.ph = r.rule(r.ph, ChainPortalsHost, ip, p, p.Port, "", r.hostTg)
 				r.pc = r.podRules(r.pc, ChainPortalsContainer, ip, p, p.Port, r.containerTg)
 			}
 			continue
 		}
-		if r.host.NoPhysdev {
-			r.pc = r.rule(r.pc, ChainPortalsContainer, ip, p, p.Port, "", r.containerTg)
-		} else {
-			r.pc = r.rule(r.pc, ChainPortalsContainer, ip, p, p.Port, "-m physdev ! --physdev-is-in", r.containerTg)
-			r.pc = r.rule(r.pc, ChainPortalsContainer, ip, p, p.Port, "-m addrtype --dst-type LOCAL", r.containerTg)
-		}
-		r.ph = r.rule(r.ph, ChainPortalsHost, ip, p, p.Port, "-m addrtype --dst-type LOCAL", r.hostTg)
+		r.pc = r.rule(r.pc, ChainPortalsContainer, ip, p, p.Port, "", r.containerTg)
+		r.ph = r.rule(r.ph, ChainPortalsHost, ip, p, p.Port, "", r.hostTg)
 	}
 
 	// NodePort.

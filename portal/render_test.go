@@ -85,31 +85,17 @@ func TestRender(t *testing.T) {
 			},
 		},
 		{
-			name:    "externalIPs with physdev",
+			// As kube-proxy's: whatever the address, for containers and the node alike.
+			name:    "externalIPs: no physdev or addrtype match",
 			cfg:     v4Config(),
 			portals: []Portal{with(web, func(p *Portal) { p.ExternalIPs = []netip.Addr{a("192.0.2.9"), a("192.0.2.7")} })},
 			nat: []string{
 				`-A KUBE-PORTALS-CONTAINER -d 10.96.0.10/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -j REDIRECT --to-ports 38023`,
-				`-A KUBE-PORTALS-CONTAINER -d 192.0.2.7/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -m physdev ! --physdev-is-in -j REDIRECT --to-ports 38023`,
-				`-A KUBE-PORTALS-CONTAINER -d 192.0.2.7/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -m addrtype --dst-type LOCAL -j REDIRECT --to-ports 38023`,
-				`-A KUBE-PORTALS-CONTAINER -d 192.0.2.9/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -m physdev ! --physdev-is-in -j REDIRECT --to-ports 38023`,
-				`-A KUBE-PORTALS-CONTAINER -d 192.0.2.9/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -m addrtype --dst-type LOCAL -j REDIRECT --to-ports 38023`,
-				`-A KUBE-PORTALS-HOST -d 10.96.0.10/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -j DNAT --to-destination 10.0.0.5:38023`,
-				`-A KUBE-PORTALS-HOST -d 192.0.2.7/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -m addrtype --dst-type LOCAL -j DNAT --to-destination 10.0.0.5:38023`,
-				`-A KUBE-PORTALS-HOST -d 192.0.2.9/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -m addrtype --dst-type LOCAL -j DNAT --to-destination 10.0.0.5:38023`,
-			},
-			filter: []string{
-				webGuard,
-			},
-		},
-		{
-			name:    "externalIPs without physdev",
-			cfg:     v4Config(),
-			host:    Host{NoPhysdev: true},
-			portals: []Portal{with(web, func(p *Portal) { p.ClusterIP = netip.Addr{}; p.ExternalIPs = []netip.Addr{a("192.0.2.7")} })},
-			nat: []string{
 				`-A KUBE-PORTALS-CONTAINER -d 192.0.2.7/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -j REDIRECT --to-ports 38023`,
-				`-A KUBE-PORTALS-HOST -d 192.0.2.7/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -m addrtype --dst-type LOCAL -j DNAT --to-destination 10.0.0.5:38023`,
+				`-A KUBE-PORTALS-CONTAINER -d 192.0.2.9/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -j REDIRECT --to-ports 38023`,
+				`-A KUBE-PORTALS-HOST -d 10.96.0.10/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -j DNAT --to-destination 10.0.0.5:38023`,
+				`-A KUBE-PORTALS-HOST -d 192.0.2.7/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -j DNAT --to-destination 10.0.0.5:38023`,
+				`-A KUBE-PORTALS-HOST -d 192.0.2.9/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -j DNAT --to-destination 10.0.0.5:38023`,
 			},
 			filter: []string{
 				webGuard,
@@ -495,7 +481,7 @@ func TestRender(t *testing.T) {
 				`-A KUBE-PORTALS-CONTAINER -s 10.244.0.0/16 -d 192.0.2.7/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -j REDIRECT --to-ports 38023`,
 				`-A KUBE-PORTALS-HOST -d 10.96.0.10/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -j DNAT --to-destination 10.0.0.5:38023`,
 				`-A KUBE-PORTALS-HOST -d 203.0.113.1/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -j DNAT --to-destination 10.0.0.5:38023`,
-				`-A KUBE-PORTALS-HOST -d 192.0.2.7/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -m addrtype --dst-type LOCAL -j DNAT --to-destination 10.0.0.5:38023`,
+				`-A KUBE-PORTALS-HOST -d 192.0.2.7/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -j DNAT --to-destination 10.0.0.5:38023`,
 				`-A KUBE-NODEPORT-CONTAINER -s 10.244.0.0/16 -p tcp -m comment --comment "default/web:http" -m tcp --dport 30080 -j REDIRECT --to-ports 38023`,
 				`-A KUBE-NODEPORT-HOST -p tcp -m comment --comment "default/web:http" -m tcp --dport 30080 -j DNAT --to-destination 10.0.0.5:38023`,
 			},
@@ -554,10 +540,9 @@ func TestRender(t *testing.T) {
 			},
 			nat: []string{
 				`-A KUBE-PORTALS-CONTAINER -d fd00:96::10/128 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -j REDIRECT --to-ports 38023`,
-				`-A KUBE-PORTALS-CONTAINER -d 2001:db8::7/128 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -m physdev ! --physdev-is-in -j REDIRECT --to-ports 38023`,
-				`-A KUBE-PORTALS-CONTAINER -d 2001:db8::7/128 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -m addrtype --dst-type LOCAL -j REDIRECT --to-ports 38023`,
+				`-A KUBE-PORTALS-CONTAINER -d 2001:db8::7/128 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -j REDIRECT --to-ports 38023`,
 				`-A KUBE-PORTALS-HOST -d fd00:96::10/128 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -j DNAT --to-destination [fd00::5]:38023`,
-				`-A KUBE-PORTALS-HOST -d 2001:db8::7/128 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -m addrtype --dst-type LOCAL -j DNAT --to-destination [fd00::5]:38023`,
+				`-A KUBE-PORTALS-HOST -d 2001:db8::7/128 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -j DNAT --to-destination [fd00::5]:38023`,
 				// IPv6's loopback address serves no NodePorts, as in kube-proxy's iptables mode.
 				`-A KUBE-NODEPORT-CONTAINER ! -d ::1/128 -p tcp -m comment --comment "default/web:http" -m tcp --dport 30080 -j REDIRECT --to-ports 38023`,
 				`-A KUBE-NODEPORT-HOST ! -d ::1/128 -p tcp -m comment --comment "default/web:http" -m tcp --dport 30080 -j DNAT --to-destination [fd00::5]:38023`,

@@ -249,9 +249,9 @@ func hookChains(table string) []string {
 
 // PruneStale removes what an earlier run left that no Sync rewrites: jumps to our chains in a
 // form other than the current one (older versions, kube-proxy's userspace mode), second copies
-// of current jumps, and the physdev probe chain. Our chains and their rules stay: the proxy
-// ports they name keep serving once a restarted proxy's listeners are open on them
-// (Set.SurvivingProxyPorts), and the first Sync replaces their contents atomically, stale
+// of current jumps, and the physdev probe chain of older versions. Our chains and their rules
+// stay: the proxy ports they name keep serving once a restarted proxy's listeners are open on
+// them (Set.SurvivingProxyPorts), and the first Sync replaces their contents atomically, stale
 // service ports included. A current jump stays where it is, unless a built-in chain holds a
 // second copy of one: then its jumps to our chains are all put back in the order a fresh start
 // gives them. It reads each table once (iptables-save; the first call uses what

@@ -117,11 +117,7 @@ var inputHashers = sync.Pool{New: func() any {
 
 // appendHost appends an encoding of every field of host to b.
 func appendHost(b []byte, host Host) []byte {
-	b = appendAddrs(b, host.NodeIPs)
-	if host.NoPhysdev {
-		return binary.AppendVarint(b, 1)
-	}
-	return binary.AppendVarint(b, 0)
+	return appendAddrs(b, host.NodeIPs)
 }
 
 // appendPortal appends an encoding of every field of p to b: two portals with the same encoding

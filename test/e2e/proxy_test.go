@@ -252,10 +252,13 @@ func TestProxy(t *testing.T) {
 	})
 
 	t.Run("externalIPs", func(t *testing.T) {
-		// externalIP is routed to the node but not one of its addresses: served for traffic
-		// arriving at the node (pods, outside), not for the node's own connections, which go
-		// to the real address (as upstream). localExternalIP is an address of the node: served
-		// from everywhere.
+		// externalIP is routed to the node by the outside client but is no address of any
+		// namespace: served for traffic arriving at the node (pods, whether their veth is a
+		// bridge port or not, and the outside) and for the node's own connections, as
+		// kube-proxy serves them, instead of going to the real address (the network namespace
+		// has no route for it). localExternalIP is an address of the node: served from
+		// everywhere.
+		bridged := f.n.AddBridgedPod(t, f.node, "brc")
 		s := harness.ClusterIPService("ext", harness.TCPPort("tcp", 8000, echoPort), harness.UDPPort("udp", 8000, echoPort))
 		s.Spec.ExternalIPs = []string{externalIP.String(), localExternalIP.String()}
 		f.serve(ctx, t, s, 1, 2)
@@ -264,8 +267,8 @@ func TestProxy(t *testing.T) {
 			ip   netip.Addr
 			from []from
 		}{
-			{"routed", externalIP, []from{{"pod", f.clientPod.NS}, {"outside", f.client.NS}}},
-			{"local", localExternalIP, f.everywhere()},
+			{"routed", externalIP, append(f.everywhere(), from{"bridged pod", bridged.NS})},
+			{"local", localExternalIP, append(f.everywhere(), from{"bridged pod", bridged.NS})},
 		}
 		for _, tc := range cases {
 			for _, fr := range tc.from {

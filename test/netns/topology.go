@@ -41,7 +41,8 @@ const (
 //     every other node has a route to it via the node's address;
 //   - pods (see [Network.AddPod]): namespaces with an eth0 whose peer sits in their node, pod
 //     address 10.244.<k>.2, .3, … /32, default route via 10.244.<k>.1 (the address of the node's
-//     side of every pod veth), and a /32 route on the node.
+//     side of every pod veth), and a /32 route on the node; a bridged pod's peer is a port of
+//     the node's bridge cbr0 instead (see [Network.AddBridgedPod]), which holds 10.244.<k>.1.
 //
 // So every pod reaches every pod and node directly, and hosts reach pods through the network
 // namespace. Methods may be called from several goroutines; topology changes are serialised.
@@ -83,8 +84,9 @@ type Node struct {
 	// otherwise.
 	PodCIDRv6 netip.Prefix
 
-	mu      sync.Mutex // guards lastPod
+	mu      sync.Mutex // guards lastPod and bridged
 	lastPod int        // last octet given out in PodCIDR
+	bridged bool       // the pod bridge exists (see Network.AddBridgedPod)
 }
 
 // Pod is a namespace attached to a node by a veth pair (eth0 in the pod).
@@ -325,14 +327,50 @@ func (n *Network) addNodeLocked(t testing.TB, name string) (*Node, error) {
 // next pod address. It fails the test on error.
 func (n *Network) AddPod(t testing.TB, node *Node, name string) *Pod {
 	t.Helper()
-	pod, err := node.addPod(t, name)
+	pod, err := node.addPod(t, name, false)
 	if err != nil {
 		t.Fatalf("netns: add pod %s on node %s: %v", name, node.name, err)
 	}
 	return pod
 }
 
-func (node *Node) addPod(t testing.TB, name string) (*Pod, error) {
+// AddBridgedPod creates a pod on node as [Network.AddPod] does, but with the node's side of its
+// veth a port of the node's bridge cbr0 (created with the first such pod; it holds the pod
+// gateway address), as CNI bridge plugins attach pods: the pod's packets come in through a
+// bridge port, so the physdev match sees them as bridged in. It fails the test on error.
+func (n *Network) AddBridgedPod(t testing.TB, node *Node, name string) *Pod {
+	t.Helper()
+	pod, err := node.addPod(t, name, true)
+	if err != nil {
+		t.Fatalf("netns: add bridged pod %s on node %s: %v", name, node.name, err)
+	}
+	return pod
+}
+
+// podBridge is the name of a node's bridge for pods (see Network.AddBridgedPod).
+const podBridge = "cbr0"
+
+// bridgeLocked creates the node's pod bridge unless it exists.
+func (node *Node) bridgeLocked(ctx context.Context) error {
+	if node.bridged {
+		return nil
+	}
+	steps := [][]string{
+		{"link", "add", podBridge, "type", "bridge"},
+		{"addr", "add", nthAddr(node.PodCIDR, 1).String() + "/32", "dev", podBridge},
+	}
+	if node.PodCIDRv6.IsValid() {
+		steps = append(steps, []string{"addr", "add", nthAddr(node.PodCIDRv6, 1).String() + "/128", "dev", podBridge, "nodad"})
+	}
+	steps = append(steps, []string{"link", "set", podBridge, "up"})
+	if err := node.ipSteps(ctx, steps); err != nil {
+		return err
+	}
+	node.bridged = true
+	return nil
+}
+
+func (node *Node) addPod(t testing.TB, name string, bridged bool) (*Pod, error) {
 	t.Helper()
 	node.mu.Lock()
 	defer node.mu.Unlock()
@@ -354,11 +392,24 @@ func (node *Node) addPod(t testing.TB, name string) (*Pod, error) {
 	if err := ipCmd(ctx, "link", "add", "eth0", "netns", pod.name, "type", "veth", "peer", "name", veth, "netns", node.name); err != nil {
 		return nil, err
 	}
-	if err := node.ipSteps(ctx, [][]string{
+	// The pod's route on the node leads to its veth, or to the bridge the veth is a port of.
+	dev := veth
+	steps := [][]string{
 		{"addr", "add", gw.String() + "/32", "dev", veth},
 		{"link", "set", veth, "up"},
-		{"route", "add", pod.IP.String() + "/32", "dev", veth},
-	}); err != nil {
+	}
+	if bridged {
+		if err := node.bridgeLocked(ctx); err != nil {
+			return nil, err
+		}
+		dev = podBridge
+		steps = [][]string{
+			{"link", "set", veth, "master", podBridge},
+			{"link", "set", veth, "up"},
+		}
+	}
+	steps = append(steps, []string{"route", "add", pod.IP.String() + "/32", "dev", dev})
+	if err := node.ipSteps(ctx, steps); err != nil {
 		return nil, err
 	}
 	if err := pod.ipSteps(ctx, [][]string{
@@ -372,10 +423,11 @@ func (node *Node) addPod(t testing.TB, name string) (*Pod, error) {
 	if node.PodCIDRv6.IsValid() {
 		pod.IPv6 = nthAddr(node.PodCIDRv6, octet)
 		gw6 := nthAddr(node.PodCIDRv6, 1)
-		if err := node.ipSteps(ctx, [][]string{
-			{"addr", "add", gw6.String() + "/128", "dev", veth, "nodad"},
-			{"route", "add", pod.IPv6.String() + "/128", "dev", veth},
-		}); err != nil {
+		steps := [][]string{{"route", "add", pod.IPv6.String() + "/128", "dev", dev}}
+		if !bridged {
+			steps = append([][]string{{"addr", "add", gw6.String() + "/128", "dev", veth, "nodad"}}, steps...)
+		}
+		if err := node.ipSteps(ctx, steps); err != nil {
 			return nil, err
 		}
 		if err := pod.ipSteps(ctx, [][]string{

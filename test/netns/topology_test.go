@@ -36,7 +36,8 @@ func TestTwoNodeTopology(t *testing.T) {
 		pod2 := n.AddPod(t, node2, "p2")
 		pod3 := n.AddPod(t, node2, "p3")
 		client := n.AddClient(t, "client")
-		for _, ns := range []*netns.NS{n.NS, node1.NS, node2.NS, pod1.NS, pod2.NS, pod3.NS, client.NS} {
+		pod4 := n.AddBridgedPod(t, node1, "p4") // beside pod1, through the node's bridge
+		for _, ns := range []*netns.NS{n.NS, node1.NS, node2.NS, pod1.NS, pod2.NS, pod3.NS, client.NS, pod4.NS} {
 			names = append(names, ns.Name())
 		}
 
@@ -51,6 +52,7 @@ func TestTwoNodeTopology(t *testing.T) {
 			{"pod2", pod2.IP, netip.MustParseAddr("10.244.2.2")},
 			{"pod3", pod3.IP, netip.MustParseAddr("10.244.2.3")},
 			{"client", client.IP, netip.MustParseAddr("10.0.0.4")},
+			{"bridged pod4", pod4.IP, netip.MustParseAddr("10.244.1.3")},
 		}
 		for _, a := range addrs {
 			if a.got != a.want {
@@ -65,7 +67,7 @@ func TestTwoNodeTopology(t *testing.T) {
 		for _, s := range []struct {
 			ns     *netns.NS
 			banner string
-		}{{node1.NS, "node1"}, {pod1.NS, "pod1"}, {pod2.NS, "pod2"}, {pod3.NS, "pod3"}} {
+		}{{node1.NS, "node1"}, {pod1.NS, "pod1"}, {pod2.NS, "pod2"}, {pod3.NS, "pod3"}, {pod4.NS, "pod4"}} {
 			serveEcho(t, s.ns, port, s.banner)
 		}
 
@@ -83,6 +85,10 @@ func TestTwoNodeTopology(t *testing.T) {
 			{name: "pod to another node", from: pod2.NS, to: node1.IP, banner: "node1"},
 			{name: "client to node", from: client.NS, to: node1.IP, banner: "node1"},
 			{name: "client to pod", from: client.NS, to: pod2.IP, banner: "pod2"},
+			{name: "bridged pod to pod on another node", from: pod4.NS, to: pod2.IP, banner: "pod2"},
+			{name: "bridged pod to pod on the same node", from: pod4.NS, to: pod1.IP, banner: "pod1"},
+			{name: "node to its bridged pod", from: node1.NS, to: pod4.IP, banner: "pod4"},
+			{name: "client to bridged pod", from: client.NS, to: pod4.IP, banner: "pod4"},
 		}
 		for _, tc := range tests {
 			t.Run(tc.name, func(t *testing.T) {
