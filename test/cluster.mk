@@ -8,7 +8,8 @@
 #                           docs/cluster.md): dependencies checked first, then binaries, images,
 #                           the cluster, its service proxy and CoreDNS, each phase timed;
 #                           PROXY=kube-userspace-proxy (default), kube-proxy-iptables or
-#                           kube-proxy-nftables picks the service proxy
+#                           kube-proxy-nftables picks the service proxy; MONITORING=1 starts
+#                           Prometheus too (hack/cluster.sh monitoring)
 #   make cluster-down       remove it (every process, mount, namespace and file)
 #   make test-cluster       the end-to-end tests on that cluster (test/kcluster, build tag
 #                           cluster): brings it up if it is not, and down again if it brought it
@@ -43,8 +44,9 @@ KUP_CLUSTER_TEST_TIMEOUT ?= 25m
 
 # Not after test-bins: up checks the dependencies before it builds anything, then builds.
 PROXY ?= kube-userspace-proxy
+MONITORING ?=
 cluster:
-	GO="$(GO)" KUP_CLUSTER_PROXY="$(PROXY)" $(KUP_CLUSTER_SH) up
+	GO="$(GO)" KUP_CLUSTER_PROXY="$(PROXY)" KUP_CLUSTER_MONITORING="$(MONITORING)" $(KUP_CLUSTER_SH) up
 
 cluster-down:
 	$(KUP_CLUSTER_SH) down
