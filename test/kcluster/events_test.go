@@ -52,8 +52,8 @@ func describedEvents(out string) []string {
 // TestEventsAsKubeProxy: what `kubectl describe` shows of the proxy's Events on the cluster: a
 // Service with an invalid kube-userspace-proxy.io/proxy-protocol value has a Warning
 // InvalidField Event from kube-userspace-proxy naming the annotation and its value, one from
-// each node's proxy; every Node has the Normal Starting Event of the proxy running on it, as it
-// has kube-proxy's.
+// each node's proxy; every Node has the Normal Starting Event of the proxy running on it, listed
+// by kubectl get events as kube-proxy's is.
 func TestEventsAsKubeProxy(t *testing.T) {
 	deployProxy(t)
 	t.Run("Warning on a Service with an invalid field", func(t *testing.T) {
@@ -111,17 +111,32 @@ func TestEventsAsKubeProxy(t *testing.T) {
 				break
 			}
 		}
+		// kubectl get events lists them, as kube-proxy's: the Node by name, no UID (kube-proxy's
+		// reference, which the end-to-end test compares with ours). kubectl describe node lists
+		// only events that name the Node's UID: neither kube-proxy's nor the kubelet's own
+		// "Starting kubelet." (checked below, so that a kubectl that starts listing them is seen).
 		for _, n := range nodes {
-			waitFor(t, time.Minute, time.Second, "the proxy's Starting Event in kubectl describe node "+n, func() error {
-				for _, l := range describedEvents(kubectl(t, 30*time.Second, "describe", "node", n)) {
-					f := strings.Fields(l)
-					if len(f) >= 4 && f[0] == "Normal" && f[1] == "Starting" && strings.Contains(l, "kube-userspace-proxy") {
-						t.Logf("kubectl describe node %s: %s", n, l)
+			sel := "involvedObject.kind=Node,involvedObject.name=" + n + ",reason=Starting"
+			waitFor(t, time.Minute, time.Second, "the proxy's Starting Event in kubectl get events of "+n, func() error {
+				for _, l := range strings.Split(kubectl(t, 30*time.Second, "-n", "default", "get", "events", "--field-selector", sel, "-o", "wide"), "\n") {
+					if f := strings.Fields(l); len(f) > 3 && f[1] == "Normal" && f[2] == "Starting" && strings.Contains(l, "kube-userspace-proxy, kube-userspace-proxy-") {
+						t.Logf("kubectl get events: %s", strings.Join(f, " "))
 						return nil
 					}
 				}
 				return fmt.Errorf("no Normal Starting from kube-userspace-proxy")
 			})
+			var ours, kubelet bool
+			for _, l := range describedEvents(kubectl(t, 30*time.Second, "describe", "node", n)) {
+				f := strings.Fields(l)
+				if len(f) >= 4 && f[0] == "Normal" && f[1] == "Starting" {
+					ours = ours || strings.Contains(l, "kube-userspace-proxy")
+					kubelet = kubelet || strings.Contains(l, "kubelet")
+				}
+			}
+			if ours != kubelet {
+				t.Errorf("kubectl describe node %s: the proxy's Starting Event listed %v, the kubelet's %v: want both or neither", n, ours, kubelet)
+			}
 		}
 	})
 }

@@ -265,11 +265,11 @@ func TestMonitoring(t *testing.T) {
 			checkRules(t, prom, ruleFile(t, monitoringFile(f)), deadline)
 		}
 	})
-	t.Run("provoked alerts pending", func(t *testing.T) {
+	t.Run("provoked alerts pending or firing", func(t *testing.T) {
 		for _, q := range []string{
-			`ALERTS{alertname="KubeUserspaceProxyConnectionsFailing", alertstate="pending", namespace="kup-mon", service="dead"}`,
-			`ALERTS{alertname="KubeUserspaceProxyEndpointDialFailures", alertstate="pending", namespace="kup-mon", service="failover", endpoint="` + refusingIP + `:8080"}`,
-			`ALERTS{alertname="KubeUserspaceProxyEndpointDialFailures", alertstate="pending", namespace="kup-mon", service="dead"}`,
+			`ALERTS{alertname="KubeUserspaceProxyConnectionsFailing", alertstate=~"pending|firing", namespace="kup-mon", service="dead"}`,
+			`ALERTS{alertname="KubeUserspaceProxyEndpointDialFailures", alertstate=~"pending|firing", namespace="kup-mon", service="failover", endpoint="` + refusingIP + `:8080"}`,
+			`ALERTS{alertname="KubeUserspaceProxyEndpointDialFailures", alertstate=~"pending|firing", namespace="kup-mon", service="dead"}`,
 		} {
 			waitData(t, prom, q, time.Now().Add(time.Minute))
 		}
@@ -377,9 +377,18 @@ func handoverSeen(t *testing.T, prom string) {
 	kubectl(t, 30*time.Second, "-n", proxyNS, "rollout", "restart", "daemonset/"+proxyName)
 	kubectl(t, rolloutLimit+30*time.Second, "-n", proxyNS, "rollout", "status", "daemonset/"+proxyName, "--timeout="+rolloutLimit.String())
 	waitFor(t, time.Minute, time.Second, "old proxy pods gone", func() error {
-		for n, p := range proxyPods(t) {
-			if before[n].UID == p.UID || !podReady(&p) {
-				return fmt.Errorf("%s: pod %s (old or not Ready)", n, p.Name)
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		pods, err := env.client.CoreV1().Pods(proxyNS).List(ctx, metav1.ListOptions{LabelSelector: proxyLabel})
+		if err != nil {
+			return err
+		}
+		if len(pods.Items) != len(nodes) {
+			return fmt.Errorf("%d proxy pods", len(pods.Items))
+		}
+		for _, p := range pods.Items {
+			if before[p.Spec.NodeName].UID == p.UID || !podReady(&p) {
+				return fmt.Errorf("%s: pod %s (old or not Ready)", p.Spec.NodeName, p.Name)
 			}
 		}
 		return nil

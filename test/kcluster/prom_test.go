@@ -176,11 +176,13 @@ func dashboardQueries(t testing.TB, file string) (queries []panelQuery, variable
 
 // rule is a Prometheus rule of a rule file.
 type rule struct {
-	Group  string `json:"-"`
-	Record string `json:"record"`
-	Alert  string `json:"alert"`
-	Expr   string `json:"expr"`
-	For    string `json:"for"`
+	Group       string            `json:"-"`
+	Record      string            `json:"record"`
+	Alert       string            `json:"alert"`
+	Expr        string            `json:"expr"`
+	For         string            `json:"for"`
+	Labels      map[string]string `json:"labels"`
+	Annotations map[string]string `json:"annotations"`
 }
 
 func ruleFile(t testing.TB, file string) []rule {
