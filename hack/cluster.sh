@@ -621,6 +621,7 @@ State and logs: $state. kubectl: $kubectl (the pinned one).
   hack/cluster.sh proxy kube-proxy-nftables   # switch the service proxy (or kube-proxy-iptables, kube-userspace-proxy)
   hack/cluster.sh exec node-1 ip route        # in a node's namespace
   hack/cluster.sh client curl ...             # from outside the cluster
+  hack/cluster.sh monitoring                  # Prometheus scraping the proxies and the API server
   make cluster-down                           # remove everything
 HINT
 }
