@@ -58,7 +58,7 @@ func TestEventsAsKubeProxy(t *testing.T) {
 	deployProxy(t)
 	t.Run("Warning on a Service with an invalid field", func(t *testing.T) {
 		kubectlApply(t, badServiceYAML)
-		t.Cleanup(func() { kubectl(t, 2*time.Minute, "delete", "namespace", eventsNS, "--wait=false") })
+		t.Cleanup(func() { kubectl(t, 2*time.Minute, "delete", "namespace", eventsNS, "--timeout=100s") })
 		const field = "metadata.annotations[kube-userspace-proxy.io/proxy-protocol]"
 		var lines []string
 		waitFor(t, time.Minute, time.Second, "the InvalidField Event in kubectl describe service", func() error {

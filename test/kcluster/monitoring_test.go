@@ -240,7 +240,8 @@ func TestMonitoring(t *testing.T) {
 	t.Cleanup(func() {
 		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 		defer cancel()
-		_, _ = run(ctx, nil, env.kubectl, "delete", "namespace", monNS, "--wait=false")
+		// Gone before the next run applies it again.
+		_, _ = run(ctx, nil, env.kubectl, "delete", "namespace", monNS, "--timeout=100s")
 	})
 	kubectlApply(t, failoverSlice(echoPodIP(t)))
 	kubectl(t, 2*time.Minute, "-n", monNS, "rollout", "status", "deployment/churn", "--timeout=100s")
