@@ -51,8 +51,7 @@ fmt-check:
 # [Conformance] specs of Kubernetes' own end-to-end suite against this proxy (test/conformance.mk).
 test: deps test-bins lint
 	KUP_TEST_ALL=1 $(GO) test -json -race -count=1 -timeout $(TEST_TIMEOUT) ./... 2>&1 | $(GO) run ./hack/testcheck
-	$(MAKE) test-cluster
-	$(MAKE) test-conformance
+	$(MAKE) test-on-cluster
 	$(MAKE) fuzz
 
 # Every fuzz target for a bounded number of inputs (their seed corpora also run in every `go test`),

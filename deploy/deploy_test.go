@@ -131,6 +131,32 @@ func TestManifests(t *testing.T) {
 	if holder == nil {
 		t.Fatal("DaemonSet: no holder init container")
 	}
+	// The conntrack sysctls: set by a privileged init container that runs --conntrack-only with
+	// the proxy's configuration and exits (not a sidecar), before the proxy starts.
+	var ct map[string]any
+	for _, ic := range inits {
+		if m := ic.(map[string]any); m["name"] == "conntrack" {
+			ct = m
+		}
+	}
+	if ct == nil {
+		t.Fatal("DaemonSet: no conntrack init container")
+	}
+	ctcmd, _, _ := unstructured.NestedStringSlice(ct, "command")
+	ctpriv, _, _ := unstructured.NestedBool(ct, "securityContext", "privileged")
+	switch {
+	case len(ctcmd) == 0 || ctcmd[0] != args[0] || !slices.Contains(ctcmd, "--conntrack-only"):
+		t.Errorf("DaemonSet conntrack: command %v, want %s --conntrack-only", ctcmd, args[0])
+	case flag(ctcmd, "config") == "" || flag(ctcmd, "config") != flag(args, "config"):
+		t.Errorf("DaemonSet conntrack: --config %q, the proxy's %q: want one configuration", flag(ctcmd, "config"), flag(args, "config"))
+	case !ctpriv:
+		t.Error("DaemonSet conntrack: not privileged (/proc/sys is read-only otherwise)")
+	case ct["restartPolicy"] != nil:
+		t.Errorf("DaemonSet conntrack: restartPolicy %v: it runs once, before the proxy", ct["restartPolicy"])
+	}
+	if o.ConntrackTCPCloseWaitTimeout != time.Hour || o.ConntrackTCPEstablishedTimeout != 24*time.Hour {
+		t.Errorf("ConfigMap conntrack: close-wait %v, established %v: want kube-proxy's 1h and 24h", o.ConntrackTCPCloseWaitTimeout, o.ConntrackTCPEstablishedTimeout)
+	}
 	hcmd, _, _ := unstructured.NestedStringSlice(holder, "command")
 	mountOf := func(c map[string]any, path string) string {
 		for _, m := range c["volumeMounts"].([]any) {

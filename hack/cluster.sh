@@ -407,7 +407,9 @@ EOF
 start_node() {
 	local n=$1
 	rm -f "$state/$n/started"
-	ip netns exec "$(nodens "$n")" setsid "$here/node.sh" "$state" "$n" "$name" >"$state/$n/node.log" 2>&1 </dev/null &
+	# A UTS namespace of the node's own: its hostname is the node's name, as hostNetwork pods
+	# (which share it) see it on a real node.
+	ip netns exec "$(nodens "$n")" unshare --uts setsid "$here/node.sh" "$state" "$n" "$name" >"$state/$n/node.log" 2>&1 </dev/null &
 }
 
 # node_pids NODE: the PIDs of a node's processes: its cgroup subtree holds all of them (node.sh
@@ -503,7 +505,7 @@ phase_end() {
 # missing_deps: what up needs and does not find, one a line.
 missing_deps() {
 	local c
-	for c in containerd runc ctr socat openssl docker ip nsenter setsid flock iptables nft conntrack; do
+	for c in containerd runc ctr socat openssl docker ip nsenter unshare hostname setsid flock iptables nft conntrack; do
 		command -v "$c" >/dev/null || echo "$c"
 	done
 	[ -x /usr/lib/cni/bridge ] || echo "/usr/lib/cni/bridge (containernetworking-plugins)"
@@ -851,7 +853,7 @@ exec)
 	n=${1:?usage: hack/cluster.sh exec NODE CMD...}
 	shift
 	[ -s "$state/$n/node.pid" ] || die "no node $n (node-1 .. node-3)"
-	exec nsenter -t "$(cat "$state/$n/node.pid")" -m -n -- "$@"
+	exec nsenter -t "$(cat "$state/$n/node.pid")" -m -n -u -- "$@"
 	;;
 client) need_up; exec ip netns exec "$clientns" "$@" ;;
 images)

@@ -65,9 +65,9 @@
 //
 // # Unreachable endpoints
 //
-// The proxy reports each endpoint a dial could not reach (Unreachable); the port's picks then pass
-// over it for a hold of 1 s, doubled for each failure that follows soon after the previous hold,
-// up to 16 s (unreachable.go). Affinity entries naming a held endpoint are not used. When every
+// The proxy reports each endpoint a TCP dial could not reach, or that answered a UDP session with
+// an ICMP error (Unreachable); the port's picks then pass over it for a hold of 1 s, doubled for
+// each failure that follows soon after the previous hold, up to 16 s (unreachable.go). Affinity entries naming a held endpoint are not used. When every
 // usable endpoint of a pick is held, the holds are ignored. Ports without holds pay nothing.
 //
 // # Concurrency

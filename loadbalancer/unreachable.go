@@ -7,9 +7,10 @@ import (
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy"
 )
 
-// Endpoints that could not be reached. The proxy reports each failed dial (refused, timed out,
-// unreachable) with Unreachable; for a while (the hold) the port's picks then pass over that
-// endpoint, so that other connections do not wait on it too. It matters when endpoints die
+// Endpoints that could not be reached. The proxy reports each failed TCP dial (refused, timed
+// out, unreachable) and each ICMP error a UDP session's endpoint answers with, with Unreachable;
+// for a while (the hold) the port's picks then pass over that endpoint, so that other
+// connections and sessions do not wait on it too. It matters when endpoints die
 // before their EndpointSlices say so: a node that stops with its pods, pods whose network is torn
 // down while their endpoints are still listed. The first hold is unreachableHold; a failure
 // reported within a hold's length after the previous hold ended doubles it, up to

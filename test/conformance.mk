@@ -14,9 +14,11 @@
 #   make test-conformance   the [Conformance] specs of sig-network against kube-userspace-proxy,
 #                           failing on any failed spec; the report goes to a temporary directory
 #                           (make test runs it after test-cluster)
+#   make test-on-cluster    test-cluster, then test-conformance, on one bring-up of the cluster
+#                           (what make test runs); down again if it brought it up
 #
 # The pin: test/e2ebin/pin.sh $(KUP_K8S_VERSION) rewrites test/e2ebin/go.mod.
-.PHONY: e2e-bins conformance test-conformance
+.PHONY: e2e-bins conformance test-conformance test-on-cluster
 
 PROXY ?= kube-userspace-proxy
 CONFORMANCE_ARGS ?=
@@ -39,3 +41,11 @@ conformance: test-bins e2e-bins
 
 test-conformance: test-bins e2e-bins
 	@out=$$(mktemp -d); trap 'rm -rf "$$out"' EXIT; $(call conformance-run,--proxy kube-userspace-proxy --conformance --check --out $$out)
+
+# Both run even when the first fails (each failure is reported); the cluster comes up once.
+test-on-cluster: test-bins e2e-bins
+	@was_up=; $(KUP_CLUSTER_SH) kubeconfig >/dev/null 2>&1 && was_up=1; rc=0; \
+	$(MAKE) --no-print-directory KUP_CLUSTER_KEEP=1 test-cluster || rc=$$?; \
+	$(MAKE) --no-print-directory KUP_CLUSTER_KEEP=1 test-conformance || rc=$$?; \
+	if [ -z "$$was_up" ] && [ -z "$(KUP_CLUSTER_KEEP)" ]; then $(KUP_CLUSTER_SH) down || rc=1; fi; \
+	exit $$rc

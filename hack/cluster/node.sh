@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # node.sh STATE NODE [CLUSTER]: one node of the local cluster (hack/cluster.sh), run by `hack/cluster.sh up`
-# as `ip netns exec CLUSTER-NODE node.sh ...`, so it starts in the node's network namespace and in a
+# as `ip netns exec CLUSTER-NODE unshare --uts node.sh ...`, so it starts in the node's network
+# namespace, in a UTS namespace of its own (hostname NODE, which hostNetwork pods share) and in a
 # mount namespace of its own that receives the machine's mounts but sends none back.
 #
 # In that mount namespace it mounts what containerd and the kubelet need to see as their own:
@@ -19,6 +20,7 @@ dir=$state/$node
 cgroot=${3:-kupc}-$node
 
 echo $$ >"$dir/node.pid"
+hostname "$node"
 mount -n --make-rslave /
 
 # The cgroup hierarchies, as the machine mounts them (PID 1's view).

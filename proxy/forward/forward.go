@@ -26,10 +26,11 @@ type Chooser interface {
 
 // UnreachableChooser is a Chooser that hears of the endpoints that could not be reached: the TCP
 // proxy reports each dial attempt that the endpoint refused, that timed out or that found no
-// route, so that the Chooser can pass over that endpoint for other connections for a while (it
-// has not left the EndpointSlices yet, or never will: a node that stopped with its pods). Not
-// reported: attempts that failed for the proxy's own want of descriptors or memory. Unreachable
-// is called from many goroutines at once, only on failures.
+// route, and the UDP proxy each session whose endpoint answered with an ICMP error (port
+// unreachable, no route), so that the Chooser can pass over that endpoint for other connections
+// and sessions for a while (it has not left the EndpointSlices yet, or never will: a node that
+// stopped with its pods). Not reported: attempts that failed for the proxy's own want of
+// descriptors or memory. Unreachable is called from many goroutines at once, only on failures.
 type UnreachableChooser interface {
 	Chooser
 	Unreachable(endpoint netip.AddrPort)

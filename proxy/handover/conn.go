@@ -14,6 +14,9 @@ import (
 // more than SCM_MAX_FD (253) in one sendmsg.
 const maxFilesPerMessage = 250
 
+// maxBatchBytes is about how much JSON one records message carries before the next begins.
+const maxBatchBytes = 1 << 20
+
 // maxMessageBytes bounds a message's body: a successor never allocates more for what a peer
 // says is coming (the largest record is a connection with two full splice pipes of pending
 // bytes, base64-encoded in JSON).
@@ -118,6 +121,61 @@ func (c *conn) recv(msg any) ([]*os.File, error) {
 		return nil, fmt.Errorf("hand-over: receive: %w", err)
 	}
 	return files, nil
+}
+
+// recordSender sends records in messages of at most maxFilesPerMessage descriptors and about
+// maxBatchBytes of JSON, then the end with how many records there were: the one batching of the
+// hand-over (sendPackage) and of the listener store (its sendAll and sendKept). The records'
+// descriptors are raw; recordSender does not own them.
+type recordSender struct {
+	c *conn
+	// sent, if set, gets each message's descriptors once the message is sent (or failed).
+	sent func(fds []int)
+
+	batch []Record
+	fds   []int // the queued records' descriptors, in order
+	size  int   // about how many bytes of JSON batch is
+	total int
+}
+
+// add queues r with its descriptors fds (r.NFiles becomes their number), sending the records
+// queued before when r would not fit in their message. On error nothing of r is queued.
+func (rs *recordSender) add(r Record, fds []int) error {
+	if len(fds) > maxFilesPerMessage {
+		return fmt.Errorf("hand-over: record %s has %d descriptors (at most %d)", r.Kind, len(fds), maxFilesPerMessage)
+	}
+	if len(rs.fds)+len(fds) > maxFilesPerMessage || rs.size+len(r.Meta) > maxBatchBytes {
+		if err := rs.flush(); err != nil {
+			return err
+		}
+	}
+	r.NFiles, r.Files = len(fds), nil
+	rs.batch = append(rs.batch, r)
+	rs.fds = append(rs.fds, fds...)
+	rs.size += len(r.Meta) + 64
+	rs.total++
+	return nil
+}
+
+// flush sends the queued records, if any, in one message.
+func (rs *recordSender) flush() error {
+	if len(rs.batch) == 0 {
+		return nil
+	}
+	err := rs.c.sendFDs(message{Type: msgRecords, Records: rs.batch}, rs.fds)
+	if rs.sent != nil {
+		rs.sent(rs.fds)
+	}
+	rs.batch, rs.fds, rs.size = nil, nil, 0
+	return err
+}
+
+// end sends the queued records, then the end.
+func (rs *recordSender) end() error {
+	if err := rs.flush(); err != nil {
+		return err
+	}
+	return rs.c.send(message{Type: msgEnd, Total: rs.total}, nil)
 }
 
 // rawFD returns f's descriptor without File.Fd's side effect: Fd puts the descriptor in

@@ -122,9 +122,6 @@ const (
 // (no common version, say); the reason follows it.
 var ErrRefused = errors.New("hand-over refused")
 
-// maxBatchBytes is about how much JSON one records message carries before the next begins.
-const maxBatchBytes = 1 << 20
-
 // Giver is what the predecessor hands over: Listener.Serve calls it.
 type Giver interface {
 	// Freeze stops serving and returns everything to hand over, as duplicated descriptors.
@@ -310,38 +307,23 @@ func common(theirs []int) (int, bool) {
 	return 0, false
 }
 
-// sendPackage sends pkg's records in batches of at most maxFilesPerMessage descriptors and
-// about maxBatchBytes of JSON, then the end.
+// sendPackage sends pkg's records (see recordSender), then the end.
 func sendPackage(c *conn, pkg *Package) error {
-	var batch []Record
-	var files []*os.File
-	size := 0
-	flush := func() error {
-		if len(batch) == 0 {
-			return nil
-		}
-		err := c.send(message{Type: msgRecords, Records: batch}, files)
-		batch, files, size = nil, nil, 0
-		return err
-	}
+	rs := recordSender{c: c}
 	for _, r := range pkg.Records {
-		if len(r.Files) > maxFilesPerMessage {
-			return fmt.Errorf("hand-over: record %s has %d descriptors", r.Kind, len(r.Files))
-		}
-		if len(files)+len(r.Files) > maxFilesPerMessage || size+len(r.Meta) > maxBatchBytes {
-			if err := flush(); err != nil {
-				return err
+		fds := make([]int, len(r.Files))
+		for i, f := range r.Files {
+			fd, err := rawFD(f)
+			if err != nil {
+				return fmt.Errorf("hand-over: record %s: %w", r.Kind, err)
 			}
+			fds[i] = fd
 		}
-		r.NFiles = len(r.Files)
-		batch = append(batch, r)
-		files = append(files, r.Files...)
-		size += len(r.Meta) + 64
+		if err := rs.add(r, fds); err != nil {
+			return err
+		}
 	}
-	if err := flush(); err != nil {
-		return err
-	}
-	return c.send(message{Type: msgEnd, Total: len(pkg.Records)}, nil)
+	return rs.end()
 }
 
 // Take asks the predecessor listening at path to hand everything over and returns what it

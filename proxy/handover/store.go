@@ -349,30 +349,14 @@ func (s *Store) sendAll(c *conn) error {
 		keys = append(keys, k)
 	}
 	slices.Sort(keys)
-	var batch []Record
-	var fds []int
-	flush := func() error {
-		if len(batch) == 0 {
-			return nil
-		}
-		err := c.sendFDs(message{Type: msgRecords, Records: batch}, fds)
-		batch, fds = nil, nil
-		return err
-	}
+	rs := recordSender{c: c}
 	for _, k := range keys {
 		ks := s.socks[k]
-		if len(fds) == maxFilesPerMessage {
-			if err := flush(); err != nil {
-				return err
-			}
+		if err := rs.add(Record{Kind: KindListener, Meta: ks.meta}, []int{ks.fd}); err != nil {
+			return err
 		}
-		batch = append(batch, Record{Kind: KindListener, Meta: ks.meta, NFiles: 1})
-		fds = append(fds, ks.fd)
 	}
-	if err := flush(); err != nil {
-		return err
-	}
-	return c.send(message{Type: msgEnd, Total: len(keys)}, nil)
+	return rs.end()
 }
 
 // StoreClient is a proxy's side of the listener store.
@@ -500,48 +484,28 @@ func (sc *StoreClient) store(ctx context.Context, hello storeMessage, ls []KeptL
 // message and closed once sent; a socket closed meanwhile (its service port went away) is
 // left out.
 func sendKept(c *conn, ls []KeptListener) error {
-	var batch []Record
-	var fds []int
-	defer func() {
+	closeAll := func(fds []int) {
 		for _, fd := range fds {
 			closeFD(fd)
 		}
-	}()
-	flush := func() error {
-		if len(batch) == 0 {
-			return nil
-		}
-		err := c.sendFDs(message{Type: msgRecords, Records: batch}, fds)
-		for _, fd := range fds {
-			closeFD(fd)
-		}
-		batch, fds = nil, nil
-		return err
 	}
-	total := 0
+	rs := recordSender{c: c, sent: closeAll}
+	defer func() { closeAll(rs.fds) }() // queued when an error ended the exchange
 	for _, l := range ls {
 		fd, err := dupConn(l.Conn)
 		if err != nil {
 			continue // closed since: its service port is gone
 		}
 		meta, err := json.Marshal(l.Meta)
+		if err == nil {
+			err = rs.add(Record{Kind: KindListener, Meta: meta}, []int{fd})
+		}
 		if err != nil {
 			closeFD(fd)
 			return fmt.Errorf("listener of %s: %w", l.Meta.Name, err)
 		}
-		batch = append(batch, Record{Kind: KindListener, Meta: meta, NFiles: 1})
-		fds = append(fds, fd)
-		total++
-		if len(fds) == maxFilesPerMessage {
-			if err := flush(); err != nil {
-				return err
-			}
-		}
 	}
-	if err := flush(); err != nil {
-		return err
-	}
-	return c.send(message{Type: msgEnd, Total: total}, nil)
+	return rs.end()
 }
 
 // randomInstance names a holder process: its pid and start, enough to tell a restarted holder

@@ -5,6 +5,7 @@ package handover
 import (
 	"context"
 	"errors"
+	"fmt"
 	"io"
 	"net"
 	"os"
@@ -208,4 +209,62 @@ func TestStoreRefusesWhatItShouldNot(t *testing.T) {
 	if _, err := (&StoreClient{Path: filepath.Join(t.TempDir(), "none.sock")}).Status(ctxT(t)); err == nil {
 		t.Fatal("no holder: Status succeeded")
 	}
+}
+
+// More listeners than one message carries go to the holder and come back in several messages;
+// the duplicates the proxy makes to send them are closed once sent.
+func TestStoreManyListeners(t *testing.T) {
+	s, path := startStore(t, "")
+	sc := &StoreClient{Path: path}
+	const n = 2*maxFilesPerMessage + 100
+	ls := make([]KeptListener, n)
+	for i := range ls {
+		ls[i] = kept(fmt.Sprintf("l%d", i), tcpListener(t))
+	}
+	before := openFDs(t)
+	info, err := sc.Replace(ctxT(t), ls)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if info.Count != n || s.Len() != n {
+		t.Fatalf("after replace: %+v, store %d; want %d", info, s.Len(), n)
+	}
+	// The store runs in this process: it holds n more, the proxy's side none (once the store
+	// has closed its end of the exchange, which it does after its answer).
+	got := openFDs(t) - before
+	for deadline := time.Now().Add(5 * time.Second); got != n && time.Now().Before(deadline); got = openFDs(t) - before {
+		time.Sleep(10 * time.Millisecond)
+	}
+	if got != n {
+		t.Errorf("%d more descriptors open after the replace, want the store's %d", got, n)
+	}
+	_, recs, err := sc.Take(ctxT(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer (&Package{Records: recs}).Close()
+	if len(recs) != n {
+		t.Fatalf("took %d records, want %d", len(recs), n)
+	}
+	seen := map[string]bool{}
+	for i := range recs {
+		var m ListenerMeta
+		if err := recs[i].Decode(&m, 1, 1); err != nil {
+			t.Fatal(err)
+		}
+		seen[m.Name.Name] = true
+	}
+	if len(seen) != n {
+		t.Errorf("%d distinct listeners taken, want %d", len(seen), n)
+	}
+}
+
+// openFDs counts this process's open descriptors.
+func openFDs(t *testing.T) int {
+	t.Helper()
+	ents, err := os.ReadDir("/proc/self/fd")
+	if err != nil {
+		t.Fatal(err)
+	}
+	return len(ents)
 }

@@ -14,11 +14,11 @@ import (
 	"testing"
 	"time"
 
-	"github.com/rs/zerolog"
 	v1 "k8s.io/api/core/v1"
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/handover"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/handover/handovertest"
 )
 
 // The listening sockets a holder keeps outlive the proxier that opened them: a TCP connection
@@ -28,15 +28,8 @@ import (
 func TestKeptListenersOutliveTheProxier(t *testing.T) {
 	a, b := startBackend(t, "a"), startBackend(t, "b")
 	path := filepath.Join(t.TempDir(), "holder", "holder.sock")
-	ln, err := handover.ListenStore(path)
-	if err != nil {
-		t.Fatal(err)
-	}
-	store := handover.NewStore("", zerolog.New(zerolog.NewTestWriter(t)))
-	sctx, stopStore := context.WithCancel(context.Background())
-	storeDone := make(chan struct{})
-	go func() { store.Serve(sctx, ln, 5*time.Second); close(storeDone) }()
-	defer func() { stopStore(); <-storeDone; _ = ln.Close(); store.Close() }()
+	store, stopStore := handovertest.ServeStore(t, path)
+	defer stopStore()
 	sc := &handover.StoreClient{Path: path}
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()

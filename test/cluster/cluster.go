@@ -165,6 +165,9 @@ func Start(t testing.TB, opts Options) *Cluster {
 		"--service-cluster-ip-range=" + ServiceCIDR,
 		"--advertise-address=" + cp.IP.String(),
 		"--profiling=false",
+		// Privileged containers, as kubeadm's API server allows them (kube-proxy's DaemonSet
+		// and the conntrack init container of deploy/ are privileged).
+		"--allow-privileged=true",
 	}
 	args = append([]string{apiserverBin}, args...)
 	c.APIServer = cp.Start(t, append(args, opts.APIServerArgs...)...)

@@ -127,8 +127,8 @@ func TestManifests(t *testing.T) {
 		expectBackends(ctx, t, node.NS, "tcp", localNodePort, 3, "p1")
 	})
 	t.Run("a second instance without hand-over leaves the first serving", func(t *testing.T) {
-		// What a DaemonSet rolling update with maxSurge, or an operator by mistake, does: it
-		// used to remove the running proxy's rules, then exit on the health port in use.
+		// What a DaemonSet rolling update with maxSurge, or an operator by mistake, does: the
+		// second instance finds the instance lock held and exits before it touches a rule.
 		before := harness.RulesFor(harness.IPTablesSave(t, node.NS), harness.Namespace, "web")
 		if len(before) == 0 {
 			t.Fatal("no rules of web: the case proves nothing")

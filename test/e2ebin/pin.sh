@@ -3,20 +3,16 @@
 #
 # Rewrites this directory's go.mod so it builds Kubernetes' own end-to-end suite (e2e.test, from
 # k8s.io/kubernetes/test/e2e), the ginkgo CLI that runs it in parallel, and agnhost (the suite's
-# test server image) at the given release. As in test/k8sbin/pin.sh, every staging module that
-# k8s.io/kubernetes replaces with ./staging/... is replaced with its published v0.Y.Z instead,
-# and ginkgo is required at the version that release's go.mod requires. tools.go (build tag
-# tools) imports what the test binary needs, so that tidy keeps it.
+# test server image) at the given release. As in test/k8sbin/pin.sh, the staging modules are
+# replaced by their published versions (test/k8sbin/staging.sh), and ginkgo is required at the
+# version that release's go.mod requires. tools.go (build tag tools) imports what the test
+# binary needs, so that tidy keeps it.
 set -eu
 k8s=${1:?usage: pin.sh KUBERNETES_VERSION}
 cd "$(dirname "$0")"
 export GOWORK=off GOFLAGS=-mod=mod
-
-staging=v0${k8s#v1}
-gomod=$(go mod download -json "k8s.io/kubernetes@$k8s" | sed -n 's/^[[:space:]]*"GoMod": "\(.*\)",$/\1/p')
-[ -n "$gomod" ] || { echo "pin.sh: no go.mod for k8s.io/kubernetes@$k8s" >&2; exit 1; }
-mods=$(sed -n 's|^[[:space:]]*\([^[:space:]]*\) => \./staging/.*|\1|p' "$gomod")
-[ -n "$mods" ] || { echo "pin.sh: no staging replaces in $gomod" >&2; exit 1; }
+. ../k8sbin/staging.sh
+read_kubernetes_gomod "$k8s"
 ginkgo=$(sed -n 's|^[[:space:]]*github.com/onsi/ginkgo/v2 \(v[^[:space:]]*\).*|\1|p' "$gomod" | head -1)
 [ -n "$ginkgo" ] || { echo "pin.sh: $gomod requires no github.com/onsi/ginkgo/v2" >&2; exit 1; }
 
@@ -33,9 +29,7 @@ ginkgo=$(sed -n 's|^[[:space:]]*github.com/onsi/ginkgo/v2 \(v[^[:space:]]*\).*|\
 	echo "	k8s.io/kubernetes $k8s"
 	echo ")"
 	echo
-	echo "replace ("
-	for m in $mods; do echo "	$m => $m $staging"; done
-	echo ")"
+	staging_replaces
 } > go.mod
 rm -f go.sum
 go mod tidy

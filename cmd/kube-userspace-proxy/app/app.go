@@ -85,6 +85,18 @@ func Main(args []string, stdout, stderr io.Writer) int {
 	return 0
 }
 
+// portalSetOptions is what the portals take from the options; successor is portal.SetOptions'.
+func portalSetOptions(opts *Options, v *Validated, successor bool, log zerolog.Logger) portal.SetOptions {
+	return portal.SetOptions{
+		BindAddress:          v.BindAddress,
+		NodePortAddresses:    v.NodePortAddresses,
+		ClusterCIDRs:         v.ClusterCIDRs,
+		NoLocalhostNodePorts: !opts.LocalhostNodePorts,
+		Log:                  log,
+		Successor:            successor,
+	}
+}
+
 // logTimeFormat is the log's time stamp: RFC 3339 with milliseconds.
 const logTimeFormat = "2006-01-02T15:04:05.000Z07:00"
 
@@ -99,6 +111,10 @@ func Run(ctx context.Context, opts *Options, v *Validated, log zerolog.Logger) e
 			return fmt.Errorf("cleanup: %w", err)
 		}
 		log.Info().Msg("removed every rule and chain of ours")
+		return nil
+	}
+	if opts.ConntrackOnly {
+		setConntrack(opts, log)
 		return nil
 	}
 	if opts.Profiling && runtime.MemProfileRate == 0 {
@@ -124,10 +140,7 @@ func Run(ctx context.Context, opts *Options, v *Validated, log zerolog.Logger) e
 	} else if err := setOOMScoreAdj(oomScoreAdjPath, opts.OOMScoreAdj); err != nil {
 		log.Warn().Err(err).Msg("cannot set the OOM score adjustment")
 	}
-	ct := conntrackSysctls{procRoot: "/proc", sysRoot: "/sys", log: log.With().Str("component", "conntrack").Logger()}
-	for _, err := range ct.apply(opts.conntrackSettings(runtime.NumCPU())) {
-		log.Warn().Err(err).Msg("conntrack sysctl left alone")
-	}
+	setConntrack(opts, log)
 
 	src, status, rec, err := newSource(opts, v, log)
 	if err != nil {
@@ -173,14 +186,7 @@ func Run(ctx context.Context, opts *Options, v *Validated, log zerolog.Logger) e
 			return err
 		}
 		defer func() { lock.release() }()
-		portals, err = portal.NewSet(ctx, portal.SetOptions{
-			BindAddress:          v.BindAddress,
-			NodePortAddresses:    v.NodePortAddresses,
-			ClusterCIDRs:         v.ClusterCIDRs,
-			NoLocalhostNodePorts: !opts.LocalhostNodePorts,
-			Log:                  log.With().Str("component", "portal").Logger(),
-			Successor:            successor,
-		})
+		portals, err = portal.NewSet(ctx, portalSetOptions(opts, v, successor, log.With().Str("component", "portal").Logger()))
 		if err != nil {
 			return err
 		}

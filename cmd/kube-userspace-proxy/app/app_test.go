@@ -1,9 +1,15 @@
 package app
 
 import (
+	"net/netip"
 	"os"
+	"reflect"
 	"runtime/debug"
 	"testing"
+
+	"github.com/rs/zerolog"
+
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/portal"
 )
 
 // steadyGC sets the collector's target unless GOGC says otherwise.
@@ -29,4 +35,38 @@ func TestSteadyGC(t *testing.T) {
 			t.Errorf("target %d after steadyGC, want %d", got, steadyGCPercent)
 		}
 	})
+}
+
+// TestPortalSetOptions: the portals get the flags' meaning, --iptables-localhost-nodeports
+// negated into NoLocalhostNodePorts.
+func TestPortalSetOptions(t *testing.T) {
+	tests := []struct {
+		name string
+		args []string
+		want portal.SetOptions
+	}{
+		{name: "defaults: NodePorts on 127.0.0.1", want: portal.SetOptions{BindAddress: netip.IPv4Unspecified()}},
+		{name: "--iptables-localhost-nodeports=false", args: []string{"--iptables-localhost-nodeports=false"},
+			want: portal.SetOptions{BindAddress: netip.IPv4Unspecified(), NoLocalhostNodePorts: true}},
+		{name: "addresses", args: []string{"--bind-address=10.0.0.1", "--nodeport-addresses=10.0.0.0/24", "--cluster-cidr=10.244.0.0/16"},
+			want: portal.SetOptions{BindAddress: netip.MustParseAddr("10.0.0.1"), NodePortAddresses: []netip.Prefix{netip.MustParsePrefix("10.0.0.0/24")},
+				ClusterCIDRs: []netip.Prefix{netip.MustParsePrefix("10.244.0.0/16")}}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			o, err := parse(t, tt.args...)
+			if err != nil {
+				t.Fatal(err)
+			}
+			v, err := o.Validate()
+			if err != nil {
+				t.Fatal(err)
+			}
+			got := portalSetOptions(o, v, true, zerolog.Nop())
+			tt.want.Successor, tt.want.Log = true, zerolog.Nop()
+			if !reflect.DeepEqual(got, tt.want) {
+				t.Errorf("got %+v, want %+v", got, tt.want)
+			}
+		})
+	}
 }

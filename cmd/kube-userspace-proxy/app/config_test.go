@@ -266,7 +266,7 @@ func TestValidateNamesConfigField(t *testing.T) {
 }
 
 // operationalFlags are the flags that are not settings, which --write-config-to leaves out.
-var operationalFlags = map[string]bool{"config": true, "write-config-to": true, "cleanup": true, "version": true, "probe-ready": true}
+var operationalFlags = map[string]bool{"config": true, "write-config-to": true, "cleanup": true, "conntrack-only": true, "version": true, "probe-ready": true}
 
 // TestWriteConfigRoundTrip: what --write-config-to writes decodes strictly and, read back with
 // --config plus the flags it lists in its comment, gives the same value of every setting, with

@@ -6,6 +6,7 @@ import (
 	"io/fs"
 	"os"
 	"path/filepath"
+	"runtime"
 	"strconv"
 	"strings"
 	"syscall"
@@ -45,6 +46,15 @@ func (o *Options) conntrackSettings(numCPU int) conntrackSettings {
 		s.Max = max(int(o.ConntrackMaxPerCore)*numCPU, int(o.ConntrackMin))
 	}
 	return s
+}
+
+// setConntrack writes the conntrack sysctls the options ask for, in the network namespace of the
+// calling thread, and warns about each it could not write.
+func setConntrack(opts *Options, log zerolog.Logger) {
+	ct := conntrackSysctls{procRoot: "/proc", sysRoot: "/sys", log: log.With().Str("component", "conntrack").Logger()}
+	for _, err := range ct.apply(opts.conntrackSettings(runtime.NumCPU())) {
+		log.Warn().Err(err).Msg("conntrack sysctl left alone")
+	}
 }
 
 // conntrackSysctls writes conntrack sysctls through a procfs and a sysfs mount.

@@ -4,6 +4,7 @@ package app
 
 import (
 	"bytes"
+	"fmt"
 	"os"
 	"path/filepath"
 	"strconv"
@@ -267,5 +268,52 @@ func TestValidateTCPDataPath(t *testing.T) {
 	}
 	if o := NewOptions(); o.TCPDataPath != "" {
 		t.Errorf("default --tcp-data-path %q, want none", o.TCPDataPath)
+	}
+}
+
+// TestConntrackOnly: --conntrack-only sets the conntrack sysctls it is asked for in the caller's
+// network namespace and exits 0 without serving, also when one of them cannot be set (a
+// warning, as at a proxy's start).
+func TestConntrackOnly(t *testing.T) {
+	const closeWaitPath = "/proc/sys/net/netfilter/nf_conntrack_tcp_timeout_close_wait"
+	host, err := readInt(closeWaitPath)
+	if err != nil {
+		t.Fatalf("%v (the nf_conntrack module must be loaded)", err)
+	}
+	want := 3600
+	if host == want {
+		want++
+	}
+	ns := netns.New(t, "cto")
+	var stdout, stderr bytes.Buffer
+	var code, got int
+	err = ns.Do(func() error {
+		// nf_conntrack_max cannot be set outside the initial namespace: a warning, not a failure.
+		code = Main([]string{"--conntrack-only", "--conntrack-max-per-core=32768",
+			fmt.Sprintf("--conntrack-tcp-timeout-close-wait=%ds", want)}, &stdout, &stderr)
+		var err error
+		got, err = readInt(closeWaitPath)
+		return err
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if code != 0 {
+		t.Errorf("exit code %d, want 0", code)
+	}
+	if got != want {
+		t.Errorf("namespace's nf_conntrack_tcp_timeout_close_wait = %d, want %d", got, want)
+	}
+	if !strings.Contains(stderr.String(), "nf_conntrack_max") || !strings.Contains(stderr.String(), "left alone") {
+		t.Errorf("no warning about nf_conntrack_max in the log")
+	}
+	if strings.Contains(stderr.String(), "descriptor budget") {
+		t.Errorf("--conntrack-only started the proxy")
+	}
+	if now, _ := readInt(closeWaitPath); now != host {
+		t.Errorf("the machine's nf_conntrack_tcp_timeout_close_wait changed: %d, was %d", now, host)
+	}
+	if t.Failed() {
+		t.Logf("log:\n%s", stderr.String())
 	}
 }

@@ -10,13 +10,13 @@ import (
 	"slices"
 	"strings"
 	"testing"
-	"time"
 
 	"github.com/rs/zerolog"
 	v1 "k8s.io/api/core/v1"
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/handover"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/handover/handovertest"
 )
 
 // fakeLister stands for the proxier: its listeners are real sockets.
@@ -38,32 +38,6 @@ func listenerNamed(t *testing.T, name string) handover.KeptListener {
 	}
 }
 
-// serveStore runs a holder's store on path until stop is called.
-func serveStore(t *testing.T, path string) (*handover.Store, func()) {
-	t.Helper()
-	ln, err := handover.ListenStore(path)
-	if err != nil {
-		t.Fatal(err)
-	}
-	s := handover.NewStore("", zerolog.Nop())
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan struct{})
-	go func() { s.Serve(ctx, ln, 5*time.Second); close(done) }()
-	stopped := false
-	stop := func() {
-		if stopped {
-			return
-		}
-		stopped = true
-		cancel()
-		<-done
-		_ = ln.Close()
-		s.Close()
-	}
-	t.Cleanup(stop)
-	return s, stop
-}
-
 // The keeper tells the holder the proxier's listeners: all of them first, then what changed;
 // a restarted holder gets all of them again at the next check; without a holder it says so
 // once, and empties the holder when the proxy hands over or stops.
@@ -82,7 +56,7 @@ func TestKeeperFollowsTheListeners(t *testing.T) {
 		t.Errorf("%d warnings without a holder, want 1:\n%s", n, logs.String())
 	}
 
-	store, stop := serveStore(t, path)
+	store, stop := handovertest.ServeStore(t, path)
 	keys := func(ls ...handover.KeptListener) []string {
 		var out []string
 		for _, l := range ls {
@@ -111,7 +85,7 @@ func TestKeeperFollowsTheListeners(t *testing.T) {
 
 	// The holder restarts: empty, another instance. The next check gives it everything.
 	stop()
-	store, _ = serveStore(t, path)
+	store, _ = handovertest.ServeStore(t, path)
 	k.reconcile(ctx)
 	if got := store.Keys(); !slices.Equal(got, keys(b, c)) {
 		t.Fatalf("a restarted holder keeps %v, want %v", got, keys(b, c))
@@ -136,7 +110,7 @@ func TestHoldMainArguments(t *testing.T) {
 		t.Errorf("hold without --socket: exit %d, %q", code, stderr.String())
 	}
 	path := filepath.Join(t.TempDir(), "h", "holder.sock")
-	serveStore(t, path)
+	handovertest.ServeStore(t, path)
 	stderr.Reset()
 	if code := Main([]string{HoldCommand, "--socket=" + path}, &bytes.Buffer{}, &stderr); code != 1 || !strings.Contains(stderr.String(), "another holder") {
 		t.Errorf("a second holder on %s: exit %d, %q", path, code, stderr.String())

@@ -93,6 +93,8 @@ type Options struct {
 	WriteConfigTo string
 	OOMScoreAdj   int32
 	Cleanup       bool
+	// ConntrackOnly sets the conntrack sysctls, then exits (a privileged init container's job).
+	ConntrackOnly bool
 	LogLevel      string
 	Version       bool
 	// ReadyFile names this process while it serves the node ("": no file); ProbeReady checks
@@ -214,6 +216,7 @@ func (o *Options) FlagGroups() []FlagGroup {
 			fs.Int32Var(&o.OOMScoreAdj, "oom-score-adj", o.OOMScoreAdj, "The oom_score_adj of the process, in [-1000, 1000]; failing to set it is only a warning. [config: oomScoreAdj]")
 			fs.StringVar(&o.LogLevel, "log-level", o.LogLevel, "Log level: debug, info, warn or error.")
 			fs.BoolVar(&o.Cleanup, "cleanup", o.Cleanup, "Remove every rule and chain this proxy owns, then exit.")
+			fs.BoolVar(&o.ConntrackOnly, "conntrack-only", o.ConntrackOnly, "Set the conntrack sysctls that the --conntrack-* flags or the configuration's conntrack section ask for, then exit (0 also when one could not be set: each is a warning, as at a proxy's start). For a privileged init container, so that the proxy itself runs without a writable /proc/sys; the proxy then finds them set.")
 			fs.StringVar(&o.ReadyFile, "ready-file", o.ReadyFile, "While this process serves the node (from its first sync, holding the instance lock when it programs portals, until it hands over or stops), a file at this path names it (pid and start time), for --probe-ready. Give each proxy a path of its own (in a container: /tmp). Empty: no file.")
 			fs.BoolVar(&o.ProbeReady, "probe-ready", o.ProbeReady, "Exit 0 if the process that --ready-file names is running and serves the node, and /healthz (at --healthz-bind-address; loopback for an unspecified address) answers 200; otherwise print why and exit 1. For an exec readinessProbe of a hostNetwork pod, whose httpGet probe the previous proxy on the node would answer during a rolling update.")
 			fs.BoolVar(&o.Version, "version", o.Version, "Print the version and commit, and exit.")

@@ -3,11 +3,16 @@ package app
 import (
 	"bytes"
 	"debug/buildinfo"
+	"fmt"
+	"os"
 	"os/exec"
 	"path/filepath"
 	"regexp"
 	"runtime/debug"
+	"strings"
 	"testing"
+
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/internal/testenv"
 )
 
 func TestVersionLine(t *testing.T) {
@@ -68,6 +73,15 @@ func TestVersionFlag(t *testing.T) {
 // TestVersionPlainBuild: a plain `go build` in the repository (VCS stamping on, no -ldflags)
 // prints the commit the toolchain recorded.
 func TestVersionPlainBuild(t *testing.T) {
+	// The go command stamps the commit only where .git is a directory: not in a git worktree,
+	// whose .git is a file naming the repository's.
+	top, err := exec.Command("git", "rev-parse", "--show-toplevel").Output()
+	if err != nil {
+		testenv.Need(t, fmt.Sprintf("a git checkout (git rev-parse: %v)", err))
+	}
+	if fi, err := os.Stat(filepath.Join(strings.TrimSpace(string(top)), ".git")); err != nil || !fi.IsDir() {
+		testenv.Need(t, "a checkout whose .git is a directory, which go build stamps (a worktree's .git is a file)")
+	}
 	bin := filepath.Join(t.TempDir(), "kube-userspace-proxy")
 	if out, err := exec.Command("go", "build", "-buildvcs=true", "-o", bin, "github.com/kube-userspace-proxy/kube-userspace-proxy/cmd/kube-userspace-proxy").CombinedOutput(); err != nil {
 		t.Fatalf("go build -buildvcs=true (needs git and the repository's .git): %v\n%s", err, out)

@@ -91,10 +91,15 @@ func (p *Proxy) sessionOpened(clientAddr, dst, endpoint netip.AddrPort, reset bo
 		Bool("reset", reset).Msg("UDP session opened")
 }
 
-// flowRefused counts and logs the ICMP error of a session's endpoint (once per session): the
-// client's next datagram chooses again.
+// flowRefused counts and logs the ICMP error of a session's endpoint (once per session) and
+// reports the endpoint to the Chooser (forward.UnreachableChooser), as the TCP proxy reports a
+// refused dial: new sessions, and the client's next datagram, which chooses again, pass over it
+// for a while.
 func (p *Proxy) flowRefused(client, endpoint netip.AddrPort, err error) {
 	p.sink().DialFailed(endpoint)
+	if uc, ok := p.Chooser.(forward.UnreachableChooser); ok {
+		uc.Unreachable(endpoint)
+	}
 	p.logDebug().Err(err).Stringer("client", client).Stringer("endpoint", endpoint).
 		Msg("endpoint refused the flow")
 }

@@ -47,9 +47,10 @@ const udpBufSize = 64 << 10
 // socket; one goroutine per session reads the endpoint's replies and sends them to the client
 // from Conn, so that conntrack un-NATs them back to the service address. A session ends when
 // no datagram has passed either way for Timeout, when DropSessions drops its endpoint, or when
-// the proxy closes. When the endpoint answers with ICMP port unreachable, the next datagram
-// from the client asks Choose again with reset=true. A datagram with no usable endpoint is
-// dropped (iptables rules elsewhere send the ICMP reject).
+// the proxy closes. When the endpoint answers with ICMP port unreachable (or no route), the
+// endpoint is reported to a forward.UnreachableChooser, and the next datagram from the client
+// asks Choose again with reset=true. A datagram with no usable endpoint is dropped (iptables
+// rules elsewhere send the ICMP reject).
 type Proxy struct {
 	// Conn is the service port's listening socket. Required. The proxy owns it from Serve on:
 	// Close closes it.

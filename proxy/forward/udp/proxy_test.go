@@ -199,7 +199,8 @@ func TestUDPNoEndpointDropsDatagram(t *testing.T) {
 }
 
 // TestUDPRefusedEndpoint: an endpoint whose port is closed answers with ICMP port unreachable;
-// the client's next datagram asks Choose again with reset=true and reaches a live endpoint.
+// the client's next datagram asks Choose again with reset=true and reaches a live endpoint, and
+// the endpoint is reported to the Chooser as unreachable, as a refused TCP dial is.
 func TestUDPRefusedEndpoint(t *testing.T) {
 	checkNoLeaks(t)
 	conn, err := net.ListenUDP("udp", &net.UDPAddr{IP: net.IPv4(127, 0, 0, 1)})
@@ -222,6 +223,9 @@ func TestUDPRefusedEndpoint(t *testing.T) {
 	}
 	if got := metrics.Snapshot().DialFailed; !reflect.DeepEqual(got, []netip.AddrPort{closed}) {
 		t.Errorf("DialFailed for %v, want [%s]", got, closed)
+	}
+	if got := chooser.Unreachables(); !reflect.DeepEqual(got, []netip.AddrPort{closed}) {
+		t.Errorf("Unreachable reported %v, want [%s]", got, closed)
 	}
 }
 

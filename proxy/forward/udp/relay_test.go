@@ -117,6 +117,9 @@ func TestRelayUDPRefusedEndpoint(t *testing.T) {
 	if s := m.Snapshot(); len(s.DialFailed) != 1 || s.DialFailed[0] != deadAddr {
 		t.Errorf("DialFailed %v, want [%v]", s.DialFailed, deadAddr)
 	}
+	if got := ch.Unreachables(); len(got) != 1 || got[0] != deadAddr {
+		t.Errorf("Unreachable reported %v, want [%v]", got, deadAddr)
+	}
 }
 
 func TestRelayUDPMaxSessionsEvicts(t *testing.T) {
