@@ -52,8 +52,8 @@ func describedEvents(out string) []string {
 // TestEventsAsKubeProxy: what `kubectl describe` shows of the proxy's Events on the cluster: a
 // Service with an invalid kube-userspace-proxy.io/proxy-protocol value has a Warning
 // InvalidField Event from kube-userspace-proxy naming the annotation and its value, one from
-// each node's proxy; every Node has the Normal Starting Event of the proxy running on it, listed
-// by kubectl get events as kube-proxy's is.
+// each node's proxy (reporting instance kube-userspace-proxy-NODE); every Node has the Normal
+// Starting Event of the proxy, listed by kubectl get events as kube-proxy's is.
 func TestEventsAsKubeProxy(t *testing.T) {
 	deployProxy(t)
 	t.Run("Warning on a Service with an invalid field", func(t *testing.T) {
@@ -89,12 +89,17 @@ func TestEventsAsKubeProxy(t *testing.T) {
 			if err != nil {
 				return err
 			}
-			if len(list.Items) < len(nodes) {
-				return fmt.Errorf("%d InvalidField Events, want %d (one from each node's proxy)", len(list.Items), len(nodes))
-			}
+			// The reporting instance is kube-userspace-proxy-<hostname>: the node's name.
+			from := map[string]bool{}
 			for _, e := range list.Items {
 				if e.Type != "Warning" || e.ReportingController != "kube-userspace-proxy" {
 					return fmt.Errorf("Event %s: type %s, reporting controller %q", e.Name, e.Type, e.ReportingController)
+				}
+				from[e.ReportingInstance] = true
+			}
+			for _, n := range nodes {
+				if !from["kube-userspace-proxy-"+n] {
+					return fmt.Errorf("no InvalidField Event from the proxy of %s (reporting instances %v)", n, from)
 				}
 			}
 			return nil
@@ -119,7 +124,7 @@ func TestEventsAsKubeProxy(t *testing.T) {
 			sel := "involvedObject.kind=Node,involvedObject.name=" + n + ",reason=Starting"
 			waitFor(t, time.Minute, time.Second, "the proxy's Starting Event in kubectl get events of "+n, func() error {
 				for _, l := range strings.Split(kubectl(t, 30*time.Second, "-n", "default", "get", "events", "--field-selector", sel, "-o", "wide"), "\n") {
-					if f := strings.Fields(l); len(f) > 3 && f[1] == "Normal" && f[2] == "Starting" && strings.Contains(l, "kube-userspace-proxy, kube-userspace-proxy-") {
+					if f := strings.Fields(l); len(f) > 3 && f[1] == "Normal" && f[2] == "Starting" && strings.Contains(l, "kube-userspace-proxy, kube-userspace-proxy-"+n+" ") {
 						t.Logf("kubectl get events: %s", strings.Join(f, " "))
 						return nil
 					}
