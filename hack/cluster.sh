@@ -505,7 +505,7 @@ phase_end() {
 # missing_deps: what up needs and does not find, one a line.
 missing_deps() {
 	local c
-	for c in containerd runc ctr socat openssl docker ip nsenter unshare hostname setsid flock iptables nft conntrack; do
+	for c in containerd runc ctr socat openssl docker ip nsenter unshare hostname setsid flock iptables nft conntrack curl; do
 		command -v "$c" >/dev/null || echo "$c"
 	done
 	[ -x /usr/lib/cni/bridge ] || echo "/usr/lib/cni/bridge (containernetworking-plugins)"
