@@ -29,11 +29,19 @@
 #   hack/cluster.sh node-start NODE  boot NODE again: containerd and kubelet; wait until Ready
 #   hack/cluster.sh node-restart NODE  node-stop, then node-start
 #   hack/cluster.sh apiserver-restart  SIGKILL kube-apiserver, start it again, wait until ready
+#   hack/cluster.sh monitoring       Prometheus (built from hack/cluster/prometheus, cached) in the
+#                                    control plane's namespace, scraping every node's service
+#                                    proxy (job kube-proxy) and the API server (job apiserver),
+#                                    with the rules of deploy/monitoring; started, or its
+#                                    configuration reloaded; prints its URL on the machine
+#   hack/cluster.sh prometheus-url   print that URL (fails when Prometheus does not run)
 #
 # Environment: KUP_CLUSTER_NAME (the prefix of its namespaces and cgroups, default kupc: clusters
 # of different names run side by side), KUP_CLUSTER_DIR (state, logs, kubeconfig; default
 # $XDG_CACHE_HOME/kube-userspace-proxy/cluster, or cluster-NAME for another name),
 # KUP_CLUSTER_PORT (the API server on the machine's 127.0.0.1; default 16443),
+# KUP_PROMETHEUS_PORT (Prometheus on the machine's 127.0.0.1; default KUP_CLUSTER_PORT + 2000),
+# KUP_CLUSTER_MONITORING=1 (up starts Prometheus too, as hack/cluster.sh monitoring),
 # KUP_K8S_BIN (the binaries, as make test-bins; kubectl is the one there), KUP_CLUSTER_PROXY (the
 # service proxy up deploys: kube-userspace-proxy, the default, kube-proxy-iptables or
 # kube-proxy-nftables).
@@ -53,6 +61,7 @@ else
 	state=${KUP_CLUSTER_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/kube-userspace-proxy/cluster-$name}
 fi
 port=${KUP_CLUSTER_PORT:-16443}
+promport=${KUP_PROMETHEUS_PORT:-$((port + 2000))}
 # The pins: test/cluster.mk's, the one place they are set.
 k8sversion=$(sed -n 's/^KUP_K8S_VERSION *:= *//p' "$root/test/cluster.mk")
 etcdversion=$(sed -n 's/^KUP_ETCD_VERSION *:= *//p' "$root/test/cluster.mk")
@@ -496,7 +505,7 @@ phase_end() {
 # missing_deps: what up needs and does not find, one a line.
 missing_deps() {
 	local c
-	for c in containerd runc ctr socat openssl docker ip nsenter unshare hostname setsid flock iptables nft conntrack; do
+	for c in containerd runc ctr socat openssl docker ip nsenter unshare hostname setsid flock iptables nft conntrack curl; do
 		command -v "$c" >/dev/null || echo "$c"
 	done
 	[ -x /usr/lib/cni/bridge ] || echo "/usr/lib/cni/bridge (containernetworking-plugins)"
@@ -541,6 +550,7 @@ up() {
 			use_proxy "$proxy"
 			phase dns
 			dns
+			[ "${KUP_CLUSTER_MONITORING:-}" != 1 ] || { phase monitoring; monitoring; }
 			summary
 			return 0
 		fi
@@ -591,6 +601,7 @@ up() {
 	use_proxy "$proxy"
 	phase dns
 	dns
+	[ "${KUP_CLUSTER_MONITORING:-}" != 1 ] || { phase monitoring; monitoring; }
 	summary
 }
 
@@ -612,6 +623,7 @@ State and logs: $state. kubectl: $kubectl (the pinned one).
   hack/cluster.sh proxy kube-proxy-nftables   # switch the service proxy (or kube-proxy-iptables, kube-userspace-proxy)
   hack/cluster.sh exec node-1 ip route        # in a node's namespace
   hack/cluster.sh client curl ...             # from outside the cluster
+  hack/cluster.sh monitoring                  # Prometheus scraping the proxies and the API server
   make cluster-down                           # remove everything
 HINT
 }
@@ -760,6 +772,63 @@ dns() {
 	step "dns: CoreDNS Ready at $dnsip"
 }
 
+# ---- monitoring ---------------------------------------------------------------------------------
+
+# prometheus_running: whether the cluster's Prometheus runs.
+prometheus_running() {
+	[ -s "$state/cp/prometheus.pid" ] && kill -0 "$(cat "$state/cp/prometheus.pid")" 2>/dev/null
+}
+
+# monitoring: Prometheus in the control plane's namespace (listening on $cpip:9090 and its
+# loopback there), reached from the machine through a loopback forwarder on 127.0.0.1:$promport.
+# It reads the service proxies' pods and the API server's /metrics as the ServiceAccount
+# monitoring/prometheus (hack/cluster/monitoring/rbac.yaml), and evaluates the rule files of
+# deploy/monitoring (copied to $state/monitoring/rules). When it runs already, the configuration
+# and rules are written anew and reloaded. down stops it with the control plane (cp/*.pid); its
+# data ($state/monitoring/data) goes with the state directory.
+monitoring() {
+	local m=$state/monitoring cp=$state/cp dir bin i tok
+	dir=$("$here/prometheus.sh" --dir)
+	bin=$(GO=${GO:-go} "$here/prometheus.sh" "$dir" | tail -n 1) || die "building Prometheus failed"
+	mkdir -p "$m/rules" "$m/data"
+	k apply -f "$here/monitoring/rbac.yaml" >/dev/null
+	for i in $(seq 60); do
+		tok=$(k -n monitoring get secret prometheus-token -o jsonpath='{.data.token}' 2>/dev/null || true)
+		[ -n "$tok" ] && break
+		[ "$i" = 60 ] && die "the Secret monitoring/prometheus-token has no token after 30 s (kube-controller-manager's token controller)"
+		sleep 0.5
+	done
+	(umask 077 && echo "$tok" | base64 -d >"$m/token")
+	rm -f "$m/rules"/*.yaml
+	cp "$root/deploy/monitoring/kubernetes-mixin/kube-proxy-alerts.yaml" "$m/rules/kubernetes-mixin-kube-proxy-alerts.yaml"
+	cp "$root/deploy/monitoring/kube-userspace-proxy-rules.yaml" "$m/rules/"
+	sed "s|@STATE@|$state|g" "$here/monitoring/prometheus.yml" >"$m/prometheus.yml"
+	if prometheus_running; then
+		ip netns exec "$cpns" curl -fsS -X POST "http://127.0.0.1:9090/-/reload" >/dev/null ||
+			die "Prometheus did not reload its configuration; see $m/prometheus.log"
+		step "monitoring: Prometheus reloaded its configuration and rules"
+	else
+		ip netns exec "$cpns" setsid "$bin" --config.file="$m/prometheus.yml" --storage.tsdb.path="$m/data" \
+			--storage.tsdb.retention.time=2d --web.listen-address=0.0.0.0:9090 --web.enable-lifecycle \
+			>"$m/prometheus.log" 2>&1 </dev/null &
+		echo $! >"$cp/prometheus.pid"
+	fi
+	if ! { [ -s "$cp/prometheus-forward.pid" ] && kill -0 "$(cat "$cp/prometheus-forward.pid")" 2>/dev/null; }; then
+		ss -Hltn "sport = :$promport" 2>/dev/null | grep -q . && die "127.0.0.1:$promport is taken: set KUP_PROMETHEUS_PORT"
+		setsid socat "TCP-LISTEN:$promport,bind=127.0.0.1,reuseaddr,fork" \
+			"EXEC:ip netns exec $cpns socat STDIO TCP\\:$cpip\\:9090" >"$m/forward.log" 2>&1 </dev/null &
+		echo $! >"$cp/prometheus-forward.pid"
+	fi
+	for i in $(seq 120); do
+		curl -fsS "http://127.0.0.1:$promport/-/ready" >/dev/null 2>&1 && break
+		prometheus_running || die "Prometheus exited; see $m/prometheus.log"
+		[ "$i" = 120 ] && die "Prometheus not ready in 60 s; see $m/prometheus.log, $m/forward.log"
+		sleep 0.5
+	done
+	echo "$promport" >"$m/port"
+	step "monitoring: Prometheus $("$bin" --version 2>/dev/null | head -1 | awk '{print $3}') ready at http://127.0.0.1:$promport (the HTTP API, e.g. /api/v1/targets; the Go build has no web UI)"
+}
+
 # ---- the rest -----------------------------------------------------------------------------------
 
 need_up() { [ -s "$state/up" ] || die "the cluster is not up (hack/cluster.sh up)"; }
@@ -813,5 +882,11 @@ node-restart)
 	node_start "$1"
 	;;
 apiserver-restart) need_up; apiserver_restart ;;
+monitoring) need_up; monitoring ;;
+prometheus-url)
+	need_up
+	prometheus_running || die "Prometheus does not run (hack/cluster.sh monitoring)"
+	echo "http://127.0.0.1:$(cat "$state/monitoring/port")"
+	;;
 *) usage ;;
 esac
