@@ -77,6 +77,30 @@ func BenchmarkNext(b *testing.B) {
 	}
 }
 
+// BenchmarkNextHeld measures picks of a 10-endpoint port while 9 endpoints are held (a
+// scale-down whose pods stopped before their EndpointSlices said so): each pick passes over the
+// held ones in rotation. The fake clock stands still, so the holds last the whole run.
+func BenchmarkNextHeld(b *testing.B) {
+	clock := time.Date(2026, 1, 2, 3, 4, 5, 0, time.UTC)
+	lb := New(Options{NodeName: thisNode, Now: func() time.Time { return clock }, Rand: rand.New(rand.NewPCG(1, 2))})
+	svc := name("bench", "http")
+	var eps []proxy.Endpoint
+	for i := range 10 {
+		eps = append(eps, ready(netip.AddrFrom4([4]byte{10, 1, 0, byte(i)}).String(), "n1"))
+	}
+	lb.SetServicePort(svcPort(svc), eps)
+	for _, e := range eps[1:] {
+		lb.Unreachable(svc, e.Addr)
+	}
+	b.ReportAllocs()
+	for b.Loop() {
+		ep, err := lb.Next(svc, netip.Addr{}, false, false)
+		if err != nil || ep.Addr != eps[0].Addr {
+			b.Fatalf("Next: %v, %v; want the one endpoint not held", ep.Addr, err)
+		}
+	}
+}
+
 // BenchmarkSetServicePort measures an endpoint update of a 100-endpoint port (one endpoint
 // replaced), with affinity entries to prune.
 func BenchmarkSetServicePort(b *testing.B) {

@@ -67,8 +67,11 @@
 //
 // The proxy reports each endpoint a TCP dial could not reach, or that answered a UDP session with
 // an ICMP error (Unreachable); the port's picks then pass over it for a hold of 1 s, doubled for
-// each failure that follows soon after the previous hold, up to 16 s (unreachable.go). Affinity entries naming a held endpoint are not used. When every
-// usable endpoint of a pick is held, the holds are ignored. Ports without holds pay nothing.
+// each failure that follows soon after the previous hold, up to 16 s (unreachable.go). When a
+// hold ends, one connection tries the endpoint (its trial) while the others pass over it for
+// another second, unless the trial fails. Affinity entries naming a held endpoint are not used.
+// When every usable endpoint of a pick is held, the holds are ignored. Ports without holds pay
+// nothing.
 //
 // # Concurrency
 //

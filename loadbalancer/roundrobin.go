@@ -668,11 +668,12 @@ func (lb *RoundRobin) nextAffine(p *port, class int, client netip.Addr, reset bo
 		e := &t.entries[at]
 		if reset {
 			failed = e.ep
-		} else if now-e.used < s.timeout() && (h == nil || !h.held(e.ep, now)) {
-			if i, usable := pl.find(e.ep); usable {
+		} else if now-e.used < s.timeout() {
+			if i, usable := pl.find(e.ep); usable && (h == nil || p.available(h, e.ep, now)) {
 				t.use(at, e.ep, now)
 				return *pl.at(i), nil
 			}
+			h = p.held.Load() // available may have changed them
 		}
 	}
 	pick := pl.pick

@@ -14,14 +14,25 @@ import (
 // before their EndpointSlices say so: a node that stops with its pods, pods whose network is torn
 // down while their endpoints are still listed. The first hold is unreachableHold; a failure
 // reported within a hold's length after the previous hold ended doubles it, up to
-// maxUnreachableHold. An endpoint whose hold has ended is picked again in its turn: its next
-// connection is its trial. When every usable endpoint of a pick's pool is held, the pick ignores
-// the holds (trying one beats refusing the client), taking the one whose hold ends first. Holds
-// of endpoints that leave the port are dropped: an endpoint that comes back starts afresh.
+// maxUnreachableHold. When a hold ends, the endpoint is not given back to every pick at once:
+// the first pick that comes to it makes that connection its trial (half-open, as a circuit
+// breaker), and the others keep passing over it for trialHold, the time the trial's dial needs to
+// succeed or fail. A trial that fails doubles the hold as above; one that does not report a
+// failure within trialHold gives the endpoint back to the rotation. Without the trial, every
+// connection of the first moments after a hold dialed an endpoint that was still dead (a node
+// that stopped: its pods' addresses answer nothing, each dial waits its whole first timeout)
+// and some outwaited their clients. When every usable endpoint of a pick's pool is held, the
+// pick ignores the holds (trying one beats refusing the client), taking the one whose hold ends
+// first. Holds of endpoints that leave the port are dropped: an endpoint that comes back starts
+// afresh.
 
 const (
 	unreachableHold    = time.Second
 	maxUnreachableHold = 16 * time.Second
+	// trialHold covers a trial's dial: the TCP proxy's first two dial timeouts (250 ms and
+	// 500 ms) and a UDP endpoint's ICMP answer. A trial that takes longer leaves the endpoint
+	// to other picks meanwhile, as without trials.
+	trialHold = time.Second
 )
 
 // holds are a port's held endpoints; immutable once published (Unreachable copies them).
@@ -32,15 +43,42 @@ type holds struct {
 	end time.Duration
 }
 
-// hold is one endpoint's: held until (a time since RoundRobin.epoch), for length.
+// hold is one endpoint's: held until (a time since RoundRobin.epoch), for length. A trial hold
+// is the short one while one connection tries the endpoint after its hold of length ended.
 type hold struct {
 	until, length time.Duration
+	trial         bool
 }
 
-// held reports whether a is held at now.
-func (h *holds) held(a netip.AddrPort, now time.Duration) bool {
+// available reports whether endpoint a may be picked at now under p's holds h: it has no hold,
+// or a trial that ended without a failure, or its hold ended and this pick becomes its trial
+// (published on p). When the holds changed meanwhile, the current ones decide, without a trial.
+func (p *port) available(h *holds, a netip.AddrPort, now time.Duration) bool {
 	e, ok := h.m[a]
-	return ok && now < e.until
+	switch {
+	case !ok:
+		return true
+	case now < e.until:
+		return false
+	case e.trial:
+		return true
+	}
+	t := &holds{m: make(map[netip.AddrPort]hold, len(h.m)), end: h.end}
+	for b, f := range h.m {
+		t.m[b] = f
+	}
+	e = hold{until: now + trialHold, length: e.length, trial: true}
+	t.m[a] = e
+	t.end = max(t.end, e.until+e.length)
+	if p.held.CompareAndSwap(h, t) {
+		return true
+	}
+	cur := p.held.Load()
+	if cur == nil {
+		return true
+	}
+	e, ok = cur.m[a]
+	return !ok || e.trial && now >= e.until
 }
 
 // Unreachable reports that a dial to endpoint of the service port name failed: the port's picks
@@ -64,9 +102,9 @@ func (lb *RoundRobin) Unreachable(name proxy.Name, endpoint netip.AddrPort) {
 	if old != nil {
 		if e, ok := old.m[endpoint]; ok {
 			switch {
-			case now < e.until:
+			case now < e.until && !e.trial:
 				return // held already: a connection that picked it before its hold began
-			case now < e.until+e.length:
+			case now < e.until+e.length: // a failed trial, or a failure soon after the hold
 				length = min(2*e.length, maxUnreachableHold)
 			}
 		}
@@ -119,9 +157,9 @@ func (s *snapshot) has(endpoint netip.AddrPort) bool {
 	return false
 }
 
-// pickAvailable is pl.pick for a port with holds h: the next endpoint in rotation that is not
-// held, or when all are, the one whose hold ends first. Past h's end it drops the table (unless
-// Unreachable replaced it meanwhile).
+// pickAvailable is pl.pick for a port with holds h: the next endpoint in rotation that is
+// available (not held, or its trial: see above), or when none is, the one whose hold ends first.
+// Past h's end it drops the table (unless Unreachable replaced it meanwhile).
 func (lb *RoundRobin) pickAvailable(p *port, pl *pool, h *holds) proxy.Endpoint {
 	now := lb.now().Sub(lb.epoch)
 	if now >= h.end {
@@ -134,10 +172,10 @@ func (lb *RoundRobin) pickAvailable(p *port, pl *pool, h *holds) proxy.Endpoint 
 	)
 	for i := range pl.len() {
 		ep := pl.pick()
-		e, ok := h.m[ep.Addr]
-		if !ok || now >= e.until {
+		if p.available(h, ep.Addr, now) {
 			return ep
 		}
+		e := h.m[ep.Addr]
 		if i == 0 || e.until < until {
 			first, until = ep, e.until
 		}

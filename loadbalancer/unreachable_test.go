@@ -4,6 +4,8 @@ import (
 	"fmt"
 	"net/netip"
 	"slices"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -166,5 +168,107 @@ func TestUnreachableNoHoldsNoAllocations(t *testing.T) {
 	}
 	if allocs := testing.AllocsPerRun(100, func() { h.lb.Next(n, netip.Addr{}, false, false) }); allocs != 0 {
 		t.Errorf("Next allocates %v times", allocs)
+	}
+}
+
+// TestUnreachableTrial: when a hold ends, one pick tries the endpoint and the others keep passing
+// over it for trialHold; a failed trial doubles the hold, a trial without a failure gives the
+// endpoint back to the rotation. With affinity too: clients bound to the endpoint do not all
+// return to it at once.
+func TestUnreachableTrial(t *testing.T) {
+	for _, affinity := range []bool{false, true} {
+		t.Run(fmt.Sprintf("affinity=%v", affinity), func(t *testing.T) {
+			h := newHarness(t, thisNode, 7)
+			n := name("svc", "http")
+			var opts []func(*proxy.ServicePort)
+			if affinity {
+				opts = append(opts, withAffinity(time.Hour))
+			}
+			eps := []proxy.Endpoint{ready("10.0.0.1", "node-b"), ready("10.0.0.2", "node-b"), ready("10.0.0.3", "node-b")}
+			dead := eps[0].Addr
+			h.set(svcPort(n, opts...), eps...)
+			// Twelve clients; with affinity a third of them are bound to dead, and their entries
+			// still name it when its hold ends (they did not come back meanwhile).
+			bound := make([]string, 12)
+			for i := range bound {
+				bound[i] = fmt.Sprintf("192.0.2.%d", i+1)
+				h.next(n, bound[i], false, false)
+			}
+			// deadPicks counts the picks of dead among two picks for each of clients.
+			deadPicks := func(clients []string) int {
+				k := 0
+				for range 2 {
+					for _, c := range clients {
+						if h.next(n, c, false, false).Addr == dead {
+							k++
+						}
+					}
+				}
+				return k
+			}
+			fresh := 0
+			freshClients := func() []string {
+				out := make([]string, 12)
+				for i := range out {
+					fresh++
+					out[i] = fmt.Sprintf("198.51.100.%d", fresh)
+				}
+				return out
+			}
+			h.lb.Unreachable(n, dead)
+			if k := deadPicks(freshClients()); k != 0 {
+				t.Fatalf("held: %d picks of %v", k, dead)
+			}
+			h.clock.Advance(unreachableHold)
+			if k := deadPicks(bound); k != 1 {
+				t.Fatalf("hold ended: %d picks of %v, want 1 (its trial)", k, dead)
+			}
+			h.clock.Advance(trialHold / 2)
+			if k := deadPicks(freshClients()); k != 0 {
+				t.Fatalf("trial under way: %d picks of %v, want 0", k, dead)
+			}
+			h.lb.Unreachable(n, dead) // the trial failed: held twice as long
+			h.clock.Advance(2*unreachableHold - time.Millisecond)
+			if k := deadPicks(freshClients()); k != 0 {
+				t.Fatalf("after a failed trial, within the doubled hold: %d picks of %v", k, dead)
+			}
+			h.clock.Advance(time.Millisecond)
+			if k := deadPicks(freshClients()); k != 1 {
+				t.Fatalf("doubled hold ended: %d picks of %v, want 1 (its trial)", k, dead)
+			}
+			h.clock.Advance(trialHold) // no failure reported: back in the rotation
+			if k := deadPicks(freshClients()); k < 2 {
+				t.Errorf("after a trial without failure: %d picks of %v, want it in the rotation", k, dead)
+			}
+		})
+	}
+}
+
+// TestUnreachableOneTrialAtOnce: picks racing when a hold ends make one trial between them.
+func TestUnreachableOneTrialAtOnce(t *testing.T) {
+	h := newHarness(t, thisNode, 8)
+	n := name("svc", "http")
+	eps := tenEndpoints()
+	dead := eps[3].Addr
+	h.set(svcPort(n), eps...)
+	h.lb.Unreachable(n, dead)
+	h.clock.Advance(unreachableHold)
+	var (
+		wg    sync.WaitGroup
+		picks atomic.Int32
+	)
+	for range 8 {
+		wg.Go(func() {
+			for range 50 {
+				ep, err := h.lb.Next(n, netip.Addr{}, false, false)
+				if err == nil && ep.Addr == dead {
+					picks.Add(1)
+				}
+			}
+		})
+	}
+	wg.Wait()
+	if got := picks.Load(); got != 1 {
+		t.Errorf("400 concurrent picks as the hold ended: %d of %v, want 1 (its trial)", got, dead)
 	}
 }
