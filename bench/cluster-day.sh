@@ -3,7 +3,7 @@
 # proxies. For each PROXY (default: kube-userspace-proxy kube-proxy-iptables kube-proxy-nftables)
 # it switches the cluster's service proxy (hack/cluster.sh proxy PROXY) and runs test/kcluster's
 # TestDay* scenarios (scale 10 → 1 twice, pod deletions, a drain, a node restart, an API-server
-# restart), each under 50 new connections a second from a client outside the cluster through a
+# restart, a SIGKILL of the service proxy on node-1), each under 50 new connections a second from a client outside the cluster through a
 # NodePort, with a 0.5 s client timeout; failed connections are counted, not fatal
 # (KUP_DAY_MEASURE). Then it writes the table of failed connections per scenario and proxy.
 #
@@ -31,7 +31,7 @@ for p in "${proxies[@]}"; do
 		"$root/hack/cluster.sh" proxy "$p"
 	fi
 	(cd "$root" && KUP_DAY_PROXY=$p KUP_DAY_REPORT=$tsv KUP_DAY_MEASURE=1 \
-		${GO:-go} test -count=1 -tags cluster,clusterday -run '^TestDay' -v -timeout 20m ./test/kcluster/) ||
+		${GO:-go} test -count=1 -tags cluster -run '^TestDay' -v -timeout 20m ./test/kcluster/) ||
 		{ echo "cluster-day: scenarios failed for $p" >&2; rc=1; }
 done
 # The table: failed / connections per scenario (summed over its runs) and proxy.

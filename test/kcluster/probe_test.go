@@ -1,4 +1,4 @@
-//go:build cluster && clusterday
+//go:build cluster
 
 package kcluster
 
