@@ -4,7 +4,10 @@
 //
 // serves TCP and UDP on every address: for each line (TCP) or datagram (UDP) it receives, it
 // answers "NAME PEER PAYLOAD", where PEER is the client address it saw, so a test can tell which
-// endpoint answered and whether the client's source address was preserved.
+// endpoint answered and whether the client's source address was preserved. On SIGTERM or SIGINT
+// it stops as servers users write do (Go's http.Server.Shutdown): its listeners take what their
+// accept queues hold for 20 ms and close, and each open connection gets 200 ms more to send a
+// request and have its answer before it is closed (an orderly close, not a reset).
 //
 // On TCP, the line "!drip ID INTERVAL" (answered like any other) makes the server also send
 // "NAME PEER drip ID SEQ PADDING" every INTERVAL (SEQ from 0, PADDING some x's) until the line
@@ -77,7 +80,11 @@ func serve(args []string) error {
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
 	defer stop()
 	var wg sync.WaitGroup
-	var closers []io.Closer
+	var (
+		listeners []*net.TCPListener
+		packets   []io.Closer
+	)
+	open := newOpenConns()
 	for _, addr := range *listen {
 		ln, err := net.Listen("tcp", addr)
 		if err != nil {
@@ -87,31 +94,96 @@ func serve(args []string) error {
 		if err != nil {
 			return err
 		}
-		closers = append(closers, ln, pc)
+		listeners, packets = append(listeners, ln.(*net.TCPListener)), append(packets, pc)
 		wg.Add(2)
-		go func() { defer wg.Done(); serveTCP(ln, *name) }()
+		go func() { defer wg.Done(); serveTCP(ln, *name, open) }()
 		go func() { defer wg.Done(); serveUDP(pc, *name) }()
 	}
 	fmt.Fprintf(os.Stderr, "kup-echo %s serving %s\n", *name, strings.Join(*listen, ", "))
 	<-ctx.Done()
-	for _, c := range closers {
+	// Stop as servers users write do (Go's http.Server.Shutdown): stop listening, and answer
+	// what was accepted. The listeners first take what their accept queues hold (closing a
+	// listener resets the connections queued in it), for acceptDrain, then close.
+	for _, ln := range listeners {
+		_ = ln.SetDeadline(time.Now().Add(acceptDrain))
+	}
+	for _, c := range packets {
 		c.Close()
 	}
 	wg.Wait()
+	open.drain(answerDrain)
 	return nil
 }
 
-func serveTCP(ln net.Listener, name string) {
+// How kup-echo stops (serve): the time its listeners keep accepting what their queues hold, and
+// the time its connections have for a request already on its way.
+const (
+	acceptDrain = 20 * time.Millisecond
+	answerDrain = 200 * time.Millisecond
+)
+
+// openConns are the TCP connections being served, so that a stop can let them finish.
+type openConns struct {
+	mu      sync.Mutex
+	m       map[net.Conn]struct{}
+	closing bool
+	wg      sync.WaitGroup
+}
+
+func newOpenConns() *openConns { return &openConns{m: map[net.Conn]struct{}{}} }
+
+// add registers c; false once the server is stopping.
+func (o *openConns) add(c net.Conn) bool {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	if o.closing {
+		return false
+	}
+	o.m[c] = struct{}{}
+	o.wg.Add(1)
+	return true
+}
+
+func (o *openConns) remove(c net.Conn) {
+	o.mu.Lock()
+	delete(o.m, c)
+	o.mu.Unlock()
+	o.wg.Done()
+}
+
+// drain gives every connection grace to send a request and have its answer, then waits until
+// each has closed: the read that follows times out and ends it (drips stop with it).
+func (o *openConns) drain(grace time.Duration) {
+	o.mu.Lock()
+	o.closing = true
+	for c := range o.m {
+		_ = c.SetReadDeadline(time.Now().Add(grace))
+	}
+	o.mu.Unlock()
+	o.wg.Wait()
+}
+
+// serveTCP accepts and serves until ln is closed or its deadline (set when the server stops)
+// passes.
+func serveTCP(ln net.Listener, name string, open *openConns) {
+	defer ln.Close()
 	for {
 		c, err := ln.Accept()
 		if err != nil {
-			if errors.Is(err, net.ErrClosed) {
+			if errors.Is(err, net.ErrClosed) || errors.Is(err, os.ErrDeadlineExceeded) {
 				return
 			}
 			time.Sleep(10 * time.Millisecond)
 			continue
 		}
-		go serveConn(c, name)
+		if !open.add(c) {
+			c.Close()
+			continue
+		}
+		go func() {
+			defer open.remove(c)
+			serveConn(c, name)
+		}()
 	}
 }
 

@@ -29,8 +29,8 @@ const (
 )
 
 // dayYAML is a Deployment as a user writes one: kup-echo behind a NodePort Service, a readiness
-// probe, spread over the nodes, and no preStop hook: its pods stop serving as soon as they are
-// told to stop.
+// probe, spread over the nodes, and no preStop hook: its pods stop listening as soon as they are
+// told to stop (SIGTERM), and answer the connections they had accepted, as servers do.
 const dayYAML = `
 apiVersion: v1
 kind: Namespace
