@@ -1,6 +1,7 @@
 package loadbalancer
 
 import (
+	"maps"
 	"net/netip"
 	"time"
 
@@ -63,10 +64,7 @@ func (p *port) available(h *holds, a netip.AddrPort, now time.Duration) bool {
 	case e.trial:
 		return true
 	}
-	t := &holds{m: make(map[netip.AddrPort]hold, len(h.m)), end: h.end}
-	for b, f := range h.m {
-		t.m[b] = f
-	}
+	t := &holds{m: maps.Clone(h.m), end: h.end}
 	e = hold{until: now + trialHold, length: e.length, trial: true}
 	t.m[a] = e
 	t.end = max(t.end, e.until+e.length)
